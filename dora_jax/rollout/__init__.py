@@ -1,0 +1,1 @@
+"""Rollout: sampling and generation over the decoder's explicit KV cache."""

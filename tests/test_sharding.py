@@ -1,0 +1,122 @@
+"""Meshes, logical rules and sharded execution on 8 fake CPU devices."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import rel_err
+from dora_jax.config import DEFAULT_RULES, ConfigError, MeshConfig, ModelConfig, configs_dir, load_config
+from dora_jax.models.build import abstract_model, init_model, state_shardings
+from dora_jax.models.decoder import KVCache, init_cache
+from dora_jax.sharding import activate, create_mesh, describe_shardings, logical_to_spec, mesh_shape, named_sharding
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+
+
+def test_eight_fake_devices():
+    assert jax.device_count() == 8
+
+
+@pytest.mark.parametrize("sizes,n,expected", [
+    ((1, -1, 1), 8, (1, 8, 1)), ((2, 2, -1), 8, (2, 2, 2)), ((-1, 1, 4), 8, (2, 1, 4)), ((1, 1, 1), 1, (1, 1, 1)),
+])
+def test_mesh_shape(sizes, n, expected):
+    assert mesh_shape(MeshConfig(*sizes), n) == expected
+
+
+@pytest.mark.parametrize("sizes,n,msg", [((3, -1, 1), 8, "do not divide"), ((2, 2, 1), 8, "needs 4 devices")])
+def test_mesh_shape_errors(sizes, n, msg):
+    with pytest.raises(ConfigError, match=msg):
+        mesh_shape(MeshConfig(*sizes), n)
+
+
+def test_logical_rules():
+    rules = (("batch", ("data", "fsdp")), ("embed", ("fsdp",)), ("mlp", ("tensor",)), ("norm", ()))
+    assert logical_to_spec(("batch", "mlp"), rules) == jax.sharding.PartitionSpec(("data", "fsdp"), "tensor")
+    # A mesh axis is used once: embed wants fsdp but batch already took it.
+    assert logical_to_spec(("batch", "embed"), rules) == jax.sharding.PartitionSpec(("data", "fsdp"), None)
+    assert logical_to_spec(("norm", None), rules) == jax.sharding.PartitionSpec(None, None)
+    with pytest.raises(ConfigError, match="'heads' .* no entry"):
+        logical_to_spec(("heads",), rules)
+
+
+def test_indivisible_dimension_names_the_param():
+    mesh = create_mesh(MeshConfig(data=1, fsdp=2, tensor=4))
+    cfg = ModelConfig(num_heads=8, num_kv_heads=2, head_dim=8)  # 2 kv heads over tensor=4
+    _, abstract = abstract_model(cfg)
+    with pytest.raises(ConfigError, match=r"param wk.*'kv_heads'.*size 2.*\('tensor',\)"):
+        state_shardings(abstract, mesh, DEFAULT_RULES)
+    with pytest.raises(ConfigError, match="x: dimension 0"):
+        named_sharding(mesh, ("mlp",), DEFAULT_RULES, (6,), where="x")
+
+
+def _forward_and_decode(model, mesh, tokens):
+    graphdef, state = nnx.split(model)
+    cfg = model.cfg
+
+    @jax.jit
+    def run(state, tokens):
+        m = nnx.merge(graphdef, state)
+        logits = m(tokens)
+        cache = init_cache(cfg, tokens.shape[0], 32)
+        pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        step_logits, cache = m.decode(tokens, pos, cache)
+        return logits, step_logits, cache
+
+    if mesh is None:
+        return run(state, tokens)
+    with activate(mesh, DEFAULT_RULES):
+        return run(state, tokens)
+
+
+MESHES = [(8, 1, 1), (2, 2, 2), (1, 2, 4), (1, 1, 8)]
+
+
+@pytest.mark.parametrize("sizes", MESHES)
+@pytest.mark.parametrize("kv_heads", [8, 4])
+def test_sharded_forward_equals_unsharded(sizes, kv_heads):
+    if kv_heads % sizes[2]:
+        pytest.skip("kv heads not divisible by the tensor axis")
+    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
+                      num_kv_heads=kv_heads, head_dim=8, qkv_bias=True, qk_norm=True)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (8, 12)))
+    ref_logits, ref_step, _ = _forward_and_decode(init_model(cfg, seed=3), None, tokens)
+
+    mesh = create_mesh(MeshConfig(*sizes))
+    model = init_model(cfg, mesh, DEFAULT_RULES, seed=3)
+    wq = nnx.state(model)["wq"].get_value()
+    assert wq.sharding.spec == logical_to_spec(("layers", "embed", "q_heads", "head_dim"), DEFAULT_RULES)
+    assert len(wq.sharding.device_set) == 8
+    logits, step, cache = _forward_and_decode(model, mesh, tokens)
+    assert rel_err(logits, ref_logits) <= 1e-5
+    assert rel_err(step, ref_step) <= 1e-5
+    # The cache is sharded over batch on (data, fsdp) as the rules say.
+    assert cache.k.sharding.shard_shape(cache.k.shape)[1] == 8 // (sizes[0] * sizes[1])
+
+
+def _golden_dump(name: str) -> dict:
+    cfg = load_config(os.path.join(configs_dir(), name))
+    mesh = create_mesh(cfg.mesh)
+    _, abstract = abstract_model(cfg.model)
+    specs = describe_shardings(state_shardings(abstract, mesh, cfg.mesh.logical_axis_rules))
+    return {"mesh": dict(zip(mesh.axis_names, mesh.devices.shape)), "params": specs}
+
+
+SHIPPED = sorted(f for f in os.listdir(configs_dir()) if f.endswith(".yaml"))
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_param_shardings_match_golden(name):
+    """Regenerate after an intended change with DORA_UPDATE_GOLDEN=1."""
+    dump = _golden_dump(name)
+    path = os.path.join(GOLDEN, f"shardings_{name.removesuffix('.yaml')}.json")
+    if os.environ.get("DORA_UPDATE_GOLDEN"):
+        with open(path, "w") as f:
+            json.dump(dump, f, indent=1, sort_keys=True)
+    with open(path) as f:
+        assert json.load(f) == json.loads(json.dumps(dump))
