@@ -1,0 +1,108 @@
+"""Bad weights and configs stop with a clear message naming the file, tensor or field."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from dora_jax.config import ConfigError, MeshConfig, ModelConfig, load_config
+from dora_jax.models.hf_io import WeightsError
+from dora_jax.models.weights import load_model, model_config_from_weights
+from dora_jax.sharding import create_mesh
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+    return str(d)
+
+
+def _copy(src, tmp_path):
+    dst = str(tmp_path / "copy")
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_directory_and_files(tmp_path, hf_dir):
+    with pytest.raises(WeightsError, match="nowhere.*not found"):
+        model_config_from_weights(str(tmp_path / "nowhere"))
+    d = _copy(hf_dir, tmp_path)
+    os.remove(os.path.join(d, "model.safetensors"))
+    with pytest.raises(WeightsError, match=f"{d}: no \\*.safetensors"):
+        load_model(model_config_from_weights(d), progress=False)
+    os.remove(os.path.join(d, "config.json"))
+    with pytest.raises(WeightsError, match=f"{d}: no config.json"):
+        model_config_from_weights(d)
+
+
+def test_truncated_safetensors(tmp_path, hf_dir):
+    d = _copy(hf_dir, tmp_path)
+    path = os.path.join(d, "model.safetensors")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(WeightsError, match="model.safetensors: tensor .* runs past the end of the file"):
+        load_model(model_config_from_weights(d), progress=False)
+    with open(path, "wb") as f:
+        f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}......")
+    with pytest.raises(WeightsError, match="model.safetensors: corrupt safetensors header"):
+        load_model(model_config_from_weights(d), progress=False)
+
+
+def test_unsupported_architecture(tmp_path, hf_dir):
+    d = _copy(hf_dir, tmp_path)
+    with open(os.path.join(d, "config.json")) as f:
+        c = json.load(f)
+    c.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(c, f)
+    with pytest.raises(WeightsError, match="config.json: unsupported architecture .*GPT2LMHeadModel"):
+        model_config_from_weights(d)
+
+
+def test_tensor_shape_mismatch_names_tensor(tmp_path, hf_dir):
+    d = _copy(hf_dir, tmp_path)
+    with open(os.path.join(d, "config.json")) as f:
+        c = json.load(f)
+    c["intermediate_size"] = 40  # the file's MLP tensors are 48 wide
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(c, f)
+    with pytest.raises(WeightsError, match=r"model.layers.0.mlp.gate_proj.weight.*shape \(48, 32\).*intermediate_size"):
+        load_model(model_config_from_weights(d), progress=False)
+
+
+def test_config_disagreeing_with_weights_names_fields(hf_dir):
+    cfg = model_config_from_weights(hf_dir)
+    import dataclasses
+
+    bad = dataclasses.replace(cfg, num_layers=3, num_kv_heads=4)
+    with pytest.raises(ConfigError, match=r"model.num_layers = 3 but the weights have 2[\s\S]*model.num_kv_heads = 4"):
+        load_model(bad, progress=False)
+
+
+def test_mesh_axis_not_dividing(hf_dir):
+    cfg = model_config_from_weights(hf_dir)  # 2 kv heads
+    mesh = create_mesh(MeshConfig(data=1, fsdp=2, tensor=4))
+    with pytest.raises(ConfigError, match=r"param wk: dimension 2 \(logical axis 'kv_heads'\) of size 2"):
+        load_model(cfg, mesh, progress=False)
+
+
+def test_bad_config_files(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  num_heads: 6\n  num_kv_heads: 4\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: config field 'model.num_kv_heads' = 4: must divide num_heads"):
+        load_config(str(p))
+    p.write_text("model:\n  hidden_sise: 6\n")
+    with pytest.raises(ConfigError, match="unknown config field 'model.hidden_sise'"):
+        load_config(str(p))
+    p.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match="c.yaml: not valid YAML"):
+        load_config(str(p))
+    with pytest.raises(ConfigError, match="config file 'no_such' not found"):
+        load_config("no_such")
