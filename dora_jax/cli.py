@@ -1,0 +1,111 @@
+"""``dora-jax`` command line: parses arguments and calls library functions; it decides nothing itself."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+DEFAULT_CONFIG = "smollm2_135m"
+
+
+def _load(args) -> "Config":  # noqa: F821
+    from dora_jax.config import load_config
+
+    overrides = list(args.overrides)
+    if getattr(args, "weights", None):
+        overrides.append(f"model.weights={args.weights}")
+    return load_config(args.config, overrides)
+
+
+def cmd_generate(args) -> int:
+    from dora_jax.rollout.chat import chat, load_chat_model
+
+    cfg = _load(args)
+    if args.weights and args.from_weights:
+        from dora_jax.config import Config
+        from dora_jax.models.weights import model_config_from_weights
+
+        cfg = Config(model=model_config_from_weights(args.weights), mesh=cfg.mesh, generate=cfg.generate,
+                     run=cfg.run)
+    prompts = args.prompt or list(cfg.generate.prompts)
+    if not prompts:
+        print("error: no prompts (pass --prompt or set generate.prompts)", file=sys.stderr)
+        return 2
+    model, tokenizer, load_s = load_chat_model(cfg)
+    print(f"loaded {cfg.model.weights or 'random init'} in {load_s:.1f}s")
+    chat(model, tokenizer, prompts[:1], cfg)  # compile once so the timing below is steady-state
+    results, t = chat(model, tokenizer, prompts, cfg)
+    for r in results:
+        print(f"\n> {r.prompt}\n{r.answer}   [{r.new_tokens} tokens, {r.finish_reason}]")
+    print(f"\nbatch of {len(prompts)}: {t['new_tokens']:.0f} new tokens, prefill {t['prefill_s']:.2f}s, "
+          f"decode {t['tokens_per_s']:.1f} tokens/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"load_s": load_s, **t, "results": [r.__dict__ for r in results]}, f, indent=1)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    print("dora-jax demo: SmolLM2-135M-Instruct on the CPU answers arithmetic questions\n")
+    args.config, args.weights, args.from_weights, args.prompt = DEFAULT_CONFIG, None, False, None
+    return cmd_generate(args)
+
+
+def cmd_export(args) -> int:
+    from dora_jax.models.weights import export_hf, load_model
+    from dora_jax.sharding import create_mesh
+
+    cfg = _load(args)
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(cfg.model, create_mesh(cfg.mesh), cfg.mesh.logical_axis_rules)
+    out = export_hf(model, args.out, tokenizer=tokenizer, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"exported to {out} in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dora-jax", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp, config_default=DEFAULT_CONFIG):
+        sp.add_argument("--config", default=config_default, help="YAML file or shipped preset name")
+        sp.add_argument("overrides", nargs="*", help="key=value overrides, e.g. generate.max_new_tokens=32")
+        sp.add_argument("--json", help="also write results to this JSON file")
+
+    g = sub.add_parser("generate", help="answer prompts with a model (chat template applied)")
+    common(g)
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable); default: generate.prompts")
+    g.add_argument("--weights", help="'smollm2', a .gguf file or a Hugging Face directory")
+    g.add_argument("--from-weights", action="store_true",
+                   help="take the architecture from the weights instead of the config")
+    g.set_defaults(fn=cmd_generate)
+
+    d = sub.add_parser("demo", help="the built-in default: SmolLM2-135M-Instruct answers arithmetic on the CPU")
+    common(d)
+    d.set_defaults(fn=cmd_demo)
+
+    e = sub.add_parser("export", help="write the config's model as a Hugging Face directory")
+    common(e)
+    e.add_argument("--out", required=True)
+    e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    e.add_argument("--overwrite", action="store_true")
+    e.set_defaults(fn=cmd_export)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dora_jax.config import ConfigError
+    from dora_jax.models.hf_io import WeightsError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ConfigError, WeightsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Chat-style generation from a config: load the model and tokenizer, apply the chat template, decode.
+
+Used by ``dora-jax generate`` and the demo; importable for notebooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+from dora_jax.config import Config
+from dora_jax.models.weights import load_model
+from dora_jax.rollout.generate import Generator
+from dora_jax.sharding import create_mesh
+
+
+@dataclasses.dataclass
+class ChatResult:
+    prompt: str
+    answer: str
+    new_tokens: int
+    finish_reason: str
+
+
+def load_chat_model(cfg: Config, progress: bool = True) -> tuple[Any, Any, float]:
+    """Returns ``(model, tokenizer, load_seconds)``; the model is placed on the config's mesh."""
+    t0 = time.perf_counter()
+    mesh = create_mesh(cfg.mesh)
+    model, tokenizer = load_model(cfg.model, mesh, cfg.mesh.logical_axis_rules, seed=cfg.run.seed, progress=progress)
+    if tokenizer is None:
+        raise ValueError(f"model.weights={cfg.model.weights!r} carries no tokenizer; chat generation needs one")
+    return model, tokenizer, time.perf_counter() - t0
+
+
+def chat(model: Any, tokenizer: Any, prompts: Sequence[str], cfg: Config,
+         generator: Generator | None = None) -> tuple[list[ChatResult], dict[str, float]]:
+    """Answers each prompt as one user turn of a chat; returns results and timings."""
+    g = cfg.generate
+    ids = []
+    for p in prompts:
+        messages = ([{"role": "system", "content": g.system_prompt}] if g.system_prompt else []) + \
+            [{"role": "user", "content": p}]
+        ids.append(tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True)))
+    generator = generator or Generator(model)
+    completions, timings = generator.generate(ids, max_new_tokens=g.max_new_tokens, eos_ids=tokenizer.eos_ids,
+                                              temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+                                              seed=g.seed)
+    results = [ChatResult(p, tokenizer.decode(c.token_ids, skip_special_tokens=True).strip(), len(c.token_ids),
+                          c.finish_reason) for p, c in zip(prompts, completions)]
+    return results, timings
