@@ -65,6 +65,20 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from dora_jax import benchmarks
+
+    if args.what == "load":
+        result = benchmarks.bench_load(args.config, repeats=args.repeats)
+    else:  # argparse restricts the choices
+        raise AssertionError(args.what)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dora-jax", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -92,17 +106,23 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     e.add_argument("--overwrite", action="store_true")
     e.set_defaults(fn=cmd_export)
+    b = sub.add_parser("bench", help="benchmarks; results as JSON")
+    b.add_argument("what", choices=["load"])
+    b.add_argument("--repeats", type=int, default=2)
+    common(b)
+    b.set_defaults(fn=cmd_bench)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     from dora_jax.config import ConfigError
     from dora_jax.models.hf_io import WeightsError
+    from dora_jax.tokenizer import TokenizerError
 
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, WeightsError) as e:
+    except (ConfigError, WeightsError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,186 @@
+"""Tokenizer and chat template that travel with the weights (GGUF metadata or a Hugging Face directory).
+
+Wraps a ``tokenizers.Tokenizer`` (the Rust library) and renders chat templates with jinja2 the way
+Hugging Face does (sandboxed, ``trim_blocks``, ``lstrip_blocks``). No JAX here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Sequence
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as _RustTokenizer
+
+_CONTROL, _USER_DEFINED = 3, 4
+# Pre-tokenizer splits of common byte-level vocabularies, by GGUF ``tokenizer.ggml.pre``.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+           "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+# End-of-turn markers that stop chat generation when the template uses them.
+_TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>")
+
+
+class TokenizerError(ValueError):
+    """Tokenizer files or metadata are missing or unsupported."""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+class Tokenizer:
+    """Text <-> token ids, special ids and the chat template."""
+
+    def __init__(self, tok: _RustTokenizer, *, bos: str | None, eos: str | None, chat_template: str | None,
+                 extra_eos: Sequence[int] = ()):
+        self._tok = tok
+        self.bos_token, self.eos_token, self.chat_template = bos, eos, chat_template
+        self.bos_id = tok.token_to_id(bos) if bos else None
+        eos_id = tok.token_to_id(eos) if eos else None
+        ids = [eos_id] if eos_id is not None else []
+        for marker in _TURN_ENDS:
+            tid = tok.token_to_id(marker)
+            if chat_template and marker in chat_template and tid is not None:
+                ids.append(tid)
+        ids += list(extra_eos)
+        self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))
+        self.pad_id = eos_id if eos_id is not None else 0
+
+    # -- construction --------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, gguf_file: Any) -> "Tokenizer":
+        """From ``tokenizer.ggml.*`` metadata of a GGUF file (a ``GGUFFile`` or its metadata dict)."""
+        md = getattr(gguf_file, "metadata", gguf_file)
+        where = getattr(gguf_file, "path", "GGUF metadata")
+        kind = md.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise TokenizerError(f"{where}: tokenizer.ggml.model = {kind!r} is not supported (supported: 'gpt2', "
+                                 f"byte-level BPE)")
+        tokens = md["tokenizer.ggml.tokens"]
+        alphabet = set(_bytes_to_unicode().values())
+        spell = _bytes_to_unicode()
+        vocab = {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8")): i
+                 for i, t in enumerate(tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges", [])]
+        tok = _RustTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+        pre = md.get("tokenizer.ggml.pre")
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if pre in _SPLITS:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        elif pre == "smollm":  # SmolLM's own tokenizer splits digits individually before byte-level BPE
+            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            tok.pre_tokenizer = byte_level
+        tok.decoder = decoders.ByteLevel()
+        types = md.get("tokenizer.ggml.token_type") or [0] * len(tokens)
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == _CONTROL and set(t) <= alphabet])
+        user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
+        if user:
+            tok.add_tokens(user)
+
+        def name(key):
+            i = md.get(key)
+            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+        bos = name("tokenizer.ggml.bos_token_id") if md.get("tokenizer.ggml.add_bos_token", False) or \
+            "tokenizer.ggml.bos_token_id" in md else None
+        return cls(tok, bos=bos, eos=name("tokenizer.ggml.eos_token_id"),
+                   chat_template=md.get("tokenizer.chat_template"))
+
+    @classmethod
+    def from_hf_dir(cls, directory: str) -> "Tokenizer":
+        """From ``tokenizer.json`` (+ ``tokenizer_config.json``, ``chat_template.jinja``,
+        ``generation_config.json`` when present) in a Hugging Face directory."""
+        path = os.path.join(directory, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise TokenizerError(f"{directory}: no tokenizer.json")
+        try:
+            tok = _RustTokenizer.from_file(path)
+        except Exception as e:  # noqa: BLE001 - the Rust error type is not exported
+            raise TokenizerError(f"{path}: cannot be read as a tokenizer ({e})") from None
+        conf = _read_json(os.path.join(directory, "tokenizer_config.json"))
+        template = conf.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        jinja = os.path.join(directory, "chat_template.jinja")
+        if os.path.isfile(jinja):
+            with open(jinja) as f:
+                template = f.read()
+        gen = _read_json(os.path.join(directory, "generation_config.json")).get("eos_token_id")
+        extra = [gen] if isinstance(gen, int) else list(gen or [])
+        return cls(tok, bos=_token_str(conf.get("bos_token")), eos=_token_str(conf.get("eos_token")),
+                   chat_template=template, extra_eos=extra)
+
+    # -- use -----------------------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Renders a conversation with the model's chat template."""
+        if not self.chat_template:
+            raise TokenizerError("this tokenizer has no chat template; encode plain text instead")
+        from jinja2 import ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TokenizerError(f"chat template: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols])
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "")
+
+    def save_hf(self, directory: str) -> None:
+        """Writes ``tokenizer.json`` and ``tokenizer_config.json`` that ``transformers.AutoTokenizer`` loads."""
+        os.makedirs(directory, exist_ok=True)
+        self._tok.save(os.path.join(directory, "tokenizer.json"))
+        conf = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": self.bos_token,
+                "eos_token": self.eos_token, "add_bos_token": False, "clean_up_tokenization_spaces": False}
+        if self.chat_template:
+            conf["chat_template"] = self.chat_template
+        with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+            json.dump(conf, f, indent=1)
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+
+
+def _token_str(tok: Any) -> str | None:
+    return tok.get("content") if isinstance(tok, dict) else tok
