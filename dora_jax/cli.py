@@ -21,6 +21,7 @@ def _load(args) -> "Config":  # noqa: F821
 
 def cmd_generate(args) -> int:
     from dora_jax.rollout.chat import chat, load_chat_model
+    from dora_jax.rollout.generate import Generator
 
     cfg = _load(args)
     if args.weights and args.from_weights:
@@ -35,8 +36,9 @@ def cmd_generate(args) -> int:
         return 2
     model, tokenizer, load_s = load_chat_model(cfg)
     print(f"loaded {cfg.model.weights or 'random init'} in {load_s:.1f}s")
-    chat(model, tokenizer, prompts[:1], cfg)  # compile once so the timing below is steady-state
-    results, t = chat(model, tokenizer, prompts, cfg)
+    generator = Generator(model)
+    chat(model, tokenizer, prompts, cfg, generator)  # the first call compiles; the timed one below is steady-state
+    results, t = chat(model, tokenizer, prompts, cfg, generator)
     for r in results:
         print(f"\n> {r.prompt}\n{r.answer}   [{r.new_tokens} tokens, {r.finish_reason}]")
     print(f"\nbatch of {len(prompts)}: {t['new_tokens']:.0f} new tokens, prefill {t['prefill_s']:.2f}s, "

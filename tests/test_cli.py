@@ -1,0 +1,35 @@
+"""The command line parses, calls the library and reports bad input with exit code 2."""
+
+import json
+import os
+import subprocess
+import sys
+
+from dora_jax.cli import main
+
+
+def test_bad_override_exits_2(capsys):
+    assert main(["generate", "--config", "tiny_llama", "model.num_heads=3"]) == 2
+    err = capsys.readouterr().err
+    assert "tiny_llama.yaml" in err and "'model.num_kv_heads' = 8: must divide num_heads (3)" in err
+
+
+def test_missing_weights_exits_2(capsys, tmp_path):
+    assert main(["export", "--config", "tiny_llama", "--out", str(tmp_path / "o"),
+                 f"model.weights={tmp_path}/nope"]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_export_random_model_on_fake_devices(tmp_path):
+    """`dora-jax export` of the sharded tiny config (2x2x2 mesh) in a fresh process with 8 fake devices."""
+    out = tmp_path / "hf"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "dora_jax.cli", "export", "--config", "tiny_llama", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    with open(out / "config.json") as f:
+        assert json.load(f)["num_attention_heads"] == 8
+    # Refuses to overwrite what is there.
+    proc = subprocess.run([sys.executable, "-m", "dora_jax.cli", "export", "--config", "tiny_llama", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "exists and is not empty" in proc.stderr
