@@ -1,0 +1,220 @@
+"""The generation driver: continuous batching over several policy versions at once.
+
+Each policy version decodes in its own group (its own ``DecodeState`` and params), so a trajectory is sampled
+from first to last token by the version it was submitted with. A group's capacity is the smallest power of two
+that holds its live trajectories: groups grow when requests arrive and are compacted when trajectories
+finish, so decode compute follows live work instead of a fixed slot count (``slot_utilization`` reports the
+ratio of live rows to computed rows). Capacities are powers of two, so compilation stays bounded.
+
+New requests are admitted between decode steps into free capacity (total live rows <= the engine's
+``max_concurrent_decodes``), oldest first.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from dora_jax.rollout.engine import Engine, EngineError, RequestSampling
+from dora_jax.rollout.generate import bucket
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    sample_id: int
+    prompt_ids: tuple[int, ...]
+    version: int = 0
+    max_new_tokens: int = 64
+    sampling: RequestSampling = RequestSampling()
+    stop_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """A finished sample: every token and log-prob comes from ``version``."""
+
+    sample_id: int
+    version: int
+    prompt_ids: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "eos" | "stop" | "length"
+    submitted_s: float
+    started_s: float
+    finished_s: float
+
+
+@dataclasses.dataclass
+class _Live:
+    request: Request
+    tokens: list[int]
+    logprobs: list[float]
+    submitted_s: float
+    started_s: float
+
+
+@dataclasses.dataclass
+class _Group:
+    version: int
+    params: Any
+    state: Any = None
+    slots: list[_Live | None] = dataclasses.field(default_factory=list)
+
+    @property
+    def live(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+
+class RolloutDriver:
+    """Owns one decode group per policy version; admits, steps, and emits finished trajectories."""
+
+    def __init__(self, engine: Engine, *, eos_ids: Sequence[int] = ()):
+        self.engine = engine
+        self.eos_ids = frozenset(int(i) for i in eos_ids)
+        self._groups: dict[int, _Group] = {}
+        self._pending: collections.deque[tuple[Request, float]] = collections.deque()
+        self.rows_computed = 0
+        self.rows_live = 0
+        self.steps = 0
+
+    # -- versions -------------------------------------------------------------------------------------------
+
+    def add_version(self, version: int, params: Any) -> None:
+        if version in self._groups:
+            raise EngineError(f"policy version {version} is already loaded")
+        self._groups[version] = _Group(version, params)
+
+    def remove_version(self, version: int) -> None:
+        g = self._groups.get(version)
+        if g is None:
+            raise EngineError(f"policy version {version} is not loaded")
+        if g.live or any(r.version == version for r, _ in self._pending):
+            raise EngineError(f"policy version {version} still has trajectories in flight")
+        del self._groups[version]
+
+    @property
+    def versions(self) -> list[int]:
+        return sorted(self._groups)
+
+    def in_flight(self) -> dict[int, int]:
+        """Live plus pending trajectories per version."""
+        out = {v: g.live for v, g in self._groups.items()}
+        for r, _ in self._pending:
+            out[r.version] = out.get(r.version, 0) + 1
+        return out
+
+    # -- requests -------------------------------------------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        if request.version not in self._groups:
+            raise EngineError(f"request {request.sample_id}: policy version {request.version} is not loaded "
+                              f"(loaded: {self.versions})")
+        n = len(request.prompt_ids)
+        if n == 0 or n > self.engine.max_prefill_length:
+            raise EngineError(f"request {request.sample_id}: prompt of {n} tokens; allowed 1..{self.engine.max_prefill_length}")
+        if request.max_new_tokens < 1 or n + request.max_new_tokens > self.engine.max_target_length:
+            raise EngineError(f"request {request.sample_id}: prompt ({n}) + max_new_tokens ({request.max_new_tokens}) "
+                              f"must fit max_target_length ({self.engine.max_target_length})")
+        request.sampling.validate()
+        self._pending.append((request, time.perf_counter()))
+
+    @property
+    def idle(self) -> bool:
+        return not self._pending and all(g.live == 0 for g in self._groups.values())
+
+    @property
+    def slot_utilization(self) -> float:
+        return self.rows_live / max(self.rows_computed, 1)
+
+    # -- the loop -------------------------------------------------------------------------------------------
+
+    def _resize(self, g: _Group, capacity: int) -> None:
+        rows = [i for i, s in enumerate(g.slots) if s is not None]
+        if g.state is None:
+            g.state = self.engine.init_decode_state(capacity)
+        else:
+            g.state = self.engine.resize(g.state, rows, capacity)
+        g.slots = [g.slots[i] for i in rows] + [None] * (capacity - len(rows))
+
+    def _finish(self, live: _Live, reason: str, now: float) -> Trajectory:
+        r = live.request
+        return Trajectory(r.sample_id, r.version, list(r.prompt_ids), live.tokens, live.logprobs, reason,
+                          live.submitted_s, live.started_s, now)
+
+    def _reason(self, live: _Live, token: int) -> str | None:
+        r = live.request
+        if token in self.eos_ids:
+            return "eos"
+        if token in r.stop_ids:
+            return "stop"
+        if len(live.tokens) >= r.max_new_tokens:
+            return "length"
+        return None
+
+    def _admit(self, done: list[Trajectory]) -> None:
+        total_live = sum(g.live for g in self._groups.values())
+        while self._pending and total_live < self.engine.max_concurrent_decodes:
+            request, submitted = self._pending.popleft()
+            g = self._groups[request.version]
+            started = time.perf_counter()
+            prefix, first = self.engine.prefill(params=g.params, padded_tokens=np.asarray(request.prompt_ids),
+                                                true_length=len(request.prompt_ids), sample_id=request.sample_id,
+                                                version=request.version, sampling=request.sampling)
+            res = first.to_host().get_result_at_slot(0)
+            live = _Live(request, [res.token], [res.logprob], submitted, started)
+            reason = self._reason(live, res.token)
+            if reason is not None:
+                done.append(self._finish(live, reason, time.perf_counter()))
+                continue
+            if g.live == len(g.slots):
+                self._resize(g, min(bucket(g.live + 1, minimum=1), self.engine.max_concurrent_decodes))
+            slot = g.slots.index(None)
+            g.state = self.engine.insert(prefix, g.state, slot)
+            g.slots[slot] = live
+            total_live += 1
+
+    def step(self) -> list[Trajectory]:
+        """Admits pending requests, runs one decode step per version group, returns what finished."""
+        done: list[Trajectory] = []
+        self._admit(done)
+        for g in self._groups.values():
+            if g.live == 0:
+                continue
+            g.state, result = self.engine.generate(g.params, g.state)
+            cols = result.to_host().columns()
+            self.rows_computed += len(g.slots)
+            self.rows_live += g.live
+            now = time.perf_counter()
+            for slot, live in enumerate(g.slots):
+                if live is None:
+                    continue
+                if not cols["valid"][slot] or cols["version"][slot] != g.version:
+                    raise RuntimeError(f"slot {slot} of version {g.version} returned no result")  # engine bug
+                tok = int(cols["token"][slot])
+                live.tokens.append(tok)
+                live.logprobs.append(float(cols["logprob"][slot]))
+                reason = self._reason(live, tok)
+                if reason is not None:
+                    done.append(self._finish(live, reason, now))
+                    g.slots[slot] = None
+                    g.state = self.engine.free_slot(g.state, slot)
+            # Compaction: stop computing empty rows once at most half are live (and no request is waiting
+            # for this version, which would only grow the group again).
+            target = bucket(g.live, minimum=1)
+            if g.live and target <= len(g.slots) // 2 and not any(r.version == g.version for r, _ in self._pending):
+                self._resize(g, target)
+        self.steps += 1
+        return done
+
+    def run(self, requests: Iterable[Request] = ()) -> list[Trajectory]:
+        """Submits ``requests`` and steps until everything has finished."""
+        for r in requests:
+            self.submit(r)
+        out: list[Trajectory] = []
+        while not self.idle:
+            out.extend(self.step())
+        return out

@@ -1,0 +1,267 @@
+"""A continuous-batching decode engine with JetStream's Engine API, extended for RL rollout.
+
+Method names and meaning follow ``jetstream.engine.engine_api.Engine`` (google-jetstream 0.2.2):
+``prefill``, ``insert``, ``generate``, ``init_decode_state``, ``max_concurrent_decodes``,
+``max_prefill_length``, ``mesh``, and results packed in one array per step (``ResultTokens``) so that one
+device-to-host copy serves every slot (``get_result_at_slot``).
+
+Extensions: the log-prob of every sampled token, a policy version per slot, per-request sampling settings
+(greedy / temperature / top-k / top-p) and sampling randomness from ``(seed, sample_id, position)`` only.
+
+One engine serves one model architecture; ``params`` (an ``nnx.State``) is passed to each call, so the same
+compiled functions run any policy version of that architecture. Every function is jitted once per shape:
+prefill per power-of-two prompt bucket, insert and generate per decode-state capacity.
+
+Shape legend: B slots, T prompt bucket, S cache length (``max_target_length``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from dora_jax.models.decoder import Decoder, KVCache, init_cache
+from dora_jax.rollout.generate import bucket
+from dora_jax.rollout.sampling import SamplingParams, row_keys, sample
+
+
+class EngineError(ValueError):
+    """A request or call the engine cannot serve (prompt too long, unknown slot, bad sampling settings)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestSampling:
+    """Sampling settings of one request. ``temperature == 0`` is greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
+            raise EngineError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_k, (int, np.integer)) and self.top_k >= 0):
+            raise EngineError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise EngineError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+
+class Prefix(NamedTuple):
+    """A prefilled request: its cache row and its first sampled token (at position ``length``)."""
+
+    cache: KVCache  # [L, 1, S, K, d]
+    token: jax.Array  # [] int32
+    logprob: jax.Array  # [] float32
+    length: jax.Array  # [] int32: true prompt length = position of `token`
+    sample_id: jax.Array
+    version: jax.Array
+    sampling: SamplingParams  # fields of shape [1]
+    seed: jax.Array
+
+
+class DecodeState(NamedTuple):
+    """Every slot's cache and the token it will feed next. ``positions[b]`` is where ``tokens[b]`` sits."""
+
+    cache: KVCache  # [L, B, S, K, d]
+    tokens: jax.Array  # [B] int32
+    positions: jax.Array  # [B] int32
+    sample_ids: jax.Array  # [B] int32
+    versions: jax.Array  # [B] int32 policy version of each slot
+    seeds: jax.Array  # [B] int32
+    active: jax.Array  # [B] bool
+    sampling: SamplingParams  # [B] each
+
+
+class SlotResult(NamedTuple):
+    token: int
+    valid: bool
+    position: int
+    logprob: float
+    version: int
+
+
+class ResultTokens:
+    """One step's results for all slots, packed as int32 [B, 5]: token, valid, position, logprob bits,
+    version. Fetch with one copy (:meth:`to_host`), then read slots (:meth:`get_result_at_slot`)."""
+
+    def __init__(self, data: jax.Array | np.ndarray):
+        self.data = data
+
+    def to_host(self) -> "ResultTokens":
+        return ResultTokens(np.asarray(self.data))
+
+    def get_result_at_slot(self, slot: int) -> SlotResult:
+        row = np.asarray(self.data[slot])
+        return SlotResult(int(row[0]), bool(row[1]), int(row[2]), float(row[3:4].view(np.float32)[0]), int(row[4]))
+
+    def columns(self) -> dict[str, np.ndarray]:
+        d = np.asarray(self.data)
+        return {"token": d[:, 0], "valid": d[:, 1].astype(bool), "position": d[:, 2],
+                "logprob": np.ascontiguousarray(d[:, 3]).view(np.float32), "version": d[:, 4]}
+
+
+def _pack(tokens, valid, positions, logprobs, versions) -> jax.Array:
+    bits = jax.lax.bitcast_convert_type(logprobs.astype(jnp.float32), jnp.int32)
+    return jnp.stack([tokens, valid.astype(jnp.int32), positions, bits, versions], axis=-1)
+
+
+class Engine:
+    """JetStream-style engine over a :class:`~dora_jax.models.decoder.Decoder` architecture.
+
+    Args:
+      model: a model of the architecture to serve (its own params are ``self.params``; other versions of the
+        same architecture can be passed to every call).
+      max_concurrent_decodes: slots in a decode state made by :meth:`init_decode_state` (other capacities
+        can be asked for: see ``capacity``).
+      max_prefill_length: the longest prompt accepted.
+      max_target_length: cache length per slot: prompt + generated tokens.
+      mesh: the mesh params live on (reported through ``self.mesh``).
+    """
+
+    def __init__(self, model: Decoder, *, max_concurrent_decodes: int = 8, max_prefill_length: int = 256,
+                 max_target_length: int = 512, mesh: Mesh | None = None):
+        cfg = model.cfg
+        if max_prefill_length >= max_target_length:
+            raise EngineError(f"max_prefill_length ({max_prefill_length}) must be < max_target_length "
+                              f"({max_target_length})")
+        if max_target_length > cfg.max_seq_len:
+            raise EngineError(f"max_target_length ({max_target_length}) exceeds model.max_seq_len ({cfg.max_seq_len})")
+        self.cfg = cfg
+        self.graphdef, self.params = nnx.split(model)
+        self._max_concurrent_decodes = max_concurrent_decodes
+        self._max_prefill_length = max_prefill_length
+        self.max_target_length = max_target_length
+        self._mesh = mesh
+        self._prefill_jit = jax.jit(self._prefill_impl)
+        self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(1,))
+        self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,))
+        self._resize_jit = jax.jit(self._resize_impl, static_argnums=(2,))
+
+    # -- JetStream API properties --------------------------------------------------------------------------
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self._max_concurrent_decodes
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self._max_prefill_length
+
+    @property
+    def mesh(self) -> Mesh | None:
+        return self._mesh
+
+    # -- pure implementations ------------------------------------------------------------------------------
+
+    def _prefill_impl(self, params, tokens_t, true_length, sample_id, version, seed, sampling):
+        model = nnx.merge(self.graphdef, params)
+        t = tokens_t.shape[0]
+        cache = init_cache(self.cfg, 1, self.max_target_length)
+        logits, cache = model.decode(tokens_t[None], jnp.arange(t, dtype=jnp.int32)[None], cache)
+        last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, keepdims=True)
+        keys = row_keys(seed, sample_id[None], true_length[None])
+        tok, lp = sample(last, keys, sampling)
+        return Prefix(cache, tok[0], lp[0], true_length, sample_id, version, sampling, seed)
+
+    def _insert_impl(self, prefix: Prefix, state: DecodeState, slot) -> DecodeState:
+        def put_row(big, row):
+            start = (0, slot) + (0,) * (big.ndim - 2)
+            return jax.lax.dynamic_update_slice(big, row.astype(big.dtype), start)
+
+        def put(vec, value):
+            return vec.at[slot].set(jnp.asarray(value, vec.dtype).reshape(()))
+
+        return DecodeState(
+            cache=KVCache(put_row(state.cache.k, prefix.cache.k), put_row(state.cache.v, prefix.cache.v)),
+            tokens=put(state.tokens, prefix.token), positions=put(state.positions, prefix.length),
+            sample_ids=put(state.sample_ids, prefix.sample_id), versions=put(state.versions, prefix.version),
+            seeds=put(state.seeds, prefix.seed), active=put(state.active, True),
+            sampling=SamplingParams(*(put(a, b[0]) for a, b in zip(state.sampling, prefix.sampling))))
+
+    def _generate_impl(self, params, state: DecodeState):
+        model = nnx.merge(self.graphdef, params)
+        logits, cache = model.decode(state.tokens[:, None], state.positions[:, None], state.cache)
+        nxt = state.positions + 1
+        keys = jax.vmap(lambda s, i, p: row_keys(s, i[None], p[None])[0])(state.seeds, state.sample_ids, nxt)
+        tokens, logprobs = sample(logits[:, 0], keys, state.sampling)
+        # A full row stops advancing (the driver finishes it with reason "length" before that matters).
+        nxt = jnp.minimum(nxt, self.max_target_length - 1)
+        tokens = jnp.where(state.active, tokens, 0)
+        new = state._replace(cache=cache, tokens=tokens, positions=jnp.where(state.active, nxt, state.positions))
+        return new, _pack(tokens, state.active, nxt, logprobs, state.versions)
+
+    def _resize_impl(self, state: DecodeState, rows, capacity: int) -> DecodeState:
+        """Gathers ``rows`` (indices into the old state, -1 = empty) into a state of ``capacity`` slots."""
+        take = jnp.maximum(rows, 0)
+
+        def g(x, axis=0):
+            return jnp.take(x, take, axis=axis)
+
+        keep = rows >= 0
+        return DecodeState(
+            cache=KVCache(g(state.cache.k, 1), g(state.cache.v, 1)), tokens=g(state.tokens),
+            positions=g(state.positions), sample_ids=g(state.sample_ids), versions=g(state.versions),
+            seeds=g(state.seeds), active=g(state.active) & keep,
+            sampling=SamplingParams(*(g(a) for a in state.sampling)))
+
+    # -- JetStream API ---------------------------------------------------------------------------------------
+
+    def init_decode_state(self, capacity: int | None = None) -> DecodeState:
+        b = capacity or self._max_concurrent_decodes
+        def z():  # distinct buffers: the state is donated
+            return jnp.zeros((b,), jnp.int32)
+
+        return DecodeState(init_cache(self.cfg, b, self.max_target_length), z(), z(), z(), z(), z(),
+                           jnp.zeros((b,), bool), SamplingParams.make(b))
+
+    def prefill(self, *, params: Any = None, existing_prefix: Prefix | None = None, padded_tokens: Any,
+                true_length: int, sample_id: int = 0, version: int = 0,
+                sampling: RequestSampling = RequestSampling()) -> tuple[Prefix, ResultTokens]:
+        """Prefills one prompt (right-padded to a power-of-two bucket) and samples its first token."""
+        if existing_prefix is not None:
+            raise EngineError("existing_prefix (prefix caching) is not supported")
+        sampling.validate()
+        padded = np.asarray(padded_tokens, np.int32).reshape(-1)
+        if not 0 < true_length <= padded.shape[0]:
+            raise EngineError(f"true_length {true_length} must be in [1, {padded.shape[0]}] (the padded length)")
+        if true_length > self._max_prefill_length:
+            raise EngineError(f"prompt of {true_length} tokens exceeds max_prefill_length ({self._max_prefill_length})")
+        t = min(bucket(true_length), self.max_target_length)
+        tokens = np.zeros((t,), np.int32)
+        tokens[:true_length] = padded[:true_length]
+        sp = SamplingParams.make(1, sampling.temperature, int(sampling.top_k), sampling.top_p)
+        prefix = self._prefill_jit(self.params if params is None else params, jnp.asarray(tokens),
+                                   jnp.int32(true_length), jnp.int32(sample_id), jnp.int32(version),
+                                   jnp.int32(sampling.seed), sp)
+        result = ResultTokens(_pack(prefix.token[None], jnp.ones((1,), bool), prefix.length[None],
+                                    prefix.logprob[None], prefix.version[None]))
+        return prefix, result
+
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+        """Places a prefilled request into ``slot`` of the decode state (donated)."""
+        b = decode_state.tokens.shape[0]
+        if not (isinstance(slot, (int, np.integer)) and 0 <= slot < b):
+            raise EngineError(f"slot {slot!r} does not exist (decode state has slots 0..{b - 1})")
+        return self._insert_jit(prefix, decode_state, jnp.int32(slot))
+
+    def generate(self, params: Any, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
+        """One decode step for every slot; inactive slots come back with ``valid == 0``."""
+        state, data = self._generate_jit(self.params if params is None else params, decode_state)
+        return state, ResultTokens(data)
+
+    def free_slot(self, decode_state: DecodeState, slot: int) -> DecodeState:
+        return decode_state._replace(active=decode_state.active.at[slot].set(False))
+
+    def resize(self, decode_state: DecodeState, rows: list[int], capacity: int) -> DecodeState:
+        """Compacts or grows a decode state: new slot ``i`` holds old slot ``rows[i]`` (-1 or missing: empty)."""
+        idx = np.full((capacity,), -1, np.int32)
+        idx[:len(rows)] = rows
+        return self._resize_jit(decode_state, jnp.asarray(idx), capacity)
