@@ -76,3 +76,33 @@ def test_greedy_continuation_matches_transformers(reference, ours):
             out = ref_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
                                      pad_token_id=0, min_new_tokens=32)
         assert c.token_ids == out[0, len(ids):].tolist()
+
+
+def test_engine_greedy_with_staggered_inserts_matches_transformers(reference, ours):
+    """Prompts join a busy continuous batch at different steps; each greedy continuation still equals
+    transformers' greedy continuation of that prompt alone."""
+    from flax import nnx
+
+    from dora_jax.rollout.driver import Request, RolloutDriver
+    from dora_jax.rollout.engine import Engine, RequestSampling
+
+    _, ref_model = reference
+    model, tok = ours
+    prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True)) for c in CHATS]
+    prompts.append(tok.encode(tok.apply_chat_template([{"role": "user", "content": "Say hi."}])))
+    lengths = [20, 8, 14, 11]
+    driver = RolloutDriver(Engine(model, max_concurrent_decodes=4, max_prefill_length=128, max_target_length=160))
+    driver.add_version(0, nnx.state(model))
+    greedy = RequestSampling(temperature=0.0)
+    out = {}
+    for i, (ids, n) in enumerate(zip(prompts, lengths)):
+        driver.submit(Request(i, tuple(ids), max_new_tokens=n, sampling=greedy))
+        for _ in range(3):  # the next prompt arrives three steps later
+            out.update({t.sample_id: t for t in driver.step()})
+    out.update({t.sample_id: t for t in driver.run()})
+    assert sorted(out) == [0, 1, 2, 3]
+    for i, (ids, n) in enumerate(zip(prompts, lengths)):
+        with torch.no_grad():
+            ref = ref_model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)
+        assert out[i].tokens == ref[0, len(ids):].tolist()
