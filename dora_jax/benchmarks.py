@@ -56,3 +56,134 @@ def bench_load(config: str = "smollm2_135m", repeats: int = 2) -> dict[str, Any]
         hf.append(time.perf_counter() - t0)
         del m
     return {**out, "hf_load_s": min(hf), "speedup": min(hf) / min(ours), "machine": machine()}
+
+
+def measure_machine(seconds: float = 1.0) -> dict[str, float]:
+    """Measured float32 matmul FLOP/s and memory read bandwidth (a sum over 256 MiB: what decode does to the
+    weights)."""
+    import jax.numpy as jnp
+
+    def best(fn, *args):
+        fn(*args).block_until_ready()
+        times, t_end = [], time.perf_counter() + seconds
+        while time.perf_counter() < t_end or len(times) < 3:
+            t0 = time.perf_counter()
+            fn(*args).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    n = 1024
+    a = jnp.ones((n, n), jnp.float32)
+    flops = 2 * n**3 / best(jax.jit(lambda x, y: x @ y), a, a)
+    big = jnp.ones((64 << 20,), jnp.float32)  # 256 MiB
+    bw = big.nbytes / best(jax.jit(jnp.sum), big)
+    return {"matmul_flop_s": flops, "read_bytes_s": bw}
+
+
+def _lengths(n: int, rng, p50: int, tail: int, max_len: int):
+    """Long-tailed output lengths: most near p50, a few ~tail; p99/p50 >= 8 for tail >= 8 * p50."""
+    import numpy as np
+
+    base = rng.integers(max(1, p50 // 2), p50 * 3 // 2 + 1, n)
+    heavy = rng.random(n) < 0.08
+    return np.minimum(np.where(heavy, rng.integers(tail // 2, tail + 1, n), base), max_len).tolist()
+
+
+def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int = 128, tail_requests: int = 64,
+                 tail_slots: int = 16, seed: int = 0, with_hf: bool = True) -> dict[str, Any]:
+    """The engine benchmark: throughput at a fixed batch vs transformers and vs the roofline, and continuous
+    batching vs a static batch on a long-tailed workload, side by side in one run."""
+    import numpy as np
+    from flax import nnx
+
+    from dora_jax.config import load_config
+    from dora_jax.models.weights import load_model
+    from dora_jax.rollout.driver import Request, RolloutDriver
+    from dora_jax.rollout.engine import Engine, RequestSampling
+
+    cfg = load_config(config)
+    model, tok = load_model(cfg.model, progress=False)
+    params = nnx.state(model)
+    rng = np.random.default_rng(seed)
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}?"}]))
+               for a, b in rng.integers(10, 1000, (max(batch, tail_requests), 2))]
+    plen = max(len(p) for p in prompts)
+    target = 1 << (plen + new_tokens - 1).bit_length()
+    sampling = RequestSampling(temperature=1.0, seed=seed)
+    out: dict[str, Any] = {"config": config, "batch": batch, "new_tokens": new_tokens, "prompt_tokens": plen}
+
+    # 1. Fixed batch: `batch` sequences, `new_tokens` each (no early stop), sampling.
+    eng = Engine(model, max_concurrent_decodes=batch, max_prefill_length=plen, max_target_length=target)
+
+    def fixed_run():
+        d = RolloutDriver(eng)
+        d.add_version(0, params)
+        t0 = time.perf_counter()
+        trajs = d.run([Request(i, tuple(prompts[i]), max_new_tokens=new_tokens, sampling=sampling)
+                       for i in range(batch)])
+        return sum(len(t.tokens) for t in trajs) / (time.perf_counter() - t0), d
+
+    fixed_run()  # compile
+    out["engine_tok_s"], d = fixed_run()
+
+    # Roofline for one decode step at this batch: weights read once, KV cache read, 2 FLOPs per param per row.
+    m = measure_machine()
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    c = cfg.model
+    mean_ctx = plen + new_tokens / 2
+    kv_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * mean_ctx * batch
+    step_flops = 2 * n_params * batch + 4 * c.num_layers * c.num_heads * c.head_dim * mean_ctx * batch
+    step_s = max(step_flops / m["matmul_flop_s"], (n_params * 4 + kv_bytes) / m["read_bytes_s"])
+    out.update(m, roofline_tok_s=batch / step_s, roofline_fraction=out["engine_tok_s"] * step_s / batch)
+
+    if with_hf:
+        try:
+            import torch
+            import transformers
+        except ImportError:
+            out["hf_tok_s"] = None
+        else:
+            path = __import__("dora_jax.models.gguf", fromlist=["x"]).smollm2_gguf_path()
+            hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                                                   gguf_file=os.path.basename(path)).eval()
+            ids = [prompts[i] for i in range(batch)]
+            width = max(len(p) for p in ids)
+            inp = torch.tensor([[0] * (width - len(p)) + p for p in ids])  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
+            with torch.no_grad():
+                hf.generate(inp[:2], attention_mask=mask[:2], max_new_tokens=4, do_sample=True, pad_token_id=0)
+                t0 = time.perf_counter()
+                hf.generate(inp, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                            do_sample=True, temperature=1.0, top_k=0, pad_token_id=0, eos_token_id=None)
+                out["hf_tok_s"] = batch * new_tokens / (time.perf_counter() - t0)
+            out["engine_vs_hf"] = out["engine_tok_s"] / out["hf_tok_s"]
+
+    # 2. Long tail: continuous batching vs static batches that wait for their longest member.
+    lengths = _lengths(tail_requests, rng, p50=8, tail=96, max_len=new_tokens)
+    out["tail_lengths"] = {"p50": float(np.percentile(lengths, 50)), "p99": float(np.percentile(lengths, 99)),
+                           "max": int(max(lengths)), "total": int(sum(lengths))}
+    reqs = [Request(i, tuple(prompts[i]), max_new_tokens=int(n), sampling=sampling) for i, n in enumerate(lengths)]
+    eng2 = Engine(model, max_concurrent_decodes=tail_slots, max_prefill_length=plen, max_target_length=target)
+
+    def continuous():
+        d = RolloutDriver(eng2)
+        d.add_version(0, params)
+        t0 = time.perf_counter()
+        d.run(reqs)
+        return sum(lengths) / (time.perf_counter() - t0), d.slot_utilization
+
+    def static():
+        d = RolloutDriver(eng2, compact=False)
+        d.add_version(0, params)
+        t0 = time.perf_counter()
+        for i in range(0, len(reqs), tail_slots):
+            d.run(reqs[i:i + tail_slots])
+        return sum(lengths) / (time.perf_counter() - t0), d.slot_utilization
+
+    continuous(), static()  # compile every capacity both use
+    out["continuous_tok_s"], cu = continuous()
+    out["static_tok_s"], su = static()
+    out["slot_utilization"] = {"continuous": cu, "static": su}
+    out["continuous_vs_static"] = out["continuous_tok_s"] / out["static_tok_s"]
+    out["machine"] = machine()
+    return out

@@ -72,6 +72,9 @@ def cmd_bench(args) -> int:
 
     if args.what == "load":
         result = benchmarks.bench_load(args.config, repeats=args.repeats)
+    elif args.what == "engine":
+        result = benchmarks.bench_engine(args.config, batch=args.batch, new_tokens=args.new_tokens,
+                                         with_hf=not args.no_reference)
     else:  # argparse restricts the choices
         raise AssertionError(args.what)
     print(json.dumps(result, indent=1))
@@ -109,8 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--overwrite", action="store_true")
     e.set_defaults(fn=cmd_export)
     b = sub.add_parser("bench", help="benchmarks; results as JSON")
-    b.add_argument("what", choices=["load"])
-    b.add_argument("--repeats", type=int, default=2)
+    b.add_argument("what", choices=["load", "engine"])
+    b.add_argument("--repeats", type=int, default=2, help="load: repeats per side")
+    b.add_argument("--batch", type=int, default=32, help="engine: concurrent sequences")
+    b.add_argument("--new-tokens", type=int, default=128, help="engine: new tokens per sequence")
+    b.add_argument("--no-reference", action="store_true", help="engine: skip the transformers side")
     common(b)
     b.set_defaults(fn=cmd_bench)
     return p

@@ -33,19 +33,20 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer: ``k_lbskd``/``v_lbskd`` of shape [L, B, S, K, d]. Slot ``s`` holds the
-    token at position ``s`` of that row."""
+    """Keys and values of every layer: ``k_lbksd``/``v_lbksd`` of shape [L, B, K, S, d]. Slot ``s`` holds the
+    token at position ``s`` of that row. Heads before length, so attention contracts the cache in place
+    (batch dims b, k leading) instead of transposing it every step."""
 
     k: jax.Array
     v: jax.Array
 
     @staticmethod
     def axes() -> tuple[str | None, ...]:
-        return ("layers", "batch", "cache_length", "act_kv_heads", None)
+        return ("layers", "batch", "act_kv_heads", "cache_length", None)
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype: str | None = None) -> KVCache:
-    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)
     dt = jnp.dtype(dtype or cfg.compute_dtype)
     return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
 
@@ -91,24 +92,31 @@ def apply_rope(x_btnd: jax.Array, positions_bt: jax.Array, inv_freq: np.ndarray)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def attention(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array, mask_bts: jax.Array) -> jax.Array:
+def attention(q_bthd: jax.Array, k_bksd: jax.Array, v_bksd: jax.Array, mask_bts: jax.Array) -> jax.Array:
     """Grouped-query attention with a boolean mask; softmax in float32. Returns [B, T, H, d]."""
     b, t, h, d = q_bthd.shape
-    kv = k_bskd.shape[2]
-    q_btkgd = q_bthd.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q_btkgd, k_bskd, preferred_element_type=jnp.float32)
+    kv = k_bksd.shape[1]
+    q_bkgtd = q_bthd.reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4)
+    if t == 1:
+        # One query per row (decode): a fused multiply-reduce beats b*k tiny batched matmuls on CPU.
+        scores = jnp.sum(q_bkgtd.astype(jnp.float32) * k_bksd[:, :, None].astype(jnp.float32), axis=-1)[:, :, :, None]
+    else:
+        scores = jnp.einsum("bkgtd,bksd->bkgts", q_bkgtd, k_bksd, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(d)
     scores = jnp.where(mask_bts[:, None, None, :, :], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskd.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_bskd)
-    return out.reshape(b, t, h, d)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bksd.dtype)
+    if t == 1:
+        out = jnp.sum(probs[:, :, :, 0, :, None] * v_bksd[:, :, None], axis=3)[:, :, :, None]
+    else:
+        out = jnp.einsum("bkgts,bksd->bkgtd", probs, v_bksd)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
-def _write_cache(cache_bskd: jax.Array, new_btkd: jax.Array, start_b: jax.Array) -> jax.Array:
-    """Writes each row's T new entries at slots [start_b, start_b + T)."""
-    def one(c_skd, n_tkd, s):
-        return jax.lax.dynamic_update_slice(c_skd, n_tkd.astype(c_skd.dtype), (s, 0, 0))
-    return jax.vmap(one)(cache_bskd, new_btkd, start_b)
+def _write_cache(cache_lbksd: jax.Array, layer: jax.Array, new_btkd: jax.Array, positions_bt: jax.Array) -> jax.Array:
+    """Scatters each row's new entries into layer ``layer`` at their positions (in place inside the scan)."""
+    b, t = positions_bt.shape
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+    return cache_lbksd.at[layer, rows, :, positions_bt, :].set(new_btkd.astype(cache_lbksd.dtype))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -242,6 +250,7 @@ class Decoder(nnx.Module):
 
         def block(x, p):
             q, k, v = self._qkv(p, x, positions_bt)
+            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
             return self._finish_block(p, x, attention(q, k, v, mask_bts)), None
 
         x, _ = jax.lax.scan(block, self._embed(tokens_bt), self._layer_params())
@@ -250,23 +259,27 @@ class Decoder(nnx.Module):
     def decode(self, tokens_bt: jax.Array, positions_bt: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Forward of T new tokens per row against the cache; returns (float32 logits [B, T, V], new cache).
 
-        Row ``b``'s new tokens sit at consecutive positions ``positions_bt[b, 0] + i`` and are written to the
-        matching cache slots before attending, so a query at position ``p`` sees exactly slots ``0..p``.
+        Row ``b``'s new tokens sit at positions ``positions_bt[b]`` and are written to the matching cache
+        slots before attending, so a query at position ``p`` sees exactly slots ``0..p``.
         Prefill is this call with the whole (right-padded) prompt; stale slots past ``p`` are always masked.
         """
-        s = cache.k.shape[2]
+        s = cache.k.shape[3]
         mask_bts = jnp.arange(s)[None, None, :] <= positions_bt[:, :, None]
-        start_b = positions_bt[:, 0]
 
-        def block(x, layer):
-            p, k_cache, v_cache = layer
+        def block(carry, layer):
+            x, k_all, v_all = carry
+            p, i = layer
             q, k, v = self._qkv(p, x, positions_bt)
-            k_cache = _write_cache(k_cache, k, start_b)
-            v_cache = _write_cache(v_cache, v, start_b)
-            x = self._finish_block(p, x, attention(q, k_cache, v_cache, mask_bts))
-            return x, (k_cache, v_cache)
+            # The whole cache is carried so that writing the new entries is an in-place scatter.
+            k_all = _write_cache(k_all, i, k, positions_bt)
+            v_all = _write_cache(v_all, i, v, positions_bt)
+            k_l = jax.lax.dynamic_index_in_dim(k_all, i, keepdims=False)
+            v_l = jax.lax.dynamic_index_in_dim(v_all, i, keepdims=False)
+            x = self._finish_block(p, x, attention(q, k_l, v_l, mask_bts))
+            return (x, k_all, v_all), None
 
-        x, (k, v) = jax.lax.scan(block, self._embed(tokens_bt), (self._layer_params(), cache.k, cache.v))
+        layers = (self._layer_params(), jnp.arange(self.cfg.num_layers))
+        (x, k, v), _ = jax.lax.scan(block, (self._embed(tokens_bt), cache.k, cache.v), layers)
         cache = KVCache(constrain(k, KVCache.axes()), constrain(v, KVCache.axes()))
         return self._logits(x), cache
 

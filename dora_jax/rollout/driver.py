@@ -72,8 +72,9 @@ class _Group:
 class RolloutDriver:
     """Owns one decode group per policy version; admits, steps, and emits finished trajectories."""
 
-    def __init__(self, engine: Engine, *, eos_ids: Sequence[int] = ()):
+    def __init__(self, engine: Engine, *, eos_ids: Sequence[int] = (), compact: bool = True):
         self.engine = engine
+        self.compact = compact
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self._groups: dict[int, _Group] = {}
         self._pending: collections.deque[tuple[Request, float]] = collections.deque()
@@ -205,7 +206,7 @@ class RolloutDriver:
             # Compaction: stop computing empty rows once at most half are live (and no request is waiting
             # for this version, which would only grow the group again).
             target = bucket(g.live, minimum=1)
-            if g.live and target <= len(g.slots) // 2 and not any(r.version == g.version for r, _ in self._pending):
+            if self.compact and g.live and target <= len(g.slots) // 2 and not any(r.version == g.version for r, _ in self._pending):
                 self._resize(g, target)
         self.steps += 1
         return done
