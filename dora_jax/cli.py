@@ -20,8 +20,7 @@ def _load(args) -> "Config":  # noqa: F821
 
 
 def cmd_generate(args) -> int:
-    from dora_jax.rollout.chat import chat, load_chat_model
-    from dora_jax.rollout.generate import Generator
+    from dora_jax.rollout.chat import chat, chat_engine, load_chat_model
 
     cfg = _load(args)
     if args.weights and args.from_weights:
@@ -36,13 +35,13 @@ def cmd_generate(args) -> int:
         return 2
     model, tokenizer, load_s = load_chat_model(cfg)
     print(f"loaded {cfg.model.weights or 'random init'} in {load_s:.1f}s")
-    generator = Generator(model)
-    chat(model, tokenizer, prompts, cfg, generator)  # the first call compiles; the timed one below is steady-state
-    results, t = chat(model, tokenizer, prompts, cfg, generator)
+    engine = chat_engine(model, tokenizer, prompts, cfg)
+    chat(model, tokenizer, prompts, cfg, engine)  # the first call compiles; the timed one below is steady-state
+    results, t = chat(model, tokenizer, prompts, cfg, engine)
     for r in results:
         print(f"\n> {r.prompt}\n{r.answer}   [{r.new_tokens} tokens, {r.finish_reason}]")
-    print(f"\nbatch of {len(prompts)}: {t['new_tokens']:.0f} new tokens, prefill {t['prefill_s']:.2f}s, "
-          f"decode {t['tokens_per_s']:.1f} tokens/s")
+    print(f"\nbatch of {len(prompts)}: {t['new_tokens']:.0f} new tokens in {t['wall_s']:.2f}s "
+          f"(prefill included): {t['tokens_per_s']:.1f} tokens/s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"load_s": load_s, **t, "results": [r.__dict__ for r in results]}, f, indent=1)

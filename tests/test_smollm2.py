@@ -17,7 +17,7 @@ from conftest import rel_err
 from dora_jax.config import load_config
 from dora_jax.models.gguf import smollm2_gguf_path
 from dora_jax.models.weights import load_model
-from dora_jax.rollout.generate import Generator
+from dora_jax.rollout.generate import generate
 
 pytestmark = pytest.mark.slow
 
@@ -70,12 +70,12 @@ def test_greedy_continuation_matches_transformers(reference, ours):
     ref_tok, ref_model = reference
     model, tok = ours
     prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True)) for c in CHATS]
-    completions, _ = Generator(model).generate(prompts, max_new_tokens=32)  # no eos: 32 tokens each
-    for ids, c in zip(prompts, completions):
+    trajs, _ = generate(model, prompts, max_new_tokens=32)  # no eos: 32 tokens each
+    for ids, c in zip(prompts, trajs):
         with torch.no_grad():
             out = ref_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
                                      pad_token_id=0, min_new_tokens=32)
-        assert c.token_ids == out[0, len(ids):].tolist()
+        assert c.tokens == out[0, len(ids):].tolist()
 
 
 def test_engine_greedy_with_staggered_inserts_matches_transformers(reference, ours):

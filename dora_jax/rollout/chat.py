@@ -11,7 +11,8 @@ from typing import Any, Sequence
 
 from dora_jax.config import Config
 from dora_jax.models.weights import load_model
-from dora_jax.rollout.generate import Generator
+from dora_jax.rollout.engine import Engine, RequestSampling
+from dora_jax.rollout.generate import engine_for, generate
 from dora_jax.sharding import create_mesh
 
 
@@ -33,19 +34,28 @@ def load_chat_model(cfg: Config, progress: bool = True) -> tuple[Any, Any, float
     return model, tokenizer, time.perf_counter() - t0
 
 
-def chat(model: Any, tokenizer: Any, prompts: Sequence[str], cfg: Config,
-         generator: Generator | None = None) -> tuple[list[ChatResult], dict[str, float]]:
-    """Answers each prompt as one user turn of a chat; returns results and timings."""
-    g = cfg.generate
+def chat_prompts(tokenizer: Any, prompts: Sequence[str], cfg: Config) -> list[list[int]]:
+    """Token ids of each prompt as one user turn (after the optional system prompt), ready for the answer."""
     ids = []
     for p in prompts:
-        messages = ([{"role": "system", "content": g.system_prompt}] if g.system_prompt else []) + \
-            [{"role": "user", "content": p}]
+        messages = ([{"role": "system", "content": cfg.generate.system_prompt}] if cfg.generate.system_prompt
+                    else []) + [{"role": "user", "content": p}]
         ids.append(tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True)))
-    generator = generator or Generator(model)
-    completions, timings = generator.generate(ids, max_new_tokens=g.max_new_tokens, eos_ids=tokenizer.eos_ids,
-                                              temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
-                                              seed=g.seed)
-    results = [ChatResult(p, tokenizer.decode(c.token_ids, skip_special_tokens=True).strip(), len(c.token_ids),
-                          c.finish_reason) for p, c in zip(prompts, completions)]
+    return ids
+
+
+def chat_engine(model: Any, tokenizer: Any, prompts: Sequence[str], cfg: Config) -> Engine:
+    """An engine sized for these prompts (reuse it to time a second, compiled call)."""
+    return engine_for(model, chat_prompts(tokenizer, prompts, cfg), cfg.generate.max_new_tokens)
+
+
+def chat(model: Any, tokenizer: Any, prompts: Sequence[str], cfg: Config,
+         engine: Engine | None = None) -> tuple[list[ChatResult], dict[str, float]]:
+    """Answers each prompt as one user turn of a chat; returns results and timings."""
+    g = cfg.generate
+    sampling = RequestSampling(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, seed=g.seed)
+    trajs, timings = generate(model, chat_prompts(tokenizer, prompts, cfg), max_new_tokens=g.max_new_tokens,
+                              eos_ids=tokenizer.eos_ids, sampling=sampling, engine=engine)
+    results = [ChatResult(p, tokenizer.decode(t.tokens, skip_special_tokens=True).strip(), len(t.tokens),
+                          t.finish_reason) for p, t in zip(prompts, trajs)]
     return results, timings

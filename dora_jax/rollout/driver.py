@@ -19,8 +19,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from dora_jax.rollout.engine import Engine, EngineError, RequestSampling
-from dora_jax.rollout.generate import bucket
+from dora_jax.rollout.engine import Engine, EngineError, RequestSampling, bucket
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,8 +28,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dora_jax.models.decoder import Decoder, KVCache, init_cache
-from dora_jax.rollout.generate import bucket
 from dora_jax.rollout.sampling import SamplingParams, row_keys, sample
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """The smallest power of two >= max(n, minimum): bounds the number of compiled shapes."""
+    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
 class EngineError(ValueError):
