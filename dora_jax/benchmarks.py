@@ -23,7 +23,6 @@ def machine() -> dict[str, Any]:
 def bench_load(config: str = "smollm2_135m", repeats: int = 2) -> dict[str, Any]:
     """Time to load the config's weights (GGUF dequantization included) and run one forward, ours vs
     transformers' own GGUF loader, best of ``repeats``."""
-    import jax.numpy as jnp
 
     from dora_jax.config import load_config
     from dora_jax.models.weights import load_model
@@ -187,3 +186,53 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     out["continuous_vs_static"] = out["continuous_tok_s"] / out["static_tok_s"]
     out["machine"] = machine()
     return out
+
+
+def bench_decode(config: str = "smollm2_135m", batch: int = 32, cache_length: int = 256,
+                 repeats: int = 5) -> dict[str, Any]:
+    """Where one decode step's time goes: the full step against a ``cache_length`` cache, the same forward
+    without a cache (layers + head only), and sampling alone; best of ``repeats`` after compiling."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from dora_jax.config import load_config
+    from dora_jax.models.decoder import init_cache
+    from dora_jax.models.weights import load_model
+    from dora_jax.rollout.sampling import SamplingParams, row_keys, sample
+
+    cfg = load_config(config)
+    model, _ = load_model(cfg.model, progress=False)
+    graphdef, params = nnx.split(model)
+
+    def best(fn, *args):
+        out = fn(*args)
+        jax.block_until_ready(out)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = fn(*args)
+            jax.block_until_ready(out)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    tokens = jnp.zeros((batch, 1), jnp.int32)
+    positions = jnp.full((batch, 1), cache_length // 2, jnp.int32)
+    cache = init_cache(cfg.model, batch, cache_length)
+    # As in the engine: the cache is donated and threaded from step to step.
+    step = jax.jit(lambda p, t, pos, c: nnx.merge(graphdef, p).decode(t, pos, c), donate_argnums=(3,))
+    dense = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(batch, cfg.model.vocab_size)), jnp.float32)
+    keys = row_keys(0, jnp.arange(batch), jnp.zeros(batch, jnp.int32))
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        out, cache = step(params, tokens, positions, cache)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+    full_s = min(times[1:])
+    dense_s = best(dense, params, tokens)
+    sample_s = best(jax.jit(sample), logits, keys, SamplingParams.make(batch, 1.0))
+    return {"config": config, "batch": batch, "cache_length": cache_length, "decode_step_ms": 1e3 * full_s,
+            "layers_and_head_ms": 1e3 * dense_s, "kv_cache_part_ms": 1e3 * (full_s - dense_s),
+            "sampling_ms": 1e3 * sample_s, "machine": machine()}

@@ -71,6 +71,8 @@ def cmd_bench(args) -> int:
 
     if args.what == "load":
         result = benchmarks.bench_load(args.config, repeats=args.repeats)
+    elif args.what == "decode":
+        result = benchmarks.bench_decode(args.config, batch=args.batch)
     elif args.what == "engine":
         result = benchmarks.bench_engine(args.config, batch=args.batch, new_tokens=args.new_tokens,
                                          with_hf=not args.no_reference)
@@ -111,9 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--overwrite", action="store_true")
     e.set_defaults(fn=cmd_export)
     b = sub.add_parser("bench", help="benchmarks; results as JSON")
-    b.add_argument("what", choices=["load", "engine"])
+    b.add_argument("what", choices=["load", "engine", "decode"])
     b.add_argument("--repeats", type=int, default=2, help="load: repeats per side")
-    b.add_argument("--batch", type=int, default=32, help="engine: concurrent sequences")
+    b.add_argument("--batch", type=int, default=32, help="engine, decode: concurrent sequences")
     b.add_argument("--new-tokens", type=int, default=128, help="engine: new tokens per sequence")
     b.add_argument("--no-reference", action="store_true", help="engine: skip the transformers side")
     common(b)

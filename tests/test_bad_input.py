@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from dora_jax.config import ConfigError, MeshConfig, ModelConfig, load_config
+from dora_jax.config import ConfigError, MeshConfig, load_config
 from dora_jax.models.hf_io import WeightsError
 from dora_jax.models.weights import load_model, model_config_from_weights
 from dora_jax.sharding import create_mesh

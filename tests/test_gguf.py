@@ -1,7 +1,5 @@
 """GGUF parsing and dequantization against the ``gguf`` package (an independent reader and dequantizer)."""
 
-import os
-import shutil
 
 import gguf
 import numpy as np

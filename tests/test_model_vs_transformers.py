@@ -4,9 +4,7 @@ The reference is torch + transformers on the CPU in float32. Each model is writt
 ``save_pretrained`` and read back by our Hugging Face loader, so the layout mapping is checked too.
 """
 
-import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,7 +12,6 @@ import torch
 import transformers
 
 from conftest import rel_err
-from dora_jax.config import DEFAULT_RULES
 from dora_jax.models.weights import load_model, model_config_from_weights
 
 VOCAB, HIDDEN, HEADS, HEAD_DIM, LAYERS = 128, 64, 4, 16, 2

@@ -12,7 +12,7 @@ from flax import nnx
 from conftest import rel_err
 from dora_jax.config import DEFAULT_RULES, ConfigError, MeshConfig, ModelConfig, configs_dir, load_config
 from dora_jax.models.build import abstract_model, init_model, state_shardings
-from dora_jax.models.decoder import KVCache, init_cache
+from dora_jax.models.decoder import init_cache
 from dora_jax.sharding import activate, create_mesh, describe_shardings, logical_to_spec, mesh_shape, named_sharding
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")

@@ -8,7 +8,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 import torch
 import transformers

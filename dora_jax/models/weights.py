@@ -17,7 +17,7 @@ import math
 import os
 import shutil
 import tempfile
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp

@@ -18,7 +18,6 @@ Shape legend: B slots, T prompt bucket, S cache length (``max_target_length``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, NamedTuple
 
 import jax
