@@ -194,6 +194,111 @@ class GenerateConfig:
             _fail(f"{path}.top_p", self.top_p, "must be in (0, 1]")
 
 
+_LOSSES = ("grpo", "dapo", "dr_grpo", "gspo")
+_ADVANTAGES = ("grpo", "dr_grpo")
+_CORRECTIONS = ("none", "tis", "mis_token", "mis_seq", "decoupled")
+_LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters ``W + (alpha / rank) * A @ B`` on the named projections; rank 0 trains everything."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+
+    def validate(self, path: str = "train.lora") -> None:
+        if self.rank < 0:
+            _fail(f"{path}.rank", self.rank, "must be >= 0 (0 means full fine-tuning)")
+        if self.alpha <= 0:
+            _fail(f"{path}.alpha", self.alpha, "must be > 0")
+        if self.rank and not self.targets:
+            _fail(f"{path}.targets", list(self.targets), "must name at least one projection")
+        for t in self.targets:
+            if t not in _LORA_TARGETS:
+                _fail(f"{path}.targets", t, f"allowed: {', '.join(_LORA_TARGETS)}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The policy update: losses, staleness bound, importance corrections, optimizer, micro-batching.
+
+    ``max_staleness`` is the bound K: a sample produced by policy version ``v`` is trained at trainer version
+    ``u`` only if ``u - v <= K``; any other sample gets exactly zero weight and is counted.
+    """
+
+    loss: str = "grpo"
+    advantage: str = "grpo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    max_staleness: int = 1
+    correction: str = "none"
+    is_cap: float = 2.0
+    is_low: float = 0.5
+    is_high: float = 2.0
+    behaviour_logprobs: str = "engine"
+    max_response_tokens: int = 256
+    group_size: int = 4
+    micro_batches: int = 1
+    length_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048)
+    optimizer: str = "adamw"
+    learning_rate: float = 1e-6
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    std_eps: float = 1e-6
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def validate(self, path: str = "train") -> None:
+        for name, allowed in (("loss", _LOSSES), ("advantage", _ADVANTAGES), ("correction", _CORRECTIONS),
+                              ("behaviour_logprobs", ("engine", "recompute")), ("optimizer", ("adamw",)),
+                              ("schedule", ("constant", "warmup_cosine"))):
+            if getattr(self, name) not in allowed:
+                _fail(f"{path}.{name}", getattr(self, name), f"allowed: {', '.join(allowed)}")
+        for name in ("clip_low", "clip_high"):
+            if not 0 <= getattr(self, name) < 10:
+                _fail(f"{path}.{name}", getattr(self, name), "must be in [0, 10)")
+        if self.loss != "gspo" and self.clip_low >= 1:
+            _fail(f"{path}.clip_low", self.clip_low, "must be < 1 (the ratio's lower clip is 1 - clip_low)")
+        if self.loss == "gspo" and self.correction == "mis_token":
+            _fail(f"{path}.correction", self.correction, "GSPO's ratio is per sequence: use mis_seq")
+        if self.kl_coef < 0:
+            _fail(f"{path}.kl_coef", self.kl_coef, "must be >= 0")
+        if self.max_staleness < 0:
+            _fail(f"{path}.max_staleness", self.max_staleness, "must be >= 0 (0 is on-policy)")
+        if self.is_cap <= 0:
+            _fail(f"{path}.is_cap", self.is_cap, "must be > 0")
+        if not 0 <= self.is_low < 1 < self.is_high:
+            _fail(f"{path}.is_low/is_high", (self.is_low, self.is_high), "need 0 <= is_low < 1 < is_high")
+        for name in ("max_response_tokens", "group_size", "micro_batches", "total_steps"):
+            if getattr(self, name) <= 0:
+                _fail(f"{path}.{name}", getattr(self, name), "must be a positive integer")
+        if not self.length_buckets or any(b <= 0 for b in self.length_buckets) or \
+                list(self.length_buckets) != sorted(set(self.length_buckets)):
+            _fail(f"{path}.length_buckets", list(self.length_buckets), "must be increasing positive lengths")
+        if self.learning_rate <= 0:
+            _fail(f"{path}.learning_rate", self.learning_rate, "must be > 0")
+        if not 0 <= self.warmup_steps <= self.total_steps:
+            _fail(f"{path}.warmup_steps", self.warmup_steps, f"must be in [0, total_steps={self.total_steps}]")
+        if self.weight_decay < 0:
+            _fail(f"{path}.weight_decay", self.weight_decay, "must be >= 0")
+        for name in ("b1", "b2"):
+            if not 0 <= getattr(self, name) < 1:
+                _fail(f"{path}.{name}", getattr(self, name), "must be in [0, 1)")
+        if self.eps <= 0 or self.std_eps <= 0:
+            _fail(f"{path}.eps", (self.eps, self.std_eps), "eps and std_eps must be > 0")
+        if self.grad_clip < 0:
+            _fail(f"{path}.grad_clip", self.grad_clip, "must be >= 0 (0 disables clipping)")
+        self.lora.validate(f"{path}.lora")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     name: str = "run"
@@ -210,6 +315,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def validate(self) -> None:

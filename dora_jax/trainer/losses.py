@@ -1,0 +1,181 @@
+"""GRPO-family objectives with a staleness mask and importance corrections, as pure functions of arrays.
+
+Shape letters: ``b`` batch rows (one sample each), ``t`` token positions, ``v`` vocabulary.
+
+Every per-token array is aligned with ``tokens_bt``: entry ``[b, t]`` is about token ``t`` of row ``b``, so
+``logprobs_bt[b, t] = log pi(tokens[b, t] | tokens[b, :t])`` and ``mask_bt`` marks the response tokens.
+
+The losses are written as sums over rows divided by normalizers of the *whole* batch (:class:`Normalizers`),
+so a micro-batch's loss is an exact share of the full loss and gradient accumulation over micro-batches gives
+the one-batch gradient.
+
+Definitions (``m`` response mask, ``k_b`` = 1 for a sample kept by the staleness bound, ``n_b`` its response
+length, ``A_b`` its advantage, ``pi`` current, ``mu`` behaviour, ``pi_prox`` the trainer's params at the start
+of the step, held fixed):
+
+* old log-probs: ``mu`` with correction ``none``; ``pi_prox`` otherwise (decoupled PPO: clip against the
+  proximal policy, reweight by ``pi_prox / mu``).
+* token ratio ``r_bt = pi / old``; sequence ratio (GSPO) ``s_b = exp(mean_t log(pi / old))``.
+* importance weight from ``delta = log pi_prox - log mu``: ``tis`` min(exp(delta), C); ``decoupled``
+  exp(delta); ``mis_token`` exp(delta) where it lies in [lo, hi], else 0; ``mis_seq`` the length-normalized
+  sequence weight exp(mean_t delta) where it lies in [lo, hi], else 0, applied to all the sequence's tokens.
+  GSPO always uses the sequence weight exp(mean_t delta) (truncated or masked the same way).
+* clipped surrogate ``l = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``, times the weight.
+* aggregation: ``grpo`` and ``gspo`` mean over kept samples of the per-sample token mean; ``dapo`` mean over
+  all kept tokens; ``dr_grpo`` sum over kept tokens / (valid rows * max_response_tokens).
+* KL to a reference (k3): ``exp(ref - pi) - (ref - pi) - 1`` per token, aggregated like the loss (token mean
+  per sample for ``gspo``), times ``kl_coef``; never importance-weighted.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dora_jax.config import TrainConfig
+
+
+def token_logprobs(logits_btv: jax.Array, tokens_bt: jax.Array) -> jax.Array:
+    """log p(tokens[b, t] | tokens[b, :t]) in float32, aligned with ``tokens_bt`` (column 0 is 0)."""
+    logits = logits_btv[:, :-1].astype(jnp.float32)
+    targets = tokens_bt[:, 1:]
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    lp = picked - jax.nn.logsumexp(logits, axis=-1)
+    return jnp.pad(lp, ((0, 0), (1, 0)))
+
+
+def group_advantages(rewards_b: jax.Array, group_ids_b: jax.Array, valid_b: jax.Array, kind: str,
+                     std_eps: float) -> jax.Array:
+    """Per-sample advantages within each group: ``r - mean`` (dr_grpo) or ``(r - mean) / (std + eps)`` (grpo).
+
+    ``group_ids_b`` are integers in ``[0, B)``; rows with ``valid_b`` False get advantage 0 and do not count
+    toward any group's statistics. The standard deviation is the population one (ddof 0).
+    """
+    n = rewards_b.shape[0]
+    w = valid_b.astype(rewards_b.dtype)
+    gid = jnp.where(valid_b, group_ids_b, 0)
+    r = rewards_b * w
+    count = jnp.maximum(jax.ops.segment_sum(w, gid, n), 1.0)
+    mean = jax.ops.segment_sum(r, gid, n) / count
+    dev = (r - mean[gid]) * w
+    if kind == "dr_grpo":
+        return dev
+    var = jax.ops.segment_sum(dev * dev, gid, n) / count
+    return dev / (jnp.sqrt(var[gid]) + std_eps)
+
+
+def staleness(versions_b: jax.Array, valid_b: jax.Array, trainer_version: jax.Array,
+              max_staleness: int) -> tuple[jax.Array, jax.Array]:
+    """``(keep_b, stale_b)``: a valid sample is kept iff ``0 <= trainer_version - version <= max_staleness``."""
+    lag = trainer_version - versions_b
+    stale = valid_b & ((lag > max_staleness) | (lag < 0))
+    return valid_b & ~stale, stale
+
+
+class Normalizers(NamedTuple):
+    """Denominators taken over the whole batch (not a micro-batch)."""
+
+    samples: jax.Array  # kept samples
+    tokens: jax.Array  # response tokens of kept samples
+    constant: jax.Array  # valid rows * max_response_tokens (Dr.GRPO)
+
+
+def normalizers(mask_bt: jax.Array, keep_b: jax.Array, valid_b: jax.Array, max_response_tokens: int) -> Normalizers:
+    keep = keep_b.astype(mask_bt.dtype)
+    return Normalizers(
+        samples=jnp.maximum(keep.sum(), 1.0),
+        tokens=jnp.maximum((mask_bt * keep[:, None]).sum(), 1.0),
+        constant=jnp.maximum(valid_b.astype(mask_bt.dtype).sum(), 1.0) * max_response_tokens,
+    )
+
+
+def _aggregate(x_bt: jax.Array, mask_bt: jax.Array, keep_b: jax.Array, norms: Normalizers, loss: str) -> jax.Array:
+    keep = keep_b.astype(x_bt.dtype)
+    if loss in ("grpo", "gspo"):
+        per_sample = (x_bt * mask_bt).sum(-1) / jnp.maximum(mask_bt.sum(-1), 1.0)
+        return (per_sample * keep).sum() / norms.samples
+    total = (x_bt * mask_bt * keep[:, None]).sum()
+    return total / (norms.tokens if loss == "dapo" else norms.constant)
+
+
+def _is_weight(delta: jax.Array, cfg: TrainConfig, masked_kind: str) -> tuple[jax.Array, jax.Array]:
+    """(weight, dropped) for log importance ratios ``delta`` under ``cfg.correction``."""
+    w = jnp.exp(delta)
+    if cfg.correction == "tis":
+        return jnp.minimum(w, cfg.is_cap), jnp.zeros_like(w)
+    if cfg.correction == masked_kind:
+        inside = (w >= cfg.is_low) & (w <= cfg.is_high)
+        return jnp.where(inside, w, 0.0), (~inside).astype(w.dtype)
+    if cfg.correction in ("mis_token", "mis_seq"):  # the other granularity: applied elsewhere
+        return jnp.ones_like(w), jnp.zeros_like(w)
+    return w, jnp.zeros_like(w)  # decoupled
+
+
+class LossTerms(NamedTuple):
+    """A micro-batch's share of the loss and of each additive metric."""
+
+    loss: jax.Array
+    pg_loss: jax.Array
+    kl: jax.Array
+    clipped_tokens: jax.Array
+    is_weight_sum: jax.Array
+    is_dropped_tokens: jax.Array
+
+
+def policy_loss(logp_bt: jax.Array, behaviour_bt: jax.Array, ref_bt: jax.Array, mask_bt: jax.Array,
+                advantages_b: jax.Array, keep_b: jax.Array, norms: Normalizers, cfg: TrainConfig) -> LossTerms:
+    """The objective of ``cfg.loss`` with ``cfg.correction`` (see the module docstring). Differentiable in
+    ``logp_bt``; everything else is data. Computes in ``logp_bt``'s dtype."""
+    dt = logp_bt.dtype
+    m = mask_bt.astype(dt)
+    keep = keep_b.astype(dt)
+    logp = logp_bt * m
+    prox = jax.lax.stop_gradient(logp)
+    behaviour = behaviour_bt * m
+    old = behaviour if cfg.correction == "none" else prox
+    delta = (prox - behaviour) * m if cfg.correction != "none" else jnp.zeros_like(logp)
+    n_b = jnp.maximum(m.sum(-1), 1.0)
+    adv = advantages_b[:, None].astype(dt)
+    lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
+
+    if cfg.loss == "gspo":
+        seq_log_ratio = ((logp - old) * m).sum(-1) / n_b
+        s = jnp.exp(seq_log_ratio)[:, None]
+        if cfg.correction == "none":
+            w, dropped = jnp.ones_like(s), jnp.zeros_like(s)
+        else:
+            w, dropped = _is_weight((delta.sum(-1) / n_b)[:, None], cfg, "mis_seq")
+        surrogate = -jnp.minimum(s * adv, jnp.clip(s, lo, hi) * adv)
+        per_token = jnp.broadcast_to(w * surrogate, m.shape)
+        clipped = jnp.broadcast_to(((s < lo) | (s > hi)).astype(dt), m.shape)
+        w_tok, dropped_tok = jnp.broadcast_to(w, m.shape), jnp.broadcast_to(dropped, m.shape)
+    else:
+        r = jnp.exp(logp - old)
+        if cfg.correction == "none":
+            w_tok, dropped_tok = jnp.ones_like(r), jnp.zeros_like(r)
+        elif cfg.correction == "mis_seq":
+            w_seq, d_seq = _is_weight((delta.sum(-1) / n_b)[:, None], cfg, "mis_seq")
+            w_tok, dropped_tok = jnp.broadcast_to(w_seq, m.shape), jnp.broadcast_to(d_seq, m.shape)
+        else:
+            w_tok, dropped_tok = _is_weight(delta, cfg, "mis_token")
+        surrogate = -jnp.minimum(r * adv, jnp.clip(r, lo, hi) * adv)
+        per_token = w_tok * surrogate
+        clipped = ((r < lo) | (r > hi)).astype(dt)
+
+    pg = _aggregate(per_token, m, keep_b, norms, cfg.loss)
+    if cfg.kl_coef > 0:
+        d = (ref_bt - logp_bt) * m
+        kl = _aggregate(jnp.exp(d) - d - 1.0, m, keep_b, norms, cfg.loss)
+    else:
+        kl = jnp.zeros((), dt)
+    kept_tokens = m * keep[:, None]
+    return LossTerms(
+        loss=pg + cfg.kl_coef * kl,
+        pg_loss=pg,
+        kl=kl,
+        clipped_tokens=(clipped * kept_tokens).sum(),
+        is_weight_sum=(w_tok * kept_tokens).sum(),
+        is_dropped_tokens=(dropped_tok * kept_tokens).sum(),
+    )

@@ -1,0 +1,282 @@
+"""The train step: a pure function ``(TrainState, TrainBatch) -> (TrainState, metrics)``.
+
+:func:`make_train_step` returns it unjitted, for composition in research code. :class:`Trainer` holds what
+is static (graph definition, optimizer, config, mesh) and jits the step with explicit in/out shardings and a
+donated state (MaxText's functional train step), plus the forward passes the loop around it needs: policy
+params for the rollout engine, exact behaviour log-probs recomputed on a behaviour version's own params, and
+reference log-probs for the KL term.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from dora_jax.config import Config, TrainConfig
+from dora_jax.sharding import Rules, activate, constrain, logical_to_spec
+from dora_jax.trainer import lora as lora_lib
+from dora_jax.trainer.batch import BatchError, TrainBatch, bucket_rows, check_batch
+from dora_jax.trainer.losses import (LossTerms, group_advantages, normalizers, policy_loss, staleness,
+                                     token_logprobs)
+from dora_jax.trainer.state import TrainState, learning_rate_schedule, make_optimizer
+
+
+def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, tokens_bt: jax.Array,
+                      segment_ids_bt: jax.Array) -> jax.Array:
+    """The training forward's log-prob of every token given its prefix, [B, T] float32 (column 0 is 0)."""
+    b, t = tokens_bt.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    logits = nnx.merge(graphdef, params)(tokens_bt, positions, segment_ids_bt)
+    return token_logprobs(logits, tokens_bt)
+
+
+def policy_params(state: TrainState, cfg: TrainConfig) -> nnx.State:
+    """The full model parameters of the state's policy (adapters folded in under LoRA)."""
+    if cfg.lora.rank > 0:
+        return lora_lib.merge(state.frozen, state.params, cfg.lora)
+    return state.params
+
+
+def _tree_add(a: Any, b: Any) -> Any:
+    return jax.tree.map(jnp.add, a, b)
+
+
+def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig,
+                    tx: optax.GradientTransformation) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict]]:
+    """The pure train step for ``cfg``: advantages, staleness mask, micro-batched gradient, guarded update.
+
+    The batch's rows are split into ``cfg.micro_batches`` equal micro-batches whose gradients are summed in a
+    ``lax.scan``; the loss normalizers come from the whole batch, so the result equals the one-batch
+    gradient. A non-finite loss or gradient leaves params and optimizer state as they were (metric
+    ``skipped`` = 1) and does not advance the version.
+    """
+    schedule = learning_rate_schedule(cfg)
+    n_micro = cfg.micro_batches
+
+    def step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, jax.Array]]:
+        valid = batch.valid
+        keep, stale = staleness(batch.versions, valid, state.version, cfg.max_staleness)
+        adv = group_advantages(batch.rewards, batch.group_ids, valid, cfg.advantage, cfg.std_eps)
+        behaviour = batch.recomputed_logprobs if cfg.behaviour_logprobs == "recompute" else batch.behaviour_logprobs
+        norms = normalizers(batch.loss_mask, keep, valid, cfg.max_response_tokens)
+
+        def split(x):
+            x = x.reshape(n_micro, x.shape[0] // n_micro, *x.shape[1:])
+            return constrain(x, (None, "batch") + (None,) * (x.ndim - 2))
+
+        micro = jax.tree.map(split, (batch.tokens, batch.segment_ids, batch.loss_mask, behaviour,
+                                     batch.ref_logprobs, adv, keep))
+
+        def loss_fn(trainable, mb):
+            tokens, seg, mask, beh, ref, a, k = mb
+            full = lora_lib.merge(state.frozen, trainable, cfg.lora) if cfg.lora.rank > 0 else trainable
+            logp = sequence_logprobs(graphdef, full, tokens, seg)
+            terms = policy_loss(logp, beh, ref, mask, a, k, norms, cfg)
+            return terms.loss, terms
+
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+        def accumulate(carry, mb):
+            grads, terms = carry
+            (_, t), g = grad_fn(state.params, mb)
+            return (_tree_add(grads, g), _tree_add(terms, t)), None
+
+        zero_terms = LossTerms(*([jnp.zeros((), jnp.float32)] * len(LossTerms._fields)))
+        init = (jax.tree.map(jnp.zeros_like, state.params), zero_terms)
+        (grads, terms), _ = jax.lax.scan(accumulate, init, micro)
+
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(grad_norm) & jnp.isfinite(terms.loss)
+        updates, new_opt = tx.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+
+        def pick(new, old):
+            return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+        new_state = state.replace(
+            step=state.step + 1,
+            version=state.version + finite.astype(jnp.int32),
+            params=pick(new_params, state.params),
+            opt_state=pick(new_opt, state.opt_state),
+            rng=jax.random.split(state.rng)[0],
+        )
+        f32 = jnp.float32
+        kept_tokens = jnp.maximum((batch.loss_mask * keep[:, None]).sum(), 1.0)
+        resp = batch.loss_mask * keep[:, None]
+        gap = jnp.abs(batch.behaviour_logprobs - batch.recomputed_logprobs) * resp
+        valid_f = valid.astype(f32)
+        metrics = {
+            "loss": terms.loss, "pg_loss": terms.pg_loss, "kl": terms.kl,
+            "grad_norm": grad_norm, "skipped": (~finite).astype(f32),
+            "learning_rate": schedule(state.step),
+            "samples": valid_f.sum(), "kept_samples": keep.astype(f32).sum(), "stale_samples": stale.astype(f32).sum(),
+            "kept_tokens": (batch.loss_mask * keep[:, None]).sum(),
+            "clip_frac": terms.clipped_tokens / kept_tokens,
+            "is_weight_mean": terms.is_weight_sum / kept_tokens,
+            "is_dropped_frac": terms.is_dropped_tokens / kept_tokens,
+            "logprob_gap_mean": gap.sum() / kept_tokens, "logprob_gap_max": gap.max(),
+            "reward_mean": (batch.rewards * valid_f).sum() / jnp.maximum(valid_f.sum(), 1.0),
+            "lag_mean": ((state.version - batch.versions) * valid_f).sum() / jnp.maximum(valid_f.sum(), 1.0),
+            "version": state.version.astype(f32),
+        }
+        return new_state, metrics
+
+    return step
+
+
+class Trainer:
+    """The static half of training: config, graph definition, optimizer, mesh, and the jitted functions.
+
+    Typical use::
+
+        trainer, state = Trainer.create(cfg)
+        batch = trainer.put(make_batch(samples, group_size=..., length_buckets=...,
+                                       row_multiple=trainer.row_multiple))
+        state, metrics = trainer.train_step(state, batch)
+    """
+
+    def __init__(self, cfg: Config, graphdef: nnx.GraphDef, mesh: Mesh, rules: Rules,
+                 state_shardings: Any, reference: nnx.State | None = None):
+        self.cfg = cfg
+        self.graphdef = graphdef
+        self.mesh = mesh
+        self.rules = rules
+        self.tx = make_optimizer(cfg.train)
+        self.state_shardings = state_shardings
+        self._reference = reference
+        batch_axes = logical_to_spec(("batch",), rules)[0]
+        self._row = NamedSharding(mesh, P(batch_axes))
+        self._row_tok = NamedSharding(mesh, P(batch_axes, None))
+        names = (batch_axes,) if isinstance(batch_axes, str) else (batch_axes or ())
+        self.data_parallel = int(np.prod([mesh.shape[a] for a in names])) if names else 1
+        self.batch_shardings = TrainBatch(
+            tokens=self._row_tok, segment_ids=self._row_tok, loss_mask=self._row_tok,
+            behaviour_logprobs=self._row_tok, recomputed_logprobs=self._row_tok, ref_logprobs=self._row_tok,
+            versions=self._row, group_ids=self._row, rewards=self._row, valid=self._row)
+        replicated = NamedSharding(mesh, P())
+        step = make_train_step(graphdef, cfg.train, self.tx)
+        self._step = jax.jit(step, in_shardings=(state_shardings, self.batch_shardings),
+                             out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+        self._logprobs = jax.jit(lambda p, tokens, seg: sequence_logprobs(graphdef, p, tokens, seg),
+                                 out_shardings=self._row_tok)
+        self._policy = jax.jit(lambda s: policy_params(s, cfg.train))
+
+    # -- construction ---------------------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, cfg: Config, model: nnx.Module | None = None, mesh: Mesh | None = None,
+               rules: Rules | None = None) -> tuple["Trainer", TrainState]:
+        """A trainer and its initial state, created in the mesh's shardings.
+
+        Args:
+          cfg: the whole config (``cfg.model`` builds or loads the model unless ``model`` is given).
+          model: an already built (and sharded) model; its parameters become the initial policy, version 0.
+          mesh: default: the mesh of ``cfg.mesh`` over all devices.
+          rules: default: ``cfg.mesh.logical_axis_rules``.
+        """
+        from dora_jax.models.weights import load_model
+        from dora_jax.sharding import create_mesh
+
+        mesh = mesh if mesh is not None else create_mesh(cfg.mesh)
+        rules = rules if rules is not None else cfg.mesh.logical_axis_rules
+        if model is None:
+            model, _ = load_model(cfg.model, mesh, rules, seed=cfg.run.seed, progress=False)
+        graphdef, params = nnx.split(model)
+        tcfg = cfg.train
+        key = jax.random.key(cfg.run.seed)
+        tx = make_optimizer(tcfg)
+        if tcfg.lora.rank > 0:
+            replicated = NamedSharding(mesh, P())
+            trainable = jax.jit(lambda k: lora_lib.init_lora(params, tcfg.lora, k),
+                                out_shardings=replicated)(jax.random.fold_in(key, 1))
+            frozen, reference = params, None  # the base weights are the reference policy
+        else:
+            trainable, frozen = params, None
+            reference = jax.tree.map(jnp.copy, params) if tcfg.kl_coef > 0 else None
+        # Moments inherit the parameters' shardings through propagation; counters land on one device and
+        # are replicated over the mesh.
+        scalar = NamedSharding(mesh, P())
+        opt_state = jax.tree.map(
+            lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, scalar),
+            jax.jit(tx.init)(trainable))
+        state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), scalar),
+                           version=jax.device_put(jnp.zeros((), jnp.int32), scalar),
+                           params=trainable, frozen=frozen, opt_state=opt_state,
+                           rng=jax.device_put(jax.random.key_data(jax.random.fold_in(key, 2)), scalar))
+        shardings = jax.tree.map(lambda x: x.sharding, state)
+        return cls(cfg, graphdef, mesh, rules, shardings, reference), state
+
+    # -- the step -------------------------------------------------------------------------------------------
+
+    @property
+    def row_multiple(self) -> int:
+        """Batch rows must be a multiple of this: micro-batches x data-parallel devices."""
+        return self.cfg.train.micro_batches * self.data_parallel
+
+    def put(self, batch: TrainBatch) -> TrainBatch:
+        """Checks a host batch and places it in the batch shardings.
+
+        Raises:
+          BatchError: on wrong shapes or values, or a row count the mesh and micro-batches cannot split.
+        """
+        check_batch(batch)
+        rows = np.shape(batch.tokens)[0]
+        if rows % self.row_multiple:
+            raise BatchError(f"batch has {rows} rows; it must be a multiple of {self.row_multiple} "
+                             f"(train.micro_batches = {self.cfg.train.micro_batches} x data-parallel devices "
+                             f"{self.data_parallel}); build it with make_batch(row_multiple=trainer.row_multiple)")
+        return jax.device_put(batch, self.batch_shardings)
+
+    def train_step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One update. ``state`` is donated: use the returned one."""
+        with activate(self.mesh, self.rules):
+            return self._step(state, batch)
+
+    # -- forwards around the step ------------------------------------------------------------------------------
+
+    def policy_params(self, state: TrainState) -> nnx.State:
+        """The full parameters of the state's policy, for the rollout engine and the version store."""
+        return self._policy(state)
+
+    def logprobs(self, params: nnx.State, batch: TrainBatch) -> jax.Array:
+        with activate(self.mesh, self.rules):
+            return self._logprobs(params, batch.tokens, batch.segment_ids)
+
+    def with_recomputed_behaviour(self, batch: TrainBatch, params_of: Callable[[int], nnx.State] | Mapping[int, nnx.State]
+                                  ) -> TrainBatch:
+        """The batch with ``recomputed_logprobs`` from the training forward on each row's own version.
+
+        ``params_of(version)`` returns that version's full parameters (resident or restored). Rows are
+        grouped by version and each group runs once, padded to a bucketed row count.
+        """
+        get = params_of.__getitem__ if isinstance(params_of, Mapping) else params_of
+        tokens, seg = np.asarray(batch.tokens), np.asarray(batch.segment_ids)
+        versions, valid = np.asarray(batch.versions), np.asarray(batch.valid)
+        out = np.zeros(tokens.shape, np.float32)
+        for v in np.unique(versions[valid]):
+            rows = np.flatnonzero(valid & (versions == v))
+            n = bucket_rows(len(rows), self.data_parallel)
+            sub_t = np.zeros((n, tokens.shape[1]), tokens.dtype)
+            sub_s = np.zeros((n, tokens.shape[1]), seg.dtype)
+            sub_t[:len(rows)], sub_s[:len(rows)] = tokens[rows], seg[rows]
+            sub_t, sub_s = jax.device_put((sub_t, sub_s), self._row_tok)
+            with activate(self.mesh, self.rules):
+                lp = np.asarray(self._logprobs(get(int(v)), sub_t, sub_s))
+            out[rows] = lp[:len(rows)]
+        out *= np.asarray(batch.loss_mask)
+        return batch.replace(recomputed_logprobs=jax.device_put(out, self._row_tok))
+
+    def with_reference(self, state: TrainState, batch: TrainBatch) -> TrainBatch:
+        """The batch with ``ref_logprobs`` from the reference policy (the initial weights; under LoRA, the
+        frozen base)."""
+        ref = state.frozen if self.cfg.train.lora.rank > 0 else self._reference
+        if ref is None:
+            raise ValueError("no reference policy is held: set train.kl_coef > 0 before Trainer.create")
+        lp = self.logprobs(ref, batch) * batch.loss_mask
+        return batch.replace(ref_logprobs=lp)
