@@ -129,8 +129,10 @@ def policy_loss(logp_bt: jax.Array, behaviour_bt: jax.Array, ref_bt: jax.Array, 
     """The objective of ``cfg.loss`` with ``cfg.correction`` (see the module docstring). Differentiable in
     ``logp_bt``; everything else is data. Computes in ``logp_bt``'s dtype."""
     dt = logp_bt.dtype
-    m = mask_bt.astype(dt)
     keep = keep_b.astype(dt)
+    # Dropped (stale) rows are masked before any arithmetic, so even extreme or non-finite values there
+    # cannot leak into the loss or the gradient: their contribution is exactly zero.
+    m = mask_bt.astype(dt) * keep[:, None]
     logp = logp_bt * m
     prox = jax.lax.stop_gradient(logp)
     behaviour = behaviour_bt * m

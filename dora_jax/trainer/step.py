@@ -91,7 +91,7 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig,
         init = (jax.tree.map(jnp.zeros_like, state.params), zero_terms)
         (grads, terms), _ = jax.lax.scan(accumulate, init, micro)
 
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(terms.loss)
         updates, new_opt = tx.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
@@ -142,12 +142,13 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, graphdef: nnx.GraphDef, mesh: Mesh, rules: Rules,
-                 state_shardings: Any, reference: nnx.State | None = None):
+                 state_shardings: Any, reference: nnx.State | None = None,
+                 tx: optax.GradientTransformation | None = None):
         self.cfg = cfg
         self.graphdef = graphdef
         self.mesh = mesh
         self.rules = rules
-        self.tx = make_optimizer(cfg.train)
+        self.tx = tx if tx is not None else make_optimizer(cfg.train)
         self.state_shardings = state_shardings
         self._reference = reference
         batch_axes = logical_to_spec(("batch",), rules)[0]
@@ -171,7 +172,8 @@ class Trainer:
 
     @classmethod
     def create(cls, cfg: Config, model: nnx.Module | None = None, mesh: Mesh | None = None,
-               rules: Rules | None = None) -> tuple["Trainer", TrainState]:
+               rules: Rules | None = None, tx: optax.GradientTransformation | None = None
+               ) -> tuple["Trainer", TrainState]:
         """A trainer and its initial state, created in the mesh's shardings.
 
         Args:
@@ -179,6 +181,7 @@ class Trainer:
           model: an already built (and sharded) model; its parameters become the initial policy, version 0.
           mesh: default: the mesh of ``cfg.mesh`` over all devices.
           rules: default: ``cfg.mesh.logical_axis_rules``.
+          tx: an optimizer to use instead of the one ``cfg.train`` describes.
         """
         from dora_jax.models.weights import load_model
         from dora_jax.sharding import create_mesh
@@ -190,7 +193,7 @@ class Trainer:
         graphdef, params = nnx.split(model)
         tcfg = cfg.train
         key = jax.random.key(cfg.run.seed)
-        tx = make_optimizer(tcfg)
+        tx = tx if tx is not None else make_optimizer(tcfg)
         if tcfg.lora.rank > 0:
             replicated = NamedSharding(mesh, P())
             trainable = jax.jit(lambda k: lora_lib.init_lora(params, tcfg.lora, k),
@@ -210,7 +213,7 @@ class Trainer:
                            params=trainable, frozen=frozen, opt_state=opt_state,
                            rng=jax.device_put(jax.random.key_data(jax.random.fold_in(key, 2)), scalar))
         shardings = jax.tree.map(lambda x: x.sharding, state)
-        return cls(cfg, graphdef, mesh, rules, shardings, reference), state
+        return cls(cfg, graphdef, mesh, rules, shardings, reference, tx), state
 
     # -- the step -------------------------------------------------------------------------------------------
 

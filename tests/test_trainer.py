@@ -1,0 +1,277 @@
+"""The train step on tiny models: micro-batching, sharding, staleness, LoRA, guards, bad input, and learning.
+
+References: the one-batch gradient (for micro-batches), the single-device step (for 8 fake devices), numpy
+(for LoRA merging), the engine's own log-probs (for recomputed behaviour), and chance level (for learning).
+Gradients are read off a plain SGD step with learning rate 1 (``params - new_params``).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from conftest import rel_err
+from dora_jax.config import Config, ConfigError, MeshConfig, ModelConfig, TrainConfig, LoraConfig, load_config
+from dora_jax.models.build import init_model
+from dora_jax.rollout.driver import Request, RolloutDriver
+from dora_jax.rollout.engine import Engine, RequestSampling
+from dora_jax.sharding import create_mesh
+from dora_jax.trainer import BatchError, Sample, Trainer, make_batch
+from dora_jax.trainer.lora import TARGETS
+
+MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                    head_dim=8, init_std=0.1, max_seq_len=64)
+SGD = optax.sgd(1.0)
+
+
+def _mesh(n):
+    if n == 1:
+        return create_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+    return create_mesh(MeshConfig(data=2, fsdp=2, tensor=2), jax.devices()[:8])
+
+
+def _config(**train):
+    base = dict(group_size=4, length_buckets=(16, 32), max_response_tokens=12, max_staleness=1, grad_clip=0.0)
+    base.update(train)
+    return Config(model=MODEL, train=TrainConfig(**base))
+
+
+def _samples(seed=0, groups=4, group_size=4, versions=(3,)):
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(groups):
+        for j in range(group_size):
+            p = rng.integers(1, 64, rng.integers(2, 7)).tolist()
+            r = rng.integers(1, 64, rng.integers(1, 12)).tolist()
+            out.append(Sample(sample_id=100 * g + j, group_id=7 * g + 1, version=versions[(g + j) % len(versions)],
+                              prompt_ids=p, response_ids=r, logprobs=(-rng.uniform(2, 6, len(r))).tolist(),
+                              reward=float(rng.normal())))
+    return out
+
+
+def _trainer(cfg, n_devices=1, tx=SGD, seed=0, version=3):
+    mesh = _mesh(n_devices)
+    model = init_model(cfg.model, seed=seed)
+    if n_devices > 1:
+        graphdef, params = nnx.split(model)
+        from dora_jax.models.build import state_shardings
+
+        params = jax.device_put(params, state_shardings(params, mesh, cfg.mesh.logical_axis_rules))
+        model = nnx.merge(graphdef, params)
+    trainer, state = Trainer.create(cfg, model=model, mesh=mesh, tx=tx)
+    return trainer, state.replace(version=jnp.asarray(version, jnp.int32))
+
+
+def _batch(trainer, samples, cfg):
+    return trainer.put(make_batch(samples, group_size=cfg.train.group_size, length_buckets=cfg.train.length_buckets,
+                                  row_multiple=trainer.row_multiple))
+
+
+def _grads(trainer, state, batch):
+    old = jax.tree.map(np.asarray, state.params)
+    new, metrics = trainer.train_step(state, batch)
+    return jax.tree.map(lambda o, n: o - np.asarray(n), old, new.params), metrics, new
+
+
+def _flat(tree):
+    return np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dapo", "gspo"])
+def test_micro_batched_gradient_equals_one_batch(loss):
+    samples = _samples()
+    one, s1 = _trainer(_config(loss=loss, correction="decoupled", kl_coef=0.0))
+    four, s4 = _trainer(_config(loss=loss, correction="decoupled", micro_batches=4))
+    g1, m1, _ = _grads(one, s1, _batch(one, samples, one.cfg))
+    g4, m4, _ = _grads(four, s4, _batch(four, samples, four.cfg))
+    assert np.abs(_flat(g1)).max() > 0
+    assert rel_err(_flat(g4), _flat(g1)) <= 1e-5
+    assert abs(float(m4["loss"]) - float(m1["loss"])) <= 1e-5 * abs(float(m1["loss"])) + 1e-7
+
+
+def test_sharded_step_equals_single_device():
+    cfg = _config(loss="dapo", kl_coef=0.1, micro_batches=2)
+    samples = _samples(1, versions=(2, 3))
+    single, s1 = _trainer(cfg, 1)
+    sharded, s8 = _trainer(cfg, 8)
+    assert len(s8.params["wq"][...].sharding.device_set) == 8
+    b1, b8 = _batch(single, samples, cfg), _batch(sharded, samples, cfg)
+    b1, b8 = single.with_reference(s1, b1), sharded.with_reference(s8, b8)
+    _, _, s1 = _grads(single, s1, b1)  # one step away from the reference, so the KL term is not zero
+    _, _, s8 = _grads(sharded, s8, b8)
+    g1, m1, _ = _grads(single, s1, b1)
+    g8, m8, new8 = _grads(sharded, s8, b8)
+    assert float(m1["kl"]) > 0
+    assert rel_err(_flat(g8), _flat(g1)) <= 1e-5
+    for k in ("loss", "kl", "grad_norm", "kept_tokens"):
+        assert abs(float(m8[k]) - float(m1[k])) <= 1e-5 * abs(float(m1[k])), k
+    specs = [s.spec for s in jax.tree.leaves(sharded.state_shardings.params)]
+    assert [x.sharding.spec for x in jax.tree.leaves(new8.params)] == specs
+
+
+def test_stale_samples_change_nothing_and_are_counted():
+    cfg = _config(max_staleness=1)
+    fresh = _samples(2, versions=(3, 2))  # trainer version 3: lags 0 and 1 are kept
+    trainer, state = _trainer(cfg)
+    g_fresh, m_fresh, _ = _grads(trainer, state, _batch(trainer, fresh, cfg))
+    rng = np.random.default_rng(9)
+    stale = [Sample(1000 + i, 999, 0, rng.integers(1, 64, 3).tolist(), rng.integers(1, 64, 5).tolist(),
+                    (-rng.uniform(0, 9, 5) - 1e4).tolist(), float(rng.normal() * 100)) for i in range(4)]
+    trainer2, state2 = _trainer(cfg)
+    g_mixed, m_mixed, _ = _grads(trainer2, state2, _batch(trainer2, fresh + stale, cfg))
+    assert float(m_mixed["stale_samples"]) == 4 and float(m_fresh["stale_samples"]) == 0
+    assert float(m_mixed["kept_samples"]) == len(fresh)
+    assert rel_err(_flat(g_mixed), _flat(g_fresh)) <= 1e-6
+
+
+def test_non_finite_step_leaves_state_unchanged():
+    cfg = _config(learning_rate=1e-2)
+    trainer, state = _trainer(cfg, tx=None)
+    host = make_batch(_samples(), group_size=4, length_buckets=(16, 32))
+    before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+    bad = host.replace(behaviour_logprobs=np.where(host.loss_mask > 0, np.nan, 0.0).astype(np.float32))
+    new, metrics = trainer.train_step(state, trainer.put(bad))
+    assert float(metrics["skipped"]) == 1.0
+    assert int(new.version) == 3 and int(new.step) == 1
+    after = jax.tree.map(np.asarray, (new.params, new.opt_state))
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(a, b)
+    new, metrics = trainer.train_step(new, trainer.put(host))
+    assert float(metrics["skipped"]) == 0.0 and int(new.version) == 4
+
+
+def test_lora_trains_only_adapters_and_merges():
+    cfg = _config(learning_rate=1e-2, lora=LoraConfig(rank=2, alpha=4.0, targets=("q", "o", "down")))
+    trainer, state = _trainer(cfg, tx=None)
+    base_before = jax.tree.map(np.asarray, state.frozen)
+    lora_before = jax.tree.map(np.asarray, state.params)
+    assert set(state.params) == {"wq", "wo", "w_down"}
+    new, metrics = trainer.train_step(state, _batch(trainer, _samples(), cfg))
+    new, metrics = trainer.train_step(new, _batch(trainer, _samples(5), cfg))
+    assert float(metrics["kept_samples"]) == 16 and float(metrics["skipped"]) == 0
+    for a, b in zip(jax.tree.leaves(base_before), jax.tree.leaves(new.frozen)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    for name in ("wq", "wo", "w_down"):
+        assert not np.array_equal(lora_before[name]["b"], np.asarray(new.params[name]["b"]))
+    merged = trainer.policy_params(new)
+    scale = 4.0 / 2
+    for name, (param, n_in) in TARGETS.items():
+        w = base_before[param]
+        got = np.asarray(merged[param][...])
+        if param not in new.params:
+            np.testing.assert_array_equal(got, w)
+            continue
+        a, b = np.asarray(new.params[param]["a"], np.float64), np.asarray(new.params[param]["b"], np.float64)
+        for layer in range(w.shape[0]):
+            w2 = w[layer].reshape(int(np.prod(w.shape[1:1 + n_in])), -1).astype(np.float64)
+            # HF convention: W_hf [out, in] + scale * B [out, r] @ A [r, in], with B = b^T and A = a^T
+            expected_hf = w2.T + scale * (b[layer].T @ a[layer].T)
+            assert rel_err(got[layer].reshape(w2.shape).T, expected_hf) <= 1e-6
+
+
+def test_recomputed_behaviour_equals_engine_logprobs():
+    """The missing-old-logits problem solved exactly: the training forward on the behaviour version's params
+    reproduces the log-probs the engine recorded for it."""
+    cfg = _config(behaviour_logprobs="recompute", correction="decoupled")
+    trainer, state = _trainer(cfg, version=1)
+    old = init_model(MODEL, seed=11)
+    _, old_params = nnx.split(old)
+    driver = RolloutDriver(Engine(old, max_concurrent_decodes=8, max_prefill_length=8, max_target_length=24))
+    driver.add_version(0, old_params)
+    rng = np.random.default_rng(0)
+    reqs = [Request(i, tuple(rng.integers(1, 64, 4).tolist()), version=0, max_new_tokens=10,
+                    sampling=RequestSampling(temperature=1.0, seed=3)) for i in range(8)]
+    trajs = driver.run(reqs)
+    samples = [Sample.from_trajectory(t, group_id=t.sample_id // 4, reward=float(len(t.tokens))) for t in trajs]
+    batch = _batch(trainer, samples, cfg)
+    batch = trainer.with_recomputed_behaviour(batch, {0: old_params})
+    mask = np.asarray(batch.loss_mask) > 0
+    engine_lp = np.asarray(batch.behaviour_logprobs)[mask]
+    assert rel_err(np.asarray(batch.recomputed_logprobs)[mask], engine_lp) <= 1e-4
+    _, metrics = trainer.train_step(state, batch)
+    assert 0 < float(metrics["logprob_gap_max"]) <= 1e-4 * np.abs(engine_lp).max()
+
+
+# -- bad input -------------------------------------------------------------------------------------------------
+
+
+def test_bad_batches_are_named():
+    good = _samples()
+    with pytest.raises(BatchError, match="group 8 has 3 of 4 samples"):
+        make_batch(good[:7], group_size=4, length_buckets=(32,))
+    broken = list(good)
+    broken[1] = Sample(1, 1, 3, [5, 6], [7, 8, 9], [-1.0, -2.0], 0.0)
+    with pytest.raises(BatchError, match="sample 1 .*2 log-probs for 3 response tokens"):
+        make_batch(broken, group_size=4, length_buckets=(32,))
+    broken[1] = Sample(1, 1, 3, [5, 6], [7], [-1.0], float("nan"))
+    with pytest.raises(BatchError, match="sample 1 .*reward is nan"):
+        make_batch(broken, group_size=4, length_buckets=(32,))
+    with pytest.raises(BatchError, match="exceeds the largest length bucket 8"):
+        make_batch(good, group_size=4, length_buckets=(8,))
+    cfg = _config()
+    trainer, _ = _trainer(cfg)
+    host = make_batch(good, group_size=4, length_buckets=(32,))
+    with pytest.raises(BatchError, match=r"batch.rewards has shape \(3,\)"):
+        trainer.put(host.replace(rewards=np.zeros(3, np.float32)))
+    with pytest.raises(BatchError, match=r"batch.rewards\[2\] is nan"):
+        trainer.put(host.replace(rewards=np.where(np.arange(16) == 2, np.nan, host.rewards).astype(np.float32)))
+    two, _ = _trainer(_config(micro_batches=3))
+    with pytest.raises(BatchError, match="multiple of 3"):
+        two.put(host)
+
+
+def test_bad_train_config_is_named():
+    with pytest.raises(ConfigError, match="train.loss.*allowed"):
+        load_config(None, ["train.loss=ppo"])
+    with pytest.raises(ConfigError, match="train.max_staleness"):
+        load_config(None, ["train.max_staleness=-1"])
+    with pytest.raises(ConfigError, match="train.lora.targets.*allowed"):
+        load_config(None, ["train.lora.rank=4", "train.lora.targets=[qq]"])
+
+
+# -- learning --------------------------------------------------------------------------------------------------
+
+TASK = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=8, init_std=0.02, max_seq_len=16)
+DIGITS = np.arange(2, 12)
+
+
+def _answer(d):
+    return int((d - 2 + 3) % 10 + 2)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_grpo_learns_a_verifiable_task(seed):
+    """Prompt [1, d] for a digit token d; reward 1 iff the one response token is the digit three places on
+    (mod 10). Chance is 1/16. Rollouts come from the engine at temperature 1 with the current version."""
+    cfg = Config(model=TASK, train=TrainConfig(group_size=8, learning_rate=1e-2, length_buckets=(4,),
+                                               max_response_tokens=1, max_staleness=0), run=Config().run)
+    model = init_model(TASK, seed=seed)
+    trainer, state = Trainer.create(cfg, model=model, mesh=_mesh(1))
+    driver = RolloutDriver(Engine(model, max_concurrent_decodes=64, max_prefill_length=2, max_target_length=4))
+    rng = np.random.default_rng(seed)
+    rewards, sample_id = [], 0
+    for step in range(30):
+        version = int(state.version)
+        driver.add_version(version, trainer.policy_params(state))
+        prompts = rng.choice(DIGITS, 8, replace=False)
+        reqs = []
+        for g, d in enumerate(prompts):
+            for _ in range(8):
+                reqs.append(Request(sample_id, (1, int(d)), version=version, max_new_tokens=1,
+                                    sampling=RequestSampling(temperature=1.0, seed=seed)))
+                sample_id += 1
+        trajs = driver.run(reqs)
+        driver.remove_version(version)
+        first = {r.sample_id: (g // 8, int(r.prompt_ids[1])) for g, r in enumerate(reqs)}
+        samples = [Sample.from_trajectory(t, first[t.sample_id][0], float(t.tokens[0] == _answer(first[t.sample_id][1])))
+                   for t in trajs]
+        rewards.append(np.mean([s.reward for s in samples]))
+        state, _ = trainer.train_step(state, _batch(trainer, samples, cfg))
+    logits = nnx.merge(trainer.graphdef, trainer.policy_params(state))(
+        jnp.asarray([[1, int(d)] for d in DIGITS], jnp.int32))
+    greedy_acc = float(np.mean(np.asarray(logits[:, -1].argmax(-1)) == [_answer(d) for d in DIGITS]))
+    assert np.mean(rewards[:3]) < 0.3, rewards[:3]  # starts near chance (1/16)
+    assert greedy_acc >= 0.9 and np.mean(rewards[-5:]) >= 0.6, (greedy_acc, rewards)
