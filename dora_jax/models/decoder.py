@@ -196,12 +196,27 @@ class Decoder(nnx.Module):
             logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
         return constrain(logits, ("batch", "length", "act_vocab"))
 
+    def _proj(self, p: dict[str, jax.Array], name: str, eq: str, x: jax.Array) -> jax.Array:
+        """``x @ W[name]`` plus, when ``p`` carries a low-rank adapter for it, ``scale * (x @ a) @ b``.
+
+        Applying the adapter on the activations (instead of merging it into W) keeps the backward pass free
+        of W's gradient: only the input gradient flows through W."""
+        dt = x.dtype
+        y = jnp.einsum(eq, x, p[name].astype(dt))
+        if f"lora_a:{name}" not in p:
+            return y
+        a, b = p[f"lora_a:{name}"].astype(dt), p[f"lora_b:{name}"].astype(dt)
+        n_in = a.shape[0]
+        x_flat = x.reshape(*x.shape[:2], n_in)  # [b, t, in...] -> [b, t, in]
+        delta = jnp.einsum("btr,ro->bto", jnp.einsum("bti,ir->btr", x_flat, a), b)
+        return y + (p["lora_scale"].astype(dt) * delta).reshape(y.shape)
+
     def _qkv(self, p: dict[str, jax.Array], x_btd: jax.Array, positions_bt: jax.Array):
         cfg, dt = self.cfg, x_btd.dtype
         h = rms_norm(x_btd, p["attn_norm"], cfg.rms_norm_eps)
-        q = jnp.einsum("btd,dhk->bthk", h, p["wq"].astype(dt))
-        k = jnp.einsum("btd,dhk->bthk", h, p["wk"].astype(dt))
-        v = jnp.einsum("btd,dhk->bthk", h, p["wv"].astype(dt))
+        q = self._proj(p, "wq", "btd,dhk->bthk", h)
+        k = self._proj(p, "wk", "btd,dhk->bthk", h)
+        v = self._proj(p, "wv", "btd,dhk->bthk", h)
         if cfg.qkv_bias:
             q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
         if cfg.qk_norm:
@@ -217,27 +232,31 @@ class Decoder(nnx.Module):
 
     def _finish_block(self, p: dict[str, jax.Array], x_btd: jax.Array, attn_bthd: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, x_btd.dtype
-        x = x_btd + jnp.einsum("bthk,hkd->btd", attn_bthd, p["wo"].astype(dt))
+        x = x_btd + self._proj(p, "wo", "bthk,hkd->btd", attn_bthd)
         if cfg.o_bias:
             x = x + p["bo"].astype(dt)
         x = constrain(x, ("batch", "length", "act_embed"))
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-        gate = jnp.einsum("btd,df->btf", h, p["w_gate"].astype(dt))
-        up = jnp.einsum("btd,df->btf", h, p["w_up"].astype(dt))
+        gate = self._proj(p, "w_gate", "btd,df->btf", h)
+        up = self._proj(p, "w_up", "btd,df->btf", h)
         act = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-        x = x + jnp.einsum("btf,fd->btd", act, p["w_down"].astype(dt))
+        x = x + self._proj(p, "w_down", "btf,fd->btd", act)
         return constrain(x, ("batch", "length", "act_embed"))
 
     # -- entry points --------------------------------------------------------------------------------------
 
     def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
-                 segment_ids_bt: jax.Array | None = None) -> jax.Array:
+                 segment_ids_bt: jax.Array | None = None, lora: dict[str, dict[str, jax.Array]] | None = None,
+                 lora_scale: float = 1.0) -> jax.Array:
         """Training forward. Returns float32 logits [B, T, V].
 
         Args:
           tokens_bt: int token ids.
           positions_bt: rotary positions; defaults to 0..T-1 per row. Packed rows restart them per segment.
           segment_ids_bt: tokens attend only within their own segment; 0 marks padding. Defaults to all 1.
+          lora: low-rank adapters ``{param name: {"a": [L, in, r], "b": [L, r, out]}}`` added to those
+            projections on the activations (``dora_jax.trainer.lora``); the weights themselves are unchanged.
+          lora_scale: ``alpha / r`` for ``lora``.
         """
         b, t = tokens_bt.shape
         if positions_bt is None:
@@ -253,7 +272,12 @@ class Decoder(nnx.Module):
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
             return self._finish_block(p, x, attention(q, k, v, mask_bts)), None
 
-        x, _ = jax.lax.scan(block, self._embed(tokens_bt), self._layer_params())
+        layer_params = self._layer_params()
+        for name, ab in (lora or {}).items():
+            layer_params[f"lora_a:{name}"], layer_params[f"lora_b:{name}"] = ab["a"], ab["b"]
+        if lora:
+            layer_params["lora_scale"] = jnp.full((self.cfg.num_layers,), lora_scale, jnp.float32)
+        x, _ = jax.lax.scan(block, self._embed(tokens_bt), layer_params)
         return self._logits(x)
 
     def decode(self, tokens_bt: jax.Array, positions_bt: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:

@@ -28,11 +28,15 @@ from dora_jax.trainer.state import TrainState, learning_rate_schedule, make_opti
 
 
 def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, tokens_bt: jax.Array,
-                      segment_ids_bt: jax.Array) -> jax.Array:
-    """The training forward's log-prob of every token given its prefix, [B, T] float32 (column 0 is 0)."""
+                      segment_ids_bt: jax.Array, lora: lora_lib.LoraParams | None = None,
+                      lora_scale: float = 1.0) -> jax.Array:
+    """The training forward's log-prob of every token given its prefix, [B, T] float32 (column 0 is 0).
+
+    With ``lora`` the adapters are applied on the activations (the same function as the merged weights, but
+    the backward pass never forms the base weights' gradients)."""
     b, t = tokens_bt.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    logits = nnx.merge(graphdef, params)(tokens_bt, positions, segment_ids_bt)
+    logits = nnx.merge(graphdef, params)(tokens_bt, positions, segment_ids_bt, lora=lora, lora_scale=lora_scale)
     return token_logprobs(logits, tokens_bt)
 
 
@@ -75,8 +79,10 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig,
 
         def loss_fn(trainable, mb):
             tokens, seg, mask, beh, ref, a, k = mb
-            full = lora_lib.merge(state.frozen, trainable, cfg.lora) if cfg.lora.rank > 0 else trainable
-            logp = sequence_logprobs(graphdef, full, tokens, seg)
+            if cfg.lora.rank > 0:
+                logp = sequence_logprobs(graphdef, state.frozen, tokens, seg, trainable, cfg.lora.alpha / cfg.lora.rank)
+            else:
+                logp = sequence_logprobs(graphdef, trainable, tokens, seg)
             terms = policy_loss(logp, beh, ref, mask, a, k, norms, cfg)
             return terms.loss, terms
 
