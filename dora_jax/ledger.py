@@ -1,0 +1,193 @@
+"""The sample ledger (TransferQueue): where every sample of a run is, from dispatch to training.
+
+Every sample id is in exactly one state:
+
+* ``pending``   dispatched to the rollout side with its policy version, not yet decoding;
+* ``in_flight`` decoding on its version;
+* ``finished``  generated and rewarded, waiting for the trainer;
+* ``consumed``  trained on (at which trainer version is recorded);
+* ``filtered``  never trained on, with the reason (a reward function that raised or timed out, a group
+  member filtered, ...).
+
+Samples belong to groups (the ``group_size`` samples of one prompt), all on the same version, and groups move
+to the trainer whole: a group is *ready* when every member is finished, and if any member is filtered the
+rest of the group is filtered with it. The ledger is plain data: :meth:`Ledger.to_dict` / :meth:`from_dict`
+save and restore it with run checkpoints, and :meth:`Ledger.check` verifies its invariants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+STATES = ("pending", "in_flight", "finished", "consumed", "filtered")
+
+
+class LedgerError(RuntimeError):
+    """A transition the ledger does not allow (a bug in the caller: a sample moved twice, a split group)."""
+
+
+@dataclasses.dataclass
+class Entry:
+    sample_id: int
+    group_id: int
+    version: int
+    prompt_index: int
+    state: str = "pending"
+    reason: str = ""
+    trained_at: int = -1  # trainer version the sample was consumed at
+
+
+@dataclasses.dataclass
+class Group:
+    group_id: int
+    version: int
+    prompt_index: int
+    sample_ids: list[int]
+
+
+class Ledger:
+    """Sample states, groups and the transitions between them."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, Entry] = {}
+        self.groups: dict[int, Group] = {}
+        self._counts = dict.fromkeys(STATES, 0)
+
+    # -- transitions ----------------------------------------------------------------------------------------
+
+    def add_group(self, group_id: int, sample_ids: Iterable[int], version: int, prompt_index: int) -> Group:
+        ids = list(sample_ids)
+        if group_id in self.groups:
+            raise LedgerError(f"group {group_id} was already dispatched")
+        for s in ids:
+            if s in self.entries:
+                raise LedgerError(f"sample {s} was already dispatched (group {self.entries[s].group_id})")
+        g = Group(group_id, version, prompt_index, ids)
+        self.groups[group_id] = g
+        for s in ids:
+            self.entries[s] = Entry(s, group_id, version, prompt_index)
+        self._counts["pending"] += len(ids)
+        return g
+
+    def _move(self, sample_id: int, frm: tuple[str, ...], to: str) -> Entry:
+        e = self.entries.get(sample_id)
+        if e is None:
+            raise LedgerError(f"sample {sample_id} is not in the ledger")
+        if e.state not in frm:
+            raise LedgerError(f"sample {sample_id} is {e.state}; cannot become {to}")
+        self._counts[e.state] -= 1
+        self._counts[to] += 1
+        e.state = to
+        return e
+
+    def start(self, sample_id: int) -> None:
+        self._move(sample_id, ("pending",), "in_flight")
+
+    def finish(self, sample_id: int) -> None:
+        """A generated sample with its reward. If its group already lost a member, it is filtered too."""
+        e = self._move(sample_id, ("in_flight",), "finished")
+        members = [self.entries[s] for s in self.groups[e.group_id].sample_ids]
+        causes = [m.sample_id for m in members if m.state == "filtered" and not m.reason.startswith("group member")]
+        if causes:  # name the member whose own failure filtered the group, not one that followed it
+            self._filter_one(e, f"group member {causes[0]} filtered")
+
+    def filter(self, sample_id: int, reason: str) -> None:
+        """Marks a sample filtered with ``reason``; its finished (and later-finishing) group members follow."""
+        e = self.entries.get(sample_id)
+        if e is None:
+            raise LedgerError(f"sample {sample_id} is not in the ledger")
+        if e.state in ("consumed", "filtered"):
+            raise LedgerError(f"sample {sample_id} is {e.state}; cannot be filtered")
+        self._filter_one(e, reason)
+        for s in self.groups[e.group_id].sample_ids:
+            other = self.entries[s]
+            if s != sample_id and other.state == "finished":
+                self._filter_one(other, f"group member {sample_id} filtered")
+
+    def _filter_one(self, e: Entry, reason: str) -> None:
+        self._counts[e.state] -= 1
+        self._counts["filtered"] += 1
+        e.state, e.reason = "filtered", reason
+
+    def consume(self, group_ids: Iterable[int], trainer_version: int) -> None:
+        """Hands whole ready groups to the trainer."""
+        for gid in group_ids:
+            if not self.group_ready(gid):
+                states = [self.entries[s].state for s in self.groups[gid].sample_ids]
+                raise LedgerError(f"group {gid} is not ready (member states {states})")
+            for s in self.groups[gid].sample_ids:
+                self._move(s, ("finished",), "consumed").trained_at = trainer_version
+
+    # -- queries --------------------------------------------------------------------------------------------
+
+    def count(self, state: str) -> int:
+        return self._counts[state]
+
+    def counts(self) -> dict[str, int]:
+        return dict(self._counts)
+
+    def group_ready(self, group_id: int) -> bool:
+        return all(self.entries[s].state == "finished" for s in self.groups[group_id].sample_ids)
+
+    def group_done(self, group_id: int) -> bool:
+        """Every member consumed or filtered: nothing more will happen to this group."""
+        return all(self.entries[s].state in ("consumed", "filtered") for s in self.groups[group_id].sample_ids)
+
+    def outstanding(self) -> dict[int, int]:
+        """Samples not yet consumed or filtered, per version."""
+        out: dict[int, int] = {}
+        for e in self.entries.values():
+            if e.state in ("pending", "in_flight", "finished"):
+                out[e.version] = out.get(e.version, 0) + 1
+        return out
+
+    def filtered_reasons(self) -> dict[int, str]:
+        return {s: e.reason for s, e in self.entries.items() if e.state == "filtered"}
+
+    # -- persistence and invariants ---------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"groups": [[g.group_id, g.version, g.prompt_index, g.sample_ids] for g in self.groups.values()],
+                "entries": [[e.sample_id, e.state, e.reason, e.trained_at] for e in self.entries.values()]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Ledger":
+        led = cls()
+        for gid, version, prompt_index, ids in data["groups"]:
+            led.add_group(gid, ids, version, prompt_index)
+        for sid, state, reason, trained_at in data["entries"]:
+            e = led.entries[sid]
+            if state not in STATES:
+                raise LedgerError(f"saved ledger: sample {sid} has unknown state {state!r}")
+            led._counts[e.state] -= 1
+            led._counts[state] += 1
+            e.state, e.reason, e.trained_at = state, reason, trained_at
+        led.check()
+        return led
+
+    def check(self, max_staleness: int | None = None) -> None:
+        """Raises :class:`LedgerError` unless every invariant holds: one state per sample, counts right,
+        groups whole (all members consumed together or the group filtered), filtered samples with a reason,
+        and (given ``max_staleness``) every consumed sample trained within the bound."""
+        counts = dict.fromkeys(STATES, 0)
+        for e in self.entries.values():
+            counts[e.state] += 1
+            if e.state == "filtered" and not e.reason:
+                raise LedgerError(f"sample {e.sample_id} is filtered without a reason")
+            if e.state == "consumed" and max_staleness is not None:
+                lag = e.trained_at - e.version
+                if not 0 <= lag <= max_staleness:
+                    raise LedgerError(f"sample {e.sample_id} (version {e.version}) was trained at version "
+                                      f"{e.trained_at}: lag {lag} outside [0, {max_staleness}]")
+        if counts != self._counts:
+            raise LedgerError(f"state counts {self._counts} do not match the entries {counts}")
+        for g in self.groups.values():
+            states = {self.entries[s].state for s in g.sample_ids}
+            versions = {self.entries[s].version for s in g.sample_ids}
+            if versions != {g.version}:
+                raise LedgerError(f"group {g.group_id} mixes versions {sorted(versions)}")
+            if "consumed" in states and states != {"consumed"}:
+                raise LedgerError(f"group {g.group_id} was split: member states {sorted(states)}")
+            if "consumed" in states and len({self.entries[s].trained_at for s in g.sample_ids}) != 1:
+                raise LedgerError(f"group {g.group_id} was trained in more than one update")

@@ -1,0 +1,203 @@
+"""The scheduler and the ledger under random completion orders, lengths and filtering (hypothesis).
+
+A fake rollout side with a fixed number of slots decodes one token per step for every admitted sample; each
+sample's length is drawn at dispatch; a few samples are filtered (a reward function failing). The
+invariants of promises 2-4 are checked after every event, and the run must finish (no deadlock).
+"""
+
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from dora_jax.ledger import Ledger, LedgerError
+from dora_jax.scheduler import SchedulePolicy, ScheduleError, Scheduler
+
+
+def simulate(policy: SchedulePolicy, slots: int, seed: int, filter_p: float = 0.0, max_len: int = 40):
+    rng = random.Random(seed)
+    sched = Scheduler(policy)
+    led = sched.ledger
+    pending: dict[int, list[int]] = {}  # version -> sample ids waiting for a slot
+    remaining: dict[int, int] = {}  # in-flight sample -> tokens left
+    max_live_versions, trained_lags = 0, []
+    for _ in range(100_000):
+        if sched.done():
+            break
+        free = slots - len(remaining)
+        alloc = sched.assign_slots(free, {v: len(ids) for v, ids in pending.items()})
+        assert sum(alloc.values()) <= free
+        for v, n in alloc.items():
+            for s in pending[v][:n]:
+                led.start(s)
+                # long-tailed: mostly short, a few very long
+                remaining[s] = rng.randint(1, 4) if rng.random() < 0.85 else rng.randint(max_len // 2, max_len)
+            pending[v] = pending[v][n:]
+        for s in list(remaining):
+            remaining[s] -= 1
+            if remaining[s] == 0:
+                del remaining[s]
+                if rng.random() < filter_p:
+                    led.filter(s, "reward function raised")
+                else:
+                    led.finish(s)
+        live = set(led.outstanding()) | {sched.version}
+        max_live_versions = max(max_live_versions, len(live))
+        assert max(live) - min(live) <= policy.bound, (live, sched.version)
+        # As in the runner: new work is dispatched before the trainer takes its batch, so in one_step_off
+        # the next batch starts on the version the trainer is about to update.
+        for g in sched.dispatch():
+            assert g.version == sched.version  # new prompts only on the newest version
+            pending.setdefault(g.version, []).extend(g.sample_ids)
+        batch = sched.next_batch()
+        if batch:
+            version = sched.version
+            for gid in batch:
+                for s in led.groups[gid].sample_ids:
+                    trained_lags.append(version - led.entries[s].version)
+            sched.trained(batch)
+        led.check(policy.bound)
+    else:
+        raise AssertionError(f"no progress: {led.counts()}, version {sched.version}")
+    return sched, max_live_versions, trained_lags
+
+
+policies = st.builds(
+    lambda mode, k, g, tb_groups, extra, steps: SchedulePolicy(
+        mode=mode, max_staleness=max(k, 1 if mode == "one_step_off" else 0), group_size=g,
+        train_batch=g * tb_groups,
+        rollout_batch=min(g * (tb_groups + extra), (max(k, 1 if mode == "one_step_off" else 0) + 1) * g * tb_groups), total_samples=g * tb_groups * steps),
+    mode=st.sampled_from(["sync", "one_step_off", "dora"]), k=st.integers(0, 3), g=st.integers(1, 4),
+    tb_groups=st.integers(1, 4), extra=st.integers(0, 6), steps=st.integers(1, 6))
+
+
+@settings(max_examples=150, deadline=None)
+@given(policy=policies, slots=st.integers(1, 24), seed=st.integers(0, 10**6),
+       filter_p=st.sampled_from([0.0, 0.0, 0.05, 0.3]))
+def test_invariants_under_random_completions(policy, slots, seed, filter_p):
+    sched, max_live, lags = simulate(policy, slots, seed, filter_p)
+    led = sched.ledger
+    counts = led.counts()
+    # Integrity: nothing left behind, every sample consumed once or filtered with a reason.
+    assert counts["pending"] == counts["in_flight"] == counts["finished"] == 0, counts
+    assert counts["consumed"] + counts["filtered"] == len(led.entries)
+    assert counts["consumed"] == sched.trained_samples == policy.total_samples
+    assert all(led.filtered_reasons().values())
+    # Bounded staleness and residency.
+    assert all(0 <= lag <= policy.bound for lag in lags)
+    assert max_live <= policy.bound + 1
+    # Groups whole, one version per group.
+    led.check(policy.bound)
+
+
+def test_dora_uses_staleness_and_sync_does_not():
+    k2 = SchedulePolicy("dora", max_staleness=2, rollout_batch=24, train_batch=8, group_size=4, total_samples=96)
+    _, live, lags = simulate(k2, slots=16, seed=1)
+    assert max(lags) == 2 and live == 3  # the window is used in full, never exceeded
+    sync = SchedulePolicy("sync", max_staleness=2, rollout_batch=8, train_batch=8, group_size=4, total_samples=96)
+    _, live, lags = simulate(sync, slots=16, seed=1)
+    assert set(lags) == {0} and live == 1
+    off = SchedulePolicy("one_step_off", max_staleness=1, rollout_batch=8, train_batch=8, group_size=4,
+                         total_samples=96)
+    _, live, lags = simulate(off, slots=16, seed=1)
+    assert set(lags) == {0, 1} and live == 2
+
+
+def test_assign_slots_is_proportional_and_exact():
+    s = Scheduler(SchedulePolicy("dora", 2, 16, 8, 4, 64))
+    assert s.assign_slots(10, {0: 30, 1: 10}) == {0: 8, 1: 2}  # hand-computed: 7.5 / 2.5, tie to older
+    assert s.assign_slots(10, {0: 3, 1: 2}) == {0: 3, 1: 2}  # everything fits
+    assert s.assign_slots(0, {0: 3}) == {}
+    assert s.assign_slots(3, {0: 1, 1: 1, 2: 1, 3: 1}) == {0: 1, 1: 1, 2: 1}
+
+
+def test_window_waits_for_the_oldest_version():
+    """K = 1: a group of version 0 still decoding blocks the update to version 2."""
+    s = Scheduler(SchedulePolicy("dora", max_staleness=1, rollout_batch=8, train_batch=4, group_size=4,
+                                 total_samples=64))
+    led = s.ledger
+    slow, fast = s.dispatch()  # two groups on version 0
+    for sid in fast.sample_ids:
+        led.start(sid)
+        led.finish(sid)
+    for sid in slow.sample_ids:
+        led.start(sid)
+    s.trained(s.next_batch())  # version 0 -> 1: slow (version 0) stays within K = 1
+    (g1,) = s.dispatch()
+    assert g1.version == 1
+    for sid in g1.sample_ids:
+        led.start(sid)
+        led.finish(sid)
+    assert s.next_batch() is None  # training g1 would move to version 2 and strand `slow` at lag 2
+    for sid in slow.sample_ids:
+        led.finish(sid)
+    assert s.next_batch() == [slow.group_id]  # oldest version first
+    s.trained([slow.group_id])
+    assert s.next_batch() == [g1.group_id]
+
+
+def test_no_version_is_left_with_more_work_than_its_remaining_updates():
+    """K = 2, TBS = one group, RBS = three. Training a newer ready group while two groups of version 0 are
+    still decoding would leave version 0 with two groups but only one update (at version 2) able to take
+    them: a deadlock two updates later. The scheduler must wait instead."""
+    s = Scheduler(SchedulePolicy("dora", max_staleness=2, rollout_batch=12, train_batch=4, group_size=4,
+                                 total_samples=64))
+    led = s.ledger
+
+    def run(group, finish=True):
+        for sid in group.sample_ids:
+            led.start(sid)
+            if finish:
+                led.finish(sid)
+
+    a, b, c = s.dispatch()
+    run(a)
+    run(b, finish=False)
+    run(c, finish=False)
+    assert s.next_batch() == [a.group_id]  # 8 samples of version 0 left, 2 updates (v1, v2) can take them
+    s.trained([a.group_id])
+    (d,) = s.dispatch()
+    run(d)
+    assert s.next_batch() is None  # training d would leave 8 samples of version 0 for the single update v2
+    for sid in b.sample_ids:
+        led.finish(sid)
+    assert s.next_batch() == [b.group_id]
+    s.trained([b.group_id])
+    for sid in c.sample_ids:
+        led.finish(sid)
+    assert s.next_batch() == [c.group_id]  # the window's oldest version drains first
+
+
+def test_ledger_rejects_bad_transitions_and_filters_whole_groups():
+    led = Ledger()
+    led.add_group(0, [0, 1, 2], version=0, prompt_index=0)
+    with pytest.raises(LedgerError, match="group 0 was already dispatched"):
+        led.add_group(0, [3], 0, 1)
+    with pytest.raises(LedgerError, match="sample 1 was already dispatched"):
+        led.add_group(1, [1], 0, 1)
+    with pytest.raises(LedgerError, match="sample 0 is pending; cannot become finished"):
+        led.finish(0)
+    for s in (0, 1, 2):
+        led.start(s)
+    led.finish(0)
+    led.filter(1, "reward timed out after 5s")
+    led.finish(2)
+    assert led.filtered_reasons() == {0: "group member 1 filtered", 1: "reward timed out after 5s",
+                                      2: "group member 1 filtered"}
+    with pytest.raises(LedgerError, match="group 0 is not ready"):
+        led.consume([0], 0)
+    restored = Ledger.from_dict(led.to_dict())
+    assert restored.counts() == led.counts() and restored.filtered_reasons() == led.filtered_reasons()
+
+
+def test_bad_policies_are_named():
+    with pytest.raises(ScheduleError, match="mode 'async'"):
+        Scheduler(SchedulePolicy("async", 1, 8, 8, 4, 8))
+    with pytest.raises(ScheduleError, match="train_batch 6: must be a positive multiple of the group size 4"):
+        Scheduler(SchedulePolicy("dora", 1, 8, 6, 4, 12))
+    with pytest.raises(ScheduleError, match="rollout_batch 4: must be >= train_batch 8"):
+        Scheduler(SchedulePolicy("dora", 1, 4, 8, 4, 8))
+    with pytest.raises(ScheduleError, match=r"rollout_batch 18: must be <= \(max_staleness \+ 1\) \* train_batch = 12"):
+        Scheduler(SchedulePolicy("dora", 0, 18, 12, 3, 60))
+    with pytest.raises(ScheduleError, match="one_step_off .* max_staleness must be >= 1"):
+        Scheduler(SchedulePolicy("one_step_off", 0, 8, 8, 4, 8))
