@@ -172,6 +172,27 @@ class Tokenizer:
             json.dump(conf, f, indent=1)
 
 
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255, for small randomly initialized models that come with no tokenizer.
+
+    It has no end-of-sequence id (responses run to their length budget) and a plain ``Q: ... A:`` chat
+    format, so tasks written in text run unchanged on test-sized models.
+    """
+
+    eos_ids: tuple[int, ...] = ()
+    vocab_size = 256
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        text = "".join(f"{'Q' if m['role'] == 'user' else m['role']}: {m['content']}\n" for m in messages)
+        return text + ("A: " if add_generation_prompt else "")
+
+
 def _read_json(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         return {}

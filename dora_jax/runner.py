@@ -1,0 +1,343 @@
+"""The training run: scheduler, rollout engine, rewards and trainer in one process.
+
+The loop, one iteration per decode step::
+
+    dispatch   new groups from the scheduler, on the newest version (tokenized prompts wait per version)
+    admit      free decode slots shared between versions in proportion to their waiting work
+    decode     one step of every version's decode group; finished trajectories go to the reward pool
+    rewards    finished rewards move samples to ``finished`` (or ``filtered`` with the reason)
+    dispatch   again, so that in ``one_step_off`` the next batch starts on the version being trained
+    train      when the scheduler hands out a batch (whole groups, staleness within K): one train step,
+               the new version is published to the rollout side, drained versions are dropped
+
+Rollout and trainer share one device set and take turns (time-sharing). The trainer never waits for a
+batch's slowest member in ``dora`` mode: new prompts keep the decode slots full on the newest version while
+the old versions' long trajectories finish, and a batch trains as soon as it is ready.
+
+Every decision about *what* to run is the scheduler's (:mod:`dora_jax.scheduler`), and every sample's state
+is in its ledger; the runner only executes them and measures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections import deque
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from dora_jax.config import Config
+from dora_jax.metrics import MetricsWriter
+from dora_jax.rewards import RewardPool
+from dora_jax.rollout.driver import Request, RolloutDriver, Trajectory
+from dora_jax.rollout.engine import Engine, RequestSampling, bucket
+from dora_jax.scheduler import SchedulePolicy, Scheduler
+from dora_jax.tasks import Item, Task, load_task
+from dora_jax.trainer import Sample, Trainer, make_batch
+
+
+class RunError(RuntimeError):
+    """A run that cannot continue: the message names what and where."""
+
+
+@dataclasses.dataclass
+class _Done:
+    """A finished trajectory waiting for (or holding) its reward."""
+
+    traj: Trajectory
+    group_id: int
+    item: Item
+    text: str
+    reward: float = 0.0
+    correct: bool = False
+
+
+def _percentile(xs: list[int], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else 0.0
+
+
+class Runner:
+    """One training run in ``cfg.dora.mode`` on ``cfg.task``, writing into ``run_dir``.
+
+    Args:
+      cfg: the whole config (validated here).
+      run_dir: where ``metrics.jsonl``, ``samples.jsonl``, ``ledger.json`` and ``summary.json`` go.
+      model, tokenizer: an already built model (default: ``cfg.model``'s weights or random init) and its
+        tokenizer (default: the weights' own; a :class:`~dora_jax.tokenizer.ByteTokenizer` for models
+        without one).
+      task: default ``load_task(cfg.task)``.
+      keep_versions: keep every published version's params in ``self.versions_seen`` (tests recompute each
+        trajectory's log-probs on its own version with them).
+      progress: show a progress bar.
+    """
+
+    def __init__(self, cfg: Config, run_dir: str, *, model: Any = None, tokenizer: Any = None,
+                 task: Task | None = None, keep_versions: bool = False, progress: bool = True):
+        from dora_jax.models.weights import load_model
+        from dora_jax.sharding import create_mesh
+        from dora_jax.tokenizer import ByteTokenizer
+
+        cfg.validate()
+        self.cfg, self.run_dir, self.progress = cfg, run_dir, progress
+        if os.path.exists(os.path.join(run_dir, "summary.json")):
+            raise RunError(f"{run_dir} already holds a finished run (summary.json); choose another run.name or "
+                           "run.out_dir")
+        os.makedirs(run_dir, exist_ok=True)
+        self.task = task if task is not None else load_task(cfg.task)
+        mesh = create_mesh(cfg.mesh)
+        if model is None:
+            model, tokenizer = load_model(cfg.model, mesh, cfg.mesh.logical_axis_rules, seed=cfg.run.seed,
+                                          progress=progress)
+        if tokenizer is None:
+            if cfg.model.vocab_size < 256:
+                raise RunError(f"model.weights={cfg.model.weights!r} has no tokenizer and vocab_size "
+                               f"{cfg.model.vocab_size} < 256 is too small for byte tokens")
+            tokenizer = ByteTokenizer()
+        self.tokenizer = tokenizer
+        self.trainer, self.state = Trainer.create(cfg, model=model, mesh=mesh)
+        r = cfg.rollout
+        target = min(bucket(r.max_prompt_len + r.max_new_tokens), cfg.model.max_seq_len)
+        self.engine = Engine(model, max_concurrent_decodes=r.slots, max_prefill_length=r.max_prompt_len,
+                             max_target_length=target, mesh=mesh)
+        self.sampling = RequestSampling(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=r.seed)
+        self.driver = RolloutDriver(self.engine, eos_ids=tokenizer.eos_ids)
+        d, t = cfg.dora, cfg.train
+        self.policy = SchedulePolicy(mode=d.mode, max_staleness=t.max_staleness, rollout_batch=d.rollout_batch,
+                                     train_batch=d.train_batch, group_size=t.group_size,
+                                     total_samples=d.train_batch * d.steps)
+        self.sched = Scheduler(self.policy)
+        self.rewards = RewardPool(cfg.task.reward_workers, cfg.task.reward_timeout_s)
+        self.keep_versions = keep_versions
+        self.versions_seen: dict[int, Any] = {}
+        self._params: dict[int, Any] = {}  # resident versions (the driver's and the recompute path's)
+        self._waiting: dict[int, deque[Request]] = {}
+        self._items: dict[int, tuple[int, Item]] = {}  # sample id -> (group id, item)
+        self._done: dict[int, _Done] = {}
+        self._publish(0, self.trainer.policy_params(self.state))
+        self.max_resident = 1
+
+    # -- versions -------------------------------------------------------------------------------------------
+
+    def _publish(self, version: int, params: Any) -> None:
+        self._params[version] = params
+        self.driver.add_version(version, params)
+        if self.keep_versions:
+            self.versions_seen[version] = params
+
+    def _drop_drained(self) -> None:
+        live = set(self.sched.live_versions())
+        for v in list(self._params):
+            if v not in live and not self._waiting.get(v) and not self.driver.in_flight().get(v):
+                self.driver.remove_version(v)
+                del self._params[v]
+
+    # -- rollout side ---------------------------------------------------------------------------------------
+
+    def _prompt_ids(self, item: Item) -> list[int]:
+        messages = [{"role": "user", "content": item.prompt}]
+        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    def _dispatch(self) -> int:
+        """Tokenizes newly dispatched groups into per-version waiting queues; returns how many groups."""
+        led, r = self.sched.ledger, self.cfg.rollout
+        groups = self.sched.dispatch()
+        for g in groups:
+            item = self.task.train_item(g.prompt_index)
+            ids = self._prompt_ids(item)
+            if len(ids) > r.max_prompt_len:
+                led.filter(g.sample_ids[0], f"prompt {g.prompt_index} has {len(ids)} tokens > "
+                                            f"rollout.max_prompt_len {r.max_prompt_len}")
+                for sid in g.sample_ids[1:]:
+                    led.filter(sid, f"group member {g.sample_ids[0]} filtered")
+                continue
+            budget = min(item.max_new_tokens or r.max_new_tokens, r.max_new_tokens)
+            q = self._waiting.setdefault(g.version, deque())
+            for sid in g.sample_ids:
+                self._items[sid] = (g.group_id, item)
+                q.append(Request(sid, tuple(ids), version=g.version, max_new_tokens=budget, sampling=self.sampling))
+        return len(groups)
+
+    def _admit(self) -> None:
+        busy = sum(self.driver.in_flight().values())
+        waiting = {v: len(q) for v, q in self._waiting.items() if q}
+        for v, n in self.sched.assign_slots(self.cfg.rollout.slots - busy, waiting).items():
+            for _ in range(n):
+                req = self._waiting[v].popleft()
+                self.driver.submit(req)
+                self.sched.ledger.start(req.sample_id)
+
+    def _score(self, item: Item, text: str) -> tuple[float, bool]:
+        s = self.task.score(item, text)
+        return s.reward, s.correct
+
+    def _on_finished(self, traj: Trajectory) -> None:
+        group_id, item = self._items[traj.sample_id]
+        text = self.tokenizer.decode(traj.tokens, skip_special_tokens=True)
+        self._done[traj.sample_id] = _Done(traj, group_id, item, text)
+        self.rewards.submit(traj.sample_id, self._score, item, text)
+
+    def _collect_rewards(self, wait_s: float = 0.0) -> None:
+        led = self.sched.ledger
+        for res in self.rewards.poll(wait_s):
+            if res.error:
+                led.filter(res.key, res.error)
+            else:
+                d = self._done[res.key]
+                d.reward, d.correct = res.reward, res.correct
+                led.finish(res.key)
+
+    # -- trainer side ---------------------------------------------------------------------------------------
+
+    def _train(self, group_ids: list[int]) -> dict[str, Any]:
+        led, t = self.sched.ledger, self.cfg.train
+        done = [self._done[s] for g in group_ids for s in led.groups[g].sample_ids]
+        samples = [Sample.from_trajectory(d.traj, d.group_id, d.reward) for d in done]
+        batch = make_batch(samples, group_size=t.group_size, length_buckets=t.length_buckets,
+                           row_multiple=self.trainer.row_multiple)
+        batch = self.trainer.put(batch)
+        if t.behaviour_logprobs == "recompute" or t.correction == "decoupled":
+            batch = self.trainer.with_recomputed_behaviour(batch, self._params)
+        if t.kl_coef > 0:
+            batch = self.trainer.with_reference(self.state, batch)
+        version = self.sched.version
+        self.state, metrics = self.trainer.train_step(self.state, batch)
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        lags: dict[str, int] = {}
+        for d in done:
+            lag = str(version - d.traj.version)
+            lags[lag] = lags.get(lag, 0) + 1
+        self.sched.trained(group_ids)
+        self._publish(self.sched.version, self.trainer.policy_params(self.state))
+        lengths = [len(d.traj.tokens) for d in done]
+        with open(os.path.join(self.run_dir, "samples.jsonl"), "a", encoding="utf-8") as f:
+            for d in done:
+                f.write(json.dumps({"sample_id": d.traj.sample_id, "group_id": d.group_id,
+                                    "version": d.traj.version, "trained_at": version, "reward": d.reward,
+                                    "correct": d.correct, "prompt_ids": d.traj.prompt_ids,
+                                    "tokens": d.traj.tokens, "logprobs": d.traj.logprobs,
+                                    "finish_reason": d.traj.finish_reason, "text": d.text}) + "\n")
+        for d in done:
+            del self._done[d.traj.sample_id]
+        return {"reward": float(np.mean([d.reward for d in done])),
+                "accuracy": float(np.mean([d.correct for d in done])),
+                "len_mean": float(np.mean(lengths)), "len_p50": _percentile(lengths, 50),
+                "len_p99": _percentile(lengths, 99), "len_max": int(max(lengths)),
+                "trained_tokens": int(sum(len(d.traj.tokens) + len(d.traj.prompt_ids) for d in done)),
+                "staleness": lags, "staleness_mean": float(np.mean([int(k) for k, n in lags.items() for _ in range(n)])),
+                "staleness_max": max(int(k) for k in lags), "train": metrics}
+
+    # -- evaluation -----------------------------------------------------------------------------------------
+
+    def evaluate(self, version: int | None = None) -> dict[str, float]:
+        """Greedy answers to the task's held-out set with one version's params (default: the newest)."""
+        items = self.task.eval_items()
+        if not items:
+            return {"accuracy": float("nan"), "reward": float("nan"), "n": 0}
+        version = self.sched.version if version is None else version
+        driver = RolloutDriver(self.engine, eos_ids=self.tokenizer.eos_ids)
+        driver.add_version(version, self._params[version])
+        greedy = RequestSampling(temperature=0.0)
+        n_new = self.cfg.task.eval_max_new_tokens
+        reqs = [Request(i, tuple(self._prompt_ids(it)), version=version,
+                        max_new_tokens=min(it.max_new_tokens or n_new, n_new), sampling=greedy)
+                for i, it in enumerate(items)]
+        trajs = sorted(driver.run(reqs), key=lambda t: t.sample_id)
+        scores = [self.task.score(it, self.tokenizer.decode(t.tokens, skip_special_tokens=True))
+                  for it, t in zip(items, trajs)]
+        return {"accuracy": float(np.mean([s.correct for s in scores])),
+                "reward": float(np.mean([s.reward for s in scores])), "n": len(items),
+                "len_mean": float(np.mean([len(t.tokens) for t in trajs]))}
+
+    # -- the loop -------------------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Trains ``cfg.dora.steps`` updates, evaluating before and after; returns (and writes) the summary."""
+        cfg = self.cfg
+        with open(os.path.join(self.run_dir, "config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=1)
+        t_eval = time.perf_counter()
+        before = self.evaluate(0)
+        eval_s = time.perf_counter() - t_eval
+        writer = MetricsWriter(self.run_dir)
+        bar = tqdm(total=cfg.dora.steps, desc=f"{cfg.dora.mode} K={self.policy.bound}", unit="update",
+                   disable=not self.progress)
+        t0 = last = time.perf_counter()
+        train_total = rollout_s = 0.0
+        gen_tokens = live_rows = slot_rows = 0
+        total_gen = 0
+        led = self.sched.ledger
+        while not self.sched.done():
+            self._dispatch()
+            self._admit()
+            if not self.driver.idle:
+                ts = time.perf_counter()
+                before_rows = self.driver.rows_live
+                for traj in self.driver.step():
+                    self._on_finished(traj)
+                rollout_s += time.perf_counter() - ts
+                step_rows = self.driver.rows_live - before_rows
+                gen_tokens += step_rows
+                live_rows += step_rows
+                slot_rows += cfg.rollout.slots
+            self._collect_rewards()
+            self._dispatch()
+            self._drop_drained()
+            self.max_resident = max(self.max_resident, len(self._params))
+            batch = self.sched.next_batch()
+            if batch is None:
+                if self.driver.idle and not any(self._waiting.values()):
+                    if self.rewards.outstanding:
+                        self._collect_rewards(wait_s=0.05)
+                    elif not self._dispatch() and not led.count("finished"):
+                        raise RunError(f"no progress possible at version {self.sched.version}: ledger "
+                                       f"{led.counts()}")
+                continue
+            in_flight = {str(v): n for v, n in sorted(led.outstanding().items())}
+            ts = time.perf_counter()
+            row = self._train(batch)
+            now = time.perf_counter()
+            train_s = now - ts
+            train_total += train_s
+            step_s = now - last
+            total_gen += gen_tokens
+            row.update({
+                "step": self.sched.version, "version": self.sched.version, "wall_s": now - t0, "step_s": step_s,
+                "train_s": train_s, "rollout_s": rollout_s, "rollout_share": max(0.0, 1 - train_s / step_s),
+                "trainer_idle_fraction": 1 - train_total / (now - t0), "gen_tok_s": gen_tokens / step_s,
+                "train_tok_s": row["trained_tokens"] / step_s, "in_flight": in_flight,
+                "resident_versions": len(self._params), "slot_occupancy": live_rows / max(slot_rows, 1),
+                "slot_utilization": self.driver.slot_utilization, "filtered": led.count("filtered")})
+            writer.write(row)
+            bar.set_postfix(reward=f"{row['reward']:.2f}", acc=f"{row['accuracy']:.2f}",
+                            lag=f"{row['staleness_mean']:.1f}", gen=f"{row['gen_tok_s']:.0f}tok/s")
+            bar.update(1)
+            last, rollout_s, gen_tokens, live_rows, slot_rows = now, 0.0, 0, 0, 0
+        bar.close()
+        wall = time.perf_counter() - t0
+        writer.close()
+        led.check(self.policy.bound)
+        with open(os.path.join(self.run_dir, "ledger.json"), "w") as f:
+            json.dump(self.sched.state_dict(), f)
+        t_eval = time.perf_counter()
+        after = self.evaluate()
+        eval_s += time.perf_counter() - t_eval
+        counts = led.counts()
+        summary = {
+            "mode": cfg.dora.mode, "max_staleness": self.policy.bound, "task": self.task.name,
+            "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
+            "reward_before": before["reward"], "reward_after": after["reward"], "eval_n": before["n"],
+            "steps": self.sched.version, "samples": counts["consumed"], "filtered": counts["filtered"],
+            "filtered_reasons": sorted(set(led.filtered_reasons().values()))[:20],
+            "wall_s": wall, "eval_s": eval_s, "train_s": train_total,
+            "samples_per_s": counts["consumed"] / wall, "gen_tok_s": total_gen / wall,
+            "trainer_idle_fraction": 1 - train_total / wall, "max_resident_versions": self.max_resident,
+            "slot_utilization": self.driver.slot_utilization, "config_fingerprint": cfg.fingerprint(),
+        }
+        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        return summary

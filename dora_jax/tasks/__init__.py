@@ -1,0 +1,75 @@
+"""Verifiable tasks: prompts with known answers and the reward functions that check responses.
+
+A task is plain Python (no JAX): it hands out training items by index (so the data position is one integer
+that checkpoints can save), a fixed held-out evaluation set, and a ``score`` that turns a response into a
+reward. Built in: ``arithmetic`` (mixed difficulty), ``gsm8k`` (the user's own JSONL file) and ``longtail``
+(synthetic, with long-tailed length budgets: the workload of the schedule benchmarks). Anything else
+by import path: ``task.name: "my_pkg.my_mod:make_task"`` (a callable taking the :class:`TaskConfig` and
+returning a :class:`Task`); ``task.reward: "my_pkg.my_mod:reward"`` replaces a task's reward with
+``reward(prompt, response, answer) -> float``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from dora_jax.config import ConfigError, TaskConfig
+from dora_jax.tasks.base import Item, Score, Task, last_number
+from dora_jax.tasks.arithmetic import ArithmeticTask
+from dora_jax.tasks.gsm8k import JsonlTask
+from dora_jax.tasks.synthetic import LongTailTask
+
+__all__ = ["ArithmeticTask", "Item", "JsonlTask", "LongTailTask", "Score", "Task", "import_object", "last_number", "load_task"]
+
+
+def import_object(path: str, where: str) -> Callable:
+    """``"package.module:attribute"`` -> the attribute, with an error naming ``where`` the path came from."""
+    module, sep, attr = path.partition(":")
+    if not sep or not module or not attr:
+        raise ConfigError(f"{where}: {path!r} is not an import path; expected 'package.module:attribute'")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"{where}: cannot import module {module!r} ({e})") from e
+    if not hasattr(mod, attr):
+        raise ConfigError(f"{where}: module {module!r} has no attribute {attr!r}")
+    obj = getattr(mod, attr)
+    if not callable(obj):
+        raise ConfigError(f"{where}: {path!r} is not callable")
+    return obj
+
+
+class _CustomReward(Task):
+    """A task whose reward comes from a user function; everything else from the wrapped task."""
+
+    def __init__(self, task: Task, fn: Callable[[str, str, str], float], path: str):
+        self.task, self.fn, self.path = task, fn, path
+        self.name = f"{task.name}+{path}"
+
+    def train_item(self, index: int) -> Item:
+        return self.task.train_item(index)
+
+    def eval_items(self) -> list[Item]:
+        return self.task.eval_items()
+
+    def score(self, item: Item, response: str) -> Score:
+        reward = self.fn(item.prompt, response, item.answer)
+        return Score(float(reward), float(reward) > 0 and self.task.score(item, response).correct)
+
+
+def load_task(cfg: TaskConfig) -> Task:
+    """The task ``cfg.name`` names, with ``cfg.reward`` applied when set."""
+    if cfg.name == "arithmetic":
+        task: Task = ArithmeticTask(seed=cfg.seed, eval_size=cfg.eval_size, levels=cfg.levels)
+    elif cfg.name == "longtail":
+        task = LongTailTask(seed=cfg.seed, eval_size=cfg.eval_size, max_len=cfg.longtail_max_len)
+    elif cfg.name == "gsm8k":
+        task = JsonlTask(cfg.path, eval_size=cfg.eval_size, seed=cfg.seed)
+    else:
+        task = import_object(cfg.name, "task.name")(cfg)
+        if not isinstance(task, Task):
+            raise ConfigError(f"task.name: {cfg.name!r} returned {type(task).__name__}, not a dora_jax.tasks.Task")
+    if cfg.reward:
+        task = _CustomReward(task, import_object(cfg.reward, "task.reward"), cfg.reward)
+    return task
