@@ -299,6 +299,92 @@ class TrainConfig:
         self.lora.validate(f"{path}.lora")
 
 
+_MODES = ("sync", "one_step_off", "dora")
+_TASK_LEVELS = ("add1", "add2", "sub2", "mul1", "mul21", "add3")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """The rollout engine of a training run: decode slots, lengths and sampling of every trajectory."""
+
+    slots: int = 16
+    max_prompt_len: int = 128
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def validate(self, path: str = "rollout") -> None:
+        for name in ("slots", "max_prompt_len", "max_new_tokens"):
+            if getattr(self, name) <= 0:
+                _fail(f"{path}.{name}", getattr(self, name), "must be a positive integer")
+        if not (self.temperature > 0 and self.temperature < 100):
+            _fail(f"{path}.temperature", self.temperature, "must be in (0, 100): RL samples, it does not decode "
+                  "greedily")
+        if self.top_k < 0:
+            _fail(f"{path}.top_k", self.top_k, "must be >= 0 (0 disables top-k)")
+        if not 0 < self.top_p <= 1:
+            _fail(f"{path}.top_p", self.top_p, "must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class DoraConfig:
+    """The schedule: ``mode``, rollout batch RBS (samples in flight or waiting for the trainer), train batch
+    TBS (samples per update) and the number of updates. The staleness bound K and the group size G are
+    ``train.max_staleness`` and ``train.group_size``: the trainer enforces the same bound the schedule keeps."""
+
+    mode: str = "dora"
+    rollout_batch: int = 32
+    train_batch: int = 16
+    steps: int = 10
+
+    def validate(self, path: str = "dora") -> None:
+        if self.mode not in _MODES:
+            _fail(f"{path}.mode", self.mode, f"allowed: {', '.join(_MODES)}")
+        for name in ("rollout_batch", "train_batch", "steps"):
+            if getattr(self, name) <= 0:
+                _fail(f"{path}.{name}", getattr(self, name), "must be a positive integer")
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """What to train on: ``arithmetic`` (built in), ``gsm8k`` (a JSONL file at ``path``), ``longtail`` (a
+    synthetic task with long-tailed length budgets, for benchmarks and tests) or ``package.module:factory``; ``reward`` optionally replaces the reward by ``package.module:function``."""
+
+    name: str = "arithmetic"
+    path: str = ""
+    reward: str = ""
+    levels: tuple[str, ...] = _TASK_LEVELS
+    eval_size: int = 64
+    eval_max_new_tokens: int = 32
+    longtail_max_len: int = 64
+    seed: int = 0
+    reward_workers: int = 2
+    reward_timeout_s: float = 10.0
+
+    def validate(self, path: str = "task") -> None:
+        if not self.name:
+            _fail(f"{path}.name", self.name, "arithmetic, gsm8k, or an import path 'package.module:factory'")
+        if self.name not in ("arithmetic", "gsm8k", "longtail") and ":" not in self.name:
+            _fail(f"{path}.name", self.name, "arithmetic, gsm8k, longtail, or an import path "
+                  "'package.module:factory'")
+        if self.reward and ":" not in self.reward:
+            _fail(f"{path}.reward", self.reward, "an import path 'package.module:function' (or empty)")
+        if not self.levels:
+            _fail(f"{path}.levels", list(self.levels), f"at least one of {', '.join(_TASK_LEVELS)}")
+        for lv in self.levels:
+            if lv not in _TASK_LEVELS:
+                _fail(f"{path}.levels", lv, f"allowed: {', '.join(_TASK_LEVELS)}")
+        if self.eval_size < 0:
+            _fail(f"{path}.eval_size", self.eval_size, "must be >= 0")
+        for name in ("eval_max_new_tokens", "reward_workers", "longtail_max_len"):
+            if getattr(self, name) <= 0:
+                _fail(f"{path}.{name}", getattr(self, name), "must be a positive integer")
+        if not self.reward_timeout_s > 0:
+            _fail(f"{path}.reward_timeout_s", self.reward_timeout_s, "must be > 0 seconds")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     name: str = "run"
@@ -316,11 +402,30 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    dora: DoraConfig = field(default_factory=DoraConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate(f.name)
+        d, t = self.dora, self.train
+        if d.train_batch % t.group_size:
+            _fail("dora.train_batch", d.train_batch, f"must be a multiple of train.group_size ({t.group_size}): "
+                  "groups are trained whole")
+        if d.mode == "dora" and not d.train_batch <= d.rollout_batch <= (t.max_staleness + 1) * d.train_batch:
+            _fail("dora.rollout_batch", d.rollout_batch,
+                  f"in dora mode must lie in [train_batch, (train.max_staleness + 1) * train_batch] = "
+                  f"[{d.train_batch}, {(t.max_staleness + 1) * d.train_batch}]")
+        if d.mode == "one_step_off" and t.max_staleness < 1:
+            _fail("train.max_staleness", t.max_staleness, "one_step_off trains every batch one version late: >= 1")
+        if self.rollout.max_prompt_len + self.rollout.max_new_tokens > self.model.max_seq_len:
+            _fail("rollout.max_new_tokens", self.rollout.max_new_tokens,
+                  f"rollout.max_prompt_len + max_new_tokens must fit model.max_seq_len ({self.model.max_seq_len})")
+        if self.rollout.max_new_tokens > t.max_response_tokens:
+            _fail("rollout.max_new_tokens", self.rollout.max_new_tokens,
+                  f"must be <= train.max_response_tokens ({t.max_response_tokens})")
         if self.generate.max_new_tokens >= self.model.max_seq_len:
             _fail("generate.max_new_tokens", self.generate.max_new_tokens,
                   f"must be < model.max_seq_len ({self.model.max_seq_len})")
