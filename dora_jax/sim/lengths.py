@@ -1,0 +1,143 @@
+"""Output-length distributions for the cluster simulator.
+
+Three kinds, all drawn from a seeded ``random.Random`` so a run is reproducible:
+
+* ``fixed``: every completion has ``value`` tokens (hand-checkable cases);
+* ``lognormal``: long-tailed, clipped to ``max`` (a clipped sample ends with finish reason "length", as in a
+  real rollout). Parametrized either by ``mean`` (of the *clipped* distribution) and ``sigma``, or by the
+  quantiles ``p50`` and ``p99`` (of the unclipped one);
+* ``jsonl``: lengths recorded by a real run, one JSON object per line with a ``length`` (or ``new_tokens``)
+  field, or a bare integer per line; resampled with replacement.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from dataclasses import dataclass
+from typing import Any
+
+Z99 = 2.3263478740408408  # standard normal 99th percentile
+
+
+class SimConfigError(ValueError):
+    """A simulator configuration value is missing, unknown or out of range (the message names the field)."""
+
+
+def _need(cond: bool, path: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise SimConfigError(f"sim config field '{path}' = {value!r}: {allowed}")
+
+
+def _clipped_lognormal_mean(mu: float, sigma: float, cap: float) -> float:
+    """E[min(X, cap)] for X ~ LogNormal(mu, sigma), in closed form."""
+    if sigma == 0:
+        return min(math.exp(mu), cap)
+    phi = lambda x: 0.5 * (1 + math.erf(x / math.sqrt(2)))  # noqa: E731
+    z = (math.log(cap) - mu) / sigma
+    return math.exp(mu + sigma**2 / 2) * phi(z - sigma) + cap * (1 - phi(z))
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """A completion-length distribution (tokens). Build with :func:`length_dist`."""
+
+    kind: str
+    mu: float = 0.0
+    sigma: float = 0.0
+    max: int = 0
+    value: int = 0
+    table: tuple[int, ...] = ()
+
+    def sample(self, rng: random.Random) -> int:
+        """One completion length (>= 1 token)."""
+        if self.kind == "fixed":
+            return self.value
+        if self.kind == "jsonl":
+            return self.table[rng.randrange(len(self.table))]
+        return max(1, min(self.max, int(round(rng.lognormvariate(self.mu, self.sigma)))))
+
+    def mean(self) -> float:
+        """Expected length (of the clipped distribution for ``lognormal``)."""
+        if self.kind == "fixed":
+            return float(self.value)
+        if self.kind == "jsonl":
+            return sum(self.table) / len(self.table)
+        return _clipped_lognormal_mean(self.mu, self.sigma, self.max)
+
+    def upper(self) -> int:
+        """The longest length the distribution can produce."""
+        return {"fixed": self.value, "jsonl": max(self.table) if self.table else 0}.get(self.kind, self.max)
+
+
+def length_dist(spec: dict[str, Any], path: str = "workload.lengths", base_dir: str = ".") -> LengthDist:
+    """Builds a :class:`LengthDist` from its config mapping, validating every field.
+
+    Args:
+        spec: ``{kind: fixed, value}``, ``{kind: lognormal, mean, sigma, max}``,
+            ``{kind: lognormal, p50, p99, max}`` or ``{kind: jsonl, path}``.
+        path: dotted config path, used in error messages.
+        base_dir: directory a relative ``jsonl`` path is resolved against (the config file's).
+
+    Returns:
+        The distribution. For ``mean``/``sigma`` the location ``mu`` is solved (bisection) so that the
+        *clipped* mean equals ``mean``: the figure papers report is the mean of what was generated.
+
+    Raises:
+        SimConfigError: naming the field, the value and what is allowed.
+    """
+    _need(isinstance(spec, dict), path, spec, "must be a mapping with a 'kind'")
+    kind = spec.get("kind")
+    _need(kind in ("fixed", "lognormal", "jsonl"), f"{path}.kind", kind, "allowed: fixed, lognormal, jsonl")
+    allowed = {"fixed": {"kind", "value"}, "jsonl": {"kind", "path"},
+               "lognormal": {"kind", "mean", "sigma", "p50", "p99", "max"}}[kind]
+    for key in spec:
+        _need(key in allowed, f"{path}.{key}", spec[key], f"unknown for kind {kind}; allowed: {sorted(allowed)}")
+
+    def num(key: str, lo: float, integer: bool = False) -> float:
+        v = spec.get(key)
+        ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+        _need(ok and not isinstance(v, bool) and v > lo, f"{path}.{key}", v,
+              f"must be {'an integer' if integer else 'a number'} > {lo}")
+        return v
+
+    if kind == "fixed":
+        return LengthDist("fixed", value=int(num("value", 0, integer=True)))
+    if kind == "jsonl":
+        p = spec.get("path")
+        _need(isinstance(p, str), f"{path}.path", p, "must be a file path")
+        full = p if os.path.isabs(p) else os.path.join(base_dir, p)
+        _need(os.path.isfile(full), f"{path}.path", p, f"no such file ({full})")
+        table = []
+        with open(full) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SimConfigError(f"{full} line {n}: not JSON ({e.msg})") from None
+                v = row.get("length", row.get("new_tokens")) if isinstance(row, dict) else row
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise SimConfigError(f"{full} line {n}: length {v!r} must be an integer >= 1 "
+                                         "(a bare integer or a 'length' / 'new_tokens' field)")
+                table.append(v)
+        _need(bool(table), f"{path}.path", p, "the file holds no lengths")
+        return LengthDist("jsonl", table=tuple(table))
+    cap = int(num("max", 0, integer=True))
+    if "p50" in spec or "p99" in spec:
+        _need("mean" not in spec and "sigma" not in spec, path, spec, "give either mean + sigma or p50 + p99")
+        p50, p99 = num("p50", 0), num("p99", 0)
+        _need(p99 > p50, f"{path}.p99", p99, f"must be > p50 ({p50})")
+        return LengthDist("lognormal", mu=math.log(p50), sigma=math.log(p99 / p50) / Z99, max=cap)
+    mean, sigma = num("mean", 0), spec.get("sigma")
+    _need(isinstance(sigma, (int, float)) and not isinstance(sigma, bool) and 0 <= sigma <= 4,
+          f"{path}.sigma", sigma, "must be a number in [0, 4]")
+    _need(mean < cap, f"{path}.mean", mean, f"must be < max ({cap})")
+    lo, hi = -10.0, math.log(cap) + 10
+    for _ in range(200):  # the clipped mean is increasing in mu
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _clipped_lognormal_mean(mid, sigma, cap) < mean else (lo, mid)
+    return LengthDist("lognormal", mu=(lo + hi) / 2, sigma=float(sigma), max=cap)
