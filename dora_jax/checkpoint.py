@@ -82,9 +82,21 @@ def abstract_tree(tree: Any, shardings: Any = None) -> Any:
     def one(x, s):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s if s is not None else getattr(x, "sharding", None))
 
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef.unflatten([one(x, s) for x, s in zip(leaves, leaf_shardings(tree, shardings))])
+
+
+def leaf_shardings(tree: Any, shardings: Any) -> list[Any]:
+    """One sharding (or None) per array leaf of ``tree``, from one ``Sharding``, None, or a tree of shardings
+    with the same leaves in the same order (an ``nnx.State`` of shardings matches an ``nnx.State`` of params
+    although one holds ``Variable`` nodes and the other does not)."""
+    n = len(jax.tree.leaves(tree))
     if shardings is None or isinstance(shardings, jax.sharding.Sharding):
-        return jax.tree.map(lambda x: one(x, shardings), tree)
-    return jax.tree.map(one, tree, shardings)
+        return [shardings] * n
+    out = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    if len(out) != n:
+        raise CheckpointError(f"the shardings tree has {len(out)} leaves, the arrays tree {n}; they must match")
+    return out
 
 
 def tree_bytes(tree: Any) -> int:

@@ -45,7 +45,7 @@ from typing import Any, Iterable
 
 import jax
 
-from dora_jax.checkpoint import CheckpointError, abstract_tree, tree_bytes
+from dora_jax.checkpoint import CheckpointError, abstract_tree, leaf_shardings, tree_bytes
 from dora_jax.config import Config, LoraConfig
 
 _SNAP = re.compile(r"^v_(\d{8,})$")
@@ -66,11 +66,9 @@ class _Version:
 
 def _own(tree: Any, shardings: Any) -> Any:
     """A copy of ``tree`` that no one else can donate or delete, in ``shardings`` (default: its own)."""
-    if shardings is None:
-        shardings = jax.tree.map(lambda x: x.sharding, tree)
-    elif isinstance(shardings, jax.sharding.Sharding):
-        shardings = jax.tree.map(lambda _: shardings, tree)
-    return jax.device_put(tree, shardings, may_alias=False)
+    leaves, treedef = jax.tree.flatten(tree)
+    targets = [s if s is not None else x.sharding for x, s in zip(leaves, leaf_shardings(tree, shardings))]
+    return treedef.unflatten(jax.device_put(leaves, targets, may_alias=False))
 
 
 def _signature(tree: Any) -> tuple:
@@ -88,7 +86,8 @@ class VersionStore:
       lora: the LoRA config when versions are adapters over ``base``; None for full parameters.
       base: the frozen base weights under LoRA (``TrainState.frozen``); copied once and shared.
       shardings: where stored versions live (one ``Sharding`` or a tree matching the published params,
-        e.g. the rollout submesh's); default: where the published arrays are.
+        e.g. the rollout submesh's); default: where the published arrays are, or under LoRA replicated
+        over the base's mesh.
       snapshots: snapshot every published version there (asynchronously).
     """
 
@@ -105,6 +104,11 @@ class VersionStore:
         self.shardings = shardings
         self.snapshots = snapshots
         self._base = _own(base, None) if base is not None else None
+        if self._base is not None and shardings is None:
+            # Adapters live with the base (replicated over its mesh), as the trainer keeps them.
+            first = jax.tree.leaves(self._base)[0].sharding
+            if isinstance(first, jax.sharding.NamedSharding):
+                self.shardings = jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
         self._versions: dict[int, _Version] = {}
         self._newest: int | None = None
         self._evicted: set[int] = set()
