@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Shared by the launch scripts: --dry-run handling, printing or running a command, required variables.
+# Sourced, not run. A script sets DRY_RUN=1 (from --dry-run) before calling these.
+
+DRY_RUN="${DRY_RUN:-}"
+
+# Prints a command the way a shell would read it back.
+show() {
+  printf '%q ' "$@"
+  echo
+}
+
+# Runs a command, or prints it under --dry-run.
+run() {
+  if [[ -n "$DRY_RUN" ]]; then
+    show "$@"
+  else
+    "$@"
+  fi
+}
+
+# Stops with a message naming every listed variable that is unset or empty.
+need_vars() {
+  local missing=()
+  local name
+  for name in "$@"; do
+    if [[ -z "${!name:-}" ]]; then
+      missing+=("$name")
+    fi
+  done
+  if [[ ${#missing[@]} -gt 0 ]]; then
+    echo "error: environment variable(s) not set: ${missing[*]}" >&2
+    exit 2
+  fi
+}
+
+# Stops unless an option ("$1") has a value after it ("$2"): call as `need_value "$@"` before `shift 2`.
+need_value() {
+  if [[ $# -lt 2 || "$2" == --* ]]; then
+    echo "error: option $1 needs a value" >&2
+    exit 2
+  fi
+}
+
+# Stops unless the named variable holds a positive integer.
+need_int() {
+  local name="$1"
+  if ! [[ "${!name:-}" =~ ^[0-9]+$ ]] || [[ "${!name}" -lt "${2:-1}" ]]; then
+    echo "error: $name must be an integer >= ${2:-1}, got '${!name:-}'" >&2
+    exit 2
+  fi
+}
+
+# XLA_FLAGS for M fake CPU devices, keeping the other flags already set (an earlier device count is dropped:
+# XLA would take the last one).
+fake_device_flags() {
+  local out="--xla_force_host_platform_device_count=$1"
+  local flag
+  local -a flags=()
+  read -r -a flags <<<"${XLA_FLAGS:-}"
+  for flag in "${flags[@]}"; do
+    if [[ "$flag" != --xla_force_host_platform_device_count=* ]]; then
+      out+=" $flag"
+    fi
+  done
+  echo "$out"
+}
+
+# The dora-jax executable of this checkout (or DORA_JAX_BIN).
+dora_bin() {
+  local repo="$1"
+  echo "${DORA_JAX_BIN:-$repo/.venv/bin/dora-jax}"
+}

