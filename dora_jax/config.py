@@ -385,6 +385,54 @@ class TaskConfig:
             _fail(f"{path}.reward_timeout_s", self.reward_timeout_s, "must be > 0 seconds")
 
 
+_PLACEMENTS = ("shared", "split")
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """The hardware a config is sized for, checked by ``dora-jax check``: device kind (free text, e.g.
+    ``"H100 80GB"``, ``"TPU v5p"``), device count, and memory per device in GiB (0: not checked)."""
+
+    device_kind: str = "cpu"
+    num_devices: int = 1
+    memory_gib: float = 0.0
+
+    def validate(self, path: str = "target") -> None:
+        if not self.device_kind:
+            _fail(f"{path}.device_kind", self.device_kind, "must name the device, e.g. 'H100 80GB' or 'TPU v5p'")
+        if self.num_devices <= 0:
+            _fail(f"{path}.num_devices", self.num_devices, "must be a positive integer")
+        if self.memory_gib < 0:
+            _fail(f"{path}.memory_gib", self.memory_gib, "must be >= 0 GiB (0: not checked)")
+
+
+@dataclass(frozen=True)
+class RolesConfig:
+    """Where trainer and rollout run. ``shared``: both time-share every device on ``mesh``. ``split``: the
+    trainer's ``mesh`` covers the first ``trainer_devices`` devices and the rest form ``rollout_groups`` equal
+    rollout groups, each a ``(data, fsdp=1, tensor)`` mesh of ``rollout_data`` x ``rollout_tensor`` devices
+    (one of them may be -1) holding its own copy of the policy."""
+
+    placement: str = "shared"
+    trainer_devices: int = 0
+    rollout_groups: int = 1
+    rollout_data: int = 1
+    rollout_tensor: int = -1
+
+    def validate(self, path: str = "roles") -> None:
+        if self.placement not in _PLACEMENTS:
+            _fail(f"{path}.placement", self.placement, f"allowed: {', '.join(_PLACEMENTS)}")
+        if self.placement == "split" and self.trainer_devices <= 0:
+            _fail(f"{path}.trainer_devices", self.trainer_devices, "split placement needs a positive device count")
+        if self.rollout_groups <= 0:
+            _fail(f"{path}.rollout_groups", self.rollout_groups, "must be a positive integer")
+        for name in ("rollout_data", "rollout_tensor"):
+            if getattr(self, name) == 0 or getattr(self, name) < -1:
+                _fail(f"{path}.{name}", getattr(self, name), "must be a positive integer or -1 (the rest)")
+        if self.rollout_data == -1 and self.rollout_tensor == -1:
+            _fail(f"{path}.rollout_data", self.rollout_data, "at most one of rollout_data, rollout_tensor is -1")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     name: str = "run"
@@ -406,6 +454,8 @@ class Config:
     dora: DoraConfig = field(default_factory=DoraConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    roles: RolesConfig = field(default_factory=RolesConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
@@ -426,6 +476,9 @@ class Config:
         if self.rollout.max_new_tokens > t.max_response_tokens:
             _fail("rollout.max_new_tokens", self.rollout.max_new_tokens,
                   f"must be <= train.max_response_tokens ({t.max_response_tokens})")
+        if self.roles.placement == "split" and self.roles.trainer_devices >= self.target.num_devices:
+            _fail("roles.trainer_devices", self.roles.trainer_devices,
+                  f"must leave rollout devices: < target.num_devices ({self.target.num_devices})")
         if self.generate.max_new_tokens >= self.model.max_seq_len:
             _fail("generate.max_new_tokens", self.generate.max_new_tokens,
                   f"must be < model.max_seq_len ({self.model.max_seq_len})")
