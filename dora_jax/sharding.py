@@ -8,15 +8,17 @@ Parameters and activations carry *logical* axis names (``("embed", "mlp")``); on
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import threading
+import time
 from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dora_jax.config import ConfigError, MeshConfig
+from dora_jax.config import ConfigError, MeshConfig, RolesConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
@@ -146,3 +148,73 @@ def describe_shardings(shardings: Any) -> dict[str, list[Any]]:
         key = jax.tree_util.keystr(path, simple=True, separator="/")
         out[key] = [list(e) if isinstance(e, tuple) else e for e in s.spec]
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Role submeshes: the trainer on one set of devices, rollout groups on others (or every role on one set).
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleMeshes:
+    """The trainer's mesh and one mesh per rollout group. Under ``shared`` placement they are all the same
+    mesh; under ``split`` their device sets are disjoint."""
+
+    trainer: Mesh
+    rollout: tuple[Mesh, ...]
+
+    @property
+    def shared(self) -> bool:
+        return all(m is self.trainer for m in self.rollout)
+
+
+def rollout_mesh_config(roles: RolesConfig) -> MeshConfig:
+    """A rollout group's mesh: ``data`` x ``tensor`` (no fsdp: a decode step must not gather weights)."""
+    return MeshConfig(data=roles.rollout_data, fsdp=1, tensor=roles.rollout_tensor)
+
+
+def role_meshes(mesh_cfg: MeshConfig, roles: RolesConfig,
+                devices: Sequence[jax.Device] | None = None) -> RoleMeshes:
+    """Splits ``devices`` (default: all, in ``jax.devices()`` order, so whole hosts stay together) into roles.
+
+    ``shared``: one mesh of ``mesh_cfg`` over every device, for trainer and rollout alike. ``split``: the
+    trainer's ``mesh_cfg`` mesh over the first ``roles.trainer_devices`` devices; the rest cut into
+    ``roles.rollout_groups`` equal consecutive groups, each a :func:`rollout_mesh_config` mesh.
+
+    Raises:
+      ConfigError: naming the roles field when the devices do not split that way.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if roles.placement == "shared":
+        mesh = create_mesh(mesh_cfg, devices)
+        return RoleMeshes(mesh, (mesh,) * roles.rollout_groups)
+    n_train = roles.trainer_devices
+    rest = len(devices) - n_train
+    if rest <= 0:
+        raise ConfigError(f"roles.trainer_devices = {n_train} leaves no rollout devices out of {len(devices)}")
+    if rest % roles.rollout_groups:
+        raise ConfigError(f"roles.rollout_groups = {roles.rollout_groups} does not divide the {rest} rollout devices "
+                          f"({len(devices)} devices - roles.trainer_devices {n_train})")
+    per_group = rest // roles.rollout_groups
+    trainer = create_mesh(mesh_cfg, devices[:n_train])
+    groups = []
+    for g in range(roles.rollout_groups):
+        group_devices = devices[n_train + g * per_group:n_train + (g + 1) * per_group]
+        try:
+            groups.append(create_mesh(rollout_mesh_config(roles), group_devices))
+        except ConfigError as e:
+            raise ConfigError(f"roles.rollout_data/rollout_tensor: rollout group of {per_group} devices: {e}") from None
+    return RoleMeshes(trainer, tuple(groups))
+
+
+def reshard(tree: Any, shardings: Any) -> tuple[Any, float]:
+    """Moves ``tree`` into ``shardings`` device to device (never through host memory) and waits for it.
+
+    This is how a new policy version travels from the trainer's mesh to a rollout group's mesh: XLA copies
+    each shard to the devices that need it. Under ``shared`` placement with equal shardings nothing moves.
+
+    Returns:
+      ``(moved tree, seconds)``, the time including the wait for the last copy.
+    """
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(jax.device_put(tree, shardings))
+    return out, time.perf_counter() - t0
