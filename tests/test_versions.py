@@ -41,6 +41,19 @@ def params8(cfg):
     return nnx.state(init_model(cfg.model, mesh, cfg.mesh.logical_axis_rules, seed=3))
 
 
+@pytest.fixture(scope="module")
+def params1(params8):
+    """The same params on one device (eager adapter set-up stays cheap)."""
+    return jax.device_put(params8, jax.devices()[0])
+
+
+def random_adapters(base, lcfg, seed):
+    """Adapters of the shapes ``init_lora`` makes, filled with numpy normals (``b`` nonzero, unlike init)."""
+    rng = np.random.default_rng(seed)
+    shapes = jax.eval_shape(lambda: lora_lib.init_lora(base, lcfg, jax.random.key(0)))
+    return jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape).astype(np.float32)), shapes)
+
+
 # -- residency and refcounts ------------------------------------------------------------------------------------
 
 
@@ -163,25 +176,24 @@ def test_publish_places_versions_in_given_shardings():
 # -- LoRA ----------------------------------------------------------------------------------------------------------
 
 
-def test_lora_versions_store_adapters_and_merge_exactly(cfg, params8):
+def test_lora_versions_store_adapters_and_merge_exactly(cfg, params1):
     lcfg = LoraConfig(rank=4, alpha=8.0, targets=("q", "down"))
-    store = VersionStore(2, lora=lcfg, base=params8)
-    adapters = lora_lib.init_lora(params8, lcfg, jax.random.key(0))
-    adapters = jax.tree.map(lambda x: jax.random.normal(jax.random.key(1), x.shape, x.dtype), adapters)
+    store = VersionStore(2, lora=lcfg, base=params1)
+    adapters = random_adapters(params1, lcfg, 1)
     store.publish(0, adapters)
     merged = store.params(0)
     # float64 reference of W + (alpha / r) a @ b in the weight's layout
     for name in ("wq", "w_down"):
-        w = np.asarray(params8[name][...], np.float64)
+        w = np.asarray(params1[name][...], np.float64)
         a, b = (np.asarray(adapters[name][k], np.float64) for k in ("a", "b"))
         ref = w + 2.0 * np.einsum("lir,lro->lio", a, b).reshape(w.shape)
         np.testing.assert_allclose(np.asarray(merged[name][...]), ref, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(merged["wk"][...]), np.asarray(params8["wk"][...]))
+    np.testing.assert_array_equal(np.asarray(merged["wk"][...]), np.asarray(params1["wk"][...]))
     m = cfg.model
     per_version = 4 * m.num_layers * 4 * ((m.hidden_size + m.num_heads * m.head_dim)
                                           + (m.intermediate_size + m.hidden_size))
     assert store.resident_bytes() == {0: per_version}
-    full = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params8))
+    full = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params1))
     assert store.shared_bytes() == full
     assert VersionStore(2).shared_bytes() == 0
     with pytest.raises(VersionError, match="base"):
@@ -267,21 +279,20 @@ def test_bad_snapshots_are_reported(tmp_path):
     snaps.close()
 
 
-def test_lora_snapshots_hold_adapters_and_base_once(tmp_path, cfg, params8):
+def test_lora_snapshots_hold_adapters_and_base_once(tmp_path, cfg, params1):
     lcfg = LoraConfig(rank=2, alpha=4.0, targets=("v",))
     snaps = Snapshots(tmp_path, fingerprint=cfg.fingerprint())
     run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lora=lcfg, max_staleness=2))
-    store = VersionStore.from_config(run_cfg, base=params8, snapshots=snaps)
+    store = VersionStore.from_config(run_cfg, base=params1, snapshots=snaps)
     assert store.max_resident == 3
-    adapters = lora_lib.init_lora(params8, lcfg, jax.random.key(5))
-    adapters = jax.tree.map(lambda x: x + 0.25, adapters)
+    adapters = random_adapters(params1, lcfg, 5)
     store.publish(6, adapters, step=6)
     snaps.wait()
     assert snaps.metadata(6)["kind"] == "lora"
     assert equal_trees(snaps.restore(6, target=adapters), adapters)
-    assert equal_trees(snaps.restore_base(target=params8), params8)
+    assert equal_trees(snaps.restore_base(target=params1), params1)
     # resume: a fresh store over the restored base brings the version back with the same merged params
-    again = VersionStore.from_config(run_cfg, base=snaps.restore_base(target=params8), snapshots=snaps)
+    again = VersionStore.from_config(run_cfg, base=snaps.restore_base(target=params1), snapshots=snaps)
     again.publish(7, adapters)
     again.reinstate(6, snaps.restore(6, target=adapters))
     assert equal_trees(again.params(6), store.params(6))
