@@ -305,3 +305,99 @@ def bench_train(config: str = "smollm2_135m", rows: int = 8, prompt_len: int = 3
     out["lora_vs_full"] = out["lora"]["tokens_s"] / out["full"]["tokens_s"]
     out["machine"] = machine()
     return out
+
+
+def bench_snapshot(config: str = "smollm2_135m", rows: int = 8, prompt_len: int = 32, response_len: int = 96,
+                   lora_rank: int = 16, baseline_steps: int = 2, snapshot_steps: int = 3, seed: int = 0,
+                   directory: str | None = None) -> dict[str, Any]:
+    """How long an asynchronous version snapshot blocks the trainer, against the train step's time, and the
+    memory each resident version holds; full fine-tuning and LoRA.
+
+    Each mode runs a compiling step, ``baseline_steps`` steps without snapshots, then ``snapshot_steps``
+    steps each followed by ``VersionStore.publish`` (copy into the store + Orbax snapshot started). The
+    blocked time is ``publish``'s wall time: the copy, the device-to-host transfer, and any wait for the
+    previous write; the file writing itself overlaps the next step. The first publish (Orbax set-up) is
+    reported apart.
+    """
+    import dataclasses
+    import statistics
+    import tempfile
+
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    from dora_jax.config import LoraConfig, load_config
+    from dora_jax.models.weights import load_model
+    from dora_jax.trainer import Sample, Trainer, make_batch
+    from dora_jax.versions import Snapshots, VersionStore
+
+    cfg = load_config(config)
+    rng = np.random.default_rng(seed)
+    seq = prompt_len + response_len
+    samples = [Sample(i, i // 4, 0, rng.integers(1, cfg.model.vocab_size, prompt_len).tolist(),
+                      rng.integers(1, cfg.model.vocab_size, response_len).tolist(),
+                      (-rng.uniform(0.5, 5.0, response_len)).tolist(), float(rng.normal())) for i in range(rows)]
+    out: dict[str, Any] = {"config": config, "rows": rows, "seq_len": seq, "lora_rank": lora_rank,
+                           "baseline_steps": baseline_steps, "snapshot_steps": snapshot_steps}
+    bar = tqdm(total=2 * (2 + baseline_steps + snapshot_steps), desc="bench snapshot", unit="step")
+    for name, rank in (("full", 0), ("lora", lora_rank)):
+        train = dataclasses.replace(cfg.train, group_size=4, length_buckets=(seq,), max_response_tokens=response_len,
+                                    lora=LoraConfig(rank=rank), max_staleness=1)
+        run_cfg = dataclasses.replace(cfg, train=train)
+        model, _ = load_model(cfg.model, progress=False)
+        trainer, state = Trainer.create(run_cfg, model=model)
+        del model
+        batch = trainer.put(make_batch(samples, group_size=4, length_buckets=(seq,),
+                                       row_multiple=trainer.row_multiple))
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            snaps = Snapshots(tmp, fingerprint=run_cfg.fingerprint(), keep_last=2)
+            t0 = time.perf_counter()
+            store = VersionStore.from_config(run_cfg, base=state.frozen, snapshots=snaps)
+            store.publish(0, state.params, step=0)
+            first_publish_s = time.perf_counter() - t0
+            snaps.wait()
+
+            def step(state):
+                t = time.perf_counter()
+                state, metrics = trainer.train_step(state, batch)
+                jax.block_until_ready(metrics)
+                bar.update()
+                return state, time.perf_counter() - t
+
+            state, compile_s = step(state)
+            base_times, snap_times, blocked = [], [], []
+            for _ in range(baseline_steps):
+                state, t = step(state)
+                base_times.append(t)
+            for i in range(snapshot_steps):
+                state, t = step(state)
+                snap_times.append(t)
+                t0 = time.perf_counter()
+                store.publish(i + 1, state.params, step=int(state.step))
+                blocked.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            snaps.wait()
+            drain_s = time.perf_counter() - t0
+            # one snapshot from start to committed files, for scale
+            t0 = time.perf_counter()
+            snaps.save(10_000, store.stored(store.newest), step=-1)
+            snaps.wait()
+            write_s = time.perf_counter() - t0
+            disk = sum(f.stat().st_size for f in (snaps.path(10_000)).rglob("*") if f.is_file())
+            bar.update()
+            snaps.close()
+        step_s = statistics.median(base_times)
+        out[name] = {"compile_and_first_step_s": compile_s, "step_s": step_s,
+                     "step_s_with_snapshots": statistics.median(snap_times),
+                     "blocked_s": statistics.median(blocked), "blocked_max_s": max(blocked),
+                     "blocked_fraction_of_step": statistics.median(blocked) / step_s,
+                     "first_publish_s": first_publish_s, "last_write_drain_s": drain_s,
+                     "snapshot_write_s": write_s, "snapshot_disk_bytes": disk,
+                     "resident_bytes_per_version": store.resident_bytes()[store.newest],
+                     "shared_bytes": store.shared_bytes()}
+        del trainer, state, batch, store
+    bar.close()
+    out["lora_vs_full_bytes_per_version"] = (out["lora"]["resident_bytes_per_version"]
+                                             / out["full"]["resident_bytes_per_version"])
+    out["machine"] = machine()
+    return out

@@ -75,6 +75,8 @@ def cmd_bench(args) -> int:
         result = benchmarks.bench_decode(args.config, batch=args.batch or 32)
     elif args.what == "train":
         result = benchmarks.bench_train(args.config, rows=args.batch or 8)
+    elif args.what == "snapshot":
+        result = benchmarks.bench_snapshot(args.config, rows=args.batch or 8)
     elif args.what == "engine":
         result = benchmarks.bench_engine(args.config, batch=args.batch or 32, new_tokens=args.new_tokens,
                                          with_hf=not args.no_reference)
@@ -115,9 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--overwrite", action="store_true")
     e.set_defaults(fn=cmd_export)
     b = sub.add_parser("bench", help="benchmarks; results as JSON")
-    b.add_argument("what", choices=["load", "engine", "decode", "train"])
+    b.add_argument("what", choices=["load", "engine", "decode", "train", "snapshot"])
     b.add_argument("--repeats", type=int, default=2, help="load: repeats per side")
-    b.add_argument("--batch", type=int, help="engine, decode: concurrent sequences (default 32); train: rows per step "
+    b.add_argument("--batch", type=int, help="engine, decode: concurrent sequences (default 32); train, snapshot: rows per step "
                    "(default 8)")
     b.add_argument("--new-tokens", type=int, default=128, help="engine: new tokens per sequence")
     b.add_argument("--no-reference", action="store_true", help="engine: skip the transformers side")
