@@ -268,12 +268,11 @@ def parse_config(raw: dict[str, Any], base_dir: str = ".") -> SimConfig:
     _need(isinstance(name, str), "name", name, "must be a string")
     seed = raw.get("seed", 0)
     _need(isinstance(seed, int) and not isinstance(seed, bool), "seed", seed, "must be an integer")
-    proj = _mapping(raw.get("projections", {}), "projections", ("gpus", "slice_gpus"))
+    proj = _mapping(raw.get("projections", {}), "projections", ("gpus",))
     if proj:
         _need(isinstance(proj.get("gpus"), list) and all(isinstance(g, int) and g % tp == 0 and g > 0
                                                          for g in proj["gpus"]),
               "projections.gpus", proj.get("gpus"), f"must be a list of GPU counts, multiples of {tp}")
-        _number(proj, "slice_gpus", "projections", 2 * tp, integer=True)
     paper = raw.get("paper", {})
     _need(isinstance(paper, dict), "paper", paper, "must be a mapping")
     return SimConfig(

@@ -39,6 +39,7 @@ class SimLedger(Ledger):
         super().__init__()
         self._out: Counter = Counter()
         self._finished: Counter = Counter()
+        self._ready: set[int] = set()
 
     def add_group(self, group_id, sample_ids, version, prompt_index) -> Group:
         g = super().add_group(group_id, sample_ids, version, prompt_index)
@@ -50,7 +51,12 @@ class SimLedger(Ledger):
             self._out[e.version] -= 1
             if not self._out[e.version]:
                 del self._out[e.version]
-        self._finished[e.group_id] += (e.state == "finished") - (before == "finished")
+        gid = e.group_id
+        self._finished[gid] += (e.state == "finished") - (before == "finished")
+        if self._finished[gid] == len(self.groups[gid].sample_ids):
+            self._ready.add(gid)
+        else:
+            self._ready.discard(gid)
 
     def _move(self, sample_id, frm, to):
         before = self.entries[sample_id].state if sample_id in self.entries else None
@@ -67,7 +73,7 @@ class SimLedger(Ledger):
         return dict(self._out)
 
     def group_ready(self, group_id: int) -> bool:
-        return self._finished[group_id] == len(self.groups[group_id].sample_ids)
+        return group_id in self._ready
 
 
 class PartialRollout:

@@ -11,7 +11,7 @@ at time 0):
 * ``throughput``: trained samples (and generated tokens of trained samples) per second over the measured steps.
 * ``trainer_idle``: the trainer's waiting time over the whole run (pipeline fill and drain included) / wall.
 * ``slot_utilization``: occupied slot-seconds (decoding or prefilling) / (slots x the time the rollout GPUs
-  are available: the whole run, or for colocated sync the run minus the training time).
+  are available: the whole run, or for colocated sync the run minus the update time, weight sync included).
 * ``staleness``: histogram of ``trained_at - version`` over consumed samples (for partial rollout, the age of
   a trajectory's first token).
 """
@@ -139,7 +139,7 @@ def simulate(mode: str, costs: Costs, placement: Placement, lengths: LengthDist,
         ids = [s for g in batch for s in led.groups[g].sample_ids]
         seqs = [prompt_tokens + lengths_of[s] for s in ids]
         dur = costs.train_time(sum(seqs), sum(x * x for x in seqs) / 2, placement.trainer_gpus)
-        state.update(busy=True, idle=state["idle"] + now - state["idle_since"], train_s=state["train_s"] + dur)
+        state.update(busy=True, idle=state["idle"] + now - state["idle_since"], train_s=state["train_s"] + dur + costs.weight_sync_s)
         updates.append({"start": now, "samples": len(ids), "tokens": sum(lengths_of[s] for s in ids),
                         "version": sched.version})
         heapq.heappush(events, (now + dur + costs.weight_sync_s, next(seq), "train", (batch,)))

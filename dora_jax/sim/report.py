@@ -1,0 +1,178 @@
+"""Runs a simulator config (every cluster size x every policy, then the projections), compares the results with
+the paper's published figures, and draws the plots."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from typing import Any
+
+from tqdm import tqdm
+
+from dora_jax.sim.config import SimConfig
+from dora_jax.sim.engine import Placement
+from dora_jax.sim.run import simulate
+
+_BALANCE_DRAWS = 20_000
+
+
+def length_moments(cfg: SimConfig) -> tuple[float, float]:
+    """E[L] and E[L^2] of the completion lengths (fixed-seed Monte Carlo, so the answer is reproducible)."""
+    rng = random.Random(12345)
+    xs = [cfg.lengths.sample(rng) for _ in range(_BALANCE_DRAWS)]
+    return sum(xs) / len(xs), sum(x * x for x in xs) / len(xs)
+
+
+def placement(cfg: SimConfig, gpus: int, mode: str) -> Placement:
+    """Splits ``gpus`` between rollout instances and the trainer for ``mode``.
+
+    Colocated sync uses every GPU for both, in turn. Otherwise ``trainer_gpus`` decides: an explicit count,
+    a fraction, or ``balance``: the steady-state rates of both sides are estimated from the cost model (a full
+    instance decodes ``slots`` rows whose mean context is the prompt plus the length-biased half-length
+    E[L^2] / 2E[L]; the trainer needs the per-sample token and attention work) and the rollout side gets the
+    balance point's instance count rounded *up*, because a streaming pipeline whose rollout side is the
+    bottleneck stalls on the staleness window instead of degrading gently.
+    """
+    tp, slots = cfg.gpus_per_instance, cfg.slots_per_instance
+    if mode == "sync" and cfg.sync_colocated:
+        return Placement(gpus // tp, slots, gpus, colocated=True)
+    tg = cfg.trainer_gpus
+    if tg == "balance":
+        c, p = cfg.costs, cfg.prompt_tokens
+        m1, m2 = length_moments(cfg)
+        ctx = p + m2 / (2 * m1)
+        inst_per_sample = m1 * c.decode_time(slots, slots * ctx) / slots + p * c.prefill_token_s
+        s1, s2 = p + m1, m2 + 2 * p * m1 + p * p  # moments of the trained sequence length
+        gpu_per_sample = (c.train_token_gpu_s * s1 + c.train_pair_gpu_s * s2 / 2
+                          + (c.train_fixed_s + c.weight_sync_s) * gpus / cfg.train_batch)
+        # rollout rate I / inst_per_sample = trainer rate (gpus - tp I) / gpu_per_sample
+        balance = gpus / (tp + gpu_per_sample / inst_per_sample)
+        instances = min(gpus // tp - 1, max(1, math.ceil(balance)))
+    elif isinstance(tg, float):
+        instances = max(1, min(gpus // tp - 1, round(gpus * (1 - tg) / tp)))
+    else:
+        instances = (gpus - tg) // tp
+    return Placement(instances, slots, gpus - instances * tp)
+
+
+def run_one(cfg: SimConfig, gpus: int, mode: str, progress: bool = False) -> dict[str, Any]:
+    """One policy on one cluster size."""
+    spec = cfg.policy(mode)
+    rb = max(cfg.train_batch, int(spec.rollout_batches * cfg.train_batch) // cfg.group_size * cfg.group_size)
+    r = simulate(mode, cfg.costs, placement(cfg, gpus, mode), cfg.lengths, train_batch=cfg.train_batch,
+                 group_size=cfg.group_size, prompt_tokens=cfg.prompt_tokens, steps=cfg.steps,
+                 warmup_steps=cfg.warmup_steps, max_staleness=spec.max_staleness, rollout_batch=rb,
+                 seed=cfg.seed, progress=progress, label=f"{mode} @ {gpus} GPUs")
+    r["gpus"] = gpus
+    return r
+
+
+def run_config(cfg: SimConfig, progress: bool = True) -> dict[str, Any]:
+    """Every policy at every cluster size (and the projections), the speedups over sync, and the comparison
+    with the paper's figures."""
+    sizes = list(cfg.gpus) + [g for g in cfg.projections.get("gpus", []) if g not in cfg.gpus]
+    jobs = [(g, p.name) for g in sizes for p in cfg.policies]
+    runs: dict[str, dict[str, Any]] = {}
+    for g, mode in tqdm(jobs, desc=f"simulate {cfg.name}", unit="run", disable=not progress):
+        runs.setdefault(str(g), {})[mode] = run_one(cfg, g, mode, progress=progress)
+    table = []
+    for g in sizes:
+        r = runs[str(g)]
+        base = r.get("sync")
+        for mode, x in r.items():
+            table.append({"gpus": g, "mode": mode, "instances": x["instances"], "trainer_gpus": x["trainer_gpus"],
+                          "step_s": x["step_s"], "samples_per_s": x["samples_per_s"],
+                          "tokens_per_s": x["tokens_per_s"], "rollout_share": x["rollout_share"],
+                          "trainer_idle": x["trainer_idle"], "slot_utilization": x["slot_utilization"],
+                          "speedup_vs_sync": x["samples_per_s"] / base["samples_per_s"] if base else None,
+                          "max_live_versions": x["max_live_versions"], "staleness": x["staleness"],
+                          "projection": g not in cfg.gpus})
+    return {"name": cfg.name, "table": table, "paper": compare_with_paper(cfg, runs), "runs": runs,
+            "costs": cfg.costs.__dict__, "derivation": cfg.derivation}
+
+
+def compare_with_paper(cfg: SimConfig, runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per published figure: the paper's value, ours, and the relative deviation."""
+    rows = []
+    for g, figs in cfg.paper.items():
+        r = runs.get(str(g), {})
+        ours = {"sync_rollout_share": r.get("sync", {}).get("rollout_share"),
+                "dora_rollout_share": r.get("dora", {}).get("rollout_share"),
+                "speedup": (r["dora"]["samples_per_s"] / r["sync"]["samples_per_s"]
+                            if "dora" in r and "sync" in r else None)}
+        for key, paper in figs.items():
+            sim = ours.get(key)
+            rows.append({"gpus": int(g), "figure": key, "paper": paper, "simulated": sim,
+                         "deviation": None if sim is None else (sim - paper) / paper})
+    return rows
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """The results table and the paper comparison as Markdown."""
+    out = ["| GPUs | policy | rollout inst. | trainer GPUs | step s | samples/s | tokens/s | rollout share | "
+           "trainer idle | slot util. | vs sync | live versions |", "|" + "---|" * 12]
+    for r in result["table"]:
+        tag = " (proj.)" if r["projection"] else ""
+        sp = f"{r['speedup_vs_sync']:.2f}x" if r["speedup_vs_sync"] else "-"
+        out.append(f"| {r['gpus']}{tag} | {r['mode']} | {r['instances']} | {r['trainer_gpus']} | {r['step_s']:.0f} | "
+                   f"{r['samples_per_s']:.2f} | {r['tokens_per_s']:.0f} | {r['rollout_share']:.1%} | "
+                   f"{r['trainer_idle']:.1%} | {r['slot_utilization']:.1%} | {sp} | {r['max_live_versions']} |")
+    if result["paper"]:
+        out += ["", "| GPUs | figure | paper | simulated | deviation |", "|---|---|---|---|---|"]
+        for p in result["paper"]:
+            sim = "-" if p["simulated"] is None else f"{p['simulated']:.3g}"
+            dev = "-" if p["deviation"] is None else f"{p['deviation']:+.0%}"
+            out.append(f"| {p['gpus']} | {p['figure']} | {p['paper']} | {sim} | {dev} |")
+    return "\n".join(out)
+
+
+def plot(result: dict[str, Any], out_dir: str) -> list[str]:
+    """Throughput vs accelerators (one line per policy) and a timeline of the trainer's updates and live
+    versions for each policy at the first cluster size. Returns the PNG paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    modes = sorted({r["mode"] for r in result["table"]}, key=["sync", "one_step_off", "partial", "dora"].index)
+    for mode in modes:
+        rows = sorted((r for r in result["table"] if r["mode"] == mode), key=lambda r: r["gpus"])
+        ax.plot([r["gpus"] for r in rows], [r["samples_per_s"] for r in rows], marker="o", label=mode)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("accelerators")
+    ax.set_ylabel("trained samples / s")
+    ax.set_title(f"{result['name']}: throughput (points past the paper's sizes are projections)", fontsize=9)
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    paths.append(os.path.join(out_dir, f"sim_{result['name']}_throughput.png"))
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    first = str(min(int(g) for g in result["runs"]))
+    runs = result["runs"][first]
+    fig, axes = plt.subplots(len(runs), 1, figsize=(7.5, 1.6 * len(runs) + 0.6), sharex=True, squeeze=False)
+    for ax, (mode, r) in zip(axes[:, 0], runs.items()):
+        for u in r["updates"]:
+            ax.broken_barh([(u["start"], u["end"] - u["start"])], (-0.4, 0.8), color="tab:blue", alpha=0.6)
+        xs, lo, hi = [0.0], [0], [0]
+        for e in r["timeline"]:
+            xs.append(e["t"])
+            lo.append(min(e["live"]) - e["version"])
+            hi.append(max(e["live"]) - e["version"])
+        ax.step(xs, [-x for x in lo], where="post", color="tab:red", label="versions behind (oldest live)")
+        ax.set_ylabel(mode, rotation=0, ha="right", fontsize=8)
+        ax.set_yticks(range(0, max(2, 1 - min(lo)) + 1))
+    axes[0, 0].set_title(f"{result['name']} @ {first} GPUs: updates (blue) and age of the oldest live version "
+                         "(red)", fontsize=9)
+    axes[-1, 0].set_xlabel("simulated seconds")
+    paths.append(os.path.join(out_dir, f"sim_{result['name']}_timeline.png"))
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths

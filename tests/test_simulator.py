@@ -1,0 +1,256 @@
+"""The cluster simulator: hand-computed timelines for every policy, the real scheduler's invariants under random
+runs, the paper preset against the paper's published figures, and bad configs.
+
+Hand cases share one small cluster unless stated: 2 rollout instances x 2 slots, groups of 2, a train batch of
+4 samples (2 groups), every completion 6 tokens, prompts of 0 tokens, one decode step = 1 s whatever the batch,
+an update = 3 s of training + 1 s of weight sync. Events at the same time run in the order they were queued.
+"""
+
+import copy
+import random
+
+import pytest
+
+from dora_jax.ledger import Ledger
+from dora_jax.sim.config import Costs, SimConfigError, load_sim_config, parse_config
+from dora_jax.sim.engine import Instance, Placement, Row, SimLedger
+from dora_jax.sim.lengths import length_dist
+from dora_jax.sim.report import run_one
+from dora_jax.sim.run import simulate
+
+COSTS = Costs(decode_step_s=1.0, train_fixed_s=3.0, weight_sync_s=1.0)
+SIX = length_dist({"kind": "fixed", "value": 6})
+
+
+def run(mode, costs=COSTS, colocated=False, **kw):
+    args = dict(train_batch=4, group_size=2, prompt_tokens=0, steps=3, warmup_steps=1, max_staleness=1,
+                rollout_batch=8)
+    args.update(kw)
+    return simulate(mode, costs, Placement(2, 2, 1, colocated), SIX, **args)
+
+
+def spans(r):
+    return [(u["start"], u["end"]) for u in r["updates"]]
+
+
+def test_sync_colocated_timeline():
+    # 4 samples fill the 4 slots: 6 steps = 6 s; train 3 s + sync 1 s; the next batch starts after the update.
+    # (0-6 rollout, 6-10 update), (10-16, 16-20), (20-26, 26-30).
+    r = run("sync", colocated=True, warmup_steps=0)
+    assert spans(r) == [(6, 10), (16, 20), (26, 30)]
+    assert r["rollout_share"] == pytest.approx(18 / 30)  # 3 x 6 s of waiting over 30 s
+    assert r["staleness"] == {"0": 12} and r["max_live_versions"] == 1
+    # Slots busy 18 s of the 30 - 12 s of training the rollout GPUs are free for.
+    assert r["slot_utilization"] == pytest.approx(1.0)
+
+
+def test_one_step_off_timeline():
+    # b0 (v0) decodes 0-6. At 6 b1 is dispatched on v0 (before the trainer takes b0) and decodes 6-12 while b0
+    # trains 6-10 (-> v1). At 12 b2 goes out on v1 (12-18), b1 trains 12-16; b3 on v2 18-24, b2 trains 18-22;
+    # b3 trains 24-28 (the extra batch that keeps the measured steps free of drain effects).
+    r = run("one_step_off")
+    assert spans(r) == [(6, 10), (12, 16), (18, 22), (24, 28)]
+    assert r["staleness"] == {"0": 4, "1": 12}  # b0 at lag 0, b1..b3 one version late
+    # Measured steps 1 and 2 (after one warm-up step): waits 12-10 and 18-16 over 22-10.
+    assert r["rollout_share"] == pytest.approx(4 / 12)
+    assert r["samples_per_s"] == pytest.approx(8 / 12)
+
+
+def test_partial_rollout_timeline_pays_reprefill():
+    # RBS 8: 8 samples (4 groups, v0) dispatched; s0-s3 decode 0-6, s4-s7 take the freed slots at 6 (-> 12).
+    # g0, g1 train 6-10 (-> v1). At 10 every live row (4 tokens generated) is re-prefilled on v1: 0.1 s x 4
+    # tokens x 2 rows = 0.8 s per instance, so s4-s7 end at 12.8, not 12. g2, g3 train 12.8-16.8; s8-s11 (v1,
+    # admitted at 12.8) are re-prefilled at 16.8 (4 tokens each, +0.8) and end at 19.6; g4, g5 train
+    # 19.6-23.6; s12-s15 (v2, from 19.6) re-prefilled at 23.6, end at 26.4; g6, g7 train 26.4-30.4.
+    costs = Costs(decode_step_s=1.0, train_fixed_s=3.0, weight_sync_s=1.0, prefill_token_s=0.1)
+    r = run("partial", costs=costs, steps=1, warmup_steps=0)
+    assert [t for span in spans(r) for t in span] == pytest.approx([6, 10, 12.8, 16.8, 19.6, 23.6, 26.4, 30.4])
+    assert r["staleness"] == {"0": 4, "1": 12}
+
+
+def test_dora_timeline_and_window():
+    # K = 1, RBS 8: 8 samples (v0) dispatched, 4 decode 0-6 and 4 more 6-12. At 6 g0, g1 are ready; training
+    # them leaves 4 samples of v0, within (0 + K - 0) x TBS = 4: train 6-10 (-> v1), then 4 samples go out on
+    # v1 (pending until slots free at 12). At 12 g2, g3 (v0) train 12-16; v1 rows decode 12-18; v2 dispatched
+    # at 16 decodes 18-24. Updates (6,10) (12,16) (18,22) (24,28), every sample trained one version late but
+    # the first batch.
+    r = run("dora", steps=1, warmup_steps=0)
+    assert spans(r) == [(6, 10), (12, 16), (18, 22), (24, 28)]
+    assert r["staleness"] == {"0": 4, "1": 12} and r["max_live_versions"] == 2
+    # Live versions after each update: the newest plus those still outstanding (v0's g2, g3 at the first).
+    assert [e["live"] for e in r["timeline"]] == [[0, 1], [1, 2], [2, 3], [4]]
+
+
+def test_decode_prefill_and_train_costs_combine_as_documented():
+    # One instance, 2 slots, prompts of 2 tokens, completions of 2. Prefill 0.5 s/token: 2 rows x 2 tokens = 2 s.
+    # Step 1: 2 rows, contexts 2 + 2 = 4: 1 + 2 x 0.5 + 4 x 0.25 = 3 s (t = 5). Step 2: contexts 6: 3.5 s
+    # (t = 8.5). Update: 2 x (2 + 2) = 8 tokens x 0.25 GPU-s / 1 GPU + pairs 2 x 4^2/2 x 0.01 = 2.16 s, + 0.5 s
+    # sync: ends at 11.16.
+    costs = Costs(decode_step_s=1.0, decode_row_s=0.5, decode_ctx_s=0.25, prefill_token_s=0.5,
+                  train_token_gpu_s=0.25, train_pair_gpu_s=0.01, weight_sync_s=0.5)
+    r = simulate("sync", costs, Placement(1, 2, 1, True), length_dist({"kind": "fixed", "value": 2}),
+                 train_batch=2, group_size=2, prompt_tokens=2, steps=1)
+    assert spans(r) == [(pytest.approx(8.5), pytest.approx(11.16))]
+
+
+def test_closed_form_decode_time_matches_a_step_by_step_sum():
+    costs = Costs(decode_step_s=0.01, decode_row_s=0.002, decode_ctx_s=1e-5)
+    inst = Instance(slots=8)
+    for sid, (prompt, before) in enumerate([(10, 0), (300, 25), (7, 1000)]):
+        inst.add(sid, Row(0, prompt, 0, before, 50))
+    ctx = 10 + 325 + 1007
+    expected = sum(0.01 + 3 * 0.002 + (ctx + 3 * j) * 1e-5 for j in range(37))
+    assert inst.steps_time(costs, 37) == pytest.approx(expected, rel=1e-12)
+    assert inst.steps_by(costs, expected) == 37 and inst.steps_by(costs, expected + 1e-9) == 38
+
+
+def test_sim_ledger_answers_like_the_ledger():
+    led = SimLedger()
+    rng = random.Random(3)
+    for gid in range(30):
+        led.add_group(gid, range(3 * gid, 3 * gid + 3), version=gid // 7, prompt_index=gid)
+    for sid in rng.sample(range(90), 60):
+        led.start(sid)
+        if rng.random() < 0.1:
+            led.filter(sid, "reward raised")
+        elif led.entries[sid].state == "in_flight":
+            led.finish(sid)
+    ready = [g for g in led.groups if Ledger.group_ready(led, g)]
+    led.consume(ready[: len(ready) // 2], 5)
+    assert led.outstanding() == Ledger.outstanding(led)
+    assert all(led.group_ready(g) == Ledger.group_ready(led, g) for g in led.groups)
+    led.check()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_invariants_hold_in_random_runs(seed):
+    rng = random.Random(seed)
+    mode = rng.choice(["sync", "one_step_off", "partial", "dora"])
+    g = rng.randint(1, 4)
+    tbs = g * rng.randint(1, 4)
+    k = rng.randint(1, 3)
+    rb = min((k + 1) * tbs, tbs + g * rng.randint(0, 6))
+    lengths = length_dist({"kind": "lognormal", "mean": rng.uniform(5, 40), "sigma": rng.uniform(0, 1.5),
+                           "max": 200})
+    costs = Costs(decode_step_s=rng.uniform(0.01, 1), decode_row_s=rng.uniform(0, 0.1),
+                  decode_ctx_s=rng.uniform(0, 1e-3), prefill_token_s=rng.uniform(0, 0.01),
+                  train_token_gpu_s=rng.uniform(0, 0.05), train_fixed_s=rng.uniform(0, 5),
+                  weight_sync_s=rng.uniform(0, 2))
+    place = Placement(rng.randint(1, 4), rng.randint(1, 6), rng.randint(1, 8), mode == "sync" and rng.random() < .5)
+    r = simulate(mode, costs, place, lengths, train_batch=tbs, group_size=g, prompt_tokens=rng.randint(0, 50),
+                 steps=rng.randint(1, 5), max_staleness=k, rollout_batch=rb, seed=seed)
+    # simulate() already ran Ledger.check(bound) and refused abandoned samples; check the report agrees.
+    counts = r["ledger"]
+    assert counts["consumed"] == len(r["updates"]) * tbs and counts["pending"] == counts["in_flight"] == 0
+    bound = {"sync": 0, "one_step_off": 1, "dora": k}.get(mode)
+    if bound is not None:
+        assert max(int(s) for s in r["staleness"]) <= bound and r["max_live_versions"] <= bound + 1
+    assert 0 <= r["rollout_share"] <= 1 and 0 <= r["slot_utilization"] <= 1 + 1e-9
+
+
+# -- the paper preset -------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def paper():
+    cfg = load_sim_config("sim_dora_paper")
+    return cfg, {(g, m): run_one(cfg, g, m) for g in (64, 128) for m in ("sync", "dora")}
+
+
+def within(sim, published, tol=0.25):
+    return abs(sim - published) / published <= tol
+
+
+def test_paper_rollout_share_at_64_gpus(paper):
+    cfg, runs = paper
+    figs = cfg.paper["64"]
+    assert within(runs[64, "sync"]["rollout_share"], figs["sync_rollout_share"])  # 65%
+    assert within(runs[64, "dora"]["rollout_share"], figs["dora_rollout_share"])  # 12%
+
+
+def test_paper_speedup_at_64_gpus(paper):
+    cfg, runs = paper
+    speedup = runs[64, "dora"]["samples_per_s"] / runs[64, "sync"]["samples_per_s"]
+    assert within(speedup, cfg.paper["64"]["speedup"])  # 1.65x
+
+
+@pytest.mark.xfail(strict=True, reason="the honest model reaches ~1.4x at 128 GPUs, not the paper's 2.12x: with "
+                   "the real scheduler (K = 5, RBS = 3 TBS) the dora trainer waits ~37% of each step for the "
+                   "oldest version's longest trajectories (docs/simulator.md)")
+def test_paper_speedup_at_128_gpus(paper):
+    cfg, runs = paper
+    speedup = runs[128, "dora"]["samples_per_s"] / runs[128, "sync"]["samples_per_s"]
+    assert within(speedup, cfg.paper["128"]["speedup"])  # 2.12x
+
+
+def test_paper_preset_scheduler_invariants(paper):
+    _, runs = paper
+    for r in runs.values():
+        bound = 0 if r["mode"] == "sync" else 5
+        assert max(int(s) for s in r["staleness"]) <= bound <= 5 and r["max_live_versions"] <= bound + 1
+
+
+# -- configs ----------------------------------------------------------------------------------------------------
+
+GOOD = {
+    "workload": {"prompts_per_step": 4, "group_size": 2, "prompt_tokens": 8,
+                 "lengths": {"kind": "lognormal", "mean": 20, "sigma": 1.0, "max": 100}},
+    "cluster": {"gpus": [8], "gpus_per_instance": 2, "slots_per_instance": 4},
+    "costs": {"decode_step_s": 0.01, "train_token_gpu_s": 0.001},
+    "policies": {"sync": {}, "dora": {"max_staleness": 2, "rollout_batches": 2.0}},
+}
+
+
+def bad(path, value):
+    raw = copy.deepcopy(GOOD)
+    node = raw
+    keys = path.split(".")
+    for k in keys[:-1]:
+        node = node[k]
+    if value is KeyError:
+        del node[keys[-1]]
+    else:
+        node[keys[-1]] = value
+    return raw
+
+
+def test_good_config_parses_and_lognormal_mean_is_the_clipped_mean():
+    cfg = parse_config(copy.deepcopy(GOOD))
+    assert cfg.train_batch == 8 and cfg.policy("dora").max_staleness == 2
+    assert cfg.lengths.mean() == pytest.approx(20, rel=1e-9)
+    rng = random.Random(0)
+    xs = [cfg.lengths.sample(rng) for _ in range(40000)]
+    assert sum(xs) / len(xs) == pytest.approx(20, rel=0.02) and max(xs) <= 100
+
+
+@pytest.mark.parametrize("path,value,message", [
+    ("cluster.gpus", [8, 5], r"'cluster.gpus' = \[8, 5\]: .*multiple of gpus_per_instance \(2\)"),
+    ("cluster.gpus_per_instance", 0, r"'cluster.gpus_per_instance' = 0: must be an integer > 0"),
+    ("cluster.trainer_gpus", 8, r"'cluster.trainer_gpus' = 8: .*leaves at least one rollout instance"),
+    ("cluster.sync_placement", "shared", r"'cluster.sync_placement' = 'shared': allowed: colocated"),
+    ("costs.decode_step_s", -1, r"'costs.decode_step_s' = -1: must be a number >= 0"),
+    ("costs.decode_step_s", KeyError, r"'costs.decode_step_s' = None: required"),
+    ("costs.warp_s", 1, r"'costs.warp_s' = 1: unknown field"),
+    ("workload.lengths.kind", "weibull", r"'workload.lengths.kind' = 'weibull': allowed: fixed, lognormal, jsonl"),
+    ("workload.lengths.mean", 500, r"'workload.lengths.mean' = 500: must be < max \(100\)"),
+    ("workload.lengths.sigma", "wide", r"'workload.lengths.sigma' = 'wide': must be a number in \[0, 4\]"),
+    ("workload.group_size", 0, r"'workload.group_size' = 0: must be an integer > 0"),
+    ("policies.dora", {"max_staleness": 1, "rollout_batches": 3.0},
+     r"'policies.dora.rollout_batches' = 3.0: must be <= max_staleness \+ 1 = 2"),
+    ("policies.async", {}, r"'policies.async' = \{\}: unknown policy"),
+    ("policies.sync", {"max_staleness": 2}, r"'policies.sync' = \{'max_staleness': 2\}: takes no options"),
+])
+def test_bad_config_values_are_named(path, value, message):
+    with pytest.raises(SimConfigError, match=message):
+        parse_config(bad(path, value))
+
+
+def test_bad_length_files_are_named(tmp_path):
+    f = tmp_path / "lengths.jsonl"
+    f.write_text('{"length": 12}\n{"length": 0}\n')
+    with pytest.raises(SimConfigError, match=r"lengths.jsonl line 2: length 0 must be an integer >= 1"):
+        length_dist({"kind": "jsonl", "path": str(f)})
+    f.write_text('{"new_tokens": 12}\n7\n\n')
+    d = length_dist({"kind": "jsonl", "path": str(f)})
+    assert d.table == (12, 7) and d.mean() == 9.5
+    with pytest.raises(SimConfigError, match=r"'workload.lengths.path' = 'nope.jsonl': no such file"):
+        length_dist({"kind": "jsonl", "path": "nope.jsonl"}, base_dir=str(tmp_path))
