@@ -89,6 +89,26 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_simulate(args) -> int:
+    from dora_jax.sim.config import SimConfigError, load_sim_config
+    from dora_jax.sim.report import format_report, plot, run_config
+
+    try:
+        cfg = load_sim_config(args.config)
+    except SimConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = run_config(cfg)
+    print(format_report(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        for path in plot(result, args.plot):
+            print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dora-jax", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -125,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-reference", action="store_true", help="engine: skip the transformers side")
     common(b)
     b.set_defaults(fn=cmd_bench)
+    s = sub.add_parser("simulate", help="discrete-event cluster simulator of the rollout/trainer pipeline")
+    s.add_argument("--config", default="sim_dora_paper", help="configs/sim_*.yaml file or preset name")
+    s.add_argument("--json", help="also write every run's metrics to this JSON file")
+    s.add_argument("--plot", help="write throughput and timeline PNGs into this directory")
+    s.set_defaults(fn=cmd_simulate)
     return p
 
 
