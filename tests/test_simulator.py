@@ -254,3 +254,19 @@ def test_bad_length_files_are_named(tmp_path):
     assert d.table == (12, 7) and d.mean() == 9.5
     with pytest.raises(SimConfigError, match=r"'workload.lengths.path' = 'nope.jsonl': no such file"):
         length_dist({"kind": "jsonl", "path": "nope.jsonl"}, base_dir=str(tmp_path))
+
+
+def test_cli_runs_the_small_config_calibrated_from_a_measured_bench(tmp_path):
+    import json
+
+    from dora_jax.cli import main
+
+    cfg = load_sim_config("sim_small")
+    # docs/bench_engine_cpu_2026-11-22.json: 32 rows at 96.95 tokens/s -> one step = 32 / 96.95 s.
+    assert cfg.costs.decode_step_s == pytest.approx(32 / 96.95051391960808)
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--config", "sim_small", "--json", str(out)]) == 0
+    table = json.loads(out.read_text())["table"]
+    assert {(r["gpus"], r["mode"]) for r in table} == {(g, m) for g in (8, 16)
+                                                         for m in ("sync", "one_step_off", "partial", "dora")}
+    assert main(["simulate", "--config", "no_such_preset"]) == 2
