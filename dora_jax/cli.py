@@ -66,6 +66,12 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_check(args) -> int:
+    from dora_jax.check import check_in_subprocess
+
+    return check_in_subprocess(args.config, args.overrides, do_compile=not args.no_compile)
+
+
 def cmd_bench(args) -> int:
     from dora_jax import benchmarks
 
@@ -136,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     e.add_argument("--overwrite", action="store_true")
     e.set_defaults(fn=cmd_export)
+    c = sub.add_parser("check", help="does the config fit target.num_devices x target.memory_gib? compiles the train "
+                       "and decode steps ahead of time on fake devices and reports memory per device")
+    c.add_argument("--config", required=True, help="YAML file or shipped preset name")
+    c.add_argument("overrides", nargs="*", help="key=value overrides, e.g. target.num_devices=16")
+    c.add_argument("--no-compile", action="store_true", help="lower only: shardings and shapes, no activation sizes")
+    c.set_defaults(fn=cmd_check)
+
     b = sub.add_parser("bench", help="benchmarks; results as JSON")
     b.add_argument("what", choices=["load", "engine", "decode", "train", "snapshot"])
     b.add_argument("--repeats", type=int, default=2, help="load: repeats per side")
@@ -155,13 +168,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from dora_jax.config import ConfigError
+    from dora_jax.distributed import DistributedError, initialize
     from dora_jax.models.hf_io import WeightsError
     from dora_jax.tokenizer import TokenizerError
 
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "train":
+            initialize()  # joins the other hosts under jax.distributed; a no-op for one process
         return args.fn(args)
-    except (ConfigError, WeightsError, TokenizerError) as e:
+    except (DistributedError, ConfigError, WeightsError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,276 @@
+"""``dora-jax check``: will this config fit its target hardware? Answered before renting the hardware.
+
+On fake CPU devices, as many as ``target.num_devices``, it builds the abstract parameters (``jax.eval_shape``,
+nothing allocated) and their shardings for the configured roles, lowers and compiles ahead of time the train
+step (:func:`dora_jax.trainer.step.make_train_step` on an abstract TrainState and TrainBatch of the configured
+shapes) and the rollout engine's decode step (on an abstract decode state), and reports per-device memory:
+parameters, optimizer state, resident policy versions, KV cache, and the activations and scratch space XLA
+plans for each step (``compiled.memory_analysis()``). It fails when the total exceeds ``target.memory_gib``.
+
+JAX fixes the device count when it starts, so :func:`check_in_subprocess` runs the check in a fresh Python
+with ``XLA_FLAGS=--xla_force_host_platform_device_count=N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+from typing import Any, Callable
+
+GIB = 2 ** 30
+
+
+class CheckError(RuntimeError):
+    """The config does not fit its target, or cannot be checked; the message says which part and by how much."""
+
+
+@dataclasses.dataclass
+class RoleMemory:
+    """Bytes per device of one role. ``temp`` is XLA's scratch (activations) for the role's step; None when the
+    step was lowered but not compiled."""
+
+    name: str
+    devices: int
+    parts: dict[str, int]
+    temp: int | None
+    compiled_args: int | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values()) + (self.temp or 0)
+
+
+def per_device_bytes(tree: Any) -> int:
+    """Bytes that the most loaded device holds of a tree of sharded ShapeDtypeStructs (or arrays)."""
+    import jax
+    import numpy as np
+
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def _with_shardings(abstract: Any, shardings: Any) -> Any:
+    import jax
+
+    is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
+    leaves = jax.tree.leaves(shardings, is_leaf=is_sharding)
+    flat, treedef = jax.tree.flatten(abstract)
+    if len(flat) != len(leaves):
+        raise AssertionError(f"{len(flat)} leaves but {len(leaves)} shardings")  # programming error
+    return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                                        for x, s in zip(flat, leaves)])
+
+
+def _compile(jitted: Callable, args: tuple, mesh: Any, rules: Any, do_compile: bool) -> tuple[int | None, int | None]:
+    """Lowers (always) and compiles (if asked); returns XLA's (temp bytes, argument bytes) per device."""
+    from dora_jax.sharding import activate
+
+    with activate(mesh, rules):
+        lowered = jitted.lower(*args)
+    if not do_compile:
+        return None, None
+    stats = lowered.compile().memory_analysis()
+    if stats is None:  # a backend without memory statistics
+        return None, None
+    return int(stats.temp_size_in_bytes), int(stats.argument_size_in_bytes)
+
+
+def trainer_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
+    """Per-device memory of the trainer on ``mesh``: state, batch, and the compiled train step's scratch."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from dora_jax.models.build import abstract_model, state_shardings
+    from dora_jax.trainer import lora as lora_lib
+    from dora_jax.trainer.batch import TrainBatch, bucket_length, bucket_rows
+    from dora_jax.trainer.state import TrainState
+    from dora_jax.trainer.step import Trainer, make_train_step
+
+    rules = cfg.mesh.logical_axis_rules
+    graphdef, abstract = abstract_model(cfg.model)
+    params = _with_shardings(abstract, state_shardings(abstract, mesh, rules))
+    replicated = NamedSharding(mesh, P())
+    tcfg = cfg.train
+    if tcfg.lora.rank > 0:
+        lora_abs = jax.eval_shape(lambda k: lora_lib.init_lora(params, tcfg.lora, k), jax.random.key(0))
+        trainable, frozen = _with_shardings(lora_abs, jax.tree.map(lambda _: replicated, lora_abs)), params
+    else:
+        trainable, frozen = params, None
+    trainer = Trainer(cfg, graphdef, mesh, rules, state_shardings=None)
+    tx = trainer.tx
+    opt_abs = jax.eval_shape(tx.init, trainable)
+    trainable_sh = jax.tree.map(lambda x: x.sharding, trainable)
+    opt_sh = optax.tree_map_params(tx, lambda _, s: s, opt_abs, trainable_sh,
+                                   transform_non_params=lambda _: replicated,
+                                   is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    opt = _with_shardings(opt_abs, opt_sh)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+    state = TrainState(step=scalar, version=scalar, params=trainable, frozen=frozen, opt_state=opt,
+                       rng=jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=replicated))
+    state_sh = jax.tree.map(lambda x: x.sharding, state)
+
+    r = cfg.rollout
+    t = bucket_length(r.max_prompt_len + r.max_new_tokens, tcfg.length_buckets)
+    b = bucket_rows(cfg.dora.train_batch, trainer.row_multiple)
+    f32, i32 = jnp.float32, jnp.int32
+    shapes = dict(tokens=((b, t), i32), segment_ids=((b, t), i32), loss_mask=((b, t), f32),
+                  behaviour_logprobs=((b, t), f32), recomputed_logprobs=((b, t), f32), ref_logprobs=((b, t), f32),
+                  versions=((b,), i32), group_ids=((b,), i32), rewards=((b,), f32), valid=((b,), jnp.bool_))
+    batch = TrainBatch(**{k: jax.ShapeDtypeStruct(s, d, sharding=getattr(trainer.batch_shardings, k))
+                          for k, (s, d) in shapes.items()})
+    step = jax.jit(make_train_step(graphdef, tcfg, tx), in_shardings=(state_sh, trainer.batch_shardings),
+                   out_shardings=(state_sh, replicated), donate_argnums=(0,))
+    temp, args = _compile(step, (state, batch), mesh, rules, do_compile)
+    parts = {"params": per_device_bytes(params if frozen is None else (trainable, frozen)),
+             "optimizer": per_device_bytes(opt), "batch": per_device_bytes(batch)}
+    if tcfg.kl_coef > 0 and tcfg.lora.rank == 0:
+        parts["reference"] = per_device_bytes(params)
+    return RoleMemory("trainer", mesh.size, parts, temp, args)
+
+
+def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
+    """Per-device memory of one rollout group on ``mesh``: resident versions, KV cache, decode-step scratch.
+
+    ``train.max_staleness + 1`` policy versions can be resident at once (DORA's bound), each a full copy of
+    the parameters in the rollout shardings.
+    """
+    import jax
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from dora_jax.models.build import state_shardings
+    from dora_jax.models.decoder import Decoder
+    from dora_jax.rollout.engine import Engine, bucket
+    from dora_jax.sharding import named_sharding
+
+    rules = cfg.mesh.logical_axis_rules
+    model = nnx.eval_shape(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)))
+    r = cfg.rollout
+    engine = Engine(model, max_concurrent_decodes=r.slots, max_prefill_length=r.max_prompt_len,
+                    max_target_length=min(bucket(r.max_prompt_len + r.max_new_tokens), cfg.model.max_seq_len),
+                    mesh=mesh)
+    params = _with_shardings(engine.params, state_shardings(engine.params, mesh, rules))
+    decode = jax.eval_shape(engine.init_decode_state)
+    replicated = NamedSharding(mesh, P())
+    # Cache [L, B, K, ., .]: slots over the batch axes, KV heads over tensor; per-slot vectors are tiny.
+    cache_axes = ("layers", "batch", "act_kv_heads", None, None)
+    cache_sh = jax.tree.map(lambda x: named_sharding(mesh, cache_axes, rules, x.shape, where="rollout KV cache"),
+                            decode.cache)
+    decode_sh = decode._replace(cache=cache_sh,
+                                **{f: jax.tree.map(lambda _: replicated, getattr(decode, f))
+                                   for f in decode._fields if f != "cache"})
+    decode = _with_shardings(decode, decode_sh)
+    # The engine's own jitted decode step, lowered on abstract arguments: exactly what a rollout runs.
+    temp, args = _compile(engine._generate_jit, (params, decode), mesh, rules, do_compile)
+    versions = cfg.train.max_staleness + 1
+    parts = {f"params x{versions} versions": versions * per_device_bytes(params),
+             "kv cache": per_device_bytes(decode.cache)}
+    return RoleMemory("rollout", mesh.size, parts, temp, args)
+
+
+def run_check(cfg: Any, *, do_compile: bool = True, log: Callable[[str], None] = print) -> list[RoleMemory]:
+    """Checks ``cfg`` on this process's devices (there must be ``cfg.target.num_devices`` of them).
+
+    Returns:
+      The memory of each role (one per device set: trainer and rollout share a set under ``shared``).
+
+    Raises:
+      CheckError: when the memory per device exceeds ``cfg.target.memory_gib``, or the device count is wrong.
+      ConfigError: when the mesh or roles do not fit the devices, naming the field or parameter.
+    """
+    import jax
+
+    from dora_jax.models.build import abstract_model
+    from dora_jax.sharding import role_meshes
+
+    tgt = cfg.target
+    if jax.device_count() != tgt.num_devices:
+        raise CheckError(f"{jax.device_count()} devices present but target.num_devices = {tgt.num_devices}; "
+                         "run through check_in_subprocess (dora-jax check), which sets the device count")
+    meshes = role_meshes(cfg.mesh, cfg.roles)
+    m = cfg.model
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_model(m)[1]))
+    log(f"config {cfg.run.name}: {n_params / 1e9:.2f}B parameters ({m.param_dtype}), target "
+        f"{tgt.num_devices} x {tgt.device_kind}" + (f" with {tgt.memory_gib:g} GiB each" if tgt.memory_gib else ""))
+    log(f"roles: {cfg.roles.placement}; trainer mesh {dict(meshes.trainer.shape)}"
+        + ("" if meshes.shared else f"; {len(meshes.rollout)} rollout groups of mesh {dict(meshes.rollout[0].shape)}"))
+    train = trainer_memory(cfg, meshes.trainer, do_compile)
+    roll = rollout_memory(cfg, meshes.rollout[0], do_compile)
+    if meshes.shared:
+        both = RoleMemory("trainer + rollout (shared devices)", train.devices,
+                          {**{f"train {k}": v for k, v in train.parts.items()},
+                           **{f"rollout {k}": v for k, v in roll.parts.items()}},
+                          None if train.temp is None else max(train.temp, roll.temp or 0))
+        roles = [both]
+    else:
+        roles = [train, roll]
+    for role in (train, roll):
+        if role.temp is not None:
+            log(f"compiled {role.name} step: {role.temp / 2**20:.1f} MiB scratch, {role.compiled_args / 2**20:.1f} MiB "
+                "arguments per device")
+    failures = []
+    for role in roles:
+        log(f"\nper device, {role.name} ({role.devices} devices):")
+        for k, v in role.parts.items():
+            log(f"  {k:<34} {v / GIB:9.3f} GiB")
+        log(f"  {'activations + scratch (XLA)':<34} " + (f"{role.temp / GIB:9.3f} GiB" if role.temp is not None
+                                                         else "  not compiled (--no-compile)"))
+        log(f"  {'total':<34} {role.total / GIB:9.3f} GiB")
+        if tgt.memory_gib and role.total > tgt.memory_gib * GIB:
+            failures.append(f"{role.name} needs {role.total / GIB:.2f} GiB per device, more than target.memory_gib "
+                            f"= {tgt.memory_gib:g} GiB of {tgt.device_kind}")
+    if failures:
+        raise CheckError("; ".join(failures) + ". Use more devices (target.num_devices and the mesh), shard "
+                         "further (mesh.fsdp / mesh.tensor), fewer rollout.slots, or LoRA (train.lora.rank)")
+    log("\nOK: fits" + (f" in {tgt.memory_gib:g} GiB per device" if tgt.memory_gib else " (target.memory_gib not set)"))
+    return roles
+
+
+def check_in_subprocess(config: str, overrides: list[str] | tuple[str, ...] = (), *, do_compile: bool = True) -> int:
+    """Runs the check in a fresh Python on ``target.num_devices`` fake CPU devices; returns its exit status
+    (0 fits, 1 does not fit, 2 bad config). Output goes to this process's stdout and stderr."""
+    from dora_jax.config import load_config
+
+    cfg = load_config(config, overrides)  # fail here, with the file name, on a bad config
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": " ".join([f"--xla_force_host_platform_device_count={cfg.target.num_devices}", *flags])}
+    for name in ("DORA_COORDINATOR", "DORA_NUM_PROCESSES", "DORA_PROCESS_ID", "DORA_CLUSTER"):
+        env.pop(name, None)  # the check is one process, whatever cluster it is started from
+    cmd = [sys.executable, "-m", "dora_jax.check", "--config", config, *([] if do_compile else ["--no-compile"]),
+           *overrides]
+    return subprocess.run(cmd, env=env).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The child process of :func:`check_in_subprocess`."""
+    from dora_jax.config import ConfigError, load_config
+
+    p = argparse.ArgumentParser(prog="python -m dora_jax.check")
+    p.add_argument("--config", required=True)
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    try:
+        run_check(load_config(args.config, args.overrides), do_compile=not args.no_compile)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except CheckError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

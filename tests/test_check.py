@@ -1,0 +1,87 @@
+"""``dora-jax check``: every shipped preset fits its target; a too-big setup fails with a clear message.
+
+Shipped presets go through ``--no-compile`` (lowering only: shapes, shardings, state memory); compiling an 8B
+model for 256 fake devices takes minutes on a CPU. The full compile (with XLA's activation sizes) runs on
+the tiny model, where XLA's argument sizes are checked against the per-device accounting.
+"""
+
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from dora_jax.config import load_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRESETS = ["qwen2_5_1_5b_1gpu", "qwen2_5_7b_8gpu", "llama3_1_8b_v5p64", "qwen3_8b_v5e256"]
+
+
+def _check(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dora_jax.cli", "check", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=600)
+
+
+def _gib(out: str, label: str) -> float:
+    m = re.search(rf"^  {re.escape(label)}\s+([0-9.]+) GiB", out, re.M)
+    assert m, f"no '{label}' line in:\n{out}"
+    return float(m.group(1))
+
+
+def test_presets_exist_with_targets():
+    for name in PRESETS:
+        cfg = load_config(name)
+        assert cfg.target.memory_gib > 0 and cfg.model.param_dtype == "bfloat16"
+    assert {load_config(n).target.num_devices for n in PRESETS} == {1, 8, 32, 256}
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_fits_without_compiling(name):
+    r = _check("--config", name, "--no-compile")
+    assert r.returncode == 0, r.stdout + r.stderr
+    cfg = load_config(name)
+    assert f"target {cfg.target.num_devices} x {cfg.target.device_kind}" in r.stdout
+    assert "OK: fits" in r.stdout and "not compiled" in r.stdout
+    # The parameter count printed is the model card's (within rounding) and the per-device share of the
+    # parameters is that count x 2 bytes (bf16) / fsdp x tensor (every weight matrix is sharded).
+    billions = float(re.search(r"([0-9.]+)B parameters", r.stdout).group(1))
+    expected = {"qwen2_5_1_5b_1gpu": 1.54, "qwen2_5_7b_8gpu": 7.62, "llama3_1_8b_v5p64": 8.03,
+                "qwen3_8b_v5e256": 8.19}[name]
+    assert abs(billions - expected) < 0.01, billions
+    shards = cfg.mesh.fsdp * cfg.mesh.tensor
+    assert _gib(r.stdout, "train params") == pytest.approx(billions * 1e9 * 2 / shards / 2**30, rel=0.02)
+    assert _gib(r.stdout, "train optimizer") == pytest.approx(2 * _gib(r.stdout, "train params"), rel=0.01)
+
+
+def test_too_big_fails_with_a_clear_message():
+    r = _check("--config", "qwen2_5_7b_8gpu", "--no-compile", "target.num_devices=1", "target.memory_gib=16",
+               "target.device_kind=T4 16GB", "mesh.fsdp=1")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "needs" in r.stderr and "more than target.memory_gib = 16 GiB of T4 16GB" in r.stderr
+    assert _gib(r.stdout, "total") > 16
+
+
+def test_mesh_that_does_not_fit_the_target_names_it():
+    r = _check("--config", "qwen2_5_7b_8gpu", "--no-compile", "target.num_devices=6")
+    assert r.returncode == 2 and "mesh" in r.stderr and "needs 8 devices, but 6" in r.stderr, r.stderr
+
+
+def test_full_compile_on_the_tiny_model_split_roles():
+    r = _check("--config", "tiny_llama", "target.num_devices=8", "target.memory_gib=1", "mesh.data=1",
+               "mesh.fsdp=2", "mesh.tensor=2", "roles.placement=split", "roles.trainer_devices=4",
+               "roles.rollout_groups=2", "rollout.max_prompt_len=32", "rollout.max_new_tokens=32",
+               "train.length_buckets=[64]", "train.max_response_tokens=32")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "2 rollout groups of mesh {'data': 1, 'fsdp': 1, 'tensor': 2}" in out
+    assert "per device, trainer (4 devices)" in out and "per device, rollout (2 devices)" in out
+    m = re.findall(r"compiled (\w+) step: ([0-9.]+) MiB scratch, ([0-9.]+) MiB arguments", out)
+    assert [x[0] for x in m] == ["trainer", "rollout"], out
+    assert all(float(x[1]) > 0 for x in m)
+
+
+def test_bad_config_fails_before_starting_jax():
+    r = _check("--config", "qwen2_5_7b_8gpu", "roles.placement=everywhere")
+    assert r.returncode == 2 and "roles.placement" in r.stderr
