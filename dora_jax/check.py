@@ -170,8 +170,12 @@ def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
                                 **{f: jax.tree.map(lambda _: replicated, getattr(decode, f))
                                    for f in decode._fields if f != "cache"})
     decode = _with_shardings(decode, decode_sh)
-    # The engine's own jitted decode step, lowered on abstract arguments: exactly what a rollout runs.
-    temp, args = _compile(engine._generate_jit, (params, decode), mesh, rules, do_compile)
+    # The engine's public decode step traced on abstract arguments: exactly what a rollout runs per step.
+    def decode_step(p, state):
+        new_state, result = engine.generate(p, state)
+        return new_state, result.data
+
+    temp, args = _compile(jax.jit(decode_step, donate_argnums=(1,)), (params, decode), mesh, rules, do_compile)
     versions = cfg.train.max_staleness + 1
     parts = {f"params x{versions} versions": versions * per_device_bytes(params),
              "kv cache": per_device_bytes(decode.cache)}
