@@ -57,7 +57,7 @@ def test_preset_fits_without_compiling(name):
 
 def test_too_big_fails_with_a_clear_message():
     r = _check("--config", "qwen2_5_7b_8gpu", "--no-compile", "target.num_devices=1", "target.memory_gib=16",
-               "target.device_kind=T4 16GB", "mesh.fsdp=1")
+               "target.device_kind=T4 16GB", "mesh.fsdp=1", "mesh.tensor=1")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "needs" in r.stderr and "more than target.memory_gib = 16 GiB of T4 16GB" in r.stderr
     assert _gib(r.stdout, "total") > 16
