@@ -33,22 +33,30 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer: ``k_lbksd``/``v_lbksd`` of shape [L, B, K, S, d]. Slot ``s`` holds the
-    token at position ``s`` of that row. Heads before length, so attention contracts the cache in place
-    (batch dims b, k leading) instead of transposing it every step."""
+    """Keys and values of every layer: ``k`` [L, B, K, d, S] and ``v`` [L, B, K, S, d]. Slot ``s`` holds the
+    token at position ``s`` of that row. Heads before length, and keys stored transposed, so that one decode
+    query's scores (contract d) and its output (contract S) both stream the cache along its minor axis
+    instead of reducing across it or transposing it every step."""
 
     k: jax.Array
     v: jax.Array
 
     @staticmethod
     def axes() -> tuple[str | None, ...]:
+        """Logical axes of ``v``."""
         return ("layers", "batch", "act_kv_heads", "cache_length", None)
+
+    @staticmethod
+    def k_axes() -> tuple[str | None, ...]:
+        """Logical axes of ``k`` (transposed: head dim before length)."""
+        return ("layers", "batch", "act_kv_heads", None, "cache_length")
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype: str | None = None) -> KVCache:
-    shape = (cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)
+    """A zero cache for ``batch`` rows of ``length`` slots (layout: :class:`KVCache`)."""
     dt = jnp.dtype(dtype or cfg.compute_dtype)
-    return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+    lbk = (cfg.num_layers, batch, cfg.num_kv_heads)
+    return KVCache(jnp.zeros(lbk + (cfg.head_dim, length), dt), jnp.zeros(lbk + (length, cfg.head_dim), dt))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -112,11 +120,168 @@ def attention(q_bthd: jax.Array, k_bksd: jax.Array, v_bksd: jax.Array, mask_bts:
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
-def _write_cache(cache_lbksd: jax.Array, layer: jax.Array, new_btkd: jax.Array, positions_bt: jax.Array) -> jax.Array:
-    """Scatters each row's new entries into layer ``layer`` at their positions (in place inside the scan)."""
+def attention_with_cache(q_bthd: jax.Array, k_bkds: jax.Array, v_bksd: jax.Array, k_new_btkd: jax.Array,
+                         v_new_btkd: jax.Array, mask_cache_bts: jax.Array, mask_new_btt: jax.Array) -> jax.Array:
+    """Grouped-query attention over a read-only cache plus the chunk's own new keys and values.
+
+    One softmax over both parts (exact, float32): the cache is only read here, and the new entries are
+    written once after all layers (:func:`write_cache`), so no layer ever copies the cache. Returns [B, T, H, d].
+    """
+    b, t, h, d = q_bthd.shape
+    kv = k_bkds.shape[1]
+    f32 = jnp.float32
+    q_bkgtd = q_bthd.reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4)
+    k_new_bkjd, v_new_bkjd = k_new_btkd.transpose(0, 2, 1, 3), v_new_btkd.transpose(0, 2, 1, 3)
+    sc = jnp.einsum("bkgtd,bkds->bkgts", q_bkgtd, k_bkds, preferred_element_type=f32)
+    sn = jnp.einsum("bkgtd,bkjd->bkgtj", q_bkgtd, k_new_bkjd, preferred_element_type=f32)
+    scale = 1.0 / math.sqrt(d)
+    sc = jnp.where(mask_cache_bts[:, None, None], sc * scale, _MASK_VALUE)
+    sn = jnp.where(mask_new_btt[:, None, None], sn * scale, _MASK_VALUE)
+    m = jnp.maximum(jnp.max(sc, axis=-1, keepdims=True), jnp.max(sn, axis=-1, keepdims=True))
+    ec, en = jnp.exp(sc - m), jnp.exp(sn - m)
+    denom = jnp.sum(ec, axis=-1, keepdims=True) + jnp.sum(en, axis=-1, keepdims=True)
+    pc, pn = (ec / denom).astype(v_bksd.dtype), (en / denom).astype(v_bksd.dtype)
+    out = jnp.einsum("bkgts,bksd->bkgtd", pc, v_bksd) + jnp.einsum("bkgtj,bkjd->bkgtd", pn, v_new_bkjd)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+
+
+def write_cache(cache: KVCache, k_lbtkd: jax.Array, v_lbtkd: jax.Array, positions_bt: jax.Array) -> KVCache:
+    """Writes every layer's new entries at their rows' positions with one scatter per tensor (in place when
+    the cache is donated)."""
     b, t = positions_bt.shape
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-    return cache_lbksd.at[layer, rows, :, positions_bt, :].set(new_btkd.astype(cache_lbksd.dtype))
+
+    # Advanced indices on two non-adjacent axes put the (b, t) index dims first: updates are [B, T, L, K, d].
+    k = cache.k.at[:, rows, :, :, positions_bt].set(k_lbtkd.transpose(1, 2, 0, 3, 4).astype(cache.k.dtype))
+    v = cache.v.at[:, rows, :, positions_bt, :].set(v_lbtkd.transpose(1, 2, 0, 3, 4).astype(cache.v.dtype))
+    return KVCache(constrain(k, KVCache.k_axes()), constrain(v, KVCache.axes()))
+
+
+def decode_forward(cfg: ModelConfig, p: dict, tokens_bt: jax.Array, positions_bt: jax.Array, cache: KVCache,
+                   *, logits: bool = True) -> tuple[jax.Array, KVCache]:
+    """Forward of T new tokens per row against the cache, as a pure function of ``Decoder.decode_params()``.
+
+    Row ``b``'s new tokens sit at positions ``positions_bt[b]`` (distinct within a row); a query at position
+    ``p`` sees the cached slots ``s <= p`` that this chunk does not overwrite, plus the chunk's own tokens at
+    positions ``<= p``: exactly slots ``0..p`` after the write. Layers read the cache as a scan input and the
+    new entries are written once after the scan.
+
+    Args:
+      cfg: the architecture.
+      p: ``Decoder.decode_params(fuse=...)``.
+      tokens_bt, positions_bt: int [B, T].
+      cache: [L, B, K, S, d] each; donate it to update it in place.
+      logits: return float32 logits [B, T, V]; else the final hidden states [B, T, D] (for
+        :func:`head_logits` on the rows that need it).
+
+    Returns:
+      ``(logits or hidden states, new cache)``.
+    """
+    slots = jnp.arange(cache.v.shape[3])
+    written_bs = jnp.any(slots[None, None, :] == positions_bt[:, :, None], axis=1)
+    mask_cache_bts = (slots[None, None, :] <= positions_bt[:, :, None]) & ~written_bs[:, None, :]
+    mask_new_btt = positions_bt[:, None, :] <= positions_bt[:, :, None]
+
+    def block(x, layer):
+        lp, k_c, v_c = layer
+        q, k, v = qkv_projection(cfg, lp, x, positions_bt)
+        x = finish_block(cfg, lp, x, attention_with_cache(q, k_c, v_c, k, v, mask_cache_bts, mask_new_btt))
+        return x, (k, v)
+
+    x, (k_new, v_new) = jax.lax.scan(block, embed_tokens(cfg, p["embed"], tokens_bt), (p["layers"], cache.k, cache.v))
+    cache = write_cache(cache, k_new, v_new, positions_bt)
+    return (head_logits(cfg, p, x) if logits else x), cache
+
+
+def _proj(p: dict[str, jax.Array], name: str, eq: str, x: jax.Array) -> jax.Array:
+    """``x @ W[name]`` plus, when ``p`` carries a low-rank adapter for it, ``scale * (x @ a) @ b``.
+
+    Applying the adapter on the activations (instead of merging it into W) keeps the backward pass free
+    of W's gradient: only the input gradient flows through W."""
+    dt = x.dtype
+    y = jnp.einsum(eq, x, p[name].astype(dt))
+    if f"lora_a:{name}" not in p:
+        return y
+    a, b = p[f"lora_a:{name}"].astype(dt), p[f"lora_b:{name}"].astype(dt)
+    n_in = a.shape[0]
+    x_flat = x.reshape(*x.shape[:2], n_in)  # [b, t, in...] -> [b, t, in]
+    delta = jnp.einsum("btr,ro->bto", jnp.einsum("bti,ir->btr", x_flat, a), b)
+    return y + (p["lora_scale"].astype(dt) * delta).reshape(y.shape)
+
+
+def fuse_layer_params(p: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """q|k|v -> ``wqkv`` [L, D, H + 2K, d] (and ``bqkv``), gate|up -> ``w_gate_up`` [L, D, 2, F].
+
+    The blocks accept either form and compute the same values; the fused one runs one matmul for q, k, v and
+    one for gate, up. Gate and up are stacked on a new axis (not concatenated along F) so the ``mlp`` axis
+    keeps its meaning and its sharding."""
+    p = dict(p)
+    p["wqkv"] = jnp.concatenate([p.pop("wq"), p.pop("wk"), p.pop("wv")], axis=2)
+    if "bq" in p:
+        p["bqkv"] = jnp.concatenate([p.pop("bq"), p.pop("bk"), p.pop("bv")], axis=1)
+    p["w_gate_up"] = jnp.stack([p.pop("w_gate"), p.pop("w_up")], axis=2)
+    return p
+
+
+def embed_tokens(cfg: ModelConfig, embed_vd: jax.Array, tokens_bt: jax.Array) -> jax.Array:
+    x = jnp.take(embed_vd, tokens_bt, axis=0).astype(cfg.compute_dtype)
+    return constrain(x, ("batch", "length", "act_embed"))
+
+
+def head_logits(cfg: ModelConfig, p: dict[str, jax.Array], x_btd: jax.Array) -> jax.Array:
+    """Final norm and output head: float32 logits [B, T, V]."""
+    x = rms_norm(x_btd, p["final_norm"], cfg.rms_norm_eps)
+    if cfg.tie_embeddings:
+        logits = jnp.einsum("btd,vd->btv", x, p["embed"].astype(x.dtype), preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("btd,dv->btv", x, p["lm_head"].astype(x.dtype), preferred_element_type=jnp.float32)
+    return constrain(logits, ("batch", "length", "act_vocab"))
+
+
+def qkv_projection(cfg: ModelConfig, p: dict[str, jax.Array], x_btd: jax.Array, positions_bt: jax.Array):
+    """Normed input -> rotated q [B, T, H, d], rotated k and v [B, T, K, d] (fused or separate weights)."""
+    dt = x_btd.dtype
+    h = rms_norm(x_btd, p["attn_norm"], cfg.rms_norm_eps)
+    if "wqkv" in p:
+        qkv = jnp.einsum("btd,dhk->bthk", h, p["wqkv"].astype(dt))
+        if cfg.qkv_bias:
+            qkv = qkv + p["bqkv"].astype(dt)
+        q, k, v = jnp.split(qkv, [cfg.num_heads, cfg.num_heads + cfg.num_kv_heads], axis=2)
+    else:
+        q = _proj(p, "wq", "btd,dhk->bthk", h)
+        k = _proj(p, "wk", "btd,dhk->bthk", h)
+        v = _proj(p, "wv", "btd,dhk->bthk", h)
+        if cfg.qkv_bias:
+            q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    inv_freq = rope_inv_freq(cfg)
+    q = apply_rope(q, positions_bt, inv_freq)
+    k = apply_rope(k, positions_bt, inv_freq)
+    q = constrain(q, ("batch", "length", "act_heads", None))
+    k = constrain(k, ("batch", "length", "act_kv_heads", None))
+    v = constrain(v, ("batch", "length", "act_kv_heads", None))
+    return q, k, v
+
+
+def finish_block(cfg: ModelConfig, p: dict[str, jax.Array], x_btd: jax.Array, attn_bthd: jax.Array) -> jax.Array:
+    """Output projection, residual, SwiGLU MLP (fused or separate gate/up), residual."""
+    dt = x_btd.dtype
+    x = x_btd + _proj(p, "wo", "bthk,hkd->btd", attn_bthd)
+    if cfg.o_bias:
+        x = x + p["bo"].astype(dt)
+    x = constrain(x, ("batch", "length", "act_embed"))
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    if "w_gate_up" in p:
+        gate_up = jnp.einsum("btd,dcf->btcf", h, p["w_gate_up"].astype(dt))
+        gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
+    else:
+        gate = _proj(p, "w_gate", "btd,df->btf", h)
+        up = _proj(p, "w_up", "btd,df->btf", h)
+    act = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
+    x = x + _proj(p, "w_down", "btf,fd->btd", act)
+    return constrain(x, ("batch", "length", "act_embed"))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -182,66 +347,34 @@ class Decoder(nnx.Module):
         return {n: getattr(self, n)[...] for n in names}
 
     def _embed(self, tokens_bt: jax.Array) -> jax.Array:
-        x = jnp.take(self.embed[...], tokens_bt, axis=0).astype(self.cfg.compute_dtype)
-        return constrain(x, ("batch", "length", "act_embed"))
+        return embed_tokens(self.cfg, self.embed[...], tokens_bt)
 
     def _logits(self, x_btd: jax.Array) -> jax.Array:
-        cfg = self.cfg
-        x = rms_norm(x_btd, self.final_norm[...], cfg.rms_norm_eps)
-        if cfg.tie_embeddings:
-            head = self.embed[...].astype(x.dtype)
-            logits = jnp.einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
-        else:
-            head = self.lm_head[...].astype(x.dtype)
-            logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
-        return constrain(logits, ("batch", "length", "act_vocab"))
-
-    def _proj(self, p: dict[str, jax.Array], name: str, eq: str, x: jax.Array) -> jax.Array:
-        """``x @ W[name]`` plus, when ``p`` carries a low-rank adapter for it, ``scale * (x @ a) @ b``.
-
-        Applying the adapter on the activations (instead of merging it into W) keeps the backward pass free
-        of W's gradient: only the input gradient flows through W."""
-        dt = x.dtype
-        y = jnp.einsum(eq, x, p[name].astype(dt))
-        if f"lora_a:{name}" not in p:
-            return y
-        a, b = p[f"lora_a:{name}"].astype(dt), p[f"lora_b:{name}"].astype(dt)
-        n_in = a.shape[0]
-        x_flat = x.reshape(*x.shape[:2], n_in)  # [b, t, in...] -> [b, t, in]
-        delta = jnp.einsum("btr,ro->bto", jnp.einsum("bti,ir->btr", x_flat, a), b)
-        return y + (p["lora_scale"].astype(dt) * delta).reshape(y.shape)
+        return head_logits(self.cfg, self.head_params(), x_btd)
 
     def _qkv(self, p: dict[str, jax.Array], x_btd: jax.Array, positions_bt: jax.Array):
-        cfg, dt = self.cfg, x_btd.dtype
-        h = rms_norm(x_btd, p["attn_norm"], cfg.rms_norm_eps)
-        q = self._proj(p, "wq", "btd,dhk->bthk", h)
-        k = self._proj(p, "wk", "btd,dhk->bthk", h)
-        v = self._proj(p, "wv", "btd,dhk->bthk", h)
-        if cfg.qkv_bias:
-            q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
-        if cfg.qk_norm:
-            q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-        inv_freq = rope_inv_freq(cfg)
-        q = apply_rope(q, positions_bt, inv_freq)
-        k = apply_rope(k, positions_bt, inv_freq)
-        q = constrain(q, ("batch", "length", "act_heads", None))
-        k = constrain(k, ("batch", "length", "act_kv_heads", None))
-        v = constrain(v, ("batch", "length", "act_kv_heads", None))
-        return q, k, v
+        return qkv_projection(self.cfg, p, x_btd, positions_bt)
 
     def _finish_block(self, p: dict[str, jax.Array], x_btd: jax.Array, attn_bthd: jax.Array) -> jax.Array:
-        cfg, dt = self.cfg, x_btd.dtype
-        x = x_btd + self._proj(p, "wo", "bthk,hkd->btd", attn_bthd)
-        if cfg.o_bias:
-            x = x + p["bo"].astype(dt)
-        x = constrain(x, ("batch", "length", "act_embed"))
-        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-        gate = self._proj(p, "w_gate", "btd,df->btf", h)
-        up = self._proj(p, "w_up", "btd,df->btf", h)
-        act = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-        x = x + self._proj(p, "w_down", "btf,fd->btd", act)
-        return constrain(x, ("batch", "length", "act_embed"))
+        return finish_block(self.cfg, p, x_btd, attn_bthd)
+
+    def head_params(self) -> dict[str, jax.Array]:
+        """The final norm and the output head (the embedding when tied)."""
+        out = {"final_norm": self.final_norm[...], "embed": self.embed[...]}
+        if not self.cfg.tie_embeddings:
+            out["lm_head"] = self.lm_head[...]
+        return out
+
+    def decode_params(self, fuse: bool = False) -> dict:
+        """Everything :func:`decode_forward` needs: ``{"layers": stacked layer params, **head_params()}``.
+
+        Args:
+          fuse: concatenate q|k|v and gate|up into one weight each (:func:`fuse_layer_params`), so that a
+            decode step runs two larger matmuls instead of five smaller ones. Do it once per set of weights
+            (``Engine.prepare_params``), not inside a step.
+        """
+        layers = self._layer_params()
+        return {"layers": fuse_layer_params(layers) if fuse else layers, **self.head_params()}
 
     # -- entry points --------------------------------------------------------------------------------------
 
@@ -283,29 +416,11 @@ class Decoder(nnx.Module):
     def decode(self, tokens_bt: jax.Array, positions_bt: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Forward of T new tokens per row against the cache; returns (float32 logits [B, T, V], new cache).
 
-        Row ``b``'s new tokens sit at positions ``positions_bt[b]`` and are written to the matching cache
-        slots before attending, so a query at position ``p`` sees exactly slots ``0..p``.
-        Prefill is this call with the whole (right-padded) prompt; stale slots past ``p`` are always masked.
+        Row ``b``'s new tokens sit at positions ``positions_bt[b]`` and land in the matching cache slots; a
+        query at position ``p`` sees exactly slots ``0..p``. Prefill is this call with the whole (right-padded)
+        prompt; stale slots past ``p`` are always masked. See :func:`decode_forward`.
         """
-        s = cache.k.shape[3]
-        mask_bts = jnp.arange(s)[None, None, :] <= positions_bt[:, :, None]
-
-        def block(carry, layer):
-            x, k_all, v_all = carry
-            p, i = layer
-            q, k, v = self._qkv(p, x, positions_bt)
-            # The whole cache is carried so that writing the new entries is an in-place scatter.
-            k_all = _write_cache(k_all, i, k, positions_bt)
-            v_all = _write_cache(v_all, i, v, positions_bt)
-            k_l = jax.lax.dynamic_index_in_dim(k_all, i, keepdims=False)
-            v_l = jax.lax.dynamic_index_in_dim(v_all, i, keepdims=False)
-            x = self._finish_block(p, x, attention(q, k_l, v_l, mask_bts))
-            return (x, k_all, v_all), None
-
-        layers = (self._layer_params(), jnp.arange(self.cfg.num_layers))
-        (x, k, v), _ = jax.lax.scan(block, (self._embed(tokens_bt), cache.k, cache.v), layers)
-        cache = KVCache(constrain(k, KVCache.axes()), constrain(v, KVCache.axes()))
-        return self._logits(x), cache
+        return decode_forward(self.cfg, self.decode_params(), tokens_bt, positions_bt, cache)
 
 
 def param_axes(state: nnx.State) -> dict:

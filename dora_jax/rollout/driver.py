@@ -20,6 +20,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from dora_jax.rollout.engine import Engine, EngineError, RequestSampling, bucket
+from dora_jax.rollout.sampling import needs_filter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +85,10 @@ class RolloutDriver:
     # -- versions -------------------------------------------------------------------------------------------
 
     def add_version(self, version: int, params: Any) -> None:
+        """Loads a policy version: its params are prepared for decode once here (``Engine.prepare_params``)."""
         if version in self._groups:
             raise EngineError(f"policy version {version} is already loaded")
-        self._groups[version] = _Group(version, params)
+        self._groups[version] = _Group(version, self.engine.prepare_params(params))
 
     def remove_version(self, version: int) -> None:
         g = self._groups.get(version)
@@ -184,7 +186,9 @@ class RolloutDriver:
         for g in self._groups.values():
             if g.live == 0:
                 continue
-            g.state, result = self.engine.generate(g.params, g.state)
+            live_sampling = [s.request.sampling for s in g.slots if s is not None]
+            filtered = needs_filter([s.top_k for s in live_sampling], [s.top_p for s in live_sampling])
+            g.state, result = self.engine.generate(g.params, g.state, filtered=filtered)
             cols = result.to_host().columns()
             self.rows_computed += len(g.slots)
             self.rows_live += g.live

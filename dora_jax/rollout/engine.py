@@ -8,9 +8,12 @@ device-to-host copy serves every slot (``get_result_at_slot``).
 Extensions: the log-prob of every sampled token, a policy version per slot, per-request sampling settings
 (greedy / temperature / top-k / top-p) and sampling randomness from ``(seed, sample_id, position)`` only.
 
-One engine serves one model architecture; ``params`` (an ``nnx.State``) is passed to each call, so the same
-compiled functions run any policy version of that architecture. Every function is jitted once per shape:
-prefill per power-of-two prompt bucket, insert and generate per decode-state capacity.
+One engine serves one model architecture; ``params`` is passed to each call, so the same compiled functions
+run any policy version of that architecture. Pass params through :meth:`Engine.prepare_params` once per
+version (JetStream's ``load_params``): it fuses q|k|v and gate|up into one weight each so a step runs fewer,
+larger matmuls; a raw ``nnx.State`` is accepted too and prepared on every call. Every function is jitted
+once per shape: prefill per power-of-two prompt bucket, insert per decode-state capacity, generate per
+capacity and sampling variant (with or without top-k / top-p filtering).
 
 Shape legend: B slots, T prompt bucket, S cache length (``max_target_length``).
 """
@@ -26,8 +29,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from dora_jax.models.decoder import Decoder, KVCache, init_cache
-from dora_jax.rollout.sampling import SamplingParams, row_keys, sample
+from dora_jax.models.decoder import Decoder, KVCache, decode_forward, head_logits, init_cache
+from dora_jax.rollout.sampling import SamplingParams, needs_filter, row_keys, sample
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -57,10 +60,16 @@ class RequestSampling:
             raise EngineError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
 
+class PreparedParams(NamedTuple):
+    """One policy version's weights in the layout decode runs on (``Decoder.decode_params(fuse=True)``)."""
+
+    tree: dict
+
+
 class Prefix(NamedTuple):
     """A prefilled request: its cache row and its first sampled token (at position ``length``)."""
 
-    cache: KVCache  # [L, 1, S, K, d]
+    cache: KVCache  # k [L, 1, K, d, S], v [L, 1, K, S, d]
     token: jax.Array  # [] int32
     logprob: jax.Array  # [] float32
     length: jax.Array  # [] int32: true prompt length = position of `token`
@@ -73,7 +82,7 @@ class Prefix(NamedTuple):
 class DecodeState(NamedTuple):
     """Every slot's cache and the token it will feed next. ``positions[b]`` is where ``tokens[b]`` sits."""
 
-    cache: KVCache  # [L, B, S, K, d]
+    cache: KVCache  # k [L, B, K, d, S], v [L, B, K, S, d]
     tokens: jax.Array  # [B] int32
     positions: jax.Array  # [B] int32
     sample_ids: jax.Array  # [B] int32
@@ -143,9 +152,10 @@ class Engine:
         self._max_prefill_length = max_prefill_length
         self.max_target_length = max_target_length
         self._mesh = mesh
+        self._prepared: PreparedParams | None = None
         self._prefill_jit = jax.jit(self._prefill_impl)
         self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(1,))
-        self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,))
+        self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,), static_argnums=(2,))
         self._resize_jit = jax.jit(self._resize_impl, static_argnums=(2,))
 
     # -- JetStream API properties --------------------------------------------------------------------------
@@ -164,12 +174,14 @@ class Engine:
 
     # -- pure implementations ------------------------------------------------------------------------------
 
-    def _prefill_impl(self, params, tokens_t, true_length, sample_id, version, seed, sampling):
-        model = nnx.merge(self.graphdef, params)
+    def _prefill_impl(self, params: PreparedParams, tokens_t, true_length, sample_id, version, seed, sampling):
         t = tokens_t.shape[0]
         cache = init_cache(self.cfg, 1, self.max_target_length)
-        logits, cache = model.decode(tokens_t[None], jnp.arange(t, dtype=jnp.int32)[None], cache)
-        last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, keepdims=True)
+        x, cache = decode_forward(self.cfg, params.tree, tokens_t[None], jnp.arange(t, dtype=jnp.int32)[None], cache,
+                                  logits=False)
+        # Only the last prompt token's logits are needed: the head runs on one row, not on the whole bucket.
+        last_x = jax.lax.dynamic_index_in_dim(x[0], true_length - 1, keepdims=True)
+        last = head_logits(self.cfg, params.tree, last_x[None])[0]
         keys = row_keys(seed, sample_id[None], true_length[None])
         tok, lp = sample(last, keys, sampling)
         return Prefix(cache, tok[0], lp[0], true_length, sample_id, version, sampling, seed)
@@ -189,12 +201,12 @@ class Engine:
             seeds=put(state.seeds, prefix.seed), active=put(state.active, True),
             sampling=SamplingParams(*(put(a, b[0]) for a, b in zip(state.sampling, prefix.sampling))))
 
-    def _generate_impl(self, params, state: DecodeState):
-        model = nnx.merge(self.graphdef, params)
-        logits, cache = model.decode(state.tokens[:, None], state.positions[:, None], state.cache)
+    def _generate_impl(self, params: PreparedParams, state: DecodeState, filtered: bool | None):
+        logits, cache = decode_forward(self.cfg, params.tree, state.tokens[:, None], state.positions[:, None],
+                                       state.cache)
         nxt = state.positions + 1
         keys = jax.vmap(lambda s, i, p: row_keys(s, i[None], p[None])[0])(state.seeds, state.sample_ids, nxt)
-        tokens, logprobs = sample(logits[:, 0], keys, state.sampling)
+        tokens, logprobs = sample(logits[:, 0], keys, state.sampling, filtered)
         # A full row stops advancing (the driver finishes it with reason "length" before that matters).
         nxt = jnp.minimum(nxt, self.max_target_length - 1)
         tokens = jnp.where(state.active, tokens, 0)
@@ -216,6 +228,31 @@ class Engine:
             sampling=SamplingParams(*(g(a) for a in state.sampling)))
 
     # -- JetStream API ---------------------------------------------------------------------------------------
+
+    def prepare_params(self, params: Any) -> PreparedParams:
+        """One policy version's weights in decode layout (q|k|v and gate|up fused), made once per version.
+
+        Args:
+          params: an ``nnx.State`` of this engine's architecture (or already prepared params, returned as is).
+
+        Returns:
+          :class:`PreparedParams` to pass to :meth:`prefill` and :meth:`generate` (the driver keeps one per
+          version). Unfused weights are shared with ``params``, not copied.
+        """
+        if isinstance(params, PreparedParams):
+            return params
+        return PreparedParams(nnx.merge(self.graphdef, params).decode_params(fuse=True))
+
+    def load_params(self, params: Any) -> PreparedParams:
+        """JetStream's name for :meth:`prepare_params`."""
+        return self.prepare_params(params)
+
+    def _prepared_params(self, params: Any) -> PreparedParams:
+        if params is None:
+            if self._prepared is None:
+                self._prepared = self.prepare_params(self.params)
+            return self._prepared
+        return self.prepare_params(params)
 
     def init_decode_state(self, capacity: int | None = None) -> DecodeState:
         b = capacity or self._max_concurrent_decodes
@@ -241,7 +278,7 @@ class Engine:
         tokens = np.zeros((t,), np.int32)
         tokens[:true_length] = padded[:true_length]
         sp = SamplingParams.make(1, sampling.temperature, int(sampling.top_k), sampling.top_p)
-        prefix = self._prefill_jit(self.params if params is None else params, jnp.asarray(tokens),
+        prefix = self._prefill_jit(self._prepared_params(params), jnp.asarray(tokens),
                                    jnp.int32(true_length), jnp.int32(sample_id), jnp.int32(version),
                                    jnp.int32(sampling.seed), sp)
         result = ResultTokens(_pack(prefix.token[None], jnp.ones((1,), bool), prefix.length[None],
@@ -255,9 +292,20 @@ class Engine:
             raise EngineError(f"slot {slot!r} does not exist (decode state has slots 0..{b - 1})")
         return self._insert_jit(prefix, decode_state, jnp.int32(slot))
 
-    def generate(self, params: Any, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
-        """One decode step for every slot; inactive slots come back with ``valid == 0``."""
-        state, data = self._generate_jit(self.params if params is None else params, decode_state)
+    def generate(self, params: Any, decode_state: DecodeState, *, filtered: bool | None = None
+                 ) -> tuple[DecodeState, ResultTokens]:
+        """One decode step for every slot; inactive slots come back with ``valid == 0``.
+
+        Args:
+          params: :meth:`prepare_params` output (or a raw ``nnx.State``, prepared on the spot; ``None``: the
+            engine's own params).
+          decode_state: donated.
+          filtered: ``False`` promises that no slot uses top-k / top-p (the vocabulary sort is compiled out),
+            ``True`` always filters, ``None`` decides on device. Tokens and log-probs are the same under every
+            choice that keeps the promise (see :func:`~dora_jax.rollout.sampling.sample`); the driver picks
+            from its requests' settings with :func:`~dora_jax.rollout.sampling.needs_filter`.
+        """
+        state, data = self._generate_jit(self._prepared_params(params), decode_state, filtered)
         return state, ResultTokens(data)
 
     def free_slot(self, decode_state: DecodeState, slot: int) -> DecodeState:

@@ -10,7 +10,7 @@ parameters.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -52,22 +52,44 @@ def _filter_top_k_top_p(logits_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax.A
     return jnp.where(logits_bv >= threshold, logits_bv, -jnp.inf)
 
 
-def _inverse_cdf(keys_b: jax.Array, logits_bv: jax.Array) -> jax.Array:
+def _inverse_cdf(keys_b: jax.Array, logits_bv: jax.Array, block: int = 256) -> jax.Array:
     """Exact categorical sampling with one uniform per row: the first token whose cumulative probability
-    reaches ``u * total``. Costs O(V) arithmetic instead of V Gumbel draws per row."""
-    probs = jax.nn.softmax(logits_bv, axis=-1)
-    cdf = jnp.cumsum(probs, axis=-1)
+    reaches ``u * total``. Costs O(V) arithmetic instead of V Gumbel draws per row.
+
+    The cumulative sum is taken in two levels (sums of blocks of ``block`` tokens, then the running sum inside
+    the one block where ``u * total`` falls), which reads the row a constant number of times instead of the
+    log(V) passes of a full prefix sum. Padding tokens have probability zero and are never picked.
+    """
+    b, v = logits_bv.shape
+    nb = -(-v // block)
+    logits = jnp.pad(logits_bv, ((0, 0), (0, nb * block - v)), constant_values=-jnp.inf)
+    e_bnk = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)).reshape(b, nb, block)
+    csum_bn = jnp.cumsum(jnp.sum(e_bnk, axis=-1), axis=-1)
     u = 1.0 - jax.vmap(jax.random.uniform)(keys_b)  # in (0, 1]: a zero-probability token is never picked
-    return jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1)
+    target_b = u * csum_bn[:, -1]
+    j = jnp.minimum(jnp.sum(csum_bn < target_b[:, None], axis=-1), nb - 1)  # the block holding the target
+    before = jnp.where(j > 0, jnp.take_along_axis(csum_bn, jnp.maximum(j - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
+    local = before[:, None] + jnp.cumsum(jnp.take_along_axis(e_bnk, j[:, None, None], axis=1)[:, 0], axis=-1)
+    return jnp.minimum(j * block + jnp.sum(local < target_b[:, None], axis=-1), v - 1)
 
 
-def sample(logits_bv: jax.Array, keys_b: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
+def needs_filter(top_k: Sequence[int], top_p: Sequence[float]) -> bool:
+    """Whether any row uses top-k or top-p: the static choice of :func:`sample`'s ``filtered`` argument."""
+    return any(int(k) > 0 for k in top_k) or any(float(p) < 1.0 for p in top_p)
+
+
+def sample(logits_bv: jax.Array, keys_b: jax.Array, params: SamplingParams,
+           filtered: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """Samples one token per row.
 
     Args:
       logits_bv: float32 logits [B, V].
       keys_b: PRNG keys [B] (see :func:`row_keys`).
       params: per-row settings.
+      filtered: ``False`` when no row uses top-k / top-p (the vocabulary sort is left out of the program),
+        ``True`` to always apply the filters, ``None`` to decide at run time. A row without top-k / top-p gets
+        the same token and log-prob under every choice, so a caller may pick the cheapest variant for the
+        batch at hand (:func:`needs_filter`) without changing any sample.
 
     Returns:
       ``(tokens [B] int32, logprobs [B] float32)``.
@@ -76,10 +98,14 @@ def sample(logits_bv: jax.Array, keys_b: jax.Array, params: SamplingParams) -> t
     greedy_b = params.temperature <= 0
     temp_b = jnp.where(greedy_b, 1.0, params.temperature)
     scaled = logits_bv / temp_b[:, None]
-    needs_filter = jnp.any((params.top_k > 0) | (params.top_p < 1.0))
-    filtered = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda x, k, p: x, scaled, params.top_k,
-                            params.top_p)
-    drawn = _inverse_cdf(keys_b, filtered)
+    if filtered is None:
+        any_filter = jnp.any((params.top_k > 0) | (params.top_p < 1.0))
+        kept = jax.lax.cond(any_filter, _filter_top_k_top_p, lambda x, k, p: x, scaled, params.top_k, params.top_p)
+    elif filtered:
+        kept = _filter_top_k_top_p(scaled, params.top_k, params.top_p)
+    else:
+        kept = scaled
+    drawn = _inverse_cdf(keys_b, kept)
     tokens = jnp.where(greedy_b, jnp.argmax(logits_bv, axis=-1), drawn).astype(jnp.int32)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None], axis=-1)[:, 0]
     return tokens, logprobs
