@@ -154,12 +154,15 @@ def test_crash_before_commit_leaves_previous_usable(setup, ckpts, monkeypatch):
     assert ckpts.restore_latest(target=state).step == 4
 
 
-def test_retention_keeps_last_n_and_never_older_than_a_newer_good(setup, ckpts):
+def test_retention_keeps_the_newest_n(setup, ckpts):
     _, state = setup
     ckpts.keep_last = 2
+    (ckpts.directory / ".tmp-step_00000001").mkdir()  # an old crashed write
+    shutil.copytree(ckpts.path(3), ckpts.path(7))
+    (ckpts.path(7) / MARKER).unlink()  # a newer partial one: never deleted by an older save
     ckpts.save(4, bumped(state, 4), run_state(4))
     assert ckpts.steps() == [3, 4]
-    assert sorted(p.name for p in ckpts.directory.iterdir()) == ["step_00000003", "step_00000004"]
+    assert sorted(p.name for p in ckpts.directory.iterdir()) == ["step_00000003", "step_00000004", "step_00000007"]
 
 
 def test_no_overwrite_and_corrupt_same_step_kept_aside(setup, ckpts):

@@ -270,6 +270,9 @@ def test_bad_snapshots_are_reported(tmp_path):
         snaps.restore(7, target=tiny(0))
     with pytest.raises(CheckpointError, match=r"fingerprint aaaa, this run's is bbbb"):
         Snapshots(tmp_path, fingerprint="bbbb").restore(3, target=tiny(0))
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with pytest.raises(CheckpointError, match="shardings tree has 2 leaves, the arrays tree 1"):
+        snaps.restore(3, target=tiny(0), shardings=[one, one])
     with pytest.raises(CheckpointError, match="do not restore onto the target"):
         snaps.restore(3, target={"w": jnp.zeros((5,))})
     import shutil
