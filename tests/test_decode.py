@@ -73,3 +73,20 @@ def test_greedy_generation_is_teacher_forced_argmax():
         ref_lp = jax.nn.log_softmax(logits[n - 1:-1], -1)[np.arange(10), t.tokens]
         assert rel_err(t.logprobs, ref_lp) <= 1e-4
         assert t.finish_reason == "length"
+
+
+@pytest.mark.parametrize("name", sorted(CFGS))
+def test_fused_params_equal_unfused(name):
+    """q|k|v and gate|up fused into one weight each give the unfused logits and cache to float32 tolerance."""
+    from dora_jax.models.decoder import decode_forward
+
+    cfg = CFGS[name]
+    model = init_model(cfg, seed=5)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 7)))
+    pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
+    fused = model.decode_params(fuse=True)["layers"]
+    assert "wqkv" in fused and "w_gate_up" in fused and "wq" not in fused and "w_up" not in fused
+    ref, ref_cache = decode_forward(cfg, model.decode_params(), tokens, pos, init_cache(cfg, 2, 16))
+    out, cache = decode_forward(cfg, model.decode_params(fuse=True), tokens, pos, init_cache(cfg, 2, 16))
+    assert rel_err(out, ref) <= 1e-5
+    assert rel_err(cache.k, ref_cache.k) <= 1e-5 and rel_err(cache.v, ref_cache.v) <= 1e-5

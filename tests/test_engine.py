@@ -3,6 +3,8 @@
 References: per-version static generation and full-forward recomputation of the same params.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -167,3 +169,21 @@ def test_jetstream_api_shape(models):
     assert r1.valid and r1.version == 7 and r1.position == 4 and r0.position == 3
     logits = np.asarray(m0(jnp.asarray([[4, 5, 6, r0.token]])))[0]
     assert [r0.token, r1.token] == logits[2:4].argmax(-1).tolist()
+
+
+def test_sampling_variant_does_not_change_samples(models):
+    """Unfiltered requests decode under the sort-free variant alone and under the filtering variant when a
+    top-p request shares their batch: their tokens and log-probs are the same either way."""
+    m0, _ = models
+    plain = RequestSampling(temperature=1.0, seed=3)
+    reqs = [dataclasses.replace(r, sampling=RequestSampling(temperature=0.8, top_p=0.7, seed=3) if i == 0 else plain)
+            for i, r in enumerate(_requests(4, seed=11))]
+    busy = RolloutDriver(_engine(m0, slots=4))
+    busy.add_version(0, nnx.state(m0))
+    crowd = {t.sample_id: t for t in busy.run(reqs)}
+    alone = RolloutDriver(_engine(m0, slots=1))
+    alone.add_version(0, nnx.state(m0))
+    for r in reqs[1:]:
+        (t,) = alone.run([r])
+        assert t.tokens == crowd[r.sample_id].tokens
+        np.testing.assert_allclose(t.logprobs, crowd[r.sample_id].logprobs, rtol=1e-5, atol=1e-6)

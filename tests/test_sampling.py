@@ -65,3 +65,30 @@ def test_sampled_frequencies_follow_the_distribution():
     p = np.asarray(jax.nn.softmax(logits[0] / 0.8), np.float64)
     freq = np.bincount(np.asarray(tokens), minlength=5) / n
     assert np.all(np.abs(freq - p) <= 5 * np.sqrt(p * (1 - p) / n) + 1e-12)
+
+
+def test_unfiltered_variant_equals_general_on_rows_without_filters():
+    """The variant compiled without the vocabulary sort (``filtered=False``), the always-filtering one and the
+    run-time choice give the same tokens and log-probs on rows without top-k / top-p, across temperatures
+    (greedy included) and a vocabulary that is not a multiple of the CDF block."""
+    from dora_jax.rollout.sampling import needs_filter
+
+    n, v = 64, 1000
+    logits = _logits(b=n, v=v, seed=4)
+    temps = jnp.asarray(np.random.default_rng(5).choice([0.0, 0.5, 1.0, 1.7], n), jnp.float32)
+    params = SamplingParams(temps, jnp.zeros(n, jnp.int32), jnp.ones(n, jnp.float32))
+    assert not needs_filter(params.top_k.tolist(), params.top_p.tolist())
+    assert needs_filter([0, 3], [1.0, 1.0]) and needs_filter([0], [0.9])
+    keys = row_keys(2, jnp.arange(n), jnp.full(n, 9, jnp.int32))
+    outs = [jax.jit(sample, static_argnums=3)(logits, keys, params, f) for f in (False, True, None)]
+    for t, lp in outs[1:]:
+        assert np.array_equal(np.asarray(t), np.asarray(outs[0][0]))
+        assert np.array_equal(np.asarray(lp), np.asarray(outs[0][1]))
+    # Log-probs against float64 numpy: log_softmax(logits / T) at the sampled token (T = 1 for greedy rows).
+    t64 = np.where(np.asarray(temps) > 0, np.asarray(temps), 1.0)[:, None]
+    z = np.asarray(logits, np.float64) / t64
+    ref = z - z.max(-1, keepdims=True) - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    tok = np.asarray(outs[0][0])
+    np.testing.assert_allclose(np.asarray(outs[0][1]), ref[np.arange(n), tok], rtol=1e-5, atol=1e-5)
+    greedy = np.asarray(temps) == 0
+    assert np.array_equal(tok[greedy], np.asarray(logits).argmax(-1)[greedy])
