@@ -54,6 +54,35 @@ def cmd_demo(args) -> int:
     return cmd_generate(args)
 
 
+def cmd_train(args) -> int:
+    import os
+
+    from dora_jax.runner import Runner
+
+    cfg = _load(args)
+    run_dir = args.run_dir or os.path.join(cfg.run.out_dir, cfg.run.name)
+    print(f"dora-jax train: {cfg.dora.mode} (K={cfg.train.max_staleness}, RBS={cfg.dora.rollout_batch}, "
+          f"TBS={cfg.dora.train_batch}, G={cfg.train.group_size}), {cfg.dora.steps} updates on {cfg.task.name}; "
+          f"writing {run_dir}")
+    summary = Runner(cfg, run_dir).run()
+    print(json.dumps({k: v for k, v in summary.items() if k != "filtered_reasons"}, indent=1))
+    print(f"accuracy on {summary['eval_n']} held-out questions: {summary['accuracy_before']:.3f} before, "
+          f"{summary['accuracy_after']:.3f} after {summary['steps']} updates ({summary['wall_s']:.0f}s of training)")
+    if not args.no_plot:
+        from dora_jax.metrics import plot_run
+
+        print("plots:", ", ".join(plot_run(run_dir)))
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from dora_jax.metrics import plot_run
+
+    for path in plot_run(args.run_dir, args.out):
+        print(path)
+    return 0
+
+
 def cmd_export(args) -> int:
     from dora_jax.models.weights import export_hf, load_model
     from dora_jax.sharding import create_mesh
@@ -136,6 +165,17 @@ def build_parser() -> argparse.ArgumentParser:
     common(d)
     d.set_defaults(fn=cmd_demo)
 
+    t = sub.add_parser("train", help="RL post-training (sync, one_step_off or dora) with evaluation before and after")
+    common(t, config_default="smollm2_arith")
+    t.add_argument("--run-dir", help="default: run.out_dir/run.name")
+    t.add_argument("--no-plot", action="store_true", help="skip the PNGs at the end")
+    t.set_defaults(fn=cmd_train)
+
+    pl = sub.add_parser("plot", help="reward, staleness and version-timeline PNGs of a run directory")
+    pl.add_argument("run_dir")
+    pl.add_argument("--out", help="default: the run directory")
+    pl.set_defaults(fn=cmd_plot)
+
     e = sub.add_parser("export", help="write the config's model as a Hugging Face directory")
     common(e)
     e.add_argument("--out", required=True)
@@ -172,12 +212,16 @@ def main(argv: list[str] | None = None) -> int:
     from dora_jax.models.hf_io import WeightsError
     from dora_jax.tokenizer import TokenizerError
 
+    from dora_jax.runner import RunError
+    from dora_jax.scheduler import ScheduleError
+    from dora_jax.tasks.gsm8k import TaskDataError
+
     args = build_parser().parse_args(argv)
     try:
         if args.command == "train":
             initialize()  # joins the other hosts under jax.distributed; a no-op for one process
         return args.fn(args)
-    except (DistributedError, ConfigError, WeightsError, TokenizerError) as e:
+    except (DistributedError, ConfigError, WeightsError, TokenizerError, RunError, ScheduleError, TaskDataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -358,6 +358,8 @@ class TaskConfig:
     levels: tuple[str, ...] = _TASK_LEVELS
     eval_size: int = 64
     eval_max_new_tokens: int = 32
+    eval_temperature: float = 0.0
+    eval_samples: int = 1
     longtail_max_len: int = 64
     seed: int = 0
     reward_workers: int = 2
@@ -378,7 +380,11 @@ class TaskConfig:
                 _fail(f"{path}.levels", lv, f"allowed: {', '.join(_TASK_LEVELS)}")
         if self.eval_size < 0:
             _fail(f"{path}.eval_size", self.eval_size, "must be >= 0")
-        for name in ("eval_max_new_tokens", "reward_workers", "longtail_max_len"):
+        if not 0 <= self.eval_temperature < 100:
+            _fail(f"{path}.eval_temperature", self.eval_temperature, "must be in [0, 100) (0: greedy)")
+        if self.eval_temperature == 0 and self.eval_samples != 1:
+            _fail(f"{path}.eval_samples", self.eval_samples, "must be 1 for greedy evaluation (eval_temperature 0)")
+        for name in ("eval_max_new_tokens", "eval_samples", "reward_workers", "longtail_max_len"):
             if getattr(self, name) <= 0:
                 _fail(f"{path}.{name}", getattr(self, name), "must be a positive integer")
         if not self.reward_timeout_s > 0:

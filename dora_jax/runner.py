@@ -20,6 +20,7 @@ is in its ledger; the runner only executes them and measures.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -186,10 +187,19 @@ class Runner:
         for res in self.rewards.poll(wait_s):
             if res.error:
                 led.filter(res.key, res.error)
+                if led.count("filtered") > 4 * self.policy.total_samples + 64:
+                    reasons = collections.Counter(led.filtered_reasons().values()).most_common(3)
+                    raise RunError(f"{led.count('filtered')} samples filtered and {led.count('consumed')} "
+                                   f"trained: the reward function fails on nearly everything. Most common "
+                                   f"reasons: {reasons}")
             else:
                 d = self._done[res.key]
                 d.reward, d.correct = res.reward, res.correct
                 led.finish(res.key)
+            group = led.groups[led.entries[res.key].group_id]
+            for sid in group.sample_ids:  # a filtered group's trajectories are never trained: let them go
+                if led.entries[sid].state == "filtered":
+                    self._done.pop(sid, None)
 
     # -- trainer side ---------------------------------------------------------------------------------------
 
@@ -234,23 +244,29 @@ class Runner:
     # -- evaluation -----------------------------------------------------------------------------------------
 
     def evaluate(self, version: int | None = None) -> dict[str, float]:
-        """Greedy answers to the task's held-out set with one version's params (default: the newest)."""
+        """Accuracy on the task's held-out set with one version's params (default: the newest).
+
+        ``task.eval_samples`` answers per question at ``task.eval_temperature`` (0: greedy). The sampling
+        stream is a function of the question's position only, so evaluations of two versions see the same
+        random numbers and their difference is not blurred by sampling noise.
+        """
         items = self.task.eval_items()
         if not items:
-            return {"accuracy": float("nan"), "reward": float("nan"), "n": 0}
+            return {"accuracy": float("nan"), "reward": float("nan"), "n": 0, "len_mean": float("nan")}
+        tc = self.cfg.task
         version = self.sched.version if version is None else version
         driver = RolloutDriver(self.engine, eos_ids=self.tokenizer.eos_ids)
         driver.add_version(version, self._params[version])
-        greedy = RequestSampling(temperature=0.0)
-        n_new = self.cfg.task.eval_max_new_tokens
-        reqs = [Request(i, tuple(self._prompt_ids(it)), version=version,
-                        max_new_tokens=min(it.max_new_tokens or n_new, n_new), sampling=greedy)
-                for i, it in enumerate(items)]
+        sampling = RequestSampling(temperature=tc.eval_temperature, seed=self.cfg.rollout.seed + 7919)
+        n_new = tc.eval_max_new_tokens
+        reqs = [Request(k * len(items) + i, tuple(self._prompt_ids(it)), version=version,
+                        max_new_tokens=min(it.max_new_tokens or n_new, n_new), sampling=sampling)
+                for k in range(tc.eval_samples) for i, it in enumerate(items)]
         trajs = sorted(driver.run(reqs), key=lambda t: t.sample_id)
-        scores = [self.task.score(it, self.tokenizer.decode(t.tokens, skip_special_tokens=True))
-                  for it, t in zip(items, trajs)]
+        scores = [self.task.score(items[t.sample_id % len(items)],
+                                  self.tokenizer.decode(t.tokens, skip_special_tokens=True)) for t in trajs]
         return {"accuracy": float(np.mean([s.correct for s in scores])),
-                "reward": float(np.mean([s.reward for s in scores])), "n": len(items),
+                "reward": float(np.mean([s.reward for s in scores])), "n": len(scores),
                 "len_mean": float(np.mean([len(t.tokens) for t in trajs]))}
 
     # -- the loop -------------------------------------------------------------------------------------------

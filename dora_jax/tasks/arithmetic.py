@@ -1,21 +1,19 @@
 """The built-in task: arithmetic questions of mixed difficulty, answered with the number only.
 
-Levels run from one-digit sums to two-digit products and three-term sums. The model is asked for the number
-only; a response earns reward 1 when it is exactly the right number, 0.5 when its last number is right but it
-wraps it in other text, and 0 otherwise. Accuracy counts only the exact answers. Because the base model
-sometimes answers in a word and sometimes works through the sum at length, response lengths are long-tailed
-by nature, which is the workload multi-version streaming rollout is for.
+Levels run from one-digit sums to two-digit products and three-term sums. A response is correct, and earns reward 1, when the
+last number it writes is the answer (the usual numeric-answer check; the prompt asks for the number only, but
+``17 + 25 = 42`` counts). Because the base model sometimes answers in a word and sometimes works through the
+sum at length, response lengths are long-tailed by nature, which is the workload multi-version streaming
+rollout is for.
 """
 
 from __future__ import annotations
 
 import random
-import re
 
 from dora_jax.tasks.base import Item, Score, Task, last_number, same_number
 
 LEVELS = ("add1", "add2", "sub2", "mul1", "mul21", "add3")
-_EXACT = re.compile(r"\s*(-?\d+)\s*\.?\s*")
 
 
 def _question(rng: random.Random, level: str) -> tuple[str, int]:
@@ -72,9 +70,5 @@ class ArithmeticTask(Task):
         return list(self._eval)
 
     def score(self, item: Item, response: str) -> Score:
-        m = _EXACT.fullmatch(response)
-        if m and int(m.group(1)) == int(item.answer):
-            return Score(1.0, True)
-        if same_number(last_number(response), item.answer):
-            return Score(0.5, False)
-        return Score(0.0, False)
+        ok = same_number(last_number(response), item.answer)
+        return Score(1.0 if ok else 0.0, ok)

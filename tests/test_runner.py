@@ -1,0 +1,156 @@
+"""End-to-end runs of a tiny model in each mode, checked from what the run saved.
+
+Promise 1: every trained token's recorded log-prob is its own version's (recomputed with that version's
+params). Promise 2: staleness within K. Promise 3: every dispatched sample consumed once or filtered with a
+reason, groups whole (the saved ledger's own check, and the samples file). Promise 4: resident versions
+<= K + 1. Promise 5: sync mode is reproducible. Failing or hanging reward functions filter samples with the
+reason and the run goes on.
+"""
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+from conftest import rel_err
+from dora_jax.config import ConfigError, load_config
+from dora_jax.ledger import Ledger
+from dora_jax.runner import Runner, RunError
+from dora_jax.trainer import make_batch, Sample
+
+BASE = ["dora.steps=4", "dora.train_batch=8",
+        "train.group_size=4", "train.learning_rate=0.003", "rollout.slots=8", "rollout.max_new_tokens=24",
+        "rollout.max_prompt_len=32", "task.name=longtail", "task.longtail_max_len=24", "task.eval_size=4",
+        "train.length_buckets=[64]", "train.max_response_tokens=24"]
+
+
+def tiny(*overrides):
+    return load_config("tiny_llama", BASE + list(overrides))
+
+
+def read_samples(run_dir):
+    with open(os.path.join(run_dir, "samples.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def raise_on_digit_start(prompt, response, answer):
+    """A reward function that fails on some responses: those whose first character is a lower-case letter."""
+    if response[:1].islower():
+        raise ValueError("cannot score a response starting with a letter")
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
+
+
+def hang_on_letter_start(prompt, response, answer):
+    """Hangs (far past the timeout) on responses starting with a lower-case letter."""
+    if response[:1].islower():
+        time.sleep(30)
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
+
+
+def always_raise(prompt, response, answer):
+    raise RuntimeError("broken reward")
+
+
+@pytest.mark.parametrize("mode,k,rbs", [("sync", 0, 8), ("one_step_off", 1, 8), ("dora", 2, 24)])
+def test_each_mode_keeps_the_promises(tmp_path, mode, k, rbs):
+    cfg = tiny(f"dora.mode={mode}", f"train.max_staleness={max(k, 1)}", f"dora.rollout_batch={rbs}")
+    runner = Runner(cfg, str(tmp_path), keep_versions=True, progress=False)
+    summary = runner.run()
+    bound = {"sync": 0, "one_step_off": 1}.get(mode, k)
+    assert summary["steps"] == 4 and summary["samples"] == 32
+    assert summary["max_resident_versions"] <= bound + 1
+
+    with open(tmp_path / "ledger.json") as f:
+        saved = json.load(f)
+    ledger = Ledger.from_dict(saved["ledger"])
+    ledger.check(bound)  # one state each, groups whole, staleness within the bound
+    counts = ledger.counts()
+    assert counts["pending"] == counts["in_flight"] == counts["finished"] == 0
+    assert counts["consumed"] == 32 and counts["consumed"] + counts["filtered"] == len(ledger.entries)
+
+    rows = read_samples(tmp_path)
+    assert len({r["sample_id"] for r in rows}) == len(rows) == 32  # consumed exactly once
+    lags = [r["trained_at"] - r["version"] for r in rows]
+    assert all(0 <= lag <= bound for lag in lags)
+    for r in rows:
+        entry = ledger.entries[r["sample_id"]]
+        assert (entry.version, entry.trained_at, entry.state) == (r["version"], r["trained_at"], "consumed")
+    if mode == "sync":
+        assert set(lags) == {0}
+    else:
+        assert max(lags) >= 1  # the schedule overlapped rollout with training
+
+    # Promise 1: recompute every trained token's log-prob with its own version's params.
+    trainer = runner.trainer
+    samples = [Sample(r["sample_id"], r["group_id"], r["version"], r["prompt_ids"], r["tokens"], r["logprobs"],
+                      r["reward"]) for r in rows]
+    batch = trainer.put(make_batch(samples, group_size=4, length_buckets=(64,), row_multiple=trainer.row_multiple))
+    mask = np.asarray(batch.loss_mask) > 0
+    recorded = np.asarray(batch.behaviour_logprobs)
+    own = np.asarray(trainer.with_recomputed_behaviour(batch, runner.versions_seen).recomputed_logprobs)
+    assert rel_err(own[mask], recorded[mask]) <= 1e-4
+    versions = sorted(runner.versions_seen)
+    other = {v: runner.versions_seen[versions[-1] if v != versions[-1] else versions[0]] for v in versions}
+    wrong = np.asarray(trainer.with_recomputed_behaviour(batch, other).recomputed_logprobs)
+    assert rel_err(wrong[mask], recorded[mask]) > 1e-3  # another version's log-probs are detectably different
+
+    metrics = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert all(0 <= m["rollout_share"] <= 1 and m["staleness_max"] <= bound for m in metrics)
+    assert json.load(open(tmp_path / "summary.json"))["samples"] == 32
+
+
+def test_sync_mode_is_reproducible(tmp_path):
+    cfg = tiny("dora.mode=sync", "dora.rollout_batch=8", "dora.steps=2")
+    a = read_samples(Runner(cfg, str(tmp_path / "a"), progress=False).run() and tmp_path / "a")
+    b = read_samples(Runner(cfg, str(tmp_path / "b"), progress=False).run() and tmp_path / "b")
+    key = lambda r: (r["sample_id"], r["version"], r["tokens"], r["reward"])  # noqa: E731
+    assert [key(r) for r in a] == [key(r) for r in b]
+    np.testing.assert_allclose([x for r in a for x in r["logprobs"]], [x for r in b for x in r["logprobs"]],
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("reward,reason", [
+    ("raise_on_digit_start", "reward function raised ValueError: cannot score a response starting with a letter"),
+    ("hang_on_letter_start", "reward function timed out after 0.5s")])
+def test_failing_rewards_filter_samples_and_the_run_goes_on(tmp_path, reward, reason):
+    cfg = tiny("dora.mode=dora", "train.max_staleness=1", "dora.rollout_batch=16", "dora.steps=2",
+               f"task.reward=test_runner:{reward}", "task.reward_timeout_s=0.5", "task.eval_size=0")
+    t0 = time.perf_counter()
+    summary = Runner(cfg, str(tmp_path), progress=False).run()
+    assert time.perf_counter() - t0 < 120  # hung calls are abandoned, not waited for
+    assert summary["samples"] == 16 and summary["filtered"] > 0
+    assert reason in summary["filtered_reasons"]
+    ledger = Ledger.from_dict(json.load(open(tmp_path / "ledger.json"))["ledger"])
+    ledger.check(1)
+    for e in ledger.entries.values():
+        assert e.state == "consumed" or (e.state == "filtered" and (e.reason == reason or
+                                                                   e.reason.startswith("group member")))
+    trained = {r["sample_id"] for r in read_samples(tmp_path)}
+    assert trained == {s for s, e in ledger.entries.items() if e.state == "consumed"}
+
+
+def test_a_reward_that_always_fails_stops_the_run_with_the_reason(tmp_path):
+    cfg = tiny("dora.mode=sync", "dora.rollout_batch=8", "dora.steps=1", "task.reward=test_runner:always_raise",
+               "task.eval_size=0")
+    with pytest.raises(RunError, match="RuntimeError: broken reward"):
+        Runner(cfg, str(tmp_path), progress=False).run()
+
+
+def test_bad_run_configs_are_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"dora.rollout_batch.*\[8, 16\]"):
+        tiny("dora.mode=dora", "train.max_staleness=1", "dora.rollout_batch=40")
+    with pytest.raises(ConfigError, match="dora.train_batch.*multiple of train.group_size"):
+        tiny("dora.train_batch=6")
+    with pytest.raises(ConfigError, match="dora.mode.*allowed: sync, one_step_off, dora"):
+        tiny("dora.mode=async")
+    with pytest.raises(ConfigError, match="task.name"):
+        tiny("task.name=nonsense")
+    with pytest.raises(ConfigError, match="rollout.temperature"):
+        tiny("rollout.temperature=0")
+    with pytest.raises(ConfigError, match="task.reward: cannot import module 'no_such_module'"):
+        Runner(tiny("task.reward=no_such_module:f"), str(tmp_path / "r"), progress=False)
+    with pytest.raises(ConfigError, match="module 'test_runner' has no attribute 'missing'"):
+        Runner(tiny("task.reward=test_runner:missing"), str(tmp_path / "r2"), progress=False)
