@@ -311,3 +311,21 @@ def test_grpo_learns_a_verifiable_task(seed):
     assert np.mean(rewards[:3]) < 0.3, rewards[:3]  # starts near chance (1/16)
     # Well above chance on every seed: 8x chance in reward, 6 of 10 prompts right greedily (chance: 1/16 each).
     assert np.mean(rewards[-5:]) >= 0.5 and greedy_acc >= 0.6, (greedy_acc, rewards)
+
+
+def test_optimizer_moments_are_sharded_like_their_parameters():
+    """Adam's moments must not be replicated on every device: each takes its parameter's sharding."""
+    trainer, state = Trainer.create(load_config("tiny_llama"))  # mesh (2, 2, 2) on 8 fake devices
+    params = dict(jax.tree_util.tree_leaves_with_path(state.params))
+    checked = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state.opt_state):
+        keys = jax.tree_util.keystr(path)
+        if ".mu" in keys or ".nu" in keys:
+            ppath = [p for p in params if jax.tree_util.keystr(p) in keys]
+            assert len(ppath) == 1, keys
+            assert leaf.sharding.is_equivalent_to(params[ppath[0]].sharding, leaf.ndim), keys
+            checked += 1
+        else:
+            assert leaf.sharding.is_fully_replicated, keys
+    assert checked == 2 * len(params)
+    assert any(not leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(state.opt_state))

@@ -208,12 +208,13 @@ class Trainer:
         else:
             trainable, frozen = params, None
             reference = jax.tree.map(jnp.copy, params) if tcfg.kl_coef > 0 else None
-        # Moments inherit the parameters' shardings through propagation; counters land on one device and
-        # are replicated over the mesh.
+        # Moments are born in their parameters' shardings (init's zeros_like does not propagate them: left to
+        # the compiler they land on one device and would be replicated); counters are replicated.
         scalar = NamedSharding(mesh, P())
-        opt_state = jax.tree.map(
-            lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, scalar),
-            jax.jit(tx.init)(trainable))
+        param_shardings = jax.tree.map(lambda x: x.sharding, trainable)
+        opt_shardings = optax.tree_map_params(tx, lambda _, sh: sh, jax.eval_shape(tx.init, trainable),
+                                              param_shardings, transform_non_params=lambda _: scalar)
+        opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(trainable)
         state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), scalar),
                            version=jax.device_put(jnp.zeros((), jnp.int32), scalar),
                            params=trainable, frozen=frozen, opt_state=opt_state,
