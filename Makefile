@@ -22,7 +22,7 @@ $(STAMP): $(PY) pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/dora-jax demo
+	$(VENV)/bin/dora-jax train --config smollm2_arith
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile

@@ -112,6 +112,13 @@ def cmd_bench(args) -> int:
         result = benchmarks.bench_train(args.config, rows=args.batch or 8)
     elif args.what == "snapshot":
         result = benchmarks.bench_snapshot(args.config, rows=args.batch or 8)
+    elif args.what == "modes":
+        from dora_jax.bench_modes import bench_modes, plot_modes
+
+        config = "tiny_llama" if args.config == DEFAULT_CONFIG else args.config
+        result = bench_modes(config, steps=args.steps)
+        if args.plot:
+            print("plot:", plot_modes(result, args.plot))
     elif args.what == "engine":
         result = benchmarks.bench_engine(args.config, batch=args.batch or 32, new_tokens=args.new_tokens,
                                          with_hf=not args.no_reference)
@@ -190,7 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_check)
 
     b = sub.add_parser("bench", help="benchmarks; results as JSON")
-    b.add_argument("what", choices=["load", "engine", "decode", "train", "snapshot"])
+    b.add_argument("what", choices=["load", "engine", "decode", "train", "snapshot", "modes"])
+    b.add_argument("--steps", type=int, default=8, help="modes: updates per mode")
+    b.add_argument("--plot", help="modes: write the reward and throughput plot to this PNG")
     b.add_argument("--repeats", type=int, default=2, help="load: repeats per side")
     b.add_argument("--batch", type=int, help="engine, decode: concurrent sequences (default 32); train, snapshot: rows per step "
                    "(default 8)")

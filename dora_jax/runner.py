@@ -62,6 +62,15 @@ def _percentile(xs: list[int], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else 0.0
 
 
+def make_engine(cfg: Config, model: Any, mesh: Any = None) -> Engine:
+    """The rollout engine a run of ``cfg`` uses: ``rollout.slots`` slots, room for the longest prompt plus
+    ``rollout.max_new_tokens``."""
+    r = cfg.rollout
+    target = min(bucket(r.max_prompt_len + r.max_new_tokens), cfg.model.max_seq_len)
+    return Engine(model, max_concurrent_decodes=r.slots, max_prefill_length=r.max_prompt_len,
+                  max_target_length=target, mesh=mesh)
+
+
 class Runner:
     """One training run in ``cfg.dora.mode`` on ``cfg.task``, writing into ``run_dir``.
 
@@ -75,10 +84,14 @@ class Runner:
       keep_versions: keep every published version's params in ``self.versions_seen`` (tests recompute each
         trajectory's log-probs on its own version with them).
       progress: show a progress bar.
+      parts: ``(trainer, initial_state, engine)`` built earlier for the same model and config shapes: runs
+        that share them share compiled functions (benchmarks compare modes without recompiling). The state is
+        donated by the first train step: pass a copy.
     """
 
     def __init__(self, cfg: Config, run_dir: str, *, model: Any = None, tokenizer: Any = None,
-                 task: Task | None = None, keep_versions: bool = False, progress: bool = True):
+                 task: Task | None = None, keep_versions: bool = False, progress: bool = True,
+                 parts: tuple[Trainer, Any, Engine] | None = None):
         from dora_jax.models.weights import load_model
         from dora_jax.sharding import create_mesh
         from dora_jax.tokenizer import ByteTokenizer
@@ -100,11 +113,12 @@ class Runner:
                                f"{cfg.model.vocab_size} < 256 is too small for byte tokens")
             tokenizer = ByteTokenizer()
         self.tokenizer = tokenizer
-        self.trainer, self.state = Trainer.create(cfg, model=model, mesh=mesh)
         r = cfg.rollout
-        target = min(bucket(r.max_prompt_len + r.max_new_tokens), cfg.model.max_seq_len)
-        self.engine = Engine(model, max_concurrent_decodes=r.slots, max_prefill_length=r.max_prompt_len,
-                             max_target_length=target, mesh=mesh)
+        if parts is not None:
+            self.trainer, self.state, self.engine = parts
+        else:
+            self.trainer, self.state = Trainer.create(cfg, model=model, mesh=mesh)
+            self.engine = make_engine(cfg, model, mesh)
         self.sampling = RequestSampling(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=r.seed)
         self.driver = RolloutDriver(self.engine, eos_ids=tokenizer.eos_ids)
         d, t = cfg.dora, cfg.train

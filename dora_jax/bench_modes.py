@@ -1,0 +1,137 @@
+"""``dora-jax bench modes``: sync, one_step_off and dora at K = 1, 2, 3 on one long-tailed workload.
+
+Every mode trains the same model from the same initial weights, on the same task and seed, for the same number
+of samples. The workload is ``longtail``: each prompt carries a length budget drawn from a lognormal with
+p99 / p50 ~ 9, and responses run to their budget, so a synchronous batch waits for its longest member while
+most slots sit empty. All modes share one engine and one trainer, so compiled functions are shared; a short
+warm-up run of each mode compiles every shape before anything is timed. ``sync`` runs with several seeds to
+show the run-to-run noise of the reward curve that the other modes' curves are compared with.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dora_jax.benchmarks import machine
+from dora_jax.config import load_config
+from dora_jax.metrics import read_metrics
+
+# The workload: tiny Llama on one device, 32 slots, groups of 4, 32 samples per update.
+OVERRIDES = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "task.name=longtail", "task.longtail_max_len=128",
+             "task.eval_size=0", "rollout.slots=32", "rollout.max_new_tokens=128", "rollout.max_prompt_len=32",
+             "train.group_size=4", "train.learning_rate=0.002", "train.max_response_tokens=128",
+             "train.length_buckets=[192]", "dora.train_batch=32"]
+MODES = [("sync", 0), ("one_step_off", 1), ("dora", 1), ("dora", 2), ("dora", 3)]
+
+
+def _mode_overrides(mode: str, k: int, tbs: int) -> list[str]:
+    rbs = tbs if mode != "dora" else (k + 1) * tbs
+    return [f"dora.mode={mode}", f"train.max_staleness={max(k, 1)}", f"dora.rollout_batch={rbs}"]
+
+
+def bench_modes(config: str = "tiny_llama", steps: int = 8, noise_seeds: int = 3,
+                out_dir: str | None = None) -> dict[str, Any]:
+    """Runs every mode once (sync ``noise_seeds`` times) and returns per-mode throughput and schedule figures.
+
+    Args:
+      config: the model preset (a small one: every mode runs ``steps`` updates of 32 samples).
+      steps: updates per run.
+      noise_seeds: sync runs with different rollout seeds, for the reward curve's run-to-run spread.
+      out_dir: keep the run directories here (default: a temporary directory).
+    """
+    from dora_jax.models.weights import load_model
+    from dora_jax.runner import Runner, make_engine
+    from dora_jax.sharding import create_mesh
+    from dora_jax.trainer import Trainer
+
+    base = load_config(config, OVERRIDES + [f"dora.steps={steps}"])
+    mesh = create_mesh(base.mesh)
+    model, _ = load_model(base.model, mesh, base.mesh.logical_axis_rules, seed=base.run.seed, progress=False)
+    trainer, state0 = Trainer.create(base, model=model, mesh=mesh)
+    engine = make_engine(base, model, mesh)
+    tmp = out_dir or tempfile.mkdtemp(prefix="dora_bench_modes_")
+
+    def run(name: str, mode: str, k: int, extra: list[str], n_steps: int) -> dict[str, Any]:
+        cfg = load_config(config, OVERRIDES + [f"dora.steps={n_steps}"] + _mode_overrides(mode, k, 32) + extra)
+        state = jax.tree.map(jnp.copy, state0)  # every mode starts from the same weights
+        run_dir = os.path.join(tmp, name)
+        summary = Runner(cfg, run_dir, model=model, parts=(trainer, state, engine), progress=False).run()
+        rows = read_metrics(run_dir)
+        return {"summary": summary, "rows": rows}
+
+    for mode, k in MODES:  # compile every shape each mode meets
+        run(f"warmup_{mode}_{k}", mode, k, [], 2)
+
+    results: dict[str, Any] = {}
+    for mode, k in MODES:
+        name = mode if mode != "dora" else f"dora_k{k}"
+        t0 = time.perf_counter()
+        r = run(name, mode, k, [], steps)
+        s, rows = r["summary"], r["rows"]
+        lags = [int(lag) for row in rows for lag, n in row["staleness"].items() for _ in range(n)]
+        results[name] = {
+            "mode": mode, "max_staleness": s["max_staleness"], "samples": s["samples"], "wall_s": s["wall_s"],
+            "samples_per_s": s["samples_per_s"],
+            "tokens_per_s": sum(row["trained_tokens"] for row in rows) / s["wall_s"],
+            "gen_tok_s": s["gen_tok_s"],
+            "rollout_share": float(np.mean([row["rollout_share"] for row in rows])),
+            "trainer_idle_fraction": s["trainer_idle_fraction"],
+            "slot_occupancy": float(np.mean([row["slot_occupancy"] for row in rows])),
+            "mean_staleness": float(np.mean(lags)), "max_staleness_seen": int(max(lags)),
+            "max_resident_versions": s["max_resident_versions"],
+            "reward_per_step": [row["reward"] for row in rows], "final_reward": rows[-1]["reward"],
+            "len_p50": float(np.median([row["len_p50"] for row in rows])),
+            "len_p99": float(max(row["len_p99"] for row in rows)),
+            "bench_s": time.perf_counter() - t0,
+        }
+        print(f"{name:>13}: {results[name]['samples_per_s']:.2f} samples/s, rollout share "
+              f"{results[name]['rollout_share']:.2f}, staleness mean {results[name]['mean_staleness']:.2f} "
+              f"max {results[name]['max_staleness_seen']}, final reward {results[name]['final_reward']:.3f}",
+              flush=True)
+    noise = []
+    for seed in range(1, noise_seeds):
+        r = run(f"sync_seed{seed}", "sync", 0, [f"rollout.seed={seed}"], steps)
+        noise.append([row["reward"] for row in r["rows"]])
+    curves = np.asarray([results["sync"]["reward_per_step"]] + noise)
+    sync = results["sync"]["samples_per_s"]
+    return {"machine": machine(), "config": config, "steps": steps, "train_batch": 32, "group_size": 4,
+            "slots": 32, "workload": "longtail, length budget lognormal p50 8 / p99 ~70 / max 128 tokens",
+            "modes": results, "speedup_vs_sync": {n: r["samples_per_s"] / sync for n, r in results.items()},
+            "sync_reward_curves": curves.tolist(),
+            "sync_reward_spread": {"mean": curves.mean(0).tolist(), "min": curves.min(0).tolist(),
+                                   "max": curves.max(0).tolist()},
+            "run_dir": tmp}
+
+
+def plot_modes(result: dict[str, Any], path: str) -> str:
+    """Reward per update of every mode over the band of the sync runs' spread."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.6))
+    spread = result["sync_reward_spread"]
+    steps = np.arange(1, len(spread["mean"]) + 1)
+    ax.fill_between(steps, spread["min"], spread["max"], color="grey", alpha=0.3,
+                    label=f"sync, {len(result['sync_reward_curves'])} seeds (min-max)")
+    for name, r in result["modes"].items():
+        ax.plot(steps, r["reward_per_step"], marker=".", label=name)
+    ax.set_xlabel("update")
+    ax.set_ylabel("reward of the trained batch")
+    ax.legend(fontsize=7)
+    names = list(result["modes"])
+    bx.bar(names, [result["modes"][n]["samples_per_s"] for n in names])
+    bx.set_ylabel("trained samples / s")
+    bx.tick_params(axis="x", labelrotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
