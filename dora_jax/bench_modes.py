@@ -23,11 +23,13 @@ from dora_jax.benchmarks import machine
 from dora_jax.config import load_config
 from dora_jax.metrics import read_metrics
 
-# The workload: tiny Llama on one device, 32 slots, groups of 4, 32 samples per update.
-OVERRIDES = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "task.name=longtail", "task.longtail_max_len=128",
-             "task.eval_size=0", "rollout.slots=32", "rollout.max_new_tokens=128", "rollout.max_prompt_len=32",
-             "train.group_size=4", "train.learning_rate=0.002", "train.max_response_tokens=128",
-             "train.length_buckets=[192]", "dora.train_batch=32"]
+# The workload: tiny Llama on one device, 32 slots, groups of 4, 16 samples per update, length budgets up to
+# 256 tokens (p50 16): rollout dominates the step, as in reasoning-model RL.
+TBS = 16
+OVERRIDES = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "task.name=longtail", "task.longtail_max_len=256",
+             "task.eval_size=0", "rollout.slots=32", "rollout.max_new_tokens=256", "rollout.max_prompt_len=32",
+             "train.group_size=4", "train.learning_rate=0.002", "train.max_response_tokens=256",
+             "train.length_buckets=[320]", f"dora.train_batch={TBS}"]
 MODES = [("sync", 0), ("one_step_off", 1), ("dora", 1), ("dora", 2), ("dora", 3)]
 
 
@@ -41,7 +43,7 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, noise_seeds: int = 3
     """Runs every mode once (sync ``noise_seeds`` times) and returns per-mode throughput and schedule figures.
 
     Args:
-      config: the model preset (a small one: every mode runs ``steps`` updates of 32 samples).
+      config: the model preset (a small one: every mode runs ``steps`` updates of ``TBS`` samples).
       steps: updates per run.
       noise_seeds: sync runs with different rollout seeds, for the reward curve's run-to-run spread.
       out_dir: keep the run directories here (default: a temporary directory).
@@ -59,7 +61,7 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, noise_seeds: int = 3
     tmp = out_dir or tempfile.mkdtemp(prefix="dora_bench_modes_")
 
     def run(name: str, mode: str, k: int, extra: list[str], n_steps: int) -> dict[str, Any]:
-        cfg = load_config(config, OVERRIDES + [f"dora.steps={n_steps}"] + _mode_overrides(mode, k, 32) + extra)
+        cfg = load_config(config, OVERRIDES + [f"dora.steps={n_steps}"] + _mode_overrides(mode, k, TBS) + extra)
         state = jax.tree.map(jnp.copy, state0)  # every mode starts from the same weights
         run_dir = os.path.join(tmp, name)
         summary = Runner(cfg, run_dir, model=model, parts=(trainer, state, engine), progress=False).run()
@@ -101,8 +103,8 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, noise_seeds: int = 3
         noise.append([row["reward"] for row in r["rows"]])
     curves = np.asarray([results["sync"]["reward_per_step"]] + noise)
     sync = results["sync"]["samples_per_s"]
-    return {"machine": machine(), "config": config, "steps": steps, "train_batch": 32, "group_size": 4,
-            "slots": 32, "workload": "longtail, length budget lognormal p50 8 / p99 ~70 / max 128 tokens",
+    return {"machine": machine(), "config": config, "steps": steps, "train_batch": TBS, "group_size": 4,
+            "slots": 32, "workload": "longtail, length budget lognormal p50 16 / p99 ~140 / max 256 tokens",
             "modes": results, "speedup_vs_sync": {n: r["samples_per_s"] / sync for n, r in results.items()},
             "sync_reward_curves": curves.tolist(),
             "sync_reward_spread": {"mean": curves.mean(0).tolist(), "min": curves.min(0).tolist(),
