@@ -1,0 +1,161 @@
+"""Tasks, reward checking, the reward pool and run plots: plain Python, hand-derived cases."""
+
+import json
+import math
+import time
+
+import pytest
+
+from dora_jax.config import ConfigError, TaskConfig
+from dora_jax.metrics import MetricsWriter, plot_run, read_metrics
+from dora_jax.rewards import RewardPool
+from dora_jax.tasks import ArithmeticTask, LongTailTask, last_number, load_task
+from dora_jax.tasks.gsm8k import JsonlTask, TaskDataError
+from dora_jax.tokenizer import ByteTokenizer
+
+
+def test_arithmetic_items_answers_and_scores():
+    task = ArithmeticTask(seed=3, eval_size=60)
+    for i in range(300):
+        item = task.train_item(i)
+        expr = item.prompt.removeprefix("What is ").removesuffix("? Answer with the number only.")
+        assert int(item.answer) == eval(expr)  # noqa: S307 - the test's own independent evaluation
+        assert item.level == task.levels[i % len(task.levels)]
+    assert task.train_item(17) == ArithmeticTask(seed=3, eval_size=60).train_item(17)  # pure in (seed, index)
+    assert task.train_item(17) != ArithmeticTask(seed=4, eval_size=60).train_item(17)
+    held_out = {it.prompt for it in task.eval_items()}
+    assert len(task.eval_items()) == 60 and not held_out & {task.train_item(i).prompt for i in range(2000)}
+    item = task.train_item(0)
+    ans = item.answer
+    assert task.score(item, ans).reward == 1.0 and task.score(item, f" {ans}.").correct
+    assert task.score(item, f"3 + 8 = {ans}").correct  # the last number counts
+    assert not task.score(item, f"{ans} is wrong, it is {int(ans) + 1}").correct
+    assert task.score(item, "no idea").reward == 0.0
+
+
+def test_last_number_extraction():
+    assert last_number("so 1,234 apples") == "1234"
+    assert last_number("it is -7.") == "-7"
+    assert last_number("x = 3.25 then 4") == "4"
+    assert last_number("none") is None
+
+
+def test_gsm8k_jsonl_loader_and_errors(tmp_path):
+    path = tmp_path / "train.jsonl"
+    rows = [{"question": f"Q{i}: what is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(10)]
+    rows.append({"prompt": "How many?", "answer": "1,000"})
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    task = JsonlTask(str(path), eval_size=3, seed=0)
+    items = task.eval_items() + [task.train_item(i) for i in range(8)]
+    assert sorted(it.prompt for it in items) == sorted(r.get("question", r.get("prompt")) for r in rows)
+    q = next(it for it in items if it.prompt == "How many?")
+    assert q.answer == "1000" and task.score(q, "That makes 1,000.").correct
+    q5 = next(it for it in items if it.prompt.startswith("Q5:"))
+    assert q5.answer == "6" and task.score(q5, "6").reward == 1.0 and task.score(q5, "5 + 1 = 7").reward == 0.0
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(rows[0]) + "\n{not json\n")
+    with pytest.raises(TaskDataError, match=r"bad.jsonl:2: not valid JSON"):
+        JsonlTask(str(bad), eval_size=0)
+    bad.write_text(json.dumps({"question": "q", "answer": "no number here"}) + "\n")
+    with pytest.raises(TaskDataError, match=r"bad.jsonl:1: the answer .* has no number"):
+        JsonlTask(str(bad), eval_size=0)
+    bad.write_text(json.dumps({"answer": "4"}) + "\n")
+    with pytest.raises(TaskDataError, match=r"bad.jsonl:1: needs a non-empty string 'question'"):
+        JsonlTask(str(bad), eval_size=0)
+    with pytest.raises(TaskDataError, match="11 usable lines; need more than task.eval_size=20"):
+        JsonlTask(str(path), eval_size=20)
+    with pytest.raises(TaskDataError, match="does not exist"):
+        load_task(TaskConfig(name="gsm8k", path=str(tmp_path / "missing.jsonl")))
+    with pytest.raises(TaskDataError, match="needs a JSONL file"):
+        load_task(TaskConfig(name="gsm8k"))
+
+
+def make_task(cfg):
+    return ArithmeticTask(seed=cfg.seed, eval_size=2, levels=("add1",))
+
+
+def constant_reward(prompt, response, answer):
+    return 0.25
+
+
+def not_a_task(cfg):
+    return 0.5
+
+
+def test_custom_task_and_reward_by_import_path():
+    task = load_task(TaskConfig(name="test_tasks:make_task", reward="test_tasks:constant_reward"))
+    item = task.train_item(0)
+    assert item.level == "add1" and task.score(item, "anything").reward == 0.25
+    with pytest.raises(ConfigError, match="task.name: 'test_tasks:not_a_task' returned float"):
+        load_task(TaskConfig(name="test_tasks:not_a_task"))
+    with pytest.raises(ConfigError, match="is not an import path"):
+        load_task(TaskConfig(reward="test_tasks:"))
+
+
+def test_longtail_lengths_are_long_tailed():
+    task = LongTailTask(seed=0, max_len=128)
+    budgets = sorted(task.train_item(i).max_new_tokens for i in range(4000))
+    p50, p99 = budgets[len(budgets) // 2], budgets[int(0.99 * len(budgets))]
+    assert p99 / p50 >= 8 and 1 <= budgets[0] and budgets[-1] <= 128
+    item = task.train_item(0)
+    assert task.score(item, "12ab").reward == 0.5 and task.score(item, "").reward == 0.0
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": "héllo"}])
+    assert text == "Q: héllo\nA: " and tok.decode(tok.encode(text)) == text and tok.eos_ids == ()
+
+
+def _slow(x):
+    time.sleep(x)
+    return x, True
+
+
+def _bad(kind):
+    if kind == "raise":
+        raise KeyError("missing")
+    return float("nan"), False
+
+
+def test_reward_pool_results_errors_and_timeouts():
+    pool = RewardPool(workers=2, timeout_s=0.5)
+    pool.submit(1, _slow, 0.0)
+    pool.submit(2, _bad, "raise")
+    pool.submit(3, _bad, "nan")
+    pool.submit(4, _slow, 5.0)  # hangs past the timeout
+    pool.submit(5, _slow, 0.01)  # must still be served: the hung worker is replaced
+    got = {}
+    t0 = time.perf_counter()
+    while len(got) < 5 and time.perf_counter() - t0 < 10:
+        for r in pool.poll(wait_s=0.1):
+            assert r.key not in got
+            got[r.key] = r
+    assert time.perf_counter() - t0 < 3
+    assert got[1].reward == 0.0 and got[1].correct and not got[1].error
+    assert got[2].error == "reward function raised KeyError: 'missing'"
+    assert "non-finite reward nan" in got[3].error
+    assert got[4].error == "reward function timed out after 0.5s"
+    assert got[5].reward == 0.01 and not got[5].error
+    assert pool.outstanding == 0
+    with pytest.raises(ValueError, match="workers >= 1"):
+        RewardPool(workers=0)
+
+
+def test_metrics_file_and_plots(tmp_path):
+    w = MetricsWriter(str(tmp_path), tensorboard=False)
+    for step in (1, 2, 3):
+        w.write({"step": step, "wall_s": float(step), "reward": step / 10, "accuracy": step / 20,
+                 "staleness": {"0": 3, "1": step}, "in_flight": {str(step - 1): 4, str(step): 8},
+                 "train": {"loss": 0.5}})
+    w.close()
+    rows = read_metrics(str(tmp_path))
+    assert [r["step"] for r in rows] == [1, 2, 3] and math.isclose(rows[2]["reward"], 0.3)
+    paths = plot_run(str(tmp_path))
+    assert sorted(p.rsplit("/", 1)[1] for p in paths) == ["reward.png", "staleness.png", "versions.png"]
+    for p in paths:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
+        read_metrics(str(tmp_path / "nowhere"))
