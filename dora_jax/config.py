@@ -441,13 +441,25 @@ class RolesConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
+    """Where a run lives and how it survives a restart.
+
+    ``checkpoint_every`` is the number of updates between run checkpoints in ``RUN_DIR/checkpoints`` (0: none,
+    and no version snapshots either); ``resume`` continues from the newest good checkpoint there when one
+    exists (false refuses to start in a directory that holds an unfinished run, rather than overwrite it).
+    """
+
     name: str = "run"
     out_dir: str = "runs"
     seed: int = 0
+    checkpoint_every: int = 1
+    resume: bool = True
 
     def validate(self, path: str = "run") -> None:
         if not self.name or "/" in self.name:
             _fail(f"{path}.name", self.name, "must be a non-empty name without '/'")
+        if self.checkpoint_every < 0:
+            _fail(f"{path}.checkpoint_every", self.checkpoint_every,
+                  "must be >= 0 (updates between run checkpoints; 0 never checkpoints)")
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,11 @@ class Ledger:
     def start(self, sample_id: int) -> None:
         self._move(sample_id, ("pending",), "in_flight")
 
+    def requeue(self, sample_id: int) -> None:
+        """Moves an in-flight sample back to pending: its generation was lost (a restart) and is redone from
+        the prompt on the same version. Only ``in_flight`` samples can be requeued."""
+        self._move(sample_id, ("in_flight",), "pending")
+
     def finish(self, sample_id: int) -> None:
         """A generated sample with its reward. If its group already lost a member, it is filtered too."""
         e = self._move(sample_id, ("in_flight",), "finished")
