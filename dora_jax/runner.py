@@ -16,13 +16,20 @@ the old versions' long trajectories finish, and a batch trains as soon as it is 
 
 Every decision about *what* to run is the scheduler's (:mod:`dora_jax.scheduler`), and every sample's state
 is in its ledger; the runner only executes them and measures.
+
+Every ``run.checkpoint_every`` updates (after the train step and the publish) the runner writes a run
+checkpoint: the train state, the scheduler with its ledger, every finished-but-unconsumed sample as it is, the
+metrics position and the seeds; every published version is snapshotted in the background. A runner created
+on a directory that holds a good checkpoint (and ``run.resume``) continues from it: samples that were pending
+or in flight are regenerated on their own version, whose params come back from its snapshot
+(:mod:`dora_jax.resume`).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
+import logging
 import os
 import time
 from collections import deque
@@ -33,7 +40,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dora_jax.config import Config
+from dora_jax.ledger import LedgerError
 from dora_jax.metrics import MetricsWriter
+from dora_jax.resume import Finished, RunStore, fsync_file, truncate_lines
 from dora_jax.rewards import RewardPool
 from dora_jax.rollout.driver import Request, RolloutDriver, Trajectory
 from dora_jax.rollout.engine import Engine, RequestSampling, bucket
@@ -41,21 +50,12 @@ from dora_jax.scheduler import SchedulePolicy, Scheduler
 from dora_jax.tasks import Item, Task, load_task
 from dora_jax.trainer import Sample, Trainer, make_batch
 
+log = logging.getLogger(__name__)
+_Done = Finished  # a finished trajectory waiting for (or holding) its reward
+
 
 class RunError(RuntimeError):
     """A run that cannot continue: the message names what and where."""
-
-
-@dataclasses.dataclass
-class _Done:
-    """A finished trajectory waiting for (or holding) its reward."""
-
-    traj: Trajectory
-    group_id: int
-    item: Item
-    text: str
-    reward: float = 0.0
-    correct: bool = False
 
 
 def _percentile(xs: list[int], q: float) -> float:
@@ -76,7 +76,9 @@ class Runner:
 
     Args:
       cfg: the whole config (validated here).
-      run_dir: where ``metrics.jsonl``, ``samples.jsonl``, ``ledger.json`` and ``summary.json`` go.
+      run_dir: where ``metrics.jsonl``, ``samples.jsonl``, ``ledger.json``, ``summary.json``,
+        ``checkpoints/`` and ``versions/`` go. If it holds a run checkpoint (and ``cfg.run.resume``), the
+        run continues from the newest good one; a checkpoint of another configuration is refused.
       model, tokenizer: an already built model (default: ``cfg.model``'s weights or random init) and its
         tokenizer (default: the weights' own; a :class:`~dora_jax.tokenizer.ByteTokenizer` for models
         without one).
@@ -133,12 +135,26 @@ class Runner:
         self._waiting: dict[int, deque[Request]] = {}
         self._items: dict[int, tuple[int, Item]] = {}  # sample id -> (group id, item)
         self._done: dict[int, _Done] = {}
-        self._publish(0, self.trainer.policy_params(self.state))
         self.max_resident = 1
+        self.store = RunStore(run_dir, cfg, self.policy.bound)
+        self._resumed: dict[str, Any] | None = None  # the checkpoint's metrics position, when resuming
+        self._metrics_lines = self._sample_lines = 0
+        if not cfg.run.resume and (left := self.store.leftovers()):
+            raise RunError(f"{run_dir} holds an unfinished run ({', '.join(left)}) and run.resume is false: "
+                           "set run.resume=true to continue it, or choose another run.name or run.out_dir")
+        found = self.store.restore(self.state) if cfg.run.resume else None
+        if found is not None:
+            self._restore(found)
+        else:
+            self._publish(0, self.trainer.policy_params(self.state))
 
     # -- versions -------------------------------------------------------------------------------------------
 
     def _publish(self, version: int, params: Any) -> None:
+        self._add_version(version, params)
+        self.store.snapshot(version, params, set(self._params))
+
+    def _add_version(self, version: int, params: Any) -> None:
         self._params[version] = params
         self.driver.add_version(version, params)
         if self.keep_versions:
@@ -170,12 +186,16 @@ class Runner:
                 for sid in g.sample_ids[1:]:
                     led.filter(sid, f"group member {g.sample_ids[0]} filtered")
                 continue
-            budget = min(item.max_new_tokens or r.max_new_tokens, r.max_new_tokens)
-            q = self._waiting.setdefault(g.version, deque())
             for sid in g.sample_ids:
                 self._items[sid] = (g.group_id, item)
-                q.append(Request(sid, tuple(ids), version=g.version, max_new_tokens=budget, sampling=self.sampling))
+                self._enqueue(sid, g.version, ids, item)
         return len(groups)
+
+    def _enqueue(self, sample_id: int, version: int, prompt_ids: list[int], item: Item) -> None:
+        r = self.cfg.rollout
+        budget = min(item.max_new_tokens or r.max_new_tokens, r.max_new_tokens)
+        self._waiting.setdefault(version, deque()).append(
+            Request(sample_id, tuple(prompt_ids), version=version, max_new_tokens=budget, sampling=self.sampling))
 
     def _admit(self) -> None:
         busy = sum(self.driver.in_flight().values())
@@ -238,6 +258,7 @@ class Runner:
         self.sched.trained(group_ids)
         self._publish(self.sched.version, self.trainer.policy_params(self.state))
         lengths = [len(d.traj.tokens) for d in done]
+        self._sample_lines += len(done)
         with open(os.path.join(self.run_dir, "samples.jsonl"), "a", encoding="utf-8") as f:
             for d in done:
                 f.write(json.dumps({"sample_id": d.traj.sample_id, "group_id": d.group_id,
@@ -254,6 +275,70 @@ class Runner:
                 "trained_tokens": int(sum(len(d.traj.tokens) + len(d.traj.prompt_ids) for d in done)),
                 "staleness": lags, "staleness_mean": float(np.mean([int(k) for k, n in lags.items() for _ in range(n)])),
                 "staleness_max": max(int(k) for k in lags), "train": metrics}
+
+    # -- checkpoints and resume ------------------------------------------------------------------------------
+
+    def _seeds(self) -> dict[str, int]:
+        # Sampling randomness is a pure function of (seed, sample_id, position) and the trainer's key lives in
+        # the TrainState, so the seeds and the scheduler's sample counter are the whole host RNG state.
+        return {"run.seed": self.cfg.run.seed, "rollout.seed": self.cfg.rollout.seed}
+
+    def _checkpoint(self, counters: dict[str, Any]) -> None:
+        """Saves the run at the current version: train state, scheduler and ledger, finished-unconsumed
+        samples, metrics position, seeds; records the versions a resume from it needs."""
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            fsync_file(os.path.join(self.run_dir, name))
+        led = self.sched.ledger
+        finished = [self._done[s].to_dict() for s in sorted(led.entries) if led.entries[s].state == "finished"]
+        metrics = {**counters, "lines": self._metrics_lines, "samples_lines": self._sample_lines,
+                   "rows_computed": self.driver.rows_computed, "rows_live": self.driver.rows_live,
+                   "max_resident": self.max_resident}
+        run_state = {"scheduler": self.sched.state_dict(), "finished": finished, "metrics": metrics,
+                     "rng": self._seeds()}
+        self.store.save(self.sched.version, self.state, run_state, set(self.sched.live_versions()))
+
+    def _restore(self, found: Any) -> None:
+        """Continues from a restored checkpoint: state, scheduler, finished samples as they were; pending and
+        in-flight samples queued again on their own versions (restored from their snapshots)."""
+        where = found.path / "run_state.json"
+        try:
+            rs = found.run_state
+            sched = Scheduler.from_state_dict(self.policy, rs["scheduler"])
+            finished = [Finished.from_dict(d) for d in rs["finished"]]
+            metrics, seeds = dict(rs["metrics"]), rs["rng"]
+        except (KeyError, TypeError, ValueError, LedgerError) as e:
+            raise RunError(f"{where}: not a run state this runner can continue ({e!r:.300})") from e
+        if seeds != self._seeds():
+            raise RunError(f"{where}: seeds {seeds} differ from this run's {self._seeds()}")
+        led = sched.ledger
+        want = sorted(s for s, e in led.entries.items() if e.state == "finished")
+        if sorted(f.traj.sample_id for f in finished) != want:
+            raise RunError(f"{where}: the ledger has {len(want)} finished samples, the saved trajectories are "
+                           f"{len(finished)} others")
+        self.state, self.sched = found.train_state, sched
+        for sid, e in led.entries.items():
+            if e.state == "in_flight":  # its generation was lost with the process: redo it from the prompt
+                led.requeue(sid)
+        for f in finished:
+            self._done[f.traj.sample_id] = f
+            self._items[f.traj.sample_id] = (f.group_id, f.item)
+        params = self.trainer.policy_params(self.state)
+        self._publish(sched.version, params)
+        for v in sched.live_versions():
+            if v != sched.version:
+                self._add_version(v, self.store.restore_version(v, params))
+        prompts: dict[int, tuple[Item, list[int]]] = {}
+        for sid in sorted(s for s, e in led.entries.items() if e.state == "pending"):
+            e = led.entries[sid]
+            if e.group_id not in prompts:
+                item = self.task.train_item(e.prompt_index)
+                prompts[e.group_id] = (item, self._prompt_ids(item))
+            item, ids = prompts[e.group_id]
+            self._items[sid] = (e.group_id, item)
+            self._enqueue(sid, e.version, ids, item)
+        self.driver.rows_computed, self.driver.rows_live = metrics["rows_computed"], metrics["rows_live"]
+        self.max_resident = max(metrics["max_resident"], len(self._params))
+        self._resumed = metrics
 
     # -- evaluation -----------------------------------------------------------------------------------------
 
@@ -286,20 +371,36 @@ class Runner:
     # -- the loop -------------------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
-        """Trains ``cfg.dora.steps`` updates, evaluating before and after; returns (and writes) the summary."""
-        cfg = self.cfg
-        with open(os.path.join(self.run_dir, "config.json"), "w") as f:
-            json.dump(cfg.to_dict(), f, indent=1)
-        t_eval = time.perf_counter()
-        before = self.evaluate(0)
-        eval_s = time.perf_counter() - t_eval
+        """Trains ``cfg.dora.steps`` updates (the rest of them when resuming), evaluating before and after;
+        returns (and writes) the summary."""
+        try:
+            return self._run()
+        finally:
+            self.store.close()  # snapshot writes in progress finish before the runner lets go
+
+    def _run(self) -> dict[str, Any]:
+        cfg, m = self.cfg, self._resumed
+        if m is None:
+            with open(os.path.join(self.run_dir, "config.json"), "w") as f:
+                json.dump(cfg.to_dict(), f, indent=1)
+            t_eval = time.perf_counter()
+            before = self.evaluate(0)
+            m = {"eval_before": before, "eval_s": time.perf_counter() - t_eval, "wall_s": 0.0, "train_s": 0.0,
+                 "gen_tokens": 0, "checkpoint_s": 0.0, "lines": 0, "samples_lines": 0}
+        before, eval_s = m["eval_before"], m["eval_s"]
+        for name, key in (("metrics.jsonl", "lines"), ("samples.jsonl", "samples_lines")):
+            if dropped := truncate_lines(os.path.join(self.run_dir, name), m[key]):
+                log.warning("%s: dropped %d lines written after the checkpoint (their updates are redone)",
+                            os.path.join(self.run_dir, name), dropped)
+        self._metrics_lines, self._sample_lines = m["lines"], m["samples_lines"]
         writer = MetricsWriter(self.run_dir)
-        bar = tqdm(total=cfg.dora.steps, desc=f"{cfg.dora.mode} K={self.policy.bound}", unit="update",
-                   disable=not self.progress)
-        t0 = last = time.perf_counter()
-        train_total = rollout_s = 0.0
+        bar = tqdm(total=cfg.dora.steps, initial=self.sched.version, desc=f"{cfg.dora.mode} K={self.policy.bound}",
+                   unit="update", disable=not self.progress)
+        last = time.perf_counter()
+        t0 = last - m["wall_s"]  # wall_s continues across a resume
+        train_total, rollout_s, checkpoint_s = m["train_s"], 0.0, m["checkpoint_s"]
         gen_tokens = live_rows = slot_rows = 0
-        total_gen = 0
+        total_gen = m["gen_tokens"]
         led = self.sched.ledger
         while not self.sched.done():
             self._dispatch()
@@ -343,6 +444,13 @@ class Runner:
                 "resident_versions": len(self._params), "slot_occupancy": live_rows / max(slot_rows, 1),
                 "slot_utilization": self.driver.slot_utilization, "filtered": led.count("filtered")})
             writer.write(row)
+            self._metrics_lines += 1
+            if self.store.due(self.sched.version):
+                tc = time.perf_counter()
+                self._checkpoint({"eval_before": before, "eval_s": eval_s, "wall_s": tc - t0, "train_s": train_total,
+                                  "gen_tokens": total_gen, "checkpoint_s": checkpoint_s})
+                checkpoint_s += time.perf_counter() - tc
+                now += time.perf_counter() - tc  # the next step_s counts rollout and training, not the save
             bar.set_postfix(reward=f"{row['reward']:.2f}", acc=f"{row['accuracy']:.2f}",
                             lag=f"{row['staleness_mean']:.1f}", gen=f"{row['gen_tok_s']:.0f}tok/s")
             bar.update(1)
@@ -363,10 +471,11 @@ class Runner:
             "reward_before": before["reward"], "reward_after": after["reward"], "eval_n": before["n"],
             "steps": self.sched.version, "samples": counts["consumed"], "filtered": counts["filtered"],
             "filtered_reasons": sorted(set(led.filtered_reasons().values()))[:20],
-            "wall_s": wall, "eval_s": eval_s, "train_s": train_total,
+            "wall_s": wall, "eval_s": eval_s, "train_s": train_total, "checkpoint_s": checkpoint_s,
             "samples_per_s": counts["consumed"] / wall, "gen_tok_s": total_gen / wall,
             "trainer_idle_fraction": 1 - train_total / wall, "max_resident_versions": self.max_resident,
             "slot_utilization": self.driver.slot_utilization, "config_fingerprint": cfg.fingerprint(),
+            "resumed": self._resumed is not None,
         }
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)

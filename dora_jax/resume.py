@@ -1,0 +1,280 @@
+"""Run checkpoints and resume for the runner: what is saved, where, and how it is checked on the way back.
+
+A training run keeps everything it needs to continue under ``RUN_DIR``::
+
+    checkpoints/step_N/   RunCheckpoints: the TrainState and the run-state dict (atomic, checksummed)
+    versions/v_N/         Snapshots: every published version's params, so older versions still in flight
+                          at a checkpoint can be brought back
+    metrics.jsonl         one line per update; truncated on resume to the checkpoint's line count
+    samples.jsonl         one line per consumed sample; truncated likewise
+
+:class:`RunStore` owns the two directories: it refuses a checkpoint written under another configuration
+(naming the fields that differ), restores the newest good checkpoint (falling back past corrupt or partial
+ones with a warning), snapshots published versions asynchronously, and protects the snapshots that a retained
+checkpoint still needs from snapshot retention. :class:`Finished` is a finished-but-unconsumed sample exactly
+as the trainer will see it; it round-trips through the checkpoint's JSON.
+
+The configuration check uses :func:`run_fingerprint`, the config fingerprint without the fields that say where
+the run lives and whether or how often it checkpoints (the ``mesh`` section, ``run.name``, ``run.out_dir``,
+``run.resume``, ``run.checkpoint_every``): those do not change what the run computes, and the train state and
+snapshots restore onto any mesh. Every other field, ``dora.steps`` included, must match: a run is resumed to
+the end it was started for, not extended (a longer run changes the schedule's sample budget near the end).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from dora_jax.checkpoint import CheckpointError, Restored, RunCheckpoints
+from dora_jax.config import Config
+from dora_jax.rollout.driver import Trajectory
+from dora_jax.tasks import Item
+
+log = logging.getLogger(__name__)
+
+# Settings that say where a run lives (directory, device mesh) and whether/how often it checkpoints, not
+# what it computes. A run may resume on another mesh: checkpoints and snapshots restore onto any shardings.
+_PLACEMENT = ("name", "out_dir", "resume", "checkpoint_every")
+_PLACEMENT_SECTIONS = ("mesh",)
+
+
+class ResumeError(RuntimeError):
+    """A run directory that cannot be resumed as asked; the message names the directory and the cause."""
+
+
+def _computing_dict(cfg: Config) -> dict[str, Any]:
+    d = {k: v for k, v in cfg.to_dict().items() if k not in _PLACEMENT_SECTIONS}
+    d["run"] = {k: v for k, v in d["run"].items() if k not in _PLACEMENT}
+    return d
+
+
+def run_fingerprint(cfg: Config) -> str:
+    """A short hash of every setting that changes what a run computes: ``Config.fingerprint`` without the
+    ``mesh`` section, ``run.name``, ``run.out_dir``, ``run.resume`` and ``run.checkpoint_every``."""
+    blob = json.dumps(_computing_dict(cfg), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def config_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted names of the fields whose values differ between two config dicts, each with both values."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k, "<absent>"), new.get(k, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_diff(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} in the checkpoint, {b!r} now")
+    return out
+
+
+@dataclasses.dataclass
+class Finished:
+    """A finished trajectory with what the trainer needs of it: its group, its item, its reward."""
+
+    traj: Trajectory
+    group_id: int
+    item: Item
+    text: str
+    reward: float = 0.0
+    correct: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        t = self.traj
+        return {"sample_id": t.sample_id, "version": t.version, "prompt_ids": list(t.prompt_ids),
+                "tokens": list(t.tokens), "logprobs": [float(x) for x in t.logprobs],
+                "finish_reason": t.finish_reason, "group_id": self.group_id, "item": dataclasses.asdict(self.item),
+                "text": self.text, "reward": float(self.reward), "correct": bool(self.correct)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Finished":
+        traj = Trajectory(d["sample_id"], d["version"], list(d["prompt_ids"]), list(d["tokens"]),
+                          list(d["logprobs"]), d["finish_reason"], 0.0, 0.0, 0.0)
+        return cls(traj, d["group_id"], Item(**d["item"]), d["text"], d["reward"], d["correct"])
+
+
+def count_lines(path: str | os.PathLike) -> int:
+    """Complete lines in a text file (0 when it does not exist)."""
+    if not os.path.exists(path):
+        return 0
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.endswith(b"\n"))
+
+
+def truncate_lines(path: str | os.PathLike, keep: int) -> int:
+    """Keeps the first ``keep`` lines of ``path`` (written after a checkpoint, the rest is redone on resume).
+    Atomic: the shortened file replaces the old one in one rename. Returns how many lines were dropped.
+
+    Raises:
+      ResumeError: the file holds fewer than ``keep`` complete lines (the checkpoint is newer than the file).
+    """
+    path = Path(path)
+    if not path.exists():
+        if keep:
+            raise ResumeError(f"{path} is missing, but the checkpoint records {keep} lines written to it")
+        return 0
+    with open(path, "rb") as f:
+        lines = f.readlines()
+    complete = [x for x in lines if x.endswith(b"\n")]
+    if len(complete) < keep:
+        raise ResumeError(f"{path} has {len(complete)} complete lines, but the checkpoint records {keep}; "
+                          "the file was shortened after the checkpoint and the run cannot continue it")
+    if len(lines) == keep:
+        return 0
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "wb") as f:
+        f.writelines(lines[:keep])
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(lines) - keep
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flushes a file's written data to disk (so a checkpoint never records lines a crash could lose)."""
+    if os.path.exists(path):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class RunStore:
+    """The run checkpoints and version snapshots of one run directory.
+
+    Args:
+      run_dir: the run directory (``checkpoints/`` and ``versions/`` go inside).
+      cfg: the run's config; its :func:`run_fingerprint` is checked against every checkpoint and snapshot.
+      bound: the staleness bound K the schedule keeps (snapshot retention keeps the newest K + 2 versions).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, cfg: Config, bound: int):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.fingerprint = run_fingerprint(cfg)
+        self.every = cfg.run.checkpoint_every
+        self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", fingerprint=self.fingerprint)
+        self._snaps = None
+        self._bound = bound
+
+    @property
+    def snapshots(self):
+        """The version snapshots (created on first use: a run that never checkpoints never writes one)."""
+        if self._snaps is None:
+            from dora_jax.versions import Snapshots
+
+            self._snaps = Snapshots(self.run_dir / "versions", fingerprint=self.fingerprint,
+                                    keep_last=self._bound + 2)
+        return self._snaps
+
+    # -- resume ---------------------------------------------------------------------------------------------
+
+    def _metas(self) -> list[tuple[Path, dict[str, Any]]]:
+        """Readable metadata of the checkpoint directories that carry a marker (not verified), newest first."""
+        out = []
+        for step in reversed(self.checkpoints.steps()):
+            path = self.checkpoints.path(step)
+            try:
+                out.append((path, json.loads((path / "meta.json").read_text())))
+            except (OSError, ValueError):
+                continue  # unreadable: restore_latest reports it and falls back
+        return out
+
+    def check_config(self) -> None:
+        """Refuses a directory whose checkpoints were written by another configuration.
+
+        Raises:
+          ResumeError: naming the checkpoint and every field that differs (or, when the checkpoint does not
+            record its config, both fingerprints).
+        """
+        for path, meta in self._metas():
+            if meta.get("fingerprint") == self.fingerprint:
+                continue
+            saved = meta.get("config")
+            diff = (config_diff(saved, _computing_dict(self.cfg)) if isinstance(saved, dict)
+                    else [f"fingerprint {meta.get('fingerprint')} in the checkpoint, {self.fingerprint} now"])
+            raise ResumeError(
+                f"{path} was written by another configuration; resuming would mix two runs. Differences:\n  "
+                + "\n  ".join(diff or ["(none in the fields compared; the fingerprint differs)"])
+                + f"\nRestore those settings to continue this run, or choose another run.name / run.out_dir."
+                + (" (dora.steps cannot change on resume: a run continues to the end it was started for.)"
+                   if any(d.startswith("dora.steps") for d in diff) else ""))
+
+    def has_checkpoints(self) -> bool:
+        return bool(self.checkpoints.steps()) or (self.checkpoints.directory.is_dir() and any(
+            p.name.startswith(("step_", ".tmp-step_")) for p in self.checkpoints.directory.iterdir()))
+
+    def restore(self, target: Any) -> Restored | None:
+        """The newest good checkpoint (None when the directory has none); corrupt or partial ones are skipped
+        with a warning naming the file and the reason.
+
+        Raises:
+          ResumeError: checkpoints exist but another configuration wrote them, or none of them is usable.
+        """
+        self.check_config()
+        try:
+            found = self.checkpoints.restore_latest(target=target)
+        except CheckpointError as e:
+            raise ResumeError(f"{self.run_dir}: cannot resume: {e}") from e
+        if found is not None:
+            for why in found.skipped:
+                log.warning("resume: skipped %s", why)
+            log.warning("resume: continuing %s from %s (step %d)", self.run_dir, found.path, found.step)
+        return found
+
+    def restore_version(self, version: int, target: Any) -> Any:
+        """Version ``version``'s params from its snapshot, placed like ``target``.
+
+        Raises:
+          ResumeError: no usable snapshot of that version (the message lists the ones present).
+        """
+        try:
+            return self.snapshots.restore(version, target)
+        except CheckpointError as e:
+            raise ResumeError(f"{self.run_dir}: version {version} is still in flight at the checkpoint but "
+                              f"cannot be restored: {e}") from e
+
+    # -- saving ---------------------------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """Whether a checkpoint is written after update ``step``."""
+        return self.every > 0 and step % self.every == 0
+
+    def needed_versions(self) -> set[int]:
+        """Versions some checkpoint on disk still needs (in flight or finished-unconsumed when it was saved)."""
+        return {int(v) for _, meta in self._metas() for v in meta.get("versions", ())}
+
+    def snapshot(self, version: int, params: Any, resident: set[int]) -> None:
+        """Starts the asynchronous snapshot of a published version (kept if one exists already), protecting
+        the resident versions and those the checkpoints on disk need."""
+        if self.every > 0:
+            self.snapshots.save(version, params, step=version, parent=version - 1 if version else None,
+                                protect=resident | self.needed_versions())
+
+    def save(self, step: int, train_state: Any, run_state: dict[str, Any], versions: set[int]) -> Path:
+        """Writes checkpoint ``step`` (blocking; atomic). ``versions``: the versions it needs to resume, kept
+        from snapshot retention while the checkpoint exists."""
+        meta = {"versions": sorted(int(v) for v in versions), "config": _computing_dict(self.cfg)}
+        return self.checkpoints.save(step, train_state, run_state, meta=meta)
+
+    def close(self) -> None:
+        """Waits for snapshot writes in progress and releases the writer."""
+        if self._snaps is not None:
+            self._snaps.close()
+            self._snaps = None
+
+    # -- fresh runs -----------------------------------------------------------------------------------------
+
+    def leftovers(self) -> list[str]:
+        """Files of an earlier unfinished run in this directory (what a fresh start would overwrite)."""
+        found = [n for n in ("metrics.jsonl", "samples.jsonl") if count_lines(self.run_dir / n)]
+        if self.has_checkpoints():
+            found.append("checkpoints/")
+        return found
+
