@@ -384,7 +384,9 @@ class TaskConfig:
             _fail(f"{path}.eval_temperature", self.eval_temperature, "must be in [0, 100) (0: greedy)")
         if self.eval_temperature == 0 and self.eval_samples != 1:
             _fail(f"{path}.eval_samples", self.eval_samples, "must be 1 for greedy evaluation (eval_temperature 0)")
-        for name in ("eval_max_new_tokens", "eval_samples", "reward_workers", "longtail_max_len"):
+        if self.longtail_max_len < 2:
+            _fail(f"{path}.longtail_max_len", self.longtail_max_len, "must be >= 2 tokens")
+        for name in ("eval_max_new_tokens", "eval_samples", "reward_workers"):
             if getattr(self, name) <= 0:
                 _fail(f"{path}.{name}", getattr(self, name), "must be a positive integer")
         if not self.reward_timeout_s > 0:

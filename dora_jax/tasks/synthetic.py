@@ -1,8 +1,10 @@
 """``longtail``: a synthetic task whose length budgets are long-tailed by construction.
 
-Each item carries its own length budget, drawn from a lognormal clipped to ``[1, max_len]`` with median
-``max_len / 16`` and p99 about ten times the median: most trajectories are short and a few run far longer,
-the shape of reasoning-model rollouts that stalls synchronous batches. The reward is the fraction of response
+Each item carries its own length budget: 85% from a lognormal with median ``max_len / 32`` (clipped to
+``[1, max_len]``), 15% uniform in ``[max_len / 2, max_len]``. Most trajectories are short and a few run far
+longer (p99 / p50 ~ 30), the shape of reasoning-model rollouts that stalls synchronous batches; the long
+share is large enough that a batch of a dozen samples almost always holds one, as a batch of thousands always
+does in large-scale RL. The reward is the fraction of response
 characters that are decimal digits, a verifiable signal that a small model learns within a few updates, so
 schedules can be compared on the same learning curve. Runs on any tokenizer, including
 :class:`~dora_jax.tokenizer.ByteTokenizer` for test-sized models.
@@ -22,13 +24,16 @@ class LongTailTask(Task):
     name = "longtail"
 
     def __init__(self, seed: int = 0, eval_size: int = 16, max_len: int = 64):
-        if max_len < 16:
-            raise ValueError(f"task.longtail_max_len: {max_len}; must be >= 16 (the median is max_len / 16)")
+        if max_len < 2:
+            raise ValueError(f"task.longtail_max_len: {max_len}; must be >= 2 tokens")
         self.seed, self.max_len = seed, max_len
         self._eval = [self._item(random.Random(f"longtail/eval/{seed}/{i}")) for i in range(eval_size)]
 
     def _item(self, rng: random.Random) -> Item:
-        budget = int(min(self.max_len, max(1, round(self.max_len / 16 * math.exp(rng.gauss(0.0, _SIGMA))))))
+        if rng.random() < 0.15:
+            budget = rng.randint(self.max_len // 2, self.max_len)
+        else:
+            budget = int(min(self.max_len, max(1, round(self.max_len / 32 * math.exp(rng.gauss(0.0, _SIGMA))))))
         word = "".join(rng.choice("abcdefgh") for _ in range(4))
         return Item(f"digits for {word}", "", "longtail", budget)
 
