@@ -20,7 +20,7 @@ from dora_jax.ledger import Ledger
 from dora_jax.runner import Runner, RunError
 from dora_jax.trainer import make_batch, Sample
 
-BASE = ["dora.steps=4", "dora.train_batch=8",
+BASE = ["dora.steps=4", "dora.train_batch=8", "dora.rollout_batch=16", "train.max_staleness=2",
         "train.group_size=4", "train.learning_rate=0.003", "rollout.slots=8", "rollout.max_new_tokens=24",
         "rollout.max_prompt_len=32", "task.name=longtail", "task.longtail_max_len=24", "task.eval_size=4",
         "train.length_buckets=[64]", "train.max_response_tokens=24"]
@@ -28,6 +28,27 @@ BASE = ["dora.steps=4", "dora.train_batch=8",
 
 def tiny(*overrides):
     return load_config("tiny_llama", BASE + list(overrides))
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """One model, trainer and engine for every run of this module, so their compiled functions are shared;
+    each run starts from a copy of the same initial state. Trainer settings (K = 2 for its staleness mask,
+    the learning rate) are the same in every run here; the schedule's own bound is set per run."""
+    import jax
+    import jax.numpy as jnp
+
+    from dora_jax.models.weights import load_model
+    from dora_jax.runner import make_engine
+    from dora_jax.sharding import create_mesh
+    from dora_jax.trainer import Trainer
+
+    cfg = tiny()
+    mesh = create_mesh(cfg.mesh)
+    model, _ = load_model(cfg.model, mesh, cfg.mesh.logical_axis_rules, seed=cfg.run.seed, progress=False)
+    trainer, state = Trainer.create(cfg, model=model, mesh=mesh)
+    engine = make_engine(cfg, model, mesh)
+    return lambda: dict(model=model, parts=(trainer, jax.tree.map(jnp.copy, state), engine), progress=False)
 
 
 def read_samples(run_dir):
@@ -54,9 +75,9 @@ def always_raise(prompt, response, answer):
 
 
 @pytest.mark.parametrize("mode,k,rbs", [("sync", 0, 8), ("one_step_off", 1, 8), ("dora", 2, 24)])
-def test_each_mode_keeps_the_promises(tmp_path, mode, k, rbs):
-    cfg = tiny(f"dora.mode={mode}", f"train.max_staleness={max(k, 1)}", f"dora.rollout_batch={rbs}")
-    runner = Runner(cfg, str(tmp_path), keep_versions=True, progress=False)
+def test_each_mode_keeps_the_promises(tmp_path, shared, mode, k, rbs):
+    cfg = tiny(f"dora.mode={mode}", f"dora.rollout_batch={rbs}")
+    runner = Runner(cfg, str(tmp_path), keep_versions=True, **shared())
     summary = runner.run()
     bound = {"sync": 0, "one_step_off": 1}.get(mode, k)
     assert summary["steps"] == 4 and summary["samples"] == 32
@@ -102,10 +123,11 @@ def test_each_mode_keeps_the_promises(tmp_path, mode, k, rbs):
     assert json.load(open(tmp_path / "summary.json"))["samples"] == 32
 
 
-def test_sync_mode_is_reproducible(tmp_path):
+def test_sync_mode_is_reproducible(tmp_path, shared):
     cfg = tiny("dora.mode=sync", "dora.rollout_batch=8", "dora.steps=2")
-    a = read_samples(Runner(cfg, str(tmp_path / "a"), progress=False).run() and tmp_path / "a")
-    b = read_samples(Runner(cfg, str(tmp_path / "b"), progress=False).run() and tmp_path / "b")
+    Runner(cfg, str(tmp_path / "a"), **shared()).run()
+    Runner(cfg, str(tmp_path / "b"), **shared()).run()
+    a, b = read_samples(tmp_path / "a"), read_samples(tmp_path / "b")
     key = lambda r: (r["sample_id"], r["version"], r["tokens"], r["reward"])  # noqa: E731
     assert [key(r) for r in a] == [key(r) for r in b]
     np.testing.assert_allclose([x for r in a for x in r["logprobs"]], [x for r in b for x in r["logprobs"]],
@@ -115,16 +137,16 @@ def test_sync_mode_is_reproducible(tmp_path):
 @pytest.mark.parametrize("reward,reason", [
     ("raise_on_digit_start", "reward function raised ValueError: cannot score a response starting with a letter"),
     ("hang_on_letter_start", "reward function timed out after 0.5s")])
-def test_failing_rewards_filter_samples_and_the_run_goes_on(tmp_path, reward, reason):
-    cfg = tiny("dora.mode=dora", "train.max_staleness=1", "dora.rollout_batch=16", "dora.steps=2",
+def test_failing_rewards_filter_samples_and_the_run_goes_on(tmp_path, shared, reward, reason):
+    cfg = tiny("dora.mode=dora", "dora.rollout_batch=16", "dora.steps=2",
                f"task.reward=test_runner:{reward}", "task.reward_timeout_s=0.5", "task.eval_size=0")
     t0 = time.perf_counter()
-    summary = Runner(cfg, str(tmp_path), progress=False).run()
+    summary = Runner(cfg, str(tmp_path), **shared()).run()
     assert time.perf_counter() - t0 < 120  # hung calls are abandoned, not waited for
     assert summary["samples"] == 16 and summary["filtered"] > 0
     assert reason in summary["filtered_reasons"]
     ledger = Ledger.from_dict(json.load(open(tmp_path / "ledger.json"))["ledger"])
-    ledger.check(1)
+    ledger.check(2)
     for e in ledger.entries.values():
         assert e.state == "consumed" or (e.state == "filtered" and (e.reason == reason or
                                                                    e.reason.startswith("group member")))
@@ -132,16 +154,18 @@ def test_failing_rewards_filter_samples_and_the_run_goes_on(tmp_path, reward, re
     assert trained == {s for s, e in ledger.entries.items() if e.state == "consumed"}
 
 
-def test_a_reward_that_always_fails_stops_the_run_with_the_reason(tmp_path):
+def test_a_reward_that_always_fails_stops_the_run_with_the_reason(tmp_path, shared):
     cfg = tiny("dora.mode=sync", "dora.rollout_batch=8", "dora.steps=1", "task.reward=test_runner:always_raise",
                "task.eval_size=0")
     with pytest.raises(RunError, match="RuntimeError: broken reward"):
-        Runner(cfg, str(tmp_path), progress=False).run()
+        Runner(cfg, str(tmp_path), **shared()).run()
 
 
 def test_bad_run_configs_are_named(tmp_path):
     with pytest.raises(ConfigError, match=r"dora.rollout_batch.*\[8, 16\]"):
         tiny("dora.mode=dora", "train.max_staleness=1", "dora.rollout_batch=40")
+    with pytest.raises(ConfigError, match=r"one_step_off.*>= 1"):
+        tiny("dora.mode=one_step_off", "train.max_staleness=0")
     with pytest.raises(ConfigError, match="dora.train_batch.*multiple of train.group_size"):
         tiny("dora.train_batch=6")
     with pytest.raises(ConfigError, match="dora.mode.*allowed: sync, one_step_off, dora"):
