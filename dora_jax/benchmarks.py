@@ -79,6 +79,21 @@ def measure_machine(seconds: float = 1.0) -> dict[str, float]:
     return {"matmul_flop_s": flops, "read_bytes_s": bw}
 
 
+def measure_matmul(m: int, k: int, n: int, seconds: float = 0.5) -> float:
+    """Measured float32 FLOP/s of one [m, k] x [k, n] matmul: the rate decode's small-batch matmuls get."""
+    import jax.numpy as jnp
+
+    f = jax.jit(lambda x, y: x @ y)
+    x, y = jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32)
+    f(x, y).block_until_ready()
+    times, t_end = [], time.perf_counter() + seconds
+    while time.perf_counter() < t_end or len(times) < 3:
+        t0 = time.perf_counter()
+        f(x, y).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2 * m * k * n / min(times)
+
+
 def _lengths(n: int, rng, p50: int, tail: int, max_len: int):
     """Long-tailed output lengths: most near p50, a few ~tail; p99/p50 >= 8 for tail >= 8 * p50."""
     import numpy as np
@@ -125,15 +140,31 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     fixed_run()  # compile
     out["engine_tok_s"], d = fixed_run()
 
-    # Roofline for one decode step at this batch: weights read once, KV cache read, 2 FLOPs per param per row.
+    # Roofline of the whole measured run (prefill included: the timed run does it), from the matmul rate and
+    # read bandwidth measured now. Prefill of each prompt: 2 FLOPs per layer param per prompt token plus the
+    # head on its last token, weights read once. Each decode step: 2 FLOPs per param per row (the tied head
+    # counted once) plus attention over the row's context; weights read once plus every row's cache.
     m = measure_machine()
-    n_params = sum(x.size for x in jax.tree.leaves(params))
+    m["matmul_flop_s_at_batch"] = measure_matmul(batch, cfg.model.hidden_size, 2 * cfg.model.intermediate_size)
     c = cfg.model
-    mean_ctx = plen + new_tokens / 2
-    kv_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * mean_ctx * batch
-    step_flops = 2 * n_params * batch + 4 * c.num_layers * c.num_heads * c.head_dim * mean_ctx * batch
-    step_s = max(step_flops / m["matmul_flop_s"], (n_params * 4 + kv_bytes) / m["read_bytes_s"])
-    out.update(m, roofline_tok_s=batch / step_s, roofline_fraction=out["engine_tok_s"] * step_s / batch)
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    n_head = c.vocab_size * c.hidden_size
+    n_layers = n_params - n_head * (1 if c.tie_embeddings else 2) - c.hidden_size
+    weight_bytes = n_params * 4
+    attn = 4 * c.num_layers * c.num_heads * c.head_dim  # FLOPs per (query, key) pair
+    prefill_s = sum(max((2 * n_layers * len(p) + attn * len(p) * (len(p) + 1) / 2 + 2 * n_head) / m["matmul_flop_s"],
+                        weight_bytes / m["read_bytes_s"]) for p in prompts[:batch])
+    decode_s = 0.0
+    for i in range(1, new_tokens):  # the first token of each row comes from prefill
+        ctx = sum(len(p) + i for p in prompts[:batch])
+        kv_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * ctx
+        decode_s += max((2 * n_params * batch + attn * ctx) / m["matmul_flop_s"],
+                        (weight_bytes + kv_bytes) / m["read_bytes_s"])
+    step_s = decode_s / (new_tokens - 1)
+    out.update(m, roofline_tok_s=batch * new_tokens / (prefill_s + decode_s),
+               roofline_prefill_s=prefill_s, roofline_decode_step_ms=1e3 * step_s,
+               decode_only_roofline_tok_s=batch / step_s)
+    out["roofline_fraction"] = out["engine_tok_s"] / out["roofline_tok_s"]
 
     if with_hf:
         try:
@@ -149,7 +180,9 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
             width = max(len(p) for p in ids)
             inp = torch.tensor([[0] * (width - len(p)) + p for p in ids])  # left padding
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
-            with torch.no_grad():
+            torch.set_num_threads(os.cpu_count() or 1)  # every core, as XLA uses
+            out["torch_threads"] = torch.get_num_threads()
+            with torch.inference_mode():  # HF's own KV cache (use_cache defaults to True)
                 hf.generate(inp[:2], attention_mask=mask[:2], max_new_tokens=4, do_sample=True, pad_token_id=0)
                 t0 = time.perf_counter()
                 hf.generate(inp, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -197,7 +230,7 @@ def bench_decode(config: str = "smollm2_135m", batch: int = 32, cache_length: in
     from flax import nnx
 
     from dora_jax.config import load_config
-    from dora_jax.models.decoder import init_cache
+    from dora_jax.models.decoder import decode_forward, init_cache
     from dora_jax.models.weights import load_model
     from dora_jax.rollout.sampling import SamplingParams, row_keys, sample
 
@@ -219,23 +252,28 @@ def bench_decode(config: str = "smollm2_135m", batch: int = 32, cache_length: in
     tokens = jnp.zeros((batch, 1), jnp.int32)
     positions = jnp.full((batch, 1), cache_length // 2, jnp.int32)
     cache = init_cache(cfg.model, batch, cache_length)
-    # As in the engine: the cache is donated and threaded from step to step.
-    step = jax.jit(lambda p, t, pos, c: nnx.merge(graphdef, p).decode(t, pos, c), donate_argnums=(3,))
+    # As in the engine: fused params prepared once, the cache donated and threaded from step to step.
+    prepared = model.decode_params(fuse=True)
+    step = jax.jit(lambda p, t, pos, c: decode_forward(cfg.model, p, t, pos, c), donate_argnums=(3,))
     dense = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(batch, cfg.model.vocab_size)), jnp.float32)
     keys = row_keys(0, jnp.arange(batch), jnp.zeros(batch, jnp.int32))
     times = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
-        out, cache = step(params, tokens, positions, cache)
+        out, cache = step(prepared, tokens, positions, cache)
         jax.block_until_ready(out)
         times.append(time.perf_counter() - t0)
     full_s = min(times[1:])
     dense_s = best(dense, params, tokens)
-    sample_s = best(jax.jit(sample), logits, keys, SamplingParams.make(batch, 1.0))
+    sp = SamplingParams.make(batch, 1.0)
+    # The variant the driver runs when no request uses top-k / top-p, and the run-time choice (a lax.cond).
+    sample_s = best(jax.jit(sample, static_argnums=3), logits, keys, sp, False)
+    sample_cond_s = best(jax.jit(sample), logits, keys, sp)
     return {"config": config, "batch": batch, "cache_length": cache_length, "decode_step_ms": 1e3 * full_s,
             "layers_and_head_ms": 1e3 * dense_s, "kv_cache_part_ms": 1e3 * (full_s - dense_s),
-            "sampling_ms": 1e3 * sample_s, "machine": machine()}
+            "sampling_ms": 1e3 * sample_s, "sampling_runtime_choice_ms": 1e3 * sample_cond_s,
+            "machine": machine()}
 
 
 def train_flops(model_cfg, tokens: int, seq_len: int, lora: bool) -> float:
