@@ -78,7 +78,8 @@ class Runner:
       cfg: the whole config (validated here).
       run_dir: where ``metrics.jsonl``, ``samples.jsonl``, ``ledger.json``, ``summary.json``,
         ``checkpoints/`` and ``versions/`` go. If it holds a run checkpoint (and ``cfg.run.resume``), the
-        run continues from the newest good one; a checkpoint of another configuration is refused.
+        run continues from the newest good one; a checkpoint of another configuration is refused with a
+        :class:`~dora_jax.resume.ResumeError` naming the fields that differ, before anything is built.
       model, tokenizer: an already built model (default: ``cfg.model``'s weights or random init) and its
         tokenizer (default: the weights' own; a :class:`~dora_jax.tokenizer.ByteTokenizer` for models
         without one).
@@ -103,6 +104,16 @@ class Runner:
         if os.path.exists(os.path.join(run_dir, "summary.json")):
             raise RunError(f"{run_dir} already holds a finished run (summary.json); choose another run.name or "
                            "run.out_dir")
+        d, t = cfg.dora, cfg.train
+        self.policy = SchedulePolicy(mode=d.mode, max_staleness=t.max_staleness, rollout_batch=d.rollout_batch,
+                                     train_batch=d.train_batch, group_size=t.group_size,
+                                     total_samples=d.train_batch * d.steps)
+        self.store = RunStore(run_dir, cfg, self.policy.bound)
+        if not cfg.run.resume and (left := self.store.leftovers()):  # refused before anything is built or written
+            raise RunError(f"{run_dir} holds an unfinished run ({', '.join(left)}) and run.resume is false: "
+                           "set run.resume=true to continue it, or choose another run.name or run.out_dir")
+        if cfg.run.resume:
+            self.store.check_config()
         os.makedirs(run_dir, exist_ok=True)
         self.task = task if task is not None else load_task(cfg.task)
         mesh = create_mesh(cfg.mesh)
@@ -123,10 +134,6 @@ class Runner:
             self.engine = make_engine(cfg, model, mesh)
         self.sampling = RequestSampling(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=r.seed)
         self.driver = RolloutDriver(self.engine, eos_ids=tokenizer.eos_ids)
-        d, t = cfg.dora, cfg.train
-        self.policy = SchedulePolicy(mode=d.mode, max_staleness=t.max_staleness, rollout_batch=d.rollout_batch,
-                                     train_batch=d.train_batch, group_size=t.group_size,
-                                     total_samples=d.train_batch * d.steps)
         self.sched = Scheduler(self.policy)
         self.rewards = RewardPool(cfg.task.reward_workers, cfg.task.reward_timeout_s)
         self.keep_versions = keep_versions
@@ -136,12 +143,8 @@ class Runner:
         self._items: dict[int, tuple[int, Item]] = {}  # sample id -> (group id, item)
         self._done: dict[int, _Done] = {}
         self.max_resident = 1
-        self.store = RunStore(run_dir, cfg, self.policy.bound)
         self._resumed: dict[str, Any] | None = None  # the checkpoint's metrics position, when resuming
         self._metrics_lines = self._sample_lines = 0
-        if not cfg.run.resume and (left := self.store.leftovers()):
-            raise RunError(f"{run_dir} holds an unfinished run ({', '.join(left)}) and run.resume is false: "
-                           "set run.resume=true to continue it, or choose another run.name or run.out_dir")
         found = self.store.restore(self.state) if cfg.run.resume else None
         if found is not None:
             self._restore(found)
@@ -249,6 +252,9 @@ class Runner:
         if t.kl_coef > 0:
             batch = self.trainer.with_reference(self.state, batch)
         version = self.sched.version
+        # Time-sharing: the rollout's in-flight device work finishes before the train step takes the devices
+        # (on multi-device CPU meshes, overlapping sharded programs have aborted the XLA runtime).
+        self.driver.block_until_ready()
         self.state, metrics = self.trainer.train_step(self.state, batch)
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         lags: dict[str, int] = {}

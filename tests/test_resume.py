@@ -1,0 +1,255 @@
+"""Run checkpoints and resume, checked on real processes killed with SIGKILL.
+
+Training runs go in child processes (one CPU device, the tiny model, the longtail task) that share a
+persistent compilation cache, so only the first one compiles. A child is either killed from outside at a
+random moment, or kills itself with SIGKILL right after writing a given metrics line (a deterministic crash
+point: the line is on disk, the checkpoint of that update is not). What each test checks:
+
+* killed three times at random moments in ``dora`` mode and resumed each time: the saved ledger passes its
+  own check (every sample consumed once or filtered with a reason, groups whole, staleness <= K), metrics
+  steps are 1..N once each, samples.jsonl holds each consumed sample once;
+* a crashed and resumed run regenerates the lost samples with the same tokens and log-probs: in ``sync`` mode
+  equal to an uninterrupted run; in ``one_step_off`` the checkpoint holds pending samples of an older
+  version, which come back from its snapshot and reproduce what the crashed run had generated;
+* a truncated file in the newest checkpoint: the run falls back to the previous one with a warning and still
+  ends equal to the uninterrupted run;
+* a changed config is refused naming the field, before anything is written;
+* ``Ledger.requeue`` moves in-flight samples back to pending and nothing else.
+"""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from dora_jax.config import load_config
+from dora_jax.ledger import Ledger, LedgerError
+from dora_jax.resume import ResumeError, RunStore, truncate_lines
+from dora_jax.runner import Runner, RunError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ["dora.steps=4", "dora.train_batch=8", "train.group_size=4", "train.learning_rate=0.003", "rollout.slots=8",
+        "rollout.max_new_tokens=24", "rollout.max_prompt_len=32", "task.name=longtail", "task.longtail_max_len=24",
+        "task.eval_size=0", "train.length_buckets=[64]", "train.max_response_tokens=24",
+        "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]
+SYNC = BASE + ["dora.mode=sync", "dora.rollout_batch=8"]
+
+CHILD = """
+import json, os, signal, sys
+run_dir, overrides, kill_after = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+sys.modules["tensorboardX"] = None  # optional; its import (torch) would cost each child seconds
+from dora_jax import runner
+from dora_jax.config import load_config
+if kill_after:
+    write = runner.MetricsWriter.write
+    def write_then_die(self, row):
+        write(self, row)
+        if row["step"] == kill_after:  # the line is on disk, this update's checkpoint is not
+            os.kill(os.getpid(), signal.SIGKILL)
+    runner.MetricsWriter.write = write_then_die
+runner.Runner(load_config("tiny_llama", overrides), run_dir, progress=False).run()
+"""
+
+
+@pytest.fixture(scope="module")
+def child_env(tmp_path_factory):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return env
+
+
+def start(env, run_dir, overrides, kill_after=0):
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(run_dir), json.dumps(overrides), str(kill_after)],
+                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc, timeout=300):
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
+
+
+def run_child(env, run_dir, overrides, kill_after=0):
+    rc, err = finish(start(env, run_dir, overrides, kill_after))
+    want = -signal.SIGKILL if kill_after else 0
+    assert rc == want, f"child exited {rc}, expected {want}:\n{err[-3000:]}"
+    return err
+
+
+def lines(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def saved_ledger(run_dir):
+    return Ledger.from_dict(json.load(open(os.path.join(run_dir, "ledger.json")))["ledger"])
+
+
+def same_samples(a, b):
+    """Two lists of samples.jsonl rows are the same samples: ids, versions, tokens, rewards, log-probs."""
+    key = lambda r: (r["sample_id"], r["group_id"], r["version"], r["trained_at"], r["prompt_ids"], r["tokens"],  # noqa: E731
+                     r["finish_reason"], r["reward"])
+    assert [key(r) for r in a] == [key(r) for r in b]
+    np.testing.assert_allclose([x for r in a for x in r["logprobs"]], [x for r in b for x in r["logprobs"]],
+                               rtol=1e-6, atol=0)
+
+
+@pytest.fixture(scope="module")
+def sync_reference(child_env, tmp_path_factory):
+    """An uninterrupted sync run: its samples and metrics."""
+    d = tmp_path_factory.mktemp("sync_reference")
+    run_child(child_env, d, SYNC)
+    return lines(d / "samples.jsonl"), lines(d / "metrics.jsonl"), d
+
+
+def test_requeue_moves_in_flight_samples_back_to_pending():
+    led = Ledger()
+    led.add_group(0, [0, 1], version=3, prompt_index=0)
+    led.start(0)
+    led.start(1)
+    led.finish(1)
+    led.requeue(0)
+    assert led.entries[0].state == "pending" and led.entries[0].version == 3
+    assert led.counts() == {"pending": 1, "in_flight": 0, "finished": 1, "consumed": 0, "filtered": 0}
+    led.check()
+    for sid in (0, 1):  # pending and finished samples are not requeued
+        with pytest.raises(LedgerError, match=f"sample {sid} is (pending|finished); cannot become pending"):
+            led.requeue(sid)
+    with pytest.raises(LedgerError, match="sample 9 is not in the ledger"):
+        led.requeue(9)
+
+
+def newest_checkpoint(run_dir):
+    d = run_dir / "checkpoints"
+    steps = [int(p.name[5:]) for p in d.glob("step_*") if p.name[5:].isdigit()] if d.is_dir() else []
+    return max(steps, default=0)
+
+
+def test_random_kills_resume_to_one_complete_run(child_env, tmp_path):
+    """Three SIGKILLs at random moments of a dora run, then a resume to the end: the result is one complete
+    run. Kill i waits for a checkpoint one or two updates past the newest one (so every attempt progresses),
+    then a random fraction of a second more: it lands in rollout, the train step, a metrics or samples write,
+    a checkpoint write or a background snapshot write."""
+    k, steps, tbs = 2, 8, 8
+    overrides = BASE + ["dora.mode=dora", f"train.max_staleness={k}", "dora.rollout_batch=16", f"dora.steps={steps}"]
+    rng = random.Random(20261123)
+    kills = []
+    for _ in range(3):
+        target = min(newest_checkpoint(tmp_path) + rng.randint(1, 2), steps - 3)
+        proc = start(child_env, tmp_path, overrides)
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline and newest_checkpoint(tmp_path) < target:
+            time.sleep(0.01)
+        delay = rng.uniform(0.0, 0.3)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        rc, err = finish(proc)
+        kills.append({"after_checkpoint": target, "delay_s": round(delay, 3), "rc": rc})
+        assert rc == -signal.SIGKILL, f"the run was to be killed, it exited first: {kills}\n{err[-3000:]}"
+    err = run_child(child_env, tmp_path, overrides)
+    assert "resume: continuing" in err, kills
+
+    ledger = saved_ledger(tmp_path)
+    ledger.check(k)  # one state each, groups whole, consumed within K, filtered with a reason
+    counts = ledger.counts()
+    assert counts["pending"] == counts["in_flight"] == counts["finished"] == 0
+    assert counts["consumed"] == steps * tbs and counts["consumed"] + counts["filtered"] == len(ledger.entries)
+    metrics = lines(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1)), kills
+    assert [m["version"] for m in metrics] == list(range(1, steps + 1))
+    assert all(m["staleness_max"] <= k for m in metrics)
+    rows = lines(tmp_path / "samples.jsonl")
+    assert len(rows) == len({r["sample_id"] for r in rows}) == steps * tbs, kills
+    assert {r["sample_id"] for r in rows} == {s for s, e in ledger.entries.items() if e.state == "consumed"}
+    for r in rows:
+        e = ledger.entries[r["sample_id"]]
+        assert (e.version, e.trained_at) == (r["version"], r["trained_at"]) and 0 <= e.trained_at - e.version <= k
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["steps"] == steps and summary["samples"] == steps * tbs and summary["resumed"]
+    assert summary["max_resident_versions"] <= k + 1
+
+
+def test_sync_resume_regenerates_the_same_samples(child_env, tmp_path, sync_reference):
+    ref_samples, ref_metrics, _ = sync_reference
+    overrides = SYNC + ["run.checkpoint_every=2"]
+    run_child(child_env, tmp_path, overrides, kill_after=3)  # checkpoint at 2; update 3 is written, then lost
+    crashed = lines(tmp_path / "samples.jsonl")
+    assert len(crashed) == 24 and len(lines(tmp_path / "metrics.jsonl")) == 3
+    err = run_child(child_env, tmp_path, overrides)
+    assert "step_00000002 (step 2)" in err and "dropped 1 lines" in err and "dropped 8 lines" in err
+    resumed = lines(tmp_path / "samples.jsonl")
+    same_samples(resumed, ref_samples)  # every sample, the regenerated ones included, as if never stopped
+    same_samples(resumed[16:24], crashed[16:24])  # update 3's samples regenerated exactly as lost
+    assert [m["step"] for m in lines(tmp_path / "metrics.jsonl")] == [m["step"] for m in ref_metrics] == [1, 2, 3, 4]
+    saved_ledger(tmp_path).check(0)
+
+
+def test_one_step_off_resume_regenerates_old_version_samples_from_snapshots(child_env, tmp_path):
+    overrides = BASE + ["dora.mode=one_step_off", "train.max_staleness=1", "dora.rollout_batch=8",
+                        "run.checkpoint_every=2"]
+    run_child(child_env, tmp_path, overrides, kill_after=3)
+    crashed = lines(tmp_path / "samples.jsonl")
+    state = json.load(open(tmp_path / "checkpoints" / "step_00000002" / "run_state.json"))
+    led = Ledger.from_dict(state["scheduler"]["ledger"])
+    redo = {s for s, e in led.entries.items() if e.state in ("pending", "in_flight")}
+    assert redo and {led.entries[s].version for s in redo} == {1}  # the older version: from its snapshot
+    err = run_child(child_env, tmp_path, overrides)
+    assert "step_00000002 (step 2)" in err
+    resumed = lines(tmp_path / "samples.jsonl")
+    assert len(resumed) == 32 and len({r["sample_id"] for r in resumed}) == 32
+    regenerated = [r for r in resumed if r["sample_id"] in redo]
+    assert regenerated and all(r["version"] == 1 and r["trained_at"] == 2 for r in regenerated)
+    same_samples(regenerated, [r for r in crashed if r["sample_id"] in redo])
+    same_samples(resumed[:24], crashed)
+    assert [m["step"] for m in lines(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+    saved_ledger(tmp_path).check(1)
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(child_env, tmp_path, sync_reference):
+    ref_samples, _, _ = sync_reference
+    run_child(child_env, tmp_path, SYNC, kill_after=3)  # checkpoints 1 and 2; update 3 lost
+    victim = tmp_path / "checkpoints" / "step_00000002" / "run_state.json"
+    victim.write_bytes(victim.read_bytes()[:-10])
+    err = run_child(child_env, tmp_path, SYNC)
+    assert f"{victim}:" in err and "(truncated or corrupt)" in err  # the warning names the file and the fault
+    assert "step_00000001 (step 1)" in err and "dropped 2 lines" in err
+    same_samples(lines(tmp_path / "samples.jsonl"), ref_samples)
+    assert [m["step"] for m in lines(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert (tmp_path / "checkpoints" / "step_00000002.bad-0").is_dir() or not (
+        tmp_path / "checkpoints" / "step_00000001").exists()  # set aside, or retention removed it as old
+
+
+def test_another_config_is_refused_naming_the_field(tmp_path, sync_reference):
+    """A run directory with checkpoints (copied from the reference run, without its summary) and a Runner of
+    another configuration: refused before anything is built or written, naming the field."""
+    shutil.copytree(sync_reference[2] / "checkpoints", tmp_path / "checkpoints")
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    for change, field in [("train.learning_rate=0.01", "train.learning_rate: 0.003 in the checkpoint, 0.01 now"),
+                          ("dora.steps=6", "dora.steps: 4 in the checkpoint, 6 now")]:
+        with pytest.raises(ResumeError, match="another configuration") as e:
+            Runner(load_config("tiny_llama", SYNC + [change]), str(tmp_path), progress=False)
+        assert field in str(e.value) and "step_00000004" in str(e.value)
+    with pytest.raises(RunError, match=r"holds an unfinished run \(checkpoints/\) and run.resume is false"):
+        Runner(load_config("tiny_llama", SYNC + ["run.resume=false"]), str(tmp_path), progress=False)
+    # Where the run lives, its mesh and how often it checkpoints may change: states restore onto any mesh.
+    same = load_config("tiny_llama", SYNC + ["run.checkpoint_every=3", "run.name=elsewhere", "mesh.data=2"])
+    assert RunStore(tmp_path, same, 0).restore(None).step == 4
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
+
+
+def test_truncate_lines_keeps_the_head_and_refuses_to_grow(tmp_path):
+    p = tmp_path / "m.jsonl"
+    p.write_text("a\nb\nc\npartial")
+    assert truncate_lines(p, 2) == 2 and p.read_text() == "a\nb\n"
+    assert truncate_lines(p, 2) == 0
+    with pytest.raises(ResumeError, match="m.jsonl has 2 complete lines, but the checkpoint records 3"):
+        truncate_lines(p, 3)
+    assert p.read_text() == "a\nb\n"
