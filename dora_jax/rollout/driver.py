@@ -17,6 +17,7 @@ import dataclasses
 import time
 from typing import Any, Iterable, Sequence
 
+import jax
 import numpy as np
 
 from dora_jax.rollout.engine import Engine, EngineError, RequestSampling, bucket
@@ -127,6 +128,11 @@ class RolloutDriver:
     @property
     def idle(self) -> bool:
         return not self._pending and all(g.live == 0 for g in self._groups.values())
+
+    def block_until_ready(self) -> None:
+        """Waits for every dispatched decode-state update (inserts, frees, resizes) to finish: a caller that
+        time-shares the devices with other work hands them over with nothing of the rollout still running."""
+        jax.block_until_ready([g.state for g in self._groups.values() if g.state is not None])
 
     @property
     def slot_utilization(self) -> float:
