@@ -218,6 +218,11 @@ class RunStore:
           ResumeError: checkpoints exist but another configuration wrote them, or none of them is usable.
         """
         self.check_config()
+        d = self.checkpoints.directory
+        if d.is_dir() and not any(p.name.startswith("step_") and p.name[5:].isdigit() for p in d.iterdir()):
+            if any(d.iterdir()):  # only a first write that never finished: nothing to resume, start afresh
+                log.warning("resume: %s holds no complete checkpoint (a write was cut off); starting afresh", d)
+            return None
         try:
             found = self.checkpoints.restore_latest(target=target)
         except CheckpointError as e:

@@ -253,3 +253,13 @@ def test_truncate_lines_keeps_the_head_and_refuses_to_grow(tmp_path):
     with pytest.raises(ResumeError, match="m.jsonl has 2 complete lines, but the checkpoint records 3"):
         truncate_lines(p, 3)
     assert p.read_text() == "a\nb\n"
+
+
+def test_a_cut_off_first_checkpoint_starts_afresh_and_corrupt_ones_only_stop(tmp_path):
+    cfg = load_config("tiny_llama", SYNC)
+    (tmp_path / "checkpoints" / ".tmp-step_00000001" / "state").mkdir(parents=True)
+    assert RunStore(tmp_path, cfg, 0).restore(None) is None  # nothing was ever complete: start afresh
+    bad = tmp_path / "checkpoints" / "step_00000001"
+    bad.mkdir()
+    with pytest.raises(ResumeError, match="(?s)cannot resume: no usable run checkpoint.*step_00000001: no COMPLETE"):
+        RunStore(tmp_path, cfg, 0).restore(None)  # a checkpoint that existed and is unusable is not ignored
