@@ -122,6 +122,10 @@ def cmd_bench(args) -> int:
     elif args.what == "engine":
         result = benchmarks.bench_engine(args.config, batch=args.batch or 32, new_tokens=args.new_tokens,
                                          with_hf=not args.no_reference)
+    elif args.what == "kernel":
+        from dora_jax.kernels.bench import bench_kernel
+
+        result = bench_kernel(batches=(args.batch,) if args.batch else (8, 32), repeats=args.repeats)
     else:  # argparse restricts the choices
         raise AssertionError(args.what)
     print(json.dumps(result, indent=1))
@@ -197,12 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_check)
 
     b = sub.add_parser("bench", help="benchmarks; results as JSON")
-    b.add_argument("what", choices=["load", "engine", "decode", "train", "snapshot", "modes"])
+    b.add_argument("what", choices=["load", "engine", "decode", "train", "snapshot", "modes", "kernel"])
     b.add_argument("--steps", type=int, default=8, help="modes: updates per mode")
     b.add_argument("--plot", help="modes: write the reward and throughput plot to this PNG")
-    b.add_argument("--repeats", type=int, default=2, help="load: repeats per side")
+    b.add_argument("--repeats", type=int, default=2, help="load: repeats per side; kernel: timed calls per point")
     b.add_argument("--batch", type=int, help="engine, decode: concurrent sequences (default 32); train, snapshot: rows per step "
-                   "(default 8)")
+                   "(default 8); kernel: slots per call (default 8 and 32)")
     b.add_argument("--new-tokens", type=int, default=128, help="engine: new tokens per sequence")
     b.add_argument("--no-reference", action="store_true", help="engine: skip the transformers side")
     common(b)

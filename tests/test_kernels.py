@@ -19,8 +19,7 @@ from dora_jax.config import ConfigError, ModelConfig
 from dora_jax.kernels.ragged_decode_attention import (BlockSizes, ragged_decode_attention,
                                                       reference_ragged_decode_attention)
 from dora_jax.models.build import init_model
-from dora_jax.models.decoder import decode_forward, init_cache, resolve_attention_impl
-from dora_jax.rollout.driver import Request, RolloutDriver
+from dora_jax.models.decoder import Decoder, decode_forward, init_cache, resolve_attention_impl
 from dora_jax.rollout.engine import Engine, RequestSampling
 
 # Output tolerance by dtype: float32 differs only by summation order; bfloat16 adds one rounding of the output
@@ -176,22 +175,41 @@ def test_decode_step_matches_xla():
 
 
 def test_engine_greedy_identical():
-    """Greedy rollouts with ``attention_impl="pallas"`` (interpret) and ``"xla"``: the same tokens and
-    log-probs within float32 rounding."""
+    """Greedy decoding through the engine (prefill, insert, 12 steps of 4 rows with ragged prompt lengths) with
+    ``attention_impl="pallas"`` (interpret) and ``"xla"``: the same tokens, log-probs within float32 rounding."""
     state = nnx.state(init_model(CFG, seed=0))
     rng = np.random.default_rng(0)
-    requests = [Request(i, tuple(rng.integers(1, 96, rng.integers(2, 12)).tolist()), version=0,
-                        max_new_tokens=int(rng.integers(4, 16)), sampling=RequestSampling(temperature=0.0))
-                for i in range(5)]
-    outs = []
+    prompts = [rng.integers(1, 96, n) for n in (2, 5, 9, 14)]
+    results = []
     for cfg in (CFG, PALLAS):
-        engine = Engine(init_model(cfg, seed=1), max_concurrent_decodes=4, max_prefill_length=16,
-                        max_target_length=32)
-        driver = RolloutDriver(engine)
-        driver.add_version(0, state)  # the same weights for both
-        outs.append(sorted(driver.run(requests), key=lambda t: t.sample_id))
-    xla, pallas = outs
-    assert [t.tokens for t in pallas] == [t.tokens for t in xla]
-    assert sum(len(t.tokens) for t in xla) >= 20
-    for a, b in zip(xla, pallas):
-        assert rel_err(b.logprobs, a.logprobs) <= 1e-5
+        shell = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))  # the engine reads only its config
+        engine = Engine(shell, max_concurrent_decodes=4, max_prefill_length=16, max_target_length=32)
+        params = engine.prepare_params(state)  # the same weights for both
+        decode_state = engine.init_decode_state()
+        for slot, prompt in enumerate(prompts):
+            prefix, _ = engine.prefill(params=params, padded_tokens=prompt, true_length=len(prompt), sample_id=slot,
+                                       sampling=RequestSampling(temperature=0.0))
+            decode_state = engine.insert(prefix, decode_state, slot)
+        steps = []
+        for _ in range(12):
+            decode_state, out = engine.generate(params, decode_state, filtered=False)
+            steps.append(np.asarray(out.data))
+        results.append(np.stack(steps))  # [steps, B, 5]: token, valid, position, log-prob bits, version
+    xla, pallas = results
+    assert (xla[:, :, 1] == 1).all()
+    np.testing.assert_array_equal(pallas[:, :, [0, 2]], xla[:, :, [0, 2]])
+    assert len(np.unique(xla[:, :, 0])) > 4  # not a degenerate constant output
+    logp = [r[:, :, 3].copy().view(np.float32) for r in results]
+    assert rel_err(logp[1], logp[0]) <= 1e-5
+
+
+def test_bench_kernel_reports_both_sides():
+    from dora_jax.kernels.bench import bench_kernel
+
+    out = bench_kernel(batches=(2,), fills=(0.5,), cache_length=32, kv_heads=1, group=2, head_dim=8,
+                       dtype="float32", repeats=1)
+    assert "Pallas interpreter" in out["kernel"] and out["copy_gbps"] > 0
+    (point,) = out["points"]
+    assert point["kernel_ms"] > 0 and point["xla_ms"] > 0
+    assert point["xla_bytes"] == 2 * (2 * 1 * 8 * 32 * 4) + 2 * 2 * 1 * 2 * 8 * 4  # whole cache + q and out
+    assert point["kernel_bytes"] == round(point["mean_length"] * 2) * 8 * 2 * 4 + 2 * 2 * 1 * 2 * 8 * 4
