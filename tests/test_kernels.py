@@ -146,6 +146,11 @@ CFG = ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layer
 PALLAS = dataclasses.replace(CFG, attention_impl="pallas", pallas_interpret=True)
 
 
+@pytest.fixture(scope="module")
+def model():
+    return init_model(CFG, seed=0)
+
+
 def test_config_switch():
     with pytest.raises(ConfigError, match="model.attention_impl"):
         dataclasses.replace(CFG, attention_impl="triton").validate()
@@ -154,9 +159,8 @@ def test_config_switch():
     assert resolve_attention_impl(PALLAS) == "pallas"
 
 
-def test_decode_step_matches_xla():
+def test_decode_step_matches_xla(model):
     """One decode step over a random cache, rows at position 0 (empty cache part), mid and last slot."""
-    model = init_model(CFG, seed=0)
     params = model.decode_params(fuse=True)
     rng = np.random.default_rng(0)
     s = 32
@@ -174,10 +178,10 @@ def test_decode_step_matches_xla():
     assert rel_err(got_cache.k, want_cache.k) <= 1e-5 and rel_err(got_cache.v, want_cache.v) <= 1e-5
 
 
-def test_engine_greedy_identical():
+def test_engine_greedy_identical(model):
     """Greedy decoding through the engine (prefill, insert, 12 steps of 4 rows with ragged prompt lengths) with
     ``attention_impl="pallas"`` (interpret) and ``"xla"``: the same tokens, log-probs within float32 rounding."""
-    state = nnx.state(init_model(CFG, seed=0))
+    state = nnx.state(model)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 96, n) for n in (2, 5, 9, 14)]
     results = []
