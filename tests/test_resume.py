@@ -38,7 +38,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["dora.steps=4", "dora.train_batch=8", "train.group_size=4", "train.learning_rate=0.003", "rollout.slots=8",
         "rollout.max_new_tokens=24", "rollout.max_prompt_len=32", "task.name=longtail", "task.longtail_max_len=24",
         "task.eval_size=0", "train.length_buckets=[64]", "train.max_response_tokens=24",
-        "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]
+        "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "task.reward=test_resume:varied_reward"]
 SYNC = BASE + ["dora.mode=sync", "dora.rollout_batch=8"]
 
 CHILD = """
@@ -58,12 +58,19 @@ runner.Runner(load_config("tiny_llama", overrides), run_dir, progress=False).run
 """
 
 
+def varied_reward(prompt, response, answer):
+    """A reward that differs between the members of a group (a function of the response bytes), so every
+    update has non-zero advantages and changes the policy: versions differ, and a sample regenerated on the
+    wrong version would show it."""
+    return sum(response.encode()) % 10 / 10
+
+
 @pytest.fixture(scope="module")
 def child_env(tmp_path_factory):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
                JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")]))
     return env
 
 
@@ -93,6 +100,11 @@ def saved_ledger(run_dir):
     return Ledger.from_dict(json.load(open(os.path.join(run_dir, "ledger.json")))["ledger"])
 
 
+def assert_every_update_changed_the_policy(run_dir):
+    metrics = lines(run_dir / "metrics.jsonl")
+    assert all(m["train"]["grad_norm"] > 0 and not m["train"]["skipped"] for m in metrics), metrics
+
+
 def same_samples(a, b):
     """Two lists of samples.jsonl rows are the same samples: ids, versions, tokens, rewards, log-probs."""
     key = lambda r: (r["sample_id"], r["group_id"], r["version"], r["trained_at"], r["prompt_ids"], r["tokens"],  # noqa: E731
@@ -107,6 +119,7 @@ def sync_reference(child_env, tmp_path_factory):
     """An uninterrupted sync run: its samples and metrics."""
     d = tmp_path_factory.mktemp("sync_reference")
     run_child(child_env, d, SYNC)
+    assert_every_update_changed_the_policy(d)
     return lines(d / "samples.jsonl"), lines(d / "metrics.jsonl"), d
 
 
@@ -209,6 +222,7 @@ def test_one_step_off_resume_regenerates_old_version_samples_from_snapshots(chil
     assert regenerated and all(r["version"] == 1 and r["trained_at"] == 2 for r in regenerated)
     same_samples(regenerated, [r for r in crashed if r["sample_id"] in redo])
     same_samples(resumed[:24], crashed)
+    assert_every_update_changed_the_policy(tmp_path)  # so version 1 differs from the newest, version 2
     assert [m["step"] for m in lines(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
     saved_ledger(tmp_path).check(1)
 
