@@ -12,7 +12,9 @@ A training run keeps everything it needs to continue under ``RUN_DIR``::
 (naming the fields that differ), restores the newest good checkpoint (falling back past corrupt or partial
 ones with a warning), snapshots published versions asynchronously, and protects the snapshots that a retained
 checkpoint still needs from snapshot retention. :class:`Finished` is a finished-but-unconsumed sample exactly
-as the trainer will see it; it round-trips through the checkpoint's JSON.
+as the trainer will see it; it round-trips through the checkpoint's JSON. :func:`pack_run_state` and
+:func:`unpack_run_state` turn the scheduler, those samples, the metrics position and the seeds into the
+checkpoint's run-state dict and back (in-flight samples come back as pending: their generation is redone).
 
 The configuration check uses :func:`run_fingerprint`, the config fingerprint without the fields that say where
 the run lives and whether or how often it checkpoints (the ``mesh`` section, ``run.name``, ``run.out_dir``,
@@ -33,7 +35,9 @@ from typing import Any
 
 from dora_jax.checkpoint import CheckpointError, Restored, RunCheckpoints
 from dora_jax.config import Config
+from dora_jax.ledger import LedgerError
 from dora_jax.rollout.driver import Trajectory
+from dora_jax.scheduler import SchedulePolicy, Scheduler
 from dora_jax.tasks import Item
 
 log = logging.getLogger(__name__)
@@ -96,6 +100,50 @@ class Finished:
         traj = Trajectory(d["sample_id"], d["version"], list(d["prompt_ids"]), list(d["tokens"]),
                           list(d["logprobs"]), d["finish_reason"], 0.0, 0.0, 0.0)
         return cls(traj, d["group_id"], Item(**d["item"]), d["text"], d["reward"], d["correct"])
+
+
+def seeds(cfg: Config) -> dict[str, int]:
+    """The host RNG state of a run. Sampling randomness is a pure function of (seed, sample id, position) and
+    the trainer's key lives in the TrainState, so the seeds (with the scheduler's sample counter) are all of it."""
+    return {"run.seed": cfg.run.seed, "rollout.seed": cfg.rollout.seed}
+
+
+def pack_run_state(sched: Scheduler, done: dict[int, Finished], metrics: dict[str, Any],
+                   cfg: Config) -> dict[str, Any]:
+    """The run-state dict of a checkpoint: the scheduler (ledger included), every finished-unconsumed sample
+    as it is, the metrics position and the seeds."""
+    led = sched.ledger
+    finished = [done[s].to_dict() for s in sorted(led.entries) if led.entries[s].state == "finished"]
+    return {"scheduler": sched.state_dict(), "finished": finished, "metrics": metrics, "rng": seeds(cfg)}
+
+
+def unpack_run_state(policy: SchedulePolicy, run_state: dict[str, Any], where: Path,
+                     cfg: Config) -> tuple[Scheduler, list[Finished], dict[str, Any]]:
+    """The scheduler, finished samples and metrics position of a checkpoint's run state, with every sample
+    that was in flight moved back to pending (its generation was lost with the process).
+
+    Raises:
+      ResumeError: the run state is not one the runner wrote, its seeds differ from ``cfg``'s, or its
+        finished samples do not match its ledger (naming ``where``).
+    """
+    where = Path(where) / "run_state.json"
+    try:
+        sched = Scheduler.from_state_dict(policy, run_state["scheduler"])
+        finished = [Finished.from_dict(d) for d in run_state["finished"]]
+        metrics, saved_seeds = dict(run_state["metrics"]), run_state["rng"]
+    except (KeyError, TypeError, ValueError, LedgerError) as e:
+        raise ResumeError(f"{where}: not a run state this runner can continue ({e!r:.300})") from e
+    if saved_seeds != seeds(cfg):
+        raise ResumeError(f"{where}: seeds {saved_seeds} differ from this run's {seeds(cfg)}")
+    led = sched.ledger
+    want = sorted(s for s, e in led.entries.items() if e.state == "finished")
+    if sorted(f.traj.sample_id for f in finished) != want:
+        raise ResumeError(f"{where}: the ledger has {len(want)} finished samples, the saved trajectories are "
+                          f"{len(finished)} others")
+    for sid, e in led.entries.items():
+        if e.state == "in_flight":
+            led.requeue(sid)
+    return sched, finished, metrics
 
 
 def count_lines(path: str | os.PathLike) -> int:

@@ -40,9 +40,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dora_jax.config import Config
-from dora_jax.ledger import LedgerError
 from dora_jax.metrics import MetricsWriter
-from dora_jax.resume import Finished, RunStore, fsync_file, truncate_lines
+from dora_jax.resume import Finished, RunStore, fsync_file, pack_run_state, truncate_lines, unpack_run_state
 from dora_jax.rewards import RewardPool
 from dora_jax.rollout.driver import Request, RolloutDriver, Trajectory
 from dora_jax.rollout.engine import Engine, RequestSampling, bucket
@@ -284,47 +283,22 @@ class Runner:
 
     # -- checkpoints and resume ------------------------------------------------------------------------------
 
-    def _seeds(self) -> dict[str, int]:
-        # Sampling randomness is a pure function of (seed, sample_id, position) and the trainer's key lives in
-        # the TrainState, so the seeds and the scheduler's sample counter are the whole host RNG state.
-        return {"run.seed": self.cfg.run.seed, "rollout.seed": self.cfg.rollout.seed}
-
     def _checkpoint(self, counters: dict[str, Any]) -> None:
         """Saves the run at the current version: train state, scheduler and ledger, finished-unconsumed
         samples, metrics position, seeds; records the versions a resume from it needs."""
         for name in ("metrics.jsonl", "samples.jsonl"):
             fsync_file(os.path.join(self.run_dir, name))
-        led = self.sched.ledger
-        finished = [self._done[s].to_dict() for s in sorted(led.entries) if led.entries[s].state == "finished"]
         metrics = {**counters, "lines": self._metrics_lines, "samples_lines": self._sample_lines,
                    "rows_computed": self.driver.rows_computed, "rows_live": self.driver.rows_live,
                    "max_resident": self.max_resident}
-        run_state = {"scheduler": self.sched.state_dict(), "finished": finished, "metrics": metrics,
-                     "rng": self._seeds()}
-        self.store.save(self.sched.version, self.state, run_state, set(self.sched.live_versions()))
+        self.store.save(self.sched.version, self.state, pack_run_state(self.sched, self._done, metrics, self.cfg),
+                        set(self.sched.live_versions()))
 
     def _restore(self, found: Any) -> None:
         """Continues from a restored checkpoint: state, scheduler, finished samples as they were; pending and
         in-flight samples queued again on their own versions (restored from their snapshots)."""
-        where = found.path / "run_state.json"
-        try:
-            rs = found.run_state
-            sched = Scheduler.from_state_dict(self.policy, rs["scheduler"])
-            finished = [Finished.from_dict(d) for d in rs["finished"]]
-            metrics, seeds = dict(rs["metrics"]), rs["rng"]
-        except (KeyError, TypeError, ValueError, LedgerError) as e:
-            raise RunError(f"{where}: not a run state this runner can continue ({e!r:.300})") from e
-        if seeds != self._seeds():
-            raise RunError(f"{where}: seeds {seeds} differ from this run's {self._seeds()}")
-        led = sched.ledger
-        want = sorted(s for s, e in led.entries.items() if e.state == "finished")
-        if sorted(f.traj.sample_id for f in finished) != want:
-            raise RunError(f"{where}: the ledger has {len(want)} finished samples, the saved trajectories are "
-                           f"{len(finished)} others")
+        sched, finished, metrics = unpack_run_state(self.policy, found.run_state, found.path, self.cfg)
         self.state, self.sched = found.train_state, sched
-        for sid, e in led.entries.items():
-            if e.state == "in_flight":  # its generation was lost with the process: redo it from the prompt
-                led.requeue(sid)
         for f in finished:
             self._done[f.traj.sample_id] = f
             self._items[f.traj.sample_id] = (f.group_id, f.item)
@@ -333,7 +307,7 @@ class Runner:
         for v in sched.live_versions():
             if v != sched.version:
                 self._add_version(v, self.store.restore_version(v, params))
-        prompts: dict[int, tuple[Item, list[int]]] = {}
+        led, prompts = sched.ledger, {}
         for sid in sorted(s for s, e in led.entries.items() if e.state == "pending"):
             e = led.entries[sid]
             if e.group_id not in prompts:
