@@ -50,7 +50,6 @@ from dora_jax.tasks import Item, Task, load_task
 from dora_jax.trainer import Sample, Trainer, make_batch
 
 log = logging.getLogger(__name__)
-_Done = Finished  # a finished trajectory waiting for (or holding) its reward
 
 
 class RunError(RuntimeError):
@@ -140,7 +139,7 @@ class Runner:
         self._params: dict[int, Any] = {}  # resident versions (the driver's and the recompute path's)
         self._waiting: dict[int, deque[Request]] = {}
         self._items: dict[int, tuple[int, Item]] = {}  # sample id -> (group id, item)
-        self._done: dict[int, _Done] = {}
+        self._done: dict[int, Finished] = {}
         self.max_resident = 1
         self._resumed: dict[str, Any] | None = None  # the checkpoint's metrics position, when resuming
         self._metrics_lines = self._sample_lines = 0
@@ -215,7 +214,7 @@ class Runner:
     def _on_finished(self, traj: Trajectory) -> None:
         group_id, item = self._items[traj.sample_id]
         text = self.tokenizer.decode(traj.tokens, skip_special_tokens=True)
-        self._done[traj.sample_id] = _Done(traj, group_id, item, text)
+        self._done[traj.sample_id] = Finished(traj, group_id, item, text)
         self.rewards.submit(traj.sample_id, self._score, item, text)
 
     def _collect_rewards(self, wait_s: float = 0.0) -> None:
