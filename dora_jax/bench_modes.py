@@ -28,7 +28,7 @@ TBS = 16
 OVERRIDES = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "task.name=longtail", "task.longtail_max_len=256",
              "task.eval_size=0", "rollout.slots=32", "rollout.max_new_tokens=256", "rollout.max_prompt_len=32",
              "train.group_size=4", "train.learning_rate=0.002", "train.max_response_tokens=256",
-             "train.length_buckets=[64, 128, 192, 256, 320]", f"dora.train_batch={TBS}"]
+             "train.length_buckets=[64, 128, 192, 256, 320]", f"dora.train_batch={TBS}", "run.checkpoint_every=0"]
 MODES = [("sync", 0), ("one_step_off", 1), ("dora", 1), ("dora", 2), ("dora", 3)]
 
 

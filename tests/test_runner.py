@@ -23,7 +23,7 @@ from dora_jax.trainer import make_batch, Sample
 BASE = ["dora.steps=4", "dora.train_batch=8", "dora.rollout_batch=16", "train.max_staleness=2",
         "train.group_size=4", "train.learning_rate=0.003", "rollout.slots=8", "rollout.max_new_tokens=24",
         "rollout.max_prompt_len=32", "task.name=longtail", "task.longtail_max_len=24", "task.eval_size=4",
-        "train.length_buckets=[64]", "train.max_response_tokens=24"]
+        "train.length_buckets=[64]", "train.max_response_tokens=24", "run.checkpoint_every=0"]
 
 
 def tiny(*overrides):
