@@ -276,6 +276,15 @@ def bench_decode(config: str = "smollm2_135m", batch: int = 32, cache_length: in
             "machine": machine()}
 
 
+def _synthetic_samples(rng, rows: int, prompt_len: int, response_len: int, vocab_size: int) -> list:
+    """Random finished samples in groups of 4, the batch the train-step benchmarks time."""
+    from dora_jax.trainer import Sample
+
+    return [Sample(i, i // 4, 0, rng.integers(1, vocab_size, prompt_len).tolist(),
+                   rng.integers(1, vocab_size, response_len).tolist(),
+                   (-rng.uniform(0.5, 5.0, response_len)).tolist(), float(rng.normal())) for i in range(rows)]
+
+
 def train_flops(model_cfg, tokens: int, seq_len: int, lora: bool) -> float:
     """Model FLOPs of one training step over ``tokens`` tokens in rows of ``seq_len`` (causal attention).
 
@@ -307,14 +316,12 @@ def bench_train(config: str = "smollm2_135m", rows: int = 8, prompt_len: int = 3
 
     from dora_jax.config import LoraConfig, load_config
     from dora_jax.models.weights import load_model
-    from dora_jax.trainer import Sample, Trainer, make_batch
+    from dora_jax.trainer import Trainer, make_batch
 
     cfg = load_config(config)
     rng = np.random.default_rng(seed)
     seq = prompt_len + response_len
-    samples = [Sample(i, i // 4, 0, rng.integers(1, cfg.model.vocab_size, prompt_len).tolist(),
-                      rng.integers(1, cfg.model.vocab_size, response_len).tolist(),
-                      (-rng.uniform(0.5, 5.0, response_len)).tolist(), float(rng.normal())) for i in range(rows)]
+    samples = _synthetic_samples(rng, rows, prompt_len, response_len, cfg.model.vocab_size)
     machine_rates = measure_machine()
     out: dict[str, Any] = {"config": config, "rows": rows, "seq_len": seq, "tokens_per_step": rows * seq,
                            "response_tokens_per_step": rows * response_len, "lora_rank": lora_rank,
@@ -366,15 +373,13 @@ def bench_snapshot(config: str = "smollm2_135m", rows: int = 8, prompt_len: int 
 
     from dora_jax.config import LoraConfig, load_config
     from dora_jax.models.weights import load_model
-    from dora_jax.trainer import Sample, Trainer, make_batch
+    from dora_jax.trainer import Trainer, make_batch
     from dora_jax.versions import Snapshots, VersionStore
 
     cfg = load_config(config)
     rng = np.random.default_rng(seed)
     seq = prompt_len + response_len
-    samples = [Sample(i, i // 4, 0, rng.integers(1, cfg.model.vocab_size, prompt_len).tolist(),
-                      rng.integers(1, cfg.model.vocab_size, response_len).tolist(),
-                      (-rng.uniform(0.5, 5.0, response_len)).tolist(), float(rng.normal())) for i in range(rows)]
+    samples = _synthetic_samples(rng, rows, prompt_len, response_len, cfg.model.vocab_size)
     out: dict[str, Any] = {"config": config, "rows": rows, "seq_len": seq, "lora_rank": lora_rank,
                            "baseline_steps": baseline_steps, "snapshot_steps": snapshot_steps}
     bar = tqdm(total=2 * (2 + baseline_steps + snapshot_steps), desc="bench snapshot", unit="step")
