@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(VENV)/bin/dora-jax train --config smollm2_arith
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 clean:
 	rm -rf $(VENV) build *.egg-info
