@@ -71,3 +71,17 @@ dora_bin() {
   local repo="$1"
   echo "${DORA_JAX_BIN:-$repo/.venv/bin/dora-jax}"
 }
+
+# Waits for every process id given after the log directory; returns the last failure's exit status and points
+# at the per-process logs when there was one.
+wait_all() {
+  local log_dir=$1 status=0 pid
+  shift
+  for pid in "$@"; do
+    wait "$pid" || status=$?
+  done
+  if [[ "$status" -ne 0 ]]; then
+    echo "error: a process failed (exit $status); see $log_dir/process_*.log" >&2
+  fi
+  return "$status"
+}

@@ -65,11 +65,4 @@ for ((i = processes - 1; i >= 0; i--)); do
     pids+=("$!")
   fi
 done
-status=0
-for pid in "${pids[@]}"; do
-  wait "$pid" || status=$?
-done
-if [[ "$status" -ne 0 ]]; then
-  echo "error: a process failed (exit $status); see $log_dir/process_*.log" >&2
-fi
-exit "$status"
+wait_all "$log_dir" "${pids[@]}"

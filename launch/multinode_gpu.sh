@@ -64,11 +64,4 @@ for ((local_rank = 0; local_rank < DORA_PROCS_PER_NODE; local_rank++)); do
     pids+=("$!")
   fi
 done
-status=0
-for pid in "${pids[@]}"; do
-  wait "$pid" || status=$?
-done
-if [[ "$status" -ne 0 ]]; then
-  echo "error: a process failed (exit $status); see $log_dir/process_*.log" >&2
-fi
-exit "$status"
+wait_all "$log_dir" "${pids[@]}"
