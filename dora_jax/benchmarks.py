@@ -6,6 +6,7 @@ References (transformers + torch) are optional: when absent, only our side is me
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import time
@@ -285,6 +286,23 @@ def _synthetic_samples(rng, rows: int, prompt_len: int, response_len: int, vocab
                    (-rng.uniform(0.5, 5.0, response_len)).tolist(), float(rng.normal())) for i in range(rows)]
 
 
+def _bench_trainer(cfg, samples: list, seq: int, response_len: int, lora_rank: int, **train_overrides):
+    """A fresh model, trainer, state and device batch for the train-step benchmarks (groups of 4, one length
+    bucket, full fine-tuning when ``lora_rank`` is 0)."""
+    from dora_jax.config import LoraConfig
+    from dora_jax.models.weights import load_model
+    from dora_jax.trainer import Trainer, make_batch
+
+    train = dataclasses.replace(cfg.train, group_size=4, length_buckets=(seq,), max_response_tokens=response_len,
+                                lora=LoraConfig(rank=lora_rank), **train_overrides)
+    run_cfg = dataclasses.replace(cfg, train=train)
+    model, _ = load_model(cfg.model, progress=False)
+    trainer, state = Trainer.create(run_cfg, model=model)
+    del model
+    batch = trainer.put(make_batch(samples, group_size=4, length_buckets=(seq,), row_multiple=trainer.row_multiple))
+    return run_cfg, trainer, state, batch
+
+
 def train_flops(model_cfg, tokens: int, seq_len: int, lora: bool) -> float:
     """Model FLOPs of one training step over ``tokens`` tokens in rows of ``seq_len`` (causal attention).
 
@@ -310,13 +328,10 @@ def bench_train(config: str = "smollm2_135m", rows: int = 8, prompt_len: int = 3
     Rows are random token sequences (``prompt_len`` + ``response_len``) in groups of 4 with random rewards:
     the step's cost does not depend on the tokens.
     """
-    import dataclasses
 
     import numpy as np
 
-    from dora_jax.config import LoraConfig, load_config
-    from dora_jax.models.weights import load_model
-    from dora_jax.trainer import Trainer, make_batch
+    from dora_jax.config import load_config
 
     cfg = load_config(config)
     rng = np.random.default_rng(seed)
@@ -327,14 +342,7 @@ def bench_train(config: str = "smollm2_135m", rows: int = 8, prompt_len: int = 3
                            "response_tokens_per_step": rows * response_len, "lora_rank": lora_rank,
                            **machine_rates}
     for name, rank in (("full", 0), ("lora", lora_rank)):
-        train = dataclasses.replace(cfg.train, group_size=4, length_buckets=(seq,), max_response_tokens=response_len,
-                                    lora=LoraConfig(rank=rank))
-        run_cfg = dataclasses.replace(cfg, train=train)
-        model, _ = load_model(cfg.model, progress=False)
-        trainer, state = Trainer.create(run_cfg, model=model)
-        del model
-        batch = trainer.put(make_batch(samples, group_size=4, length_buckets=(seq,),
-                                       row_multiple=trainer.row_multiple))
+        run_cfg, trainer, state, batch = _bench_trainer(cfg, samples, seq, response_len, rank)
         times = []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
@@ -364,16 +372,13 @@ def bench_snapshot(config: str = "smollm2_135m", rows: int = 8, prompt_len: int 
     previous write; the file writing itself overlaps the next step. The first publish (Orbax set-up) is
     reported apart.
     """
-    import dataclasses
     import statistics
     import tempfile
 
     import numpy as np
     from tqdm.auto import tqdm
 
-    from dora_jax.config import LoraConfig, load_config
-    from dora_jax.models.weights import load_model
-    from dora_jax.trainer import Trainer, make_batch
+    from dora_jax.config import load_config
     from dora_jax.versions import Snapshots, VersionStore
 
     cfg = load_config(config)
@@ -384,14 +389,7 @@ def bench_snapshot(config: str = "smollm2_135m", rows: int = 8, prompt_len: int 
                            "baseline_steps": baseline_steps, "snapshot_steps": snapshot_steps}
     bar = tqdm(total=2 * (2 + baseline_steps + snapshot_steps), desc="bench snapshot", unit="step")
     for name, rank in (("full", 0), ("lora", lora_rank)):
-        train = dataclasses.replace(cfg.train, group_size=4, length_buckets=(seq,), max_response_tokens=response_len,
-                                    lora=LoraConfig(rank=rank), max_staleness=1)
-        run_cfg = dataclasses.replace(cfg, train=train)
-        model, _ = load_model(cfg.model, progress=False)
-        trainer, state = Trainer.create(run_cfg, model=model)
-        del model
-        batch = trainer.put(make_batch(samples, group_size=4, length_buckets=(seq,),
-                                       row_multiple=trainer.row_multiple))
+        run_cfg, trainer, state, batch = _bench_trainer(cfg, samples, seq, response_len, rank, max_staleness=1)
         with tempfile.TemporaryDirectory(dir=directory) as tmp:
             snaps = Snapshots(tmp, fingerprint=run_cfg.fingerprint(), keep_last=2)
             t0 = time.perf_counter()
