@@ -10,9 +10,14 @@ The loop, one iteration per decode step::
     train      when the scheduler hands out a batch (whole groups, staleness within K): one train step,
                the new version is published to the rollout side, drained versions are dropped
 
-Rollout and trainer share one device set and take turns (time-sharing). The trainer never waits for a
-batch's slowest member in ``dora`` mode: new prompts keep the decode slots full on the newest version while
-the old versions' long trajectories finish, and a batch trains as soon as it is ready.
+Where the work runs is ``roles.placement``. Under ``shared`` rollout and trainer time-share one device set:
+a train step runs to completion between two decode steps. Under ``split`` the trainer has its own devices and
+the rollout engine its own: a train step is dispatched asynchronously and decoding goes on while it runs; when
+it completes, the new version's weights move to the rollout devices device to device (timed as ``sync_s``)
+and the version is loaded. Until then its new prompts wait, and the older versions keep the slots busy. At
+most one train step is in flight. The trainer never waits for a batch's slowest member in ``dora`` mode: new
+prompts keep the decode slots full on the newest version while the old versions' long trajectories finish,
+and a batch trains as soon as it is ready.
 
 Every decision about *what* to run is the scheduler's (:mod:`dora_jax.scheduler`), and every sample's state
 is in its ledger; the runner only executes them and measures.
@@ -28,6 +33,7 @@ or in flight are regenerated on their own version, whose params come back from i
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import os
@@ -47,6 +53,7 @@ from dora_jax.rollout.driver import Request, RolloutDriver, Trajectory
 from dora_jax.rollout.engine import Engine, RequestSampling, bucket
 from dora_jax.scheduler import SchedulePolicy, Scheduler
 from dora_jax.tasks import Item, Task, load_task
+from dora_jax.sharding import reshard
 from dora_jax.trainer import Sample, Trainer, make_batch
 
 log = logging.getLogger(__name__)
@@ -60,6 +67,22 @@ def _percentile(xs: list[int], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else 0.0
 
 
+def _device_set(mesh: Any) -> frozenset[Any] | None:
+    return None if mesh is None else frozenset(mesh.devices.flat)
+
+
+@dataclasses.dataclass
+class _TrainInFlight:
+    """A dispatched train step: its outputs are futures until the step completes."""
+
+    version: int  # the version the step produces
+    group_ids: list[int]
+    done: list[Finished]
+    metrics: Any  # device arrays
+    row: dict[str, Any]  # everything about the batch known at dispatch
+    dispatched: float
+
+
 def make_engine(cfg: Config, model: Any, mesh: Any = None) -> Engine:
     """The rollout engine a run of ``cfg`` uses: ``rollout.slots`` slots, room for the longest prompt plus
     ``rollout.max_new_tokens``."""
@@ -67,6 +90,16 @@ def make_engine(cfg: Config, model: Any, mesh: Any = None) -> Engine:
     target = min(bucket(r.max_prompt_len + r.max_new_tokens), cfg.model.max_seq_len)
     return Engine(model, max_concurrent_decodes=r.slots, max_prefill_length=r.max_prompt_len,
                   max_target_length=target, mesh=mesh)
+
+
+def make_parts(cfg: Config, model: Any) -> tuple[Trainer, Any, Engine]:
+    """``(trainer, initial state, engine)`` on the devices ``cfg.roles`` gives each (``model`` on the trainer's
+    mesh), for runs that share compiled functions (``Runner(parts=...)``)."""
+    from dora_jax.sharding import role_meshes
+
+    meshes = role_meshes(cfg.mesh, cfg.roles)
+    trainer, state = Trainer.create(cfg, model=model, mesh=meshes.trainer)
+    return trainer, state, make_engine(cfg, model, meshes.rollout[0])
 
 
 class Runner:
@@ -87,14 +120,16 @@ class Runner:
       progress: show a progress bar.
       parts: ``(trainer, initial_state, engine)`` built earlier for the same model and config shapes: runs
         that share them share compiled functions (benchmarks compare modes without recompiling). The state is
-        donated by the first train step: pass a copy.
+        donated by the first train step: pass a copy. An engine on other devices than the trainer's mesh
+        makes the run ``split`` (see :func:`make_parts`).
     """
 
     def __init__(self, cfg: Config, run_dir: str, *, model: Any = None, tokenizer: Any = None,
                  task: Task | None = None, keep_versions: bool = False, progress: bool = True,
                  parts: tuple[Trainer, Any, Engine] | None = None):
+        from dora_jax.models.build import abstract_model, state_shardings
         from dora_jax.models.weights import load_model
-        from dora_jax.sharding import create_mesh
+        from dora_jax.sharding import role_meshes
         from dora_jax.tokenizer import ByteTokenizer
 
         cfg.validate()
@@ -114,7 +149,11 @@ class Runner:
             self.store.check_config()
         os.makedirs(run_dir, exist_ok=True)
         self.task = task if task is not None else load_task(cfg.task)
-        mesh = create_mesh(cfg.mesh)
+        meshes = role_meshes(cfg.mesh, cfg.roles) if parts is None else None
+        if meshes is not None and len(meshes.rollout) > 1 and not meshes.shared:
+            raise RunError(f"roles.rollout_groups = {cfg.roles.rollout_groups}: the runner drives one rollout group "
+                           "per process; use roles.rollout_groups=1 (with rollout_data for data-parallel decode)")
+        mesh = meshes.trainer if meshes is not None else parts[0].mesh
         if model is None:
             model, tokenizer = load_model(cfg.model, mesh, cfg.mesh.logical_axis_rules, seed=cfg.run.seed,
                                           progress=progress)
@@ -129,14 +168,22 @@ class Runner:
             self.trainer, self.state, self.engine = parts
         else:
             self.trainer, self.state = Trainer.create(cfg, model=model, mesh=mesh)
-            self.engine = make_engine(cfg, model, mesh)
+            self.engine = make_engine(cfg, model, meshes.rollout[0])
+        # Split placement: the rollout engine's devices are not the trainer's; versions move between them.
+        self.split = (_device_set(self.engine.mesh) is not None
+                      and _device_set(self.engine.mesh) != _device_set(self.trainer.mesh))
+        self._rollout_shardings = (state_shardings(abstract_model(cfg.model)[1], self.engine.mesh,
+                                                   cfg.mesh.logical_axis_rules) if self.split else None)
+        self._in_flight: _TrainInFlight | None = None
+        self.sync_s = 0.0  # trainer -> rollout weight transfers, in total
         self.sampling = RequestSampling(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=r.seed)
         self.driver = RolloutDriver(self.engine, eos_ids=tokenizer.eos_ids)
         self.sched = Scheduler(self.policy)
         self.rewards = RewardPool(cfg.task.reward_workers, cfg.task.reward_timeout_s)
         self.keep_versions = keep_versions
         self.versions_seen: dict[int, Any] = {}
-        self._params: dict[int, Any] = {}  # resident versions (the driver's and the recompute path's)
+        self._params: dict[int, Any] = {}  # resident versions on the trainer's devices (recompute, snapshots)
+        self._rollout_params: dict[int, Any] = {}  # the same versions on the rollout devices
         self._waiting: dict[int, deque[Request]] = {}
         self._items: dict[int, tuple[int, Item]] = {}  # sample id -> (group id, item)
         self._done: dict[int, Finished] = {}
@@ -156,8 +203,14 @@ class Runner:
         self.store.snapshot(version, params, set(self._params))
 
     def _add_version(self, version: int, params: Any) -> None:
+        """Makes ``params`` (on the trainer's devices) a resident version on the rollout side."""
         self._params[version] = params
-        self.driver.add_version(version, params)
+        rollout = params
+        if self.split:  # device to device, never through the host
+            rollout, secs = reshard(params, self._rollout_shardings)
+            self.sync_s += secs
+        self._rollout_params[version] = rollout
+        self.driver.add_version(version, rollout)
         if self.keep_versions:
             self.versions_seen[version] = params
 
@@ -166,7 +219,7 @@ class Runner:
         for v in list(self._params):
             if v not in live and not self._waiting.get(v) and not self.driver.in_flight().get(v):
                 self.driver.remove_version(v)
-                del self._params[v]
+                del self._params[v], self._rollout_params[v]
 
     # -- rollout side ---------------------------------------------------------------------------------------
 
@@ -200,7 +253,8 @@ class Runner:
 
     def _admit(self) -> None:
         busy = sum(self.driver.in_flight().values())
-        waiting = {v: len(q) for v, q in self._waiting.items() if q}
+        # A version whose train step is still running is not loaded yet: its prompts wait.
+        waiting = {v: len(q) for v, q in self._waiting.items() if q and v in self._params}
         for v, n in self.sched.assign_slots(self.cfg.rollout.slots - busy, waiting).items():
             for _ in range(n):
                 req = self._waiting[v].popleft()
@@ -238,8 +292,10 @@ class Runner:
 
     # -- trainer side ---------------------------------------------------------------------------------------
 
-    def _train(self, group_ids: list[int]) -> dict[str, Any]:
+    def _train(self, group_ids: list[int]) -> None:
+        """Dispatches one train step on ``group_ids`` (whole groups); :meth:`_complete` publishes its version."""
         led, t = self.sched.ledger, self.cfg.train
+        in_flight = {str(v): n for v, n in sorted(led.outstanding().items())}
         done = [self._done[s] for g in group_ids for s in led.groups[g].sample_ids]
         samples = [Sample.from_trajectory(d.traj, d.group_id, d.reward) for d in done]
         batch = make_batch(samples, group_size=t.group_size, length_buckets=t.length_buckets,
@@ -250,17 +306,17 @@ class Runner:
         if t.kl_coef > 0:
             batch = self.trainer.with_reference(self.state, batch)
         version = self.sched.version
-        # Time-sharing: the rollout's in-flight device work finishes before the train step takes the devices
-        # (on multi-device CPU meshes, overlapping sharded programs have aborted the XLA runtime).
-        self.driver.block_until_ready()
-        self.state, metrics = self.trainer.train_step(self.state, batch)
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if not self.split:
+            # Time-sharing: the rollout's in-flight device work finishes before the train step takes the
+            # devices (on multi-device CPU meshes, overlapping sharded programs have aborted the XLA runtime).
+            self.driver.block_until_ready()
+        dispatched = time.perf_counter()
+        self.state, metrics = self.trainer.train_step(self.state, batch)  # asynchronous: futures until done
         lags: dict[str, int] = {}
         for d in done:
             lag = str(version - d.traj.version)
             lags[lag] = lags.get(lag, 0) + 1
         self.sched.trained(group_ids)
-        self._publish(self.sched.version, self.trainer.policy_params(self.state))
         lengths = [len(d.traj.tokens) for d in done]
         self._sample_lines += len(done)
         with open(os.path.join(self.run_dir, "samples.jsonl"), "a", encoding="utf-8") as f:
@@ -272,13 +328,28 @@ class Runner:
                                     "finish_reason": d.traj.finish_reason, "text": d.text}) + "\n")
         for d in done:
             del self._done[d.traj.sample_id]
-        return {"reward": float(np.mean([d.reward for d in done])),
-                "accuracy": float(np.mean([d.correct for d in done])),
-                "len_mean": float(np.mean(lengths)), "len_p50": _percentile(lengths, 50),
-                "len_p99": _percentile(lengths, 99), "len_max": int(max(lengths)),
-                "trained_tokens": int(sum(len(d.traj.tokens) + len(d.traj.prompt_ids) for d in done)),
-                "staleness": lags, "staleness_mean": float(np.mean([int(k) for k, n in lags.items() for _ in range(n)])),
-                "staleness_max": max(int(k) for k in lags), "train": metrics}
+        row = {"reward": float(np.mean([d.reward for d in done])),
+               "accuracy": float(np.mean([d.correct for d in done])),
+               "len_mean": float(np.mean(lengths)), "len_p50": _percentile(lengths, 50),
+               "len_p99": _percentile(lengths, 99), "len_max": int(max(lengths)),
+               "trained_tokens": int(sum(len(d.traj.tokens) + len(d.traj.prompt_ids) for d in done)),
+               "staleness": lags, "staleness_mean": float(np.mean([int(k) for k, n in lags.items() for _ in range(n)])),
+               "staleness_max": max(int(k) for k in lags), "in_flight": in_flight}
+        self._in_flight = _TrainInFlight(self.sched.version, group_ids, done, metrics, row, dispatched)
+
+    def _complete(self, wait: bool) -> tuple[dict[str, Any], float] | None:
+        """Publishes the in-flight train step's version once the step has finished (``wait``: blocks for it).
+
+        Returns its metrics row and how long the step took from dispatch, or None when nothing finished."""
+        f = self._in_flight
+        if f is None or (not wait and not all(x.is_ready() for x in jax.tree.leaves(f.metrics))):
+            return None
+        metrics = {k: float(v) for k, v in jax.device_get(f.metrics).items()}
+        train_s = time.perf_counter() - f.dispatched
+        self._in_flight = None
+        sync_before = self.sync_s
+        self._publish(f.version, self.trainer.policy_params(self.state))
+        return {**f.row, "train": metrics, "sync_s": self.sync_s - sync_before}, train_s
 
     # -- checkpoints and resume ------------------------------------------------------------------------------
 
@@ -334,7 +405,7 @@ class Runner:
         tc = self.cfg.task
         version = self.sched.version if version is None else version
         driver = RolloutDriver(self.engine, eos_ids=self.tokenizer.eos_ids)
-        driver.add_version(version, self._params[version])
+        driver.add_version(version, self._rollout_params[version])
         sampling = RequestSampling(temperature=tc.eval_temperature, seed=self.cfg.rollout.seed + 7919)
         n_new = tc.eval_max_new_tokens
         reqs = [Request(k * len(items) + i, tuple(self._prompt_ids(it)), version=version,
@@ -381,7 +452,34 @@ class Runner:
         gen_tokens = live_rows = slot_rows = 0
         total_gen = m["gen_tokens"]
         led = self.sched.ledger
-        while not self.sched.done():
+
+        def record(row: dict[str, Any], train_s: float) -> None:
+            nonlocal last, rollout_s, gen_tokens, live_rows, slot_rows, train_total, checkpoint_s, total_gen
+            now = time.perf_counter()
+            train_total += train_s
+            step_s = now - last
+            total_gen += gen_tokens
+            row.update({
+                "step": self.sched.version, "version": self.sched.version, "wall_s": now - t0, "step_s": step_s,
+                "train_s": train_s, "rollout_s": rollout_s, "rollout_share": max(0.0, 1 - train_s / step_s),
+                "trainer_idle_fraction": 1 - train_total / (now - t0), "gen_tok_s": gen_tokens / step_s,
+                "train_tok_s": row["trained_tokens"] / step_s, "resident_versions": len(self._params),
+                "slot_occupancy": live_rows / max(slot_rows, 1), "slot_utilization": self.driver.slot_utilization,
+                "filtered": led.count("filtered")})
+            writer.write(row)
+            self._metrics_lines += 1
+            if self.store.due(self.sched.version):
+                tc = time.perf_counter()
+                self._checkpoint({"eval_before": before, "eval_s": eval_s, "wall_s": tc - t0, "train_s": train_total,
+                                  "gen_tokens": total_gen, "checkpoint_s": checkpoint_s})
+                checkpoint_s += time.perf_counter() - tc
+                now += time.perf_counter() - tc  # the next step_s counts rollout and training, not the save
+            bar.set_postfix(reward=f"{row['reward']:.2f}", acc=f"{row['accuracy']:.2f}",
+                            lag=f"{row['staleness_mean']:.1f}", gen=f"{row['gen_tok_s']:.0f}tok/s")
+            bar.update(1)
+            last, rollout_s, gen_tokens, live_rows, slot_rows = now, 0.0, 0, 0, 0
+
+        while not self.sched.done() or self._in_flight is not None:
             self._dispatch()
             self._admit()
             if not self.driver.idle:
@@ -398,42 +496,20 @@ class Runner:
             self._dispatch()
             self._drop_drained()
             self.max_resident = max(self.max_resident, len(self._params))
-            batch = self.sched.next_batch()
-            if batch is None:
-                if self.driver.idle and not any(self._waiting.values()):
-                    if self.rewards.outstanding:
-                        self._collect_rewards(wait_s=0.05)
-                    elif not self._dispatch() and not led.count("finished"):
-                        raise RunError(f"no progress possible at version {self.sched.version}: ledger "
-                                       f"{led.counts()}")
-                continue
-            in_flight = {str(v): n for v, n in sorted(led.outstanding().items())}
-            ts = time.perf_counter()
-            row = self._train(batch)
-            now = time.perf_counter()
-            train_s = now - ts
-            train_total += train_s
-            step_s = now - last
-            total_gen += gen_tokens
-            row.update({
-                "step": self.sched.version, "version": self.sched.version, "wall_s": now - t0, "step_s": step_s,
-                "train_s": train_s, "rollout_s": rollout_s, "rollout_share": max(0.0, 1 - train_s / step_s),
-                "trainer_idle_fraction": 1 - train_total / (now - t0), "gen_tok_s": gen_tokens / step_s,
-                "train_tok_s": row["trained_tokens"] / step_s, "in_flight": in_flight,
-                "resident_versions": len(self._params), "slot_occupancy": live_rows / max(slot_rows, 1),
-                "slot_utilization": self.driver.slot_utilization, "filtered": led.count("filtered")})
-            writer.write(row)
-            self._metrics_lines += 1
-            if self.store.due(self.sched.version):
-                tc = time.perf_counter()
-                self._checkpoint({"eval_before": before, "eval_s": eval_s, "wall_s": tc - t0, "train_s": train_total,
-                                  "gen_tokens": total_gen, "checkpoint_s": checkpoint_s})
-                checkpoint_s += time.perf_counter() - tc
-                now += time.perf_counter() - tc  # the next step_s counts rollout and training, not the save
-            bar.set_postfix(reward=f"{row['reward']:.2f}", acc=f"{row['accuracy']:.2f}",
-                            lag=f"{row['staleness_mean']:.1f}", gen=f"{row['gen_tok_s']:.0f}tok/s")
-            bar.update(1)
-            last, rollout_s, gen_tokens, live_rows, slot_rows = now, 0.0, 0, 0, 0
+            if self._in_flight is None and not self.sched.done():
+                batch = self.sched.next_batch()
+                if batch is not None:
+                    self._train(batch)
+            # Shared placement completes the step now; split placement only when it has finished, or when
+            # the rollout has nothing left to do without it.
+            nothing_to_decode = self.driver.idle and not any(q for v, q in self._waiting.items() if v in self._params)
+            if (done_step := self._complete(wait=not self.split or nothing_to_decode)) is not None:
+                record(*done_step)
+            elif nothing_to_decode and self._in_flight is None:
+                if self.rewards.outstanding:
+                    self._collect_rewards(wait_s=0.05)
+                elif not self._dispatch() and not led.count("finished") and not self.sched.done():
+                    raise RunError(f"no progress possible at version {self.sched.version}: ledger {led.counts()}")
         bar.close()
         wall = time.perf_counter() - t0
         writer.close()
@@ -453,6 +529,7 @@ class Runner:
             "wall_s": wall, "eval_s": eval_s, "train_s": train_total, "checkpoint_s": checkpoint_s,
             "samples_per_s": counts["consumed"] / wall, "gen_tok_s": total_gen / wall,
             "trainer_idle_fraction": 1 - train_total / wall, "max_resident_versions": self.max_resident,
+            "placement": "split" if self.split else "shared", "sync_s": self.sync_s,
             "slot_utilization": self.driver.slot_utilization, "config_fingerprint": cfg.fingerprint(),
             "resumed": self._resumed is not None,
         }

@@ -11,6 +11,7 @@ import json
 import os
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -51,6 +52,28 @@ def shared():
     return lambda: dict(model=model, parts=(trainer, jax.tree.map(jnp.copy, state), engine), progress=False)
 
 
+SPLIT = ["roles.placement=split", "roles.trainer_devices=4", "target.num_devices=8", "mesh.data=1", "mesh.fsdp=2",
+         "mesh.tensor=2"]
+
+
+@pytest.fixture(scope="module")
+def split():
+    """Like ``shared``, under split placement: the trainer on devices 0-3 (fsdp 2 x tensor 2), the rollout
+    engine on devices 4-7 (tensor 4)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dora_jax.models.weights import load_model
+    from dora_jax.runner import make_parts
+    from dora_jax.sharding import role_meshes
+
+    cfg = tiny(*SPLIT)
+    meshes = role_meshes(cfg.mesh, cfg.roles)
+    model, _ = load_model(cfg.model, meshes.trainer, cfg.mesh.logical_axis_rules, seed=cfg.run.seed, progress=False)
+    trainer, state, engine = make_parts(cfg, model)
+    return lambda: dict(model=model, parts=(trainer, jax.tree.map(jnp.copy, state), engine), progress=False)
+
+
 def read_samples(run_dir):
     with open(os.path.join(run_dir, "samples.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -74,11 +97,22 @@ def always_raise(prompt, response, answer):
     raise RuntimeError("broken reward")
 
 
-@pytest.mark.parametrize("mode,k,rbs", [("sync", 0, 8), ("one_step_off", 1, 8), ("dora", 2, 24)])
-def test_each_mode_keeps_the_promises(tmp_path, shared, mode, k, rbs):
-    cfg = tiny(f"dora.mode={mode}", f"dora.rollout_batch={rbs}")
-    runner = Runner(cfg, str(tmp_path), keep_versions=True, **shared())
+@pytest.mark.parametrize("mode,k,rbs,placement", [("sync", 0, 8, "shared"), ("one_step_off", 1, 8, "shared"),
+                                                 ("dora", 2, 24, "shared"), ("sync", 0, 8, "split"),
+                                                 ("dora", 2, 24, "split")])
+def test_each_mode_keeps_the_promises(tmp_path, request, mode, k, rbs, placement):
+    cfg = tiny(f"dora.mode={mode}", f"dora.rollout_batch={rbs}", *(SPLIT if placement == "split" else []))
+    runner = Runner(cfg, str(tmp_path), keep_versions=True, **request.getfixturevalue(placement)())
     summary = runner.run()
+    assert summary["placement"] == placement
+    if placement == "split":
+        # Trainer and rollout on disjoint devices; every version crossed over device to device.
+        trainer_devices = set(runner.trainer.mesh.devices.flat)
+        rollout_devices = set(runner.engine.mesh.devices.flat)
+        assert len(trainer_devices) == len(rollout_devices) == 4 and not trainer_devices & rollout_devices
+        for params in runner._rollout_params.values():
+            assert all(set(x.sharding.device_set) <= rollout_devices for x in jax.tree.leaves(params))
+        assert summary["sync_s"] > 0
     bound = {"sync": 0, "one_step_off": 1}.get(mode, k)
     assert summary["steps"] == 4 and summary["samples"] == 32
     assert summary["max_resident_versions"] <= bound + 1
