@@ -5,7 +5,12 @@ of samples. The workload is ``longtail``: each prompt carries a length budget (8
 between 128 and 256), and responses run to their budget, so a synchronous batch waits for its longest member
 while most slots sit empty. All modes share one engine and one trainer, so compiled functions are shared, and
 each timed run follows an identical untimed one that compiles every shape it meets. ``sync`` runs with several
-seeds to show the run-to-run noise of the reward curve that the other modes' curves are compared with."""
+seeds to show the run-to-run noise of the reward curve that the other modes' curves are compared with.
+
+Placement: with two or more devices, every mode runs under ``split`` placement (trainer on device 0, rollout on
+device 1; the train step runs while decoding goes on), and ``sync_shared`` adds the colocated synchronous
+baseline (trainer and rollout time-sharing device 0). Speed-ups are against the faster of the two sync runs. On
+CPU, ``dora-jax bench modes`` asks XLA for two host devices (they share the machine's cores)."""
 
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ OVERRIDES = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "task.name=longtail"
              "train.group_size=4", "train.learning_rate=0.002", "train.max_response_tokens=256",
              "train.length_buckets=[64, 128, 192, 256, 320]", f"dora.train_batch={TBS}", "run.checkpoint_every=0"]
 MODES = [("sync", 0), ("one_step_off", 1), ("dora", 1), ("dora", 2), ("dora", 3)]
+SPLIT = ["roles.placement=split", "roles.trainer_devices=1", "target.num_devices=2", "roles.rollout_tensor=1"]
 
 
 def _mode_overrides(mode: str, k: int, tbs: int) -> list[str]:
@@ -48,45 +54,55 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, noise_seeds: int = 3
       out_dir: keep the run directories here (default: a temporary directory).
     """
     from dora_jax.models.weights import load_model
-    from dora_jax.runner import Runner, make_engine
+    from dora_jax.runner import Runner, make_engine, make_parts
     from dora_jax.sharding import create_mesh
     from dora_jax.trainer import Trainer
 
+    devices = jax.devices()
+    placement = SPLIT if len(devices) >= 2 else []
     base = load_config(config, OVERRIDES + [f"dora.steps={steps}"])
-    mesh = create_mesh(base.mesh)
-    model, _ = load_model(base.model, mesh, base.mesh.logical_axis_rules, seed=base.run.seed, progress=False)
-    trainer, state0 = Trainer.create(base, model=model, mesh=mesh)
-    engine = make_engine(base, model, mesh)
+    one = create_mesh(base.mesh, devices[:1])
+    model, _ = load_model(base.model, one, base.mesh.logical_axis_rules, seed=base.run.seed, progress=False)
+    trainer, state0 = Trainer.create(base, model=model, mesh=one)
+    shared_parts = (trainer, make_engine(base, model, one))
+    split_parts = None
+    if placement:
+        s_trainer, _, s_engine = make_parts(load_config(config, OVERRIDES + placement), model)
+        split_parts = (s_trainer, s_engine)
     tmp = out_dir or tempfile.mkdtemp(prefix="dora_bench_modes_")
 
-    def run(name: str, mode: str, k: int, extra: list[str], n_steps: int) -> dict[str, Any]:
-        cfg = load_config(config, OVERRIDES + [f"dora.steps={n_steps}"] + _mode_overrides(mode, k, TBS) + extra)
+    def run(name: str, mode: str, k: int, extra: list[str], n_steps: int, split: bool) -> dict[str, Any]:
+        cfg = load_config(config, OVERRIDES + [f"dora.steps={n_steps}"] + _mode_overrides(mode, k, TBS) + extra
+                          + (placement if split else []))
+        t, engine = split_parts if split else shared_parts
         state = jax.tree.map(jnp.copy, state0)  # every mode starts from the same weights
         run_dir = os.path.join(tmp, name)
-        summary = Runner(cfg, run_dir, model=model, parts=(trainer, state, engine), progress=False).run()
+        summary = Runner(cfg, run_dir, model=model, parts=(t, state, engine), progress=False).run()
         rows = read_metrics(run_dir)
         return {"summary": summary, "rows": rows}
 
+    plan = [(mode if mode != "dora" else f"dora_k{k}", mode, k, bool(placement)) for mode, k in MODES]
+    if placement:
+        plan.insert(1, ("sync_shared", "sync", 0, False))
     results: dict[str, Any] = {}
-    for mode, k in MODES:
-        name = mode if mode != "dora" else f"dora_k{k}"
+    for name, mode, k, split in plan:
         # The same run once untimed first: it compiles every shape (prompt and length buckets, decode-group
         # capacities) the timed run meets, so no mode pays for compilation the others do not.
-        run(f"warmup_{name}", mode, k, [], steps)
+        run(f"warmup_{name}", mode, k, [], steps, split)
         t0 = time.perf_counter()
-        r = run(name, mode, k, [], steps)
+        r = run(name, mode, k, [], steps, split)
         s, rows = r["summary"], r["rows"]
         lags = [int(lag) for row in rows for lag, n in row["staleness"].items() for _ in range(n)]
         results[name] = {
-            "mode": mode, "max_staleness": s["max_staleness"], "samples": s["samples"], "wall_s": s["wall_s"],
-            "samples_per_s": s["samples_per_s"],
+            "mode": mode, "placement": s["placement"], "max_staleness": s["max_staleness"], "samples": s["samples"],
+            "wall_s": s["wall_s"], "samples_per_s": s["samples_per_s"],
             "tokens_per_s": sum(row["trained_tokens"] for row in rows) / s["wall_s"],
             "gen_tok_s": s["gen_tok_s"],
             "rollout_share": float(np.mean([row["rollout_share"] for row in rows])),
             "trainer_idle_fraction": s["trainer_idle_fraction"],
             "slot_occupancy": float(np.mean([row["slot_occupancy"] for row in rows])),
             "mean_staleness": float(np.mean(lags)), "max_staleness_seen": int(max(lags)),
-            "max_resident_versions": s["max_resident_versions"],
+            "max_resident_versions": s["max_resident_versions"], "weight_sync_s": s["sync_s"],
             "reward_per_step": [row["reward"] for row in rows], "final_reward": rows[-1]["reward"],
             "len_p50": float(np.median([row["len_p50"] for row in rows])),
             "len_p99": float(max(row["len_p99"] for row in rows)),
@@ -98,11 +114,13 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, noise_seeds: int = 3
               flush=True)
     noise = []
     for seed in range(1, noise_seeds):
-        r = run(f"sync_seed{seed}", "sync", 0, [f"rollout.seed={seed}"], steps)
+        r = run(f"sync_seed{seed}", "sync", 0, [f"rollout.seed={seed}"], steps, bool(placement))
         noise.append([row["reward"] for row in r["rows"]])
     curves = np.asarray([results["sync"]["reward_per_step"]] + noise)
-    sync = results["sync"]["samples_per_s"]
+    sync = max(r["samples_per_s"] for r in results.values() if r["mode"] == "sync")
     return {"machine": machine(), "config": config, "steps": steps, "train_batch": TBS, "group_size": 4,
+            "devices": len(devices), "placement": "split (trainer device 0, rollout device 1)" if placement else
+            "shared (one device)",
             "slots": 32, "workload": "longtail: 85% lognormal p50 8, 15% uniform 128..256 tokens",
             "modes": results, "speedup_vs_sync": {n: r["samples_per_s"] / sync for n, r in results.items()},
             "sync_reward_curves": curves.tolist(),

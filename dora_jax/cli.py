@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -102,6 +103,9 @@ def cmd_check(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.what == "modes" and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        # Two host devices (before JAX starts its CPU backend): trainer and rollout each get one.
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
     from dora_jax import benchmarks
 
     if args.what == "load":

@@ -75,6 +75,29 @@ def test_two_versions_in_flight(models):
     assert differs >= 6  # the versions really are different policies
 
 
+def test_fused_step_equals_one_call_per_version(models):
+    """Stepping every version in one program gives the tokens and log-probs of one call per version, and
+    compiles one program per multiset of group capacities."""
+    m0, m1 = models
+    reqs = _requests(20, seed=4, versions=(0, 1, 2), sampling=RequestSampling(temperature=1.0, top_k=20, seed=5))
+    runs = {}
+    for fuse in (False, True):
+        eng = _engine(m0, slots=8)
+        driver = RolloutDriver(eng, fuse=fuse)
+        for v, m in enumerate((m0, m1, m0)):
+            driver.add_version(v, nnx.state(m))
+        runs[fuse] = {t.sample_id: t for t in driver.run(reqs)}
+        if fuse:
+            assert eng._generate_many_jit._cache_size() >= 1  # several versions did step together
+            # Capacities 1..8 (4 values) in groups of 2 or 3 versions, as multisets: at most 10 + 20 programs.
+            assert eng._generate_many_jit._cache_size() <= 30
+    assert sorted(runs[True]) == list(range(20))
+    for i, t in runs[False].items():
+        f = runs[True][i]
+        assert (f.tokens, f.version, f.finish_reason) == (t.tokens, t.version, t.finish_reason)
+        np.testing.assert_allclose(f.logprobs, t.logprobs, rtol=1e-5, atol=1e-6)
+
+
 def test_alone_equals_busy_batch(models):
     """A sample's tokens do not depend on its slot or on what else is decoding (greedy and sampled)."""
     m0, _ = models

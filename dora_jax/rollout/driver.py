@@ -4,7 +4,8 @@ Each policy version decodes in its own group (its own ``DecodeState`` and params
 from first to last token by the version it was submitted with. A group's capacity is the smallest power of two
 that holds its live trajectories: groups grow when requests arrive and are compacted when trajectories
 finish, so decode compute follows live work instead of a fixed slot count (``slot_utilization`` reports the
-ratio of live rows to computed rows). Capacities are powers of two, so compilation stays bounded.
+ratio of live rows to computed rows). Capacities are powers of two, so compilation stays bounded. All groups step together in one program (one
+dispatch and one device-to-host transfer per step, whatever the number of resident versions).
 
 New requests are admitted between decode steps into free capacity (total live rows <= the engine's
 ``max_concurrent_decodes``), oldest first.
@@ -73,9 +74,10 @@ class _Group:
 class RolloutDriver:
     """Owns one decode group per policy version; admits, steps, and emits finished trajectories."""
 
-    def __init__(self, engine: Engine, *, eos_ids: Sequence[int] = (), compact: bool = True):
+    def __init__(self, engine: Engine, *, eos_ids: Sequence[int] = (), compact: bool = True, fuse: bool = True):
         self.engine = engine
         self.compact = compact
+        self.fuse = fuse
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self._groups: dict[int, _Group] = {}
         self._pending: collections.deque[tuple[Request, float]] = collections.deque()
@@ -186,39 +188,63 @@ class RolloutDriver:
             total_live += 1
 
     def step(self) -> list[Trajectory]:
-        """Admits pending requests, runs one decode step per version group, returns what finished."""
+        """Admits pending requests, runs one decode step of every version group, returns what finished.
+
+        With ``fuse`` (the default) all groups step in one program (:meth:`Engine.generate_many`), so a step
+        costs one dispatch and one result transfer however many versions are resident."""
         done: list[Trajectory] = []
         self._admit(done)
-        for g in self._groups.values():
-            if g.live == 0:
-                continue
-            live_sampling = [s.request.sampling for s in g.slots if s is not None]
-            filtered = needs_filter([s.top_k for s in live_sampling], [s.top_p for s in live_sampling])
-            g.state, result = self.engine.generate(g.params, g.state, filtered=filtered)
+        active = [g for g in self._groups.values() if g.live]
+        if not active:
+            self.steps += 1
+            return done
+        live_sampling = [s.request.sampling for g in active for s in g.slots if s is not None]
+        filtered = needs_filter([s.top_k for s in live_sampling], [s.top_p for s in live_sampling])
+        if len(active) == 1 or not self.fuse:
+            results = []
+            for g in active:
+                g.state, result = self.engine.generate(g.params, g.state, filtered=filtered)
+                results.append(result)
+            cols_of = [r.to_host().columns() for r in results]
+        else:
+            # Largest group first: one compiled program per multiset of capacities, not per ordering.
+            active.sort(key=lambda g: (-len(g.slots), g.version))
+            states, result = self.engine.generate_many([g.params for g in active], [g.state for g in active],
+                                                       filtered=filtered)
             cols = result.to_host().columns()
-            self.rows_computed += len(g.slots)
-            self.rows_live += g.live
-            now = time.perf_counter()
-            for slot, live in enumerate(g.slots):
-                if live is None:
-                    continue
-                if not cols["valid"][slot] or cols["version"][slot] != g.version:
-                    raise RuntimeError(f"slot {slot} of version {g.version} returned no result")  # engine bug
-                tok = int(cols["token"][slot])
-                live.tokens.append(tok)
-                live.logprobs.append(float(cols["logprob"][slot]))
-                reason = self._reason(live, tok)
-                if reason is not None:
-                    done.append(self._finish(live, reason, now))
-                    g.slots[slot] = None
-                    g.state = self.engine.free_slot(g.state, slot)
-            # Compaction: stop computing empty rows once at most half are live (and no request is waiting
-            # for this version, which would only grow the group again).
-            target = bucket(g.live, minimum=1)
-            if self.compact and g.live and target <= len(g.slots) // 2 and not any(r.version == g.version for r, _ in self._pending):
-                self._resize(g, target)
+            cols_of, row = [], 0
+            for g, state in zip(active, states):
+                g.state = state
+                cols_of.append({k: v[row:row + len(g.slots)] for k, v in cols.items()})
+                row += len(g.slots)
+        now = time.perf_counter()
+        for g, cols in zip(active, cols_of):
+            self._take(g, cols, now, done)
         self.steps += 1
         return done
+
+    def _take(self, g: _Group, cols: dict[str, np.ndarray], now: float, done: list[Trajectory]) -> None:
+        """Appends one step's results to ``g``'s live trajectories; finishes, frees and compacts."""
+        self.rows_computed += len(g.slots)
+        self.rows_live += g.live
+        for slot, live in enumerate(g.slots):
+            if live is None:
+                continue
+            if not cols["valid"][slot] or cols["version"][slot] != g.version:
+                raise RuntimeError(f"slot {slot} of version {g.version} returned no result")  # engine bug
+            tok = int(cols["token"][slot])
+            live.tokens.append(tok)
+            live.logprobs.append(float(cols["logprob"][slot]))
+            reason = self._reason(live, tok)
+            if reason is not None:
+                done.append(self._finish(live, reason, now))
+                g.slots[slot] = None
+                g.state = self.engine.free_slot(g.state, slot)
+        # Compaction: stop computing empty rows once at most half are live (and no request is waiting for
+        # this version, which would only grow the group again).
+        target = bucket(g.live, minimum=1)
+        if self.compact and g.live and target <= len(g.slots) // 2 and not any(r.version == g.version for r, _ in self._pending):
+            self._resize(g, target)
 
     def run(self, requests: Iterable[Request] = ()) -> list[Trajectory]:
         """Submits ``requests`` and steps until everything has finished."""

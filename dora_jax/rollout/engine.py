@@ -21,7 +21,7 @@ Shape legend: B slots, T prompt bucket, S cache length (``max_target_length``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -156,7 +156,10 @@ class Engine:
         self._prefill_jit = jax.jit(self._prefill_impl)
         self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(1,))
         self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,), static_argnums=(2,))
+        self._generate_many_jit = jax.jit(self._generate_many_impl, donate_argnums=(1,), static_argnums=(2,))
         self._resize_jit = jax.jit(self._resize_impl, static_argnums=(2,))
+        self._free_jit = jax.jit(lambda state, slot: state._replace(active=state.active.at[slot].set(False)),
+                                 donate_argnums=(0,))
 
     # -- JetStream API properties --------------------------------------------------------------------------
 
@@ -184,7 +187,9 @@ class Engine:
         last = head_logits(self.cfg, params.tree, last_x[None])[0]
         keys = row_keys(seed, sample_id[None], true_length[None])
         tok, lp = sample(last, keys, sampling)
-        return Prefix(cache, tok[0], lp[0], true_length, sample_id, version, sampling, seed)
+        prefix = Prefix(cache, tok[0], lp[0], true_length, sample_id, version, sampling, seed)
+        # The first token's result, packed here so that reading it costs one transfer and no extra dispatch.
+        return prefix, _pack(tok, jnp.ones((1,), bool), true_length[None], lp, version[None])
 
     def _insert_impl(self, prefix: Prefix, state: DecodeState, slot) -> DecodeState:
         def put_row(big, row):
@@ -212,6 +217,10 @@ class Engine:
         tokens = jnp.where(state.active, tokens, 0)
         new = state._replace(cache=cache, tokens=tokens, positions=jnp.where(state.active, nxt, state.positions))
         return new, _pack(tokens, state.active, nxt, logprobs, state.versions)
+
+    def _generate_many_impl(self, params_seq, states_seq, filtered: bool | None):
+        outs = [self._generate_impl(p, st, filtered) for p, st in zip(params_seq, states_seq)]
+        return tuple(o[0] for o in outs), jnp.concatenate([o[1] for o in outs], axis=0)
 
     def _resize_impl(self, state: DecodeState, rows, capacity: int) -> DecodeState:
         """Gathers ``rows`` (indices into the old state, -1 = empty) into a state of ``capacity`` slots."""
@@ -277,20 +286,19 @@ class Engine:
         t = min(bucket(true_length), self.max_target_length)
         tokens = np.zeros((t,), np.int32)
         tokens[:true_length] = padded[:true_length]
-        sp = SamplingParams.make(1, sampling.temperature, int(sampling.top_k), sampling.top_p)
-        prefix = self._prefill_jit(self._prepared_params(params), jnp.asarray(tokens),
-                                   jnp.int32(true_length), jnp.int32(sample_id), jnp.int32(version),
-                                   jnp.int32(sampling.seed), sp)
-        result = ResultTokens(_pack(prefix.token[None], jnp.ones((1,), bool), prefix.length[None],
-                                    prefix.logprob[None], prefix.version[None]))
-        return prefix, result
+        # Host (numpy) arguments: jit moves them with the call, with no eager dispatch per argument.
+        sp = SamplingParams(np.full((1,), sampling.temperature, np.float32), np.full((1,), sampling.top_k, np.int32),
+                            np.full((1,), sampling.top_p, np.float32))
+        prefix, packed = self._prefill_jit(self._prepared_params(params), tokens, np.int32(true_length),
+                                           np.int32(sample_id), np.int32(version), np.int32(sampling.seed), sp)
+        return prefix, ResultTokens(packed)
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         """Places a prefilled request into ``slot`` of the decode state (donated)."""
         b = decode_state.tokens.shape[0]
         if not (isinstance(slot, (int, np.integer)) and 0 <= slot < b):
             raise EngineError(f"slot {slot!r} does not exist (decode state has slots 0..{b - 1})")
-        return self._insert_jit(prefix, decode_state, jnp.int32(slot))
+        return self._insert_jit(prefix, decode_state, np.int32(slot))
 
     def generate(self, params: Any, decode_state: DecodeState, *, filtered: bool | None = None
                  ) -> tuple[DecodeState, ResultTokens]:
@@ -308,11 +316,27 @@ class Engine:
         state, data = self._generate_jit(self._prepared_params(params), decode_state, filtered)
         return state, ResultTokens(data)
 
+    def generate_many(self, params_seq: Sequence[Any], states_seq: Sequence[DecodeState], *,
+                      filtered: bool | None = None) -> tuple[tuple[DecodeState, ...], ResultTokens]:
+        """One decode step of several decode states, each with its own params (one policy version each), in
+        one program: one dispatch and one result transfer for all of them.
+
+        The same computation per state as :meth:`generate` (rows never mix versions); the results are stacked
+        in the order given (rows of ``states_seq[0]`` first). States are donated. One program is compiled per
+        sequence of capacities: callers keep capacities to powers of two and may order states by capacity.
+        """
+        if len(params_seq) != len(states_seq) or not states_seq:
+            raise EngineError(f"generate_many: {len(params_seq)} params for {len(states_seq)} decode states")
+        states, data = self._generate_many_jit(tuple(self._prepared_params(p) for p in params_seq),
+                                               tuple(states_seq), filtered)
+        return states, ResultTokens(data)
+
     def free_slot(self, decode_state: DecodeState, slot: int) -> DecodeState:
-        return decode_state._replace(active=decode_state.active.at[slot].set(False))
+        """Marks ``slot`` empty (the decode state is donated); its row is computed but never reported."""
+        return self._free_jit(decode_state, np.int32(slot))
 
     def resize(self, decode_state: DecodeState, rows: list[int], capacity: int) -> DecodeState:
         """Compacts or grows a decode state: new slot ``i`` holds old slot ``rows[i]`` (-1 or missing: empty)."""
         idx = np.full((capacity,), -1, np.int32)
         idx[:len(rows)] = rows
-        return self._resize_jit(decode_state, jnp.asarray(idx), capacity)
+        return self._resize_jit(decode_state, idx, capacity)

@@ -89,7 +89,7 @@ def _make_class(engine_api) -> type:
             params = jax.eval_shape(lambda: eng.prepare_params(eng.params))
             i32 = jax.ShapeDtypeStruct((), np.int32)
             shapes = jax.eval_shape(eng._prefill_impl, params, jax.ShapeDtypeStruct((16,), np.int32), i32, i32, i32,
-                                    i32, SamplingParams.make(1))
+                                    i32, SamplingParams.make(1))[0]  # (prefix, first result): the prefix
             return jax.tree.map(lambda _: sharding, shapes)
 
         # -- tokenizer -----------------------------------------------------------------------------------------
