@@ -122,17 +122,20 @@ class Runner:
         that share them share compiled functions (benchmarks compare modes without recompiling). The state is
         donated by the first train step: pass a copy. An engine on other devices than the trainer's mesh
         makes the run ``split`` (see :func:`make_parts`).
+      devices: the devices ``cfg.mesh`` and ``cfg.roles`` are laid out over (default: all); not with ``parts``.
     """
 
     def __init__(self, cfg: Config, run_dir: str, *, model: Any = None, tokenizer: Any = None,
                  task: Task | None = None, keep_versions: bool = False, progress: bool = True,
-                 parts: tuple[Trainer, Any, Engine] | None = None):
+                 parts: tuple[Trainer, Any, Engine] | None = None, devices: list[jax.Device] | None = None):
         from dora_jax.models.build import abstract_model, state_shardings
         from dora_jax.models.weights import load_model
         from dora_jax.sharding import role_meshes
         from dora_jax.tokenizer import ByteTokenizer
 
         cfg.validate()
+        if parts is not None and devices is not None:
+            raise RunError("Runner: give devices or parts, not both (the parts' meshes fix their devices)")
         self.cfg, self.run_dir, self.progress = cfg, run_dir, progress
         if os.path.exists(os.path.join(run_dir, "summary.json")):
             raise RunError(f"{run_dir} already holds a finished run (summary.json); choose another run.name or "
@@ -149,7 +152,7 @@ class Runner:
             self.store.check_config()
         os.makedirs(run_dir, exist_ok=True)
         self.task = task if task is not None else load_task(cfg.task)
-        meshes = role_meshes(cfg.mesh, cfg.roles) if parts is None else None
+        meshes = role_meshes(cfg.mesh, cfg.roles, devices) if parts is None else None
         if meshes is not None and len(meshes.rollout) > 1 and not meshes.shared:
             raise RunError(f"roles.rollout_groups = {cfg.roles.rollout_groups}: the runner drives one rollout group "
                            "per process; use roles.rollout_groups=1 (with rollout_data for data-parallel decode)")

@@ -111,6 +111,34 @@ def test_sharded_step_equals_single_device():
     assert [x.sharding.spec for x in jax.tree.leaves(new8.params)] == specs
 
 
+def test_model_built_on_another_device_set_is_moved_to_the_trainer_mesh():
+    """A model built on one device handed to a trainer on eight: its params move onto the trainer's mesh, and
+    the step equals the one of a model built directly on that mesh."""
+    cfg = _config(loss="grpo", kl_coef=0.1, micro_batches=2)
+    mesh = _mesh(8)
+    samples = _samples(3)
+    elsewhere = init_model(cfg.model, seed=5)  # on jax.devices()[0] only
+    assert all(len(x.sharding.device_set) == 1 for x in jax.tree.leaves(nnx.state(elsewhere)))
+    direct = init_model(cfg.model, mesh, cfg.mesh.logical_axis_rules, seed=5)
+    moved, s_moved = Trainer.create(cfg, model=elsewhere, mesh=mesh, tx=optax.adam(1e-2))
+    ref, s_ref = Trainer.create(cfg, model=direct, mesh=mesh, tx=optax.adam(1e-2))
+    devices = set(mesh.devices.flat)
+    for x, r in zip(jax.tree.leaves(s_moved), jax.tree.leaves(s_ref), strict=True):
+        assert x.sharding.device_set == devices
+        assert x.sharding.is_equivalent_to(r.sharding, x.ndim)
+    s_moved, s_ref = (s.replace(version=jnp.asarray(3, jnp.int32)) for s in (s_moved, s_ref))  # the samples' version
+    # Both states go through one trainer's compiled functions (compiling them once is most of this test's time).
+    batch = _batch(moved, samples, cfg)
+    b_moved, b_ref = moved.with_reference(s_moved, batch), ref.with_reference(s_ref, batch)
+    for _ in range(2):  # the second step starts from the first one's Adam moments and a nonzero KL
+        s_moved, m_moved = moved.train_step(s_moved, b_moved)
+        s_ref, m_ref = moved.train_step(s_ref, b_ref)
+        for k in ("loss", "kl", "grad_norm"):
+            np.testing.assert_allclose(float(m_moved[k]), float(m_ref[k]), rtol=1e-5, err_msg=k)
+    assert float(m_ref["kl"]) > 0 and float(m_ref["grad_norm"]) > 0
+    assert rel_err(_flat(s_moved.params), _flat(s_ref.params)) <= 1e-5
+
+
 def test_stale_samples_change_nothing_and_are_counted():
     cfg = _config(max_staleness=1)
     fresh = _samples(2, versions=(3, 2))  # trainer version 3: lags 0 and 1 are kept

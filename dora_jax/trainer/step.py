@@ -184,11 +184,13 @@ class Trainer:
 
         Args:
           cfg: the whole config (``cfg.model`` builds or loads the model unless ``model`` is given).
-          model: an already built (and sharded) model; its parameters become the initial policy, version 0.
+          model: an already built model; its parameters become the initial policy, version 0. They are placed
+            in ``mesh``'s shardings (from their logical axes and ``rules``), wherever the model was built.
           mesh: default: the mesh of ``cfg.mesh`` over all devices.
           rules: default: ``cfg.mesh.logical_axis_rules``.
           tx: an optimizer to use instead of the one ``cfg.train`` describes.
         """
+        from dora_jax.models.build import state_shardings
         from dora_jax.models.weights import load_model
         from dora_jax.sharding import create_mesh
 
@@ -197,6 +199,9 @@ class Trainer:
         if model is None:
             model, _ = load_model(cfg.model, mesh, rules, seed=cfg.run.seed, progress=False)
         graphdef, params = nnx.split(model)
+        # The model may live elsewhere (one device, another mesh): its params move device to device into this
+        # mesh's shardings, so that every array the trainer builds from them is on the trainer's devices.
+        params = jax.device_put(params, state_shardings(params, mesh, rules))
         tcfg = cfg.train
         key = jax.random.key(cfg.run.seed)
         tx = tx if tx is not None else make_optimizer(tcfg)
