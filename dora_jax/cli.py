@@ -69,7 +69,9 @@ def cmd_train(args) -> int:
     print(json.dumps({k: v for k, v in summary.items() if k != "filtered_reasons"}, indent=1))
     print(f"accuracy on {summary['eval_n']} held-out questions: {summary['accuracy_before']:.3f} before, "
           f"{summary['accuracy_after']:.3f} after {summary['steps']} updates ({summary['wall_s']:.0f}s of training)")
-    if not args.no_plot:
+    import jax
+
+    if not args.no_plot and jax.process_index() == 0:  # process 0 writes the run directory
         from dora_jax.metrics import plot_run
 
         print("plots:", ", ".join(plot_run(run_dir)))

@@ -14,7 +14,8 @@ JAX touches a device, reading the cluster from the environment, in this order:
 * ``single``: nothing to connect; :func:`initialize` is a no-op.
 
 Control decisions that every host must take identically (which batch trains next, when to stop) are made by
-process 0 and sent to all with :func:`broadcast_decision`; data is split with :func:`process_shard`.
+process 0 and sent to all with :func:`broadcast_decision`, or taken on every host and checked to agree with
+:func:`gather_decisions`; data is split with :func:`process_shard`.
 """
 
 from __future__ import annotations
@@ -204,6 +205,29 @@ def broadcast_decision(obj: Any) -> Any:
     buf = np.frombuffer(payload, np.uint8) if is_source else np.zeros((n,), np.uint8)
     data = np.asarray(multihost_utils.broadcast_one_to_all(buf))
     return json.loads(data.astype(np.uint8).tobytes().decode())
+
+
+def gather_decisions(obj: Any) -> list[Any]:
+    """Every process's ``obj``, in process order, on every process: to check that a decision each process
+    took on its own is the same everywhere (and fail on every process at once when it is not).
+
+    ``obj`` must be JSON-serializable; entries are ``json.loads(json.dumps(obj))`` (also with one process).
+    Every process must call it at the same point of the program.
+    """
+    import jax
+
+    payload = json.dumps(obj, sort_keys=True).encode()
+    if jax.process_count() == 1:
+        return [json.loads(payload)]
+    from jax.experimental import multihost_utils
+
+    lengths = np.asarray(multihost_utils.process_allgather(np.int32(len(payload)))).reshape(-1)
+    # A power-of-two buffer: the gather is compiled once per size class, not once per payload length.
+    size = max(64, 1 << (int(lengths.max()) - 1).bit_length())
+    buf = np.zeros((size,), np.uint8)
+    buf[:len(payload)] = np.frombuffer(payload, np.uint8)
+    data = np.asarray(multihost_utils.process_allgather(buf)).reshape(len(lengths), size)
+    return [json.loads(data[i, :n].astype(np.uint8).tobytes().decode()) for i, n in enumerate(lengths)]
 
 
 def process_shard(items: Sequence[T], *, index: int | None = None, count: int | None = None,

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -46,6 +47,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dora_jax.config import Config
+from dora_jax.distributed import gather_decisions
 from dora_jax.metrics import MetricsWriter
 from dora_jax.resume import Finished, RunStore, fsync_file, pack_run_state, truncate_lines, unpack_run_state
 from dora_jax.rewards import RewardPool
@@ -69,6 +71,16 @@ def _percentile(xs: list[int], q: float) -> float:
 
 def _device_set(mesh: Any) -> frozenset[Any] | None:
     return None if mesh is None else frozenset(mesh.devices.flat)
+
+
+class _NoWriter:
+    """The metrics writer of a process other than process 0: only process 0 writes the run directory."""
+
+    def write(self, row: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 @dataclasses.dataclass
@@ -123,6 +135,11 @@ class Runner:
         donated by the first train step: pass a copy. An engine on other devices than the trainer's mesh
         makes the run ``split`` (see :func:`make_parts`).
       devices: the devices ``cfg.mesh`` and ``cfg.roles`` are laid out over (default: all); not with ``parts``.
+
+    Under several processes (``jax.distributed``, ``jax.process_count() > 1``) every process runs the same
+    run: the trainer on one mesh over every process's devices, a rollout engine on each process's own
+    devices doing the same work in lockstep; the batch to train and when to stop are checked to be the same
+    on every process, and only process 0 writes the run directory (docs/scale.md).
     """
 
     def __init__(self, cfg: Config, run_dir: str, *, model: Any = None, tokenizer: Any = None,
@@ -130,7 +147,7 @@ class Runner:
                  parts: tuple[Trainer, Any, Engine] | None = None, devices: list[jax.Device] | None = None):
         from dora_jax.models.build import abstract_model, state_shardings
         from dora_jax.models.weights import load_model
-        from dora_jax.sharding import role_meshes
+        from dora_jax.sharding import ProcessLocalCopy, process_meshes, role_meshes, rollout_mesh_config
         from dora_jax.tokenizer import ByteTokenizer
 
         cfg.validate()
@@ -150,6 +167,12 @@ class Runner:
                            "set run.resume=true to continue it, or choose another run.name or run.out_dir")
         if cfg.run.resume:
             self.store.check_config()
+        # Several processes: every process runs this same run; only process 0 writes the run directory.
+        self.multi, self.writes = jax.process_count() > 1, jax.process_index() == 0
+        if self.multi:
+            self._check_multiprocess(parts)
+            # Also a barrier: no process writes to the run directory before every process has checked it.
+            self._agree("config fingerprint", cfg.fingerprint(), "at startup")
         os.makedirs(run_dir, exist_ok=True)
         self.task = task if task is not None else load_task(cfg.task)
         meshes = role_meshes(cfg.mesh, cfg.roles, devices) if parts is None else None
@@ -171,12 +194,17 @@ class Runner:
             self.trainer, self.state, self.engine = parts
         else:
             self.trainer, self.state = Trainer.create(cfg, model=model, mesh=mesh)
-            self.engine = make_engine(cfg, model, meshes.rollout[0])
+            # Several processes: each decodes on its own devices (decode programs never span processes).
+            local_meshes = process_meshes(rollout_mesh_config(cfg.roles), devices) if self.multi else None
+            rollout_mesh = local_meshes[jax.process_index()] if self.multi else meshes.rollout[0]
+            self.engine = make_engine(cfg, model, rollout_mesh)
         # Split placement: the rollout engine's devices are not the trainer's; versions move between them.
-        self.split = (_device_set(self.engine.mesh) is not None
+        self.split = (not self.multi and _device_set(self.engine.mesh) is not None
                       and _device_set(self.engine.mesh) != _device_set(self.trainer.mesh))
         self._rollout_shardings = (state_shardings(abstract_model(cfg.model)[1], self.engine.mesh,
-                                                   cfg.mesh.logical_axis_rules) if self.split else None)
+                                                   cfg.mesh.logical_axis_rules) if self.split or self.multi else None)
+        # Several processes: each new version goes from the trainer's mesh to every process's own copy.
+        self._to_local = ProcessLocalCopy(self._rollout_shardings, local_meshes) if self.multi else None
         self._in_flight: _TrainInFlight | None = None
         self.sync_s = 0.0  # trainer -> rollout weight transfers, in total
         self.sampling = RequestSampling(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=r.seed)
@@ -185,6 +213,7 @@ class Runner:
         self.rewards = RewardPool(cfg.task.reward_workers, cfg.task.reward_timeout_s)
         self.keep_versions = keep_versions
         self.versions_seen: dict[int, Any] = {}
+        self.updates: list[dict[str, Any]] = []  # per update: step, trained groups and samples, train metrics
         self._params: dict[int, Any] = {}  # resident versions on the trainer's devices (recompute, snapshots)
         self._rollout_params: dict[int, Any] = {}  # the same versions on the rollout devices
         self._waiting: dict[int, deque[Request]] = {}
@@ -211,6 +240,9 @@ class Runner:
         rollout = params
         if self.split:  # device to device, never through the host
             rollout, secs = reshard(params, self._rollout_shardings)
+            self.sync_s += secs
+        elif self._to_local is not None:  # several processes: this process's copy, device to device
+            rollout, secs = self._to_local(params)
             self.sync_s += secs
         self._rollout_params[version] = rollout
         self.driver.add_version(version, rollout)
@@ -276,7 +308,14 @@ class Runner:
 
     def _collect_rewards(self, wait_s: float = 0.0) -> None:
         led = self.sched.ledger
-        for res in self.rewards.poll(wait_s):
+        results = self.rewards.poll(wait_s)
+        if self.multi:
+            # Every process takes the scheduler's next decision on the same ledger: no result may still be
+            # on its way on one process and in on another.
+            while self.rewards.outstanding:
+                results += self.rewards.poll(0.05)
+            results.sort(key=lambda res: res.key)
+        for res in results:
             if res.error:
                 led.filter(res.key, res.error)
                 if led.count("filtered") > 4 * self.policy.total_samples + 64:
@@ -322,13 +361,14 @@ class Runner:
         self.sched.trained(group_ids)
         lengths = [len(d.traj.tokens) for d in done]
         self._sample_lines += len(done)
-        with open(os.path.join(self.run_dir, "samples.jsonl"), "a", encoding="utf-8") as f:
-            for d in done:
-                f.write(json.dumps({"sample_id": d.traj.sample_id, "group_id": d.group_id,
-                                    "version": d.traj.version, "trained_at": version, "reward": d.reward,
-                                    "correct": d.correct, "prompt_ids": d.traj.prompt_ids,
-                                    "tokens": d.traj.tokens, "logprobs": d.traj.logprobs,
-                                    "finish_reason": d.traj.finish_reason, "text": d.text}) + "\n")
+        if self.writes:  # only process 0 writes the run directory
+            with open(os.path.join(self.run_dir, "samples.jsonl"), "a", encoding="utf-8") as f:
+                for d in done:
+                    f.write(json.dumps({"sample_id": d.traj.sample_id, "group_id": d.group_id,
+                                        "version": d.traj.version, "trained_at": version, "reward": d.reward,
+                                        "correct": d.correct, "prompt_ids": d.traj.prompt_ids,
+                                        "tokens": d.traj.tokens, "logprobs": d.traj.logprobs,
+                                        "finish_reason": d.traj.finish_reason, "text": d.text}) + "\n")
         for d in done:
             del self._done[d.traj.sample_id]
         row = {"reward": float(np.mean([d.reward for d in done])),
@@ -352,7 +392,51 @@ class Runner:
         self._in_flight = None
         sync_before = self.sync_s
         self._publish(f.version, self.trainer.policy_params(self.state))
+        self.updates.append({"step": f.version, "group_ids": list(f.group_ids),
+                             "samples": [[d.traj.sample_id, d.traj.version] for d in f.done], "train": metrics})
         return {**f.row, "train": metrics, "sync_s": self.sync_s - sync_before}, train_s
+
+    # -- several processes ----------------------------------------------------------------------------------
+
+    def _check_multiprocess(self, parts: Any) -> None:
+        """Refuses what a run under several processes does not support yet, naming the setting."""
+        cfg, n = self.cfg, jax.process_count()
+        where = f"with {n} processes (jax.process_count())"
+        if cfg.run.checkpoint_every > 0:
+            raise RunError(f"run.checkpoint_every = {cfg.run.checkpoint_every}: run checkpoints and version snapshots "
+                           f"are not written {where} yet; set run.checkpoint_every=0")
+        if self.store.has_checkpoints():
+            raise RunError(f"{self.store.checkpoints.directory} holds run checkpoints: resuming {where} is not "
+                           "supported yet; resume with one process, or choose another run.name or run.out_dir")
+        if cfg.roles.placement != "shared":
+            raise RunError(f"roles.placement = {cfg.roles.placement!r}: {where} the trainer uses every process's "
+                           "devices and each process decodes on its own (time-sharing); use roles.placement=shared")
+        t = cfg.train
+        if t.behaviour_logprobs == "recompute" or t.correction == "decoupled":
+            raise RunError(f"train.behaviour_logprobs = {t.behaviour_logprobs!r}, train.correction = {t.correction!r}: "
+                           f"recomputed behaviour log-probs are not supported {where} yet; use "
+                           "train.behaviour_logprobs=engine and a correction other than decoupled")
+        if parts is not None:
+            raise RunError(f"Runner(parts=...) {where}: build the run from the config (each process's rollout "
+                           "engine must be on its own devices)")
+
+    def _agree(self, what: str, local: Any, where: str) -> Any:
+        """``local``, a decision this process took on its own, checked to be every process's (several processes
+        only: with one process it is returned as is).
+
+        Raises:
+          RunError: on every process when some process decided otherwise, naming the decision, where, and
+            process 0's and the other process's values.
+        """
+        if not self.multi:
+            return local
+        values = gather_decisions(local)
+        for p, v in enumerate(values):
+            if v != values[0]:
+                raise RunError(f"{where}: {what} differs between processes: process 0 has {values[0]!r}, "
+                               f"process {p} has {v!r}: the processes' runs diverged (every process must run the "
+                               "same config and get the same rewards)")
+        return local
 
     # -- checkpoints and resume ------------------------------------------------------------------------------
 
@@ -434,21 +518,22 @@ class Runner:
     def _run(self) -> dict[str, Any]:
         cfg, m = self.cfg, self._resumed
         if m is None:
-            with open(os.path.join(self.run_dir, "config.json"), "w") as f:
-                json.dump(cfg.to_dict(), f, indent=1)
+            if self.writes:
+                with open(os.path.join(self.run_dir, "config.json"), "w") as f:
+                    json.dump(cfg.to_dict(), f, indent=1)
             t_eval = time.perf_counter()
             before = self.evaluate(0)
             m = {"eval_before": before, "eval_s": time.perf_counter() - t_eval, "wall_s": 0.0, "train_s": 0.0,
                  "gen_tokens": 0, "checkpoint_s": 0.0, "lines": 0, "samples_lines": 0}
         before, eval_s = m["eval_before"], m["eval_s"]
         for name, key in (("metrics.jsonl", "lines"), ("samples.jsonl", "samples_lines")):
-            if dropped := truncate_lines(os.path.join(self.run_dir, name), m[key]):
+            if self.writes and (dropped := truncate_lines(os.path.join(self.run_dir, name), m[key])):
                 log.warning("%s: dropped %d lines written after the checkpoint (their updates are redone)",
                             os.path.join(self.run_dir, name), dropped)
         self._metrics_lines, self._sample_lines = m["lines"], m["samples_lines"]
-        writer = MetricsWriter(self.run_dir)
+        writer = MetricsWriter(self.run_dir) if self.writes else _NoWriter()
         bar = tqdm(total=cfg.dora.steps, initial=self.sched.version, desc=f"{cfg.dora.mode} K={self.policy.bound}",
-                   unit="update", disable=not self.progress)
+                   unit="update", disable=not self.progress or not self.writes)
         last = time.perf_counter()
         t0 = last - m["wall_s"]  # wall_s continues across a resume
         train_total, rollout_s, checkpoint_s = m["train_s"], 0.0, m["checkpoint_s"]
@@ -482,7 +567,8 @@ class Runner:
             bar.update(1)
             last, rollout_s, gen_tokens, live_rows, slot_rows = now, 0.0, 0, 0, 0
 
-        while not self.sched.done() or self._in_flight is not None:
+        while self._agree("going on", not self.sched.done() or self._in_flight is not None,
+                          f"before update {self.sched.version + 1}"):
             self._dispatch()
             self._admit()
             if not self.driver.idle:
@@ -500,7 +586,8 @@ class Runner:
             self._drop_drained()
             self.max_resident = max(self.max_resident, len(self._params))
             if self._in_flight is None and not self.sched.done():
-                batch = self.sched.next_batch()
+                batch = self._agree("the batch to train", self.sched.next_batch(),
+                                    f"before update {self.sched.version + 1}")
                 if batch is not None:
                     self._train(batch)
             # Shared placement completes the step now; split placement only when it has finished, or when
@@ -517,8 +604,12 @@ class Runner:
         wall = time.perf_counter() - t0
         writer.close()
         led.check(self.policy.bound)
-        with open(os.path.join(self.run_dir, "ledger.json"), "w") as f:
-            json.dump(self.sched.state_dict(), f)
+        if self.multi:
+            state = json.dumps(self.sched.state_dict(), sort_keys=True).encode()
+            self._agree("the ledger's digest", hashlib.sha256(state).hexdigest(), "at the end of the run")
+        if self.writes:
+            with open(os.path.join(self.run_dir, "ledger.json"), "w") as f:
+                json.dump(self.sched.state_dict(), f)
         t_eval = time.perf_counter()
         after = self.evaluate()
         eval_s += time.perf_counter() - t_eval
@@ -534,8 +625,9 @@ class Runner:
             "trainer_idle_fraction": 1 - train_total / wall, "max_resident_versions": self.max_resident,
             "placement": "split" if self.split else "shared", "sync_s": self.sync_s,
             "slot_utilization": self.driver.slot_utilization, "config_fingerprint": cfg.fingerprint(),
-            "resumed": self._resumed is not None,
+            "resumed": self._resumed is not None, "processes": jax.process_count(),
         }
-        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
+        if self.writes:
+            with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=1)
         return summary

@@ -218,3 +218,61 @@ def reshard(tree: Any, shardings: Any) -> tuple[Any, float]:
     t0 = time.perf_counter()
     out = jax.block_until_ready(jax.device_put(tree, shardings))
     return out, time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Several processes (multi-controller): the trainer's arrays span every process's devices; each process's
+# rollout engine holds its own copy of the policy on its own devices.
+
+
+def process_meshes(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> tuple[Mesh, ...]:
+    """One ``mesh_cfg`` mesh per process over that process's devices among ``devices`` (default: all),
+    indexed by process index. Every process computes the same tuple.
+
+    Raises:
+      ConfigError: when a process's devices do not fit ``mesh_cfg`` (the process and its device count are named).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    out = []
+    for p in range(jax.process_count()):
+        mine = [d for d in devices if d.process_index == p]
+        if not mine:
+            raise ConfigError(f"process {p} has none of the {len(devices)} devices given")
+        try:
+            out.append(create_mesh(mesh_cfg, mine))
+        except ConfigError as e:
+            raise ConfigError(f"process {p} ({len(mine)} devices): {e}") from None
+    return tuple(out)
+
+
+class ProcessLocalCopy:
+    """Makes each process's own copy of a tree whose arrays span every process's devices.
+
+    ``local_shardings`` are this process's target shardings (a tree of NamedShardings on
+    ``meshes[jax.process_index()]``). One jitted program moves the tree onto a mesh that stacks every
+    process's mesh along a ``process`` axis, with the same partition specs: each device receives exactly the
+    shard its process's copy needs (XLA's collectives, device to device, never through host memory). The
+    shards a process holds then form its copy, an array on its own devices only, usable by programs that
+    never span processes (the rollout engine's decode).
+    """
+
+    def __init__(self, local_shardings: Any, meshes: Sequence[Mesh]):
+        self.local = jax.tree.leaves(local_shardings)
+        names = meshes[0].axis_names
+        stacked = Mesh(np.stack([m.devices for m in meshes]), ("process",) + tuple(names))
+        spread = [NamedSharding(stacked, s.spec) for s in self.local]
+        self._spread = jax.jit(lambda xs: list(xs), out_shardings=spread)
+
+    def __call__(self, tree: Any) -> tuple[Any, float]:
+        """``(this process's copy of tree, seconds)``, the time including the wait for the last copy."""
+        t0 = time.perf_counter()
+        leaves, treedef = jax.tree.flatten(tree)
+        if len(leaves) != len(self.local):
+            raise ValueError(f"ProcessLocalCopy: the tree has {len(leaves)} arrays, the shardings {len(self.local)}")
+        out = []
+        for x, sharding in zip(self._spread(leaves), self.local):
+            by_device = {s.device: s.data for s in x.addressable_shards}
+            shards = [by_device[d] for d in sharding.addressable_devices_indices_map(x.shape)]
+            out.append(jax.make_array_from_single_device_arrays(x.shape, sharding, shards))
+        out = jax.block_until_ready(jax.tree.unflatten(treedef, out))
+        return out, time.perf_counter() - t0

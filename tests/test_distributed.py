@@ -68,7 +68,7 @@ def test_process_shard():
 
 _WORKER = textwrap.dedent("""
     import json, sys
-    from dora_jax.distributed import broadcast_decision, initialize, process_shard
+    from dora_jax.distributed import broadcast_decision, gather_decisions, initialize, process_shard
     spec = initialize()
     import jax, jax.numpy as jnp
     import numpy as np
@@ -76,10 +76,12 @@ _WORKER = textwrap.dedent("""
     pid = jax.process_index()
     decision = broadcast_decision({"train": [pid, 10 + pid], "stop": pid == 0})
     shard = process_shard(list(range(8)))
+    gathered = gather_decisions({"pid": pid, "text": "x" * (100 * pid)})  # payloads of different lengths
     # A global reduction over every device of both processes.
     total = multihost_utils.process_allgather(np.int32(sum(shard)))
     print("RESULT " + json.dumps({"pid": pid, "count": jax.process_count(), "devices": jax.device_count(),
-          "kind": spec.kind, "decision": decision, "shard": shard, "total": np.asarray(total).tolist()}))
+          "kind": spec.kind, "decision": decision, "gathered": gathered, "shard": shard,
+          "total": np.asarray(total).tolist()}))
 """)
 
 
@@ -105,5 +107,6 @@ def test_two_processes_agree_on_process_zeros_decision(tmp_path):
     for pid, r in enumerate(results):
         assert (r["pid"], r["count"], r["devices"], r["kind"]) == (pid, 2, 4, "env")
         assert r["decision"] == {"train": [0, 10], "stop": True}  # process 0's, on both
+        assert r["gathered"] == [{"pid": 0, "text": ""}, {"pid": 1, "text": "x" * 100}]  # every process's, in order
         assert r["shard"] == list(range(pid, 8, 2))
         assert r["total"] == [12, 16]
