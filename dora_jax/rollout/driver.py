@@ -5,7 +5,8 @@ from first to last token by the version it was submitted with. A group's capacit
 that holds its live trajectories: groups grow when requests arrive and are compacted when trajectories
 finish, so decode compute follows live work instead of a fixed slot count (``slot_utilization`` reports the
 ratio of live rows to computed rows). Capacities are powers of two, so compilation stays bounded. All groups step together in one program (one
-dispatch and one device-to-host transfer per step, whatever the number of resident versions).
+dispatch and one device-to-host transfer per step, whatever the number of resident versions), at the
+capacity of the largest group, so that the programs are one per (versions, capacity) pair.
 
 New requests are admitted between decode steps into free capacity (total live rows <= the engine's
 ``max_concurrent_decodes``), oldest first.
@@ -190,8 +191,9 @@ class RolloutDriver:
     def step(self) -> list[Trajectory]:
         """Admits pending requests, runs one decode step of every version group, returns what finished.
 
-        With ``fuse`` (the default) all groups step in one program (:meth:`Engine.generate_many`), so a step
-        costs one dispatch and one result transfer however many versions are resident."""
+        With ``fuse`` (the default) all groups step in one program (:meth:`Engine.generate_many`) at one
+        shared capacity, so a step costs one dispatch and one result transfer however many versions are
+        resident."""
         done: list[Trajectory] = []
         self._admit(done)
         active = [g for g in self._groups.values() if g.live]
@@ -200,6 +202,7 @@ class RolloutDriver:
             return done
         live_sampling = [s.request.sampling for g in active for s in g.slots if s is not None]
         filtered = needs_filter([s.top_k for s in live_sampling], [s.top_p for s in live_sampling])
+        floor = 1
         if len(active) == 1 or not self.fuse:
             results = []
             for g in active:
@@ -207,8 +210,14 @@ class RolloutDriver:
                 results.append(result)
             cols_of = [r.to_host().columns() for r in results]
         else:
-            # Largest group first: one compiled program per multiset of capacities, not per ordering.
-            active.sort(key=lambda g: (-len(g.slots), g.version))
+            # Every group at the largest group's capacity: one compiled program per (number of versions,
+            # capacity), at most (K + 1) x log2(slots) of them, whatever the mix of versions' sizes. The
+            # padding rows are counted as computed (slot_utilization); on accelerators a decode step's cost
+            # hardly depends on its row count, on CPU it is dominated by per-call costs.
+            floor = max(len(g.slots) for g in active)
+            for g in active:
+                if len(g.slots) < floor:
+                    self._resize(g, floor)
             states, result = self.engine.generate_many([g.params for g in active], [g.state for g in active],
                                                        filtered=filtered)
             cols = result.to_host().columns()
@@ -218,13 +227,16 @@ class RolloutDriver:
                 cols_of.append({k: v[row:row + len(g.slots)] for k, v in cols.items()})
                 row += len(g.slots)
         now = time.perf_counter()
+        floor = bucket(max(g.live for g in active), minimum=1) if floor > 1 else 1
         for g, cols in zip(active, cols_of):
-            self._take(g, cols, now, done)
+            self._take(g, cols, now, done, floor)
         self.steps += 1
         return done
 
-    def _take(self, g: _Group, cols: dict[str, np.ndarray], now: float, done: list[Trajectory]) -> None:
-        """Appends one step's results to ``g``'s live trajectories; finishes, frees and compacts."""
+    def _take(self, g: _Group, cols: dict[str, np.ndarray], now: float, done: list[Trajectory],
+              floor: int = 1) -> None:
+        """Appends one step's results to ``g``'s live trajectories; finishes, frees and compacts (not below
+        ``floor``, the capacity the fused groups share)."""
         self.rows_computed += len(g.slots)
         self.rows_live += g.live
         for slot, live in enumerate(g.slots):
@@ -242,7 +254,7 @@ class RolloutDriver:
                 g.state = self.engine.free_slot(g.state, slot)
         # Compaction: stop computing empty rows once at most half are live (and no request is waiting for
         # this version, which would only grow the group again).
-        target = bucket(g.live, minimum=1)
+        target = max(bucket(g.live, minimum=1), floor)
         if self.compact and g.live and target <= len(g.slots) // 2 and not any(r.version == g.version for r, _ in self._pending):
             self._resize(g, target)
 
