@@ -3,7 +3,9 @@ runs, the paper preset against the paper's published figures, and bad configs.
 
 Hand cases share one small cluster unless stated: 2 rollout instances x 2 slots, groups of 2, a train batch of
 4 samples (2 groups), every completion 6 tokens, prompts of 0 tokens, one decode step = 1 s whatever the batch,
-an update = 3 s of training + 1 s of weight sync. Events at the same time run in the order they were queued.
+an update = 3 s of training + 1 s of weight sync. An instance holds one version's weights; switching to another
+version stalls it for the weight sync (1 s; the first load, before the run, is free), except under colocated
+sync. Events at the same time run in the order they were queued.
 """
 
 import copy
@@ -45,40 +47,86 @@ def test_sync_colocated_timeline():
 
 
 def test_one_step_off_timeline():
-    # b0 (v0) decodes 0-6. At 6 b1 is dispatched on v0 (before the trainer takes b0) and decodes 6-12 while b0
-    # trains 6-10 (-> v1). At 12 b2 goes out on v1 (12-18), b1 trains 12-16; b3 on v2 18-24, b2 trains 18-22;
-    # b3 trains 24-28 (the extra batch that keeps the measured steps free of drain effects).
+    # b0 (v0) decodes 0-6. At 6 b1 is dispatched on v0 (before the trainer takes b0) and decodes 6-12 on the
+    # weights already loaded, while b0 trains 6-10 (-> v1). At 12 b2 goes out on v1: both instances load v1
+    # (12-13) and decode 13-19; b1 trains 12-16. At 19 b3 goes out on v2 (load 19-20, decode 20-26), b2 trains
+    # 19-23; b3 trains 26-30 (the extra batch that keeps the measured steps free of drain effects).
     r = run("one_step_off")
-    assert spans(r) == [(6, 10), (12, 16), (18, 22), (24, 28)]
+    assert spans(r) == [(6, 10), (12, 16), (19, 23), (26, 30)]
     assert r["staleness"] == {"0": 4, "1": 12}  # b0 at lag 0, b1..b3 one version late
-    # Measured steps 1 and 2 (after one warm-up step): waits 12-10 and 18-16 over 22-10.
-    assert r["rollout_share"] == pytest.approx(4 / 12)
-    assert r["samples_per_s"] == pytest.approx(8 / 12)
+    # Measured steps 1 and 2 (after one warm-up step): waits 12-10 and 19-16 over 23-10.
+    assert r["rollout_share"] == pytest.approx(5 / 13)
+    assert r["samples_per_s"] == pytest.approx(8 / 13)
+    assert r["weight_loads"] == 4 and r["migrated_rows"] == 0  # 2 instances x (v1 at 12, v2 at 19)
 
 
 def test_partial_rollout_timeline_pays_reprefill():
     # RBS 8: 8 samples (4 groups, v0) dispatched; s0-s3 decode 0-6, s4-s7 take the freed slots at 6 (-> 12).
-    # g0, g1 train 6-10 (-> v1). At 10 every live row (4 tokens generated) is re-prefilled on v1: 0.1 s x 4
-    # tokens x 2 rows = 0.8 s per instance, so s4-s7 end at 12.8, not 12. g2, g3 train 12.8-16.8; s8-s11 (v1,
-    # admitted at 12.8) are re-prefilled at 16.8 (4 tokens each, +0.8) and end at 19.6; g4, g5 train
-    # 19.6-23.6; s12-s15 (v2, from 19.6) re-prefilled at 23.6, end at 26.4; g6, g7 train 26.4-30.4.
+    # g0, g1 train 6-10 (-> v1). At 10 every instance loads v1 (1 s) and re-prefills its live rows (4 tokens
+    # generated): 0.1 s x 4 tokens x 2 rows = 0.8 s, so s4-s7 end at 10 + 1.8 + 2 = 13.8, not 12. g2, g3 train
+    # 13.8-17.8; s8-s11 (v1, admitted at 13.8 on the v1 weights) are at 4 tokens at 17.8: load v2 + re-prefill
+    # (+1.8), end at 21.6; g4, g5 train 21.6-25.6; s12-s15 (v2, from 21.6) likewise end at 29.4; g6, g7 train
+    # 29.4-33.4.
     costs = Costs(decode_step_s=1.0, train_fixed_s=3.0, weight_sync_s=1.0, prefill_token_s=0.1)
     r = run("partial", costs=costs, steps=1, warmup_steps=0)
-    assert [t for span in spans(r) for t in span] == pytest.approx([6, 10, 12.8, 16.8, 19.6, 23.6, 26.4, 30.4])
+    assert [t for span in spans(r) for t in span] == pytest.approx([6, 10, 13.8, 17.8, 21.6, 25.6, 29.4, 33.4])
     assert r["staleness"] == {"0": 4, "1": 12}
 
 
 def test_dora_timeline_and_window():
     # K = 1, RBS 8: 8 samples (v0) dispatched, 4 decode 0-6 and 4 more 6-12. At 6 g0, g1 are ready; training
     # them leaves 4 samples of v0, within (0 + K - 0) x TBS = 4: train 6-10 (-> v1), then 4 samples go out on
-    # v1 (pending until slots free at 12). At 12 g2, g3 (v0) train 12-16; v1 rows decode 12-18; v2 dispatched
-    # at 16 decodes 18-24. Updates (6,10) (12,16) (18,22) (24,28), every sample trained one version late but
-    # the first batch.
+    # v1 (pending: every slot holds a v0 row until 12). At 12 both instances empty, load v1 (12-13) and decode
+    # it 13-19, and g2, g3 (v0) train 12-16; v2 is dispatched at 16, loaded at 19 (19-20) and decoded 20-26.
+    # Updates (6,10) (12,16) (19,23) (26,30), every sample trained one version late but the first batch.
     r = run("dora", steps=1, warmup_steps=0)
-    assert spans(r) == [(6, 10), (12, 16), (18, 22), (24, 28)]
+    assert spans(r) == [(6, 10), (12, 16), (19, 23), (26, 30)]
     assert r["staleness"] == {"0": 4, "1": 12} and r["max_live_versions"] == 2
     # Live versions after each update: the newest plus those still outstanding (v0's g2, g3 at the first).
     assert [e["live"] for e in r["timeline"]] == [[0, 1], [1, 2], [2, 3], [4]]
+
+
+class Lengths:
+    """Completion lengths handed out in dispatch (sample id) order."""
+
+    def __init__(self, *xs):
+        self.xs = iter(xs)
+
+    def sample(self, rng):
+        return next(self.xs)
+
+
+def test_dora_hands_a_fragmented_old_version_over_and_reuses_the_instance():
+    # Groups of 1, TBS 2, K = 1, RBS 4, 0.1 s per migrated token, lengths s0..s7 = 2 10 2 10 3 3 1 1.
+    # t=0: s0-s3 on v0; instance 0 takes s0, s1, instance 1 s2, s3. t=2: s0, s2 done; training them leaves 2
+    # v0 samples (<= K x TBS): train 2-6 -> v1. t=6: s4, s5 dispatched on v1 and nothing holds v1 weights;
+    # v0 has one row on each instance (s1, s3 at 6 tokens) and one instance has room for the other's row, so
+    # instance 0 (fewest rows, lowest index) hands s1 over: it loads v1 (6-7) and decodes s4, s5 7-10, while
+    # instance 1 takes s1 with its 6 generated tokens (0.1 s x 6 = 0.6 s, no re-prefill) and decodes s1 and s3
+    # (4 tokens left each) 6.6-10.6. t=10: s4, s5 done but the window holds them (v0 must drain first).
+    # t=10.6: s1, s3 train 10.6-14.6 -> v2; s6, s7 dispatched on v2; s4, s5 train 14.6-18.6; instance 0 loads
+    # v2 (14.6-15.6) and decodes s6, s7 15.6-16.6; they train 18.6-22.6.
+    costs = Costs(decode_step_s=1.0, train_fixed_s=3.0, weight_sync_s=1.0, migrate_token_s=0.1)
+    r = simulate("dora", costs, Placement(2, 2, 1), Lengths(2, 10, 2, 10, 3, 3, 1, 1), train_batch=2,
+                 group_size=1, prompt_tokens=0, steps=1, max_staleness=1, rollout_batch=4)
+    assert spans(r) == [(2, 6), (pytest.approx(10.6), pytest.approx(14.6)), (pytest.approx(14.6),
+                                                                              pytest.approx(18.6)),
+                        (pytest.approx(18.6), pytest.approx(22.6))]
+    assert r["migrated_rows"] == 1 and r["weight_loads"] == 2  # instance 0: v1 at 6, v2 at 14.6
+    assert r["staleness"] == {"0": 2, "1": 6}
+
+
+def test_decode_weight_read_overlaps_the_row_compute():
+    # One step reads the weights once while computing every row: max(weights, n x row), not their sum.
+    c = Costs(decode_step_s=1.0, decode_weights_s=2.0, decode_row_s=0.5, decode_ctx_s=0.01)
+    assert c.decode_time(2, 100) == pytest.approx(1 + 2 + 1)  # 2 rows x 0.5 s < 2 s of weight reads
+    assert c.decode_time(6, 100) == pytest.approx(1 + 3 + 1)  # 6 rows x 0.5 s > 2 s
+    # Derived costs keep the fixed overhead apart from the weight read: Qwen2.5-32B at TP 4 on H800 figures.
+    cfg = load_sim_config("sim_dora_paper")
+    assert cfg.costs.decode_step_s == pytest.approx(0.003)
+    assert cfg.costs.decode_weights_s == pytest.approx(3.28e10 * 2 / (4 * 0.8 * 3.35e12))  # 6.12 ms
+    assert cfg.costs.decode_row_s == pytest.approx(2 * 3.28e10 / (4 * 9.89e14 * 0.5))  # 33.2 us
+    assert cfg.costs.migrate_token_s == pytest.approx(2 * 64 * 8 * 128 * 2 / (4 * 5e10))  # 1.31 us
 
 
 def test_decode_prefill_and_train_costs_combine_as_documented():
@@ -123,7 +171,15 @@ def test_sim_ledger_answers_like_the_ledger():
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_invariants_hold_in_random_runs(seed):
+def test_invariants_hold_in_random_runs(seed, monkeypatch):
+    add = Instance.add
+
+    def one_version(inst, sid, row):
+        assert mode == "partial" or row.version == inst.loaded, "an instance decodes two versions at once"
+        assert len(inst.rows) < inst.slots
+        add(inst, sid, row)
+
+    monkeypatch.setattr(Instance, "add", one_version)
     rng = random.Random(seed)
     mode = rng.choice(["sync", "one_step_off", "partial", "dora"])
     g = rng.randint(1, 4)
@@ -132,10 +188,11 @@ def test_invariants_hold_in_random_runs(seed):
     rb = min((k + 1) * tbs, tbs + g * rng.randint(0, 6))
     lengths = length_dist({"kind": "lognormal", "mean": rng.uniform(5, 40), "sigma": rng.uniform(0, 1.5),
                            "max": 200})
-    costs = Costs(decode_step_s=rng.uniform(0.01, 1), decode_row_s=rng.uniform(0, 0.1),
-                  decode_ctx_s=rng.uniform(0, 1e-3), prefill_token_s=rng.uniform(0, 0.01),
-                  train_token_gpu_s=rng.uniform(0, 0.05), train_fixed_s=rng.uniform(0, 5),
-                  weight_sync_s=rng.uniform(0, 2))
+    costs = Costs(decode_step_s=rng.uniform(0.01, 1), decode_weights_s=rng.uniform(0, 0.5),
+                  decode_row_s=rng.uniform(0, 0.1), decode_ctx_s=rng.uniform(0, 1e-3),
+                  prefill_token_s=rng.uniform(0, 0.01), train_token_gpu_s=rng.uniform(0, 0.05),
+                  train_fixed_s=rng.uniform(0, 5), weight_sync_s=rng.uniform(0, 2),
+                  migrate_token_s=rng.uniform(0, 1e-3))
     place = Placement(rng.randint(1, 4), rng.randint(1, 6), rng.randint(1, 8), mode == "sync" and rng.random() < .5)
     r = simulate(mode, costs, place, lengths, train_batch=tbs, group_size=g, prompt_tokens=rng.randint(0, 50),
                  steps=rng.randint(1, 5), max_staleness=k, rollout_batch=rb, seed=seed)
@@ -160,11 +217,18 @@ def within(sim, published, tol=0.25):
     return abs(sim - published) / published <= tol
 
 
-def test_paper_rollout_share_at_64_gpus(paper):
+def test_paper_sync_rollout_share_at_64_gpus(paper):
     cfg, runs = paper
-    figs = cfg.paper["64"]
-    assert within(runs[64, "sync"]["rollout_share"], figs["sync_rollout_share"])  # 65%
-    assert within(runs[64, "dora"]["rollout_share"], figs["dora_rollout_share"])  # 12%
+    assert within(runs[64, "sync"]["rollout_share"], cfg.paper["64"]["sync_rollout_share"])  # 65%
+
+
+@pytest.mark.xfail(strict=True, reason="at the balanced split (7 rollout instances, 36 trainer GPUs) the simulated "
+                   "dora pipeline is trainer-bound at 64 GPUs: its trainer never waits in the steady state (0% "
+                   "against the paper's 12%); the paper's split is not public, and one instance fewer (40 trainer "
+                   "GPUs) gives 15.6% (docs/simulator.md)")
+def test_paper_dora_rollout_share_at_64_gpus(paper):
+    cfg, runs = paper
+    assert within(runs[64, "dora"]["rollout_share"], cfg.paper["64"]["dora_rollout_share"])  # 12%
 
 
 def test_paper_speedup_at_64_gpus(paper):
@@ -173,13 +237,19 @@ def test_paper_speedup_at_64_gpus(paper):
     assert within(speedup, cfg.paper["64"]["speedup"])  # 1.65x
 
 
-@pytest.mark.xfail(strict=True, reason="the honest model reaches ~1.4x at 128 GPUs, not the paper's 2.12x: with "
-                   "the real scheduler (K = 5, RBS = 3 TBS) the dora trainer waits ~37% of each step for the "
-                   "oldest version's longest trajectories (docs/simulator.md)")
 def test_paper_speedup_at_128_gpus(paper):
     cfg, runs = paper
     speedup = runs[128, "dora"]["samples_per_s"] / runs[128, "sync"]["samples_per_s"]
     assert within(speedup, cfg.paper["128"]["speedup"])  # 2.12x
+
+
+def test_paper_preset_rollout_side_is_one_version_per_instance(paper):
+    # The dora runs move rows between instances (defragmentation) and reload weights as instances change
+    # version; sync (colocated) does neither.
+    _, runs = paper
+    for g in (64, 128):
+        assert runs[g, "dora"]["migrated_rows"] > 0 and runs[g, "dora"]["weight_loads"] > 0
+        assert runs[g, "sync"]["migrated_rows"] == runs[g, "sync"]["weight_loads"] == 0
 
 
 def test_paper_preset_scheduler_invariants(paper):

@@ -4,9 +4,13 @@ calibrated from a measured ``dora-jax bench decode`` / ``bench engine`` JSON.
 
 Cost model (all seconds; an *instance* is one rollout engine of ``gpus_per_instance`` GPUs):
 
-* one decode step of an instance with ``n`` live rows whose contexts sum to ``S`` tokens and ``V`` distinct
-  policy versions costs ``V * decode_step_s + n * decode_row_s + S * decode_ctx_s`` (weights read once per
-  version, per-row matmul work, KV-cache reads);
+* one decode step of an instance (which holds one policy version) with ``n`` live rows whose contexts sum to
+  ``S`` tokens costs ``decode_step_s + max(decode_weights_s, n * decode_row_s) + S * decode_ctx_s``: a fixed
+  overhead, the weight matmuls (which stream the weights once while computing every row: memory-bound at small
+  batches, compute-bound at large ones) and the KV-cache reads of attention;
+* moving a live row to another instance of the same version costs the receiving instance ``migrate_token_s``
+  per context token (its KV cache crosses the network; no re-prefill); an instance that switches versions
+  stalls ``weight_sync_s`` while it loads the weights;
 * admitting rows costs ``prefill_token_s`` per prompt token (plus ``prefill_pair_s`` per causal token pair,
   which matters only for the long re-prefills of partial rollout) before the instance's next step;
 * one update on ``T`` trainer GPUs over samples of total length ``L_i`` costs
@@ -27,8 +31,9 @@ import yaml
 from dora_jax.sim.lengths import LengthDist, SimConfigError, _need, length_dist
 
 POLICIES = ("sync", "one_step_off", "partial", "dora")
-COST_FIELDS = ("decode_step_s", "decode_row_s", "decode_ctx_s", "prefill_token_s", "prefill_pair_s",
-               "train_token_gpu_s", "train_pair_gpu_s", "train_fixed_s", "weight_sync_s")
+COST_FIELDS = ("decode_step_s", "decode_weights_s", "decode_row_s", "decode_ctx_s", "prefill_token_s",
+               "prefill_pair_s", "train_token_gpu_s", "train_pair_gpu_s", "train_fixed_s", "weight_sync_s",
+               "migrate_token_s")
 MODEL_FIELDS = ("params", "layers", "heads", "kv_heads", "head_dim", "bytes_per_param")
 HARDWARE_FIELDS = ("peak_flops", "hbm_bytes_s", "hbm_efficiency", "decode_mfu", "prefill_mfu", "train_mfu",
                    "step_overhead_s", "link_bytes_s", "sync_fixed_s", "logprob_forwards")
@@ -39,6 +44,7 @@ class Costs:
     """Per-operation costs in seconds (see the module docstring for how they combine)."""
 
     decode_step_s: float
+    decode_weights_s: float = 0.0
     decode_row_s: float = 0.0
     decode_ctx_s: float = 0.0
     prefill_token_s: float = 0.0
@@ -47,9 +53,10 @@ class Costs:
     train_pair_gpu_s: float = 0.0
     train_fixed_s: float = 0.0
     weight_sync_s: float = 0.0
+    migrate_token_s: float = 0.0
 
-    def decode_time(self, n: int, ctx: float, versions: int = 1) -> float:
-        return versions * self.decode_step_s + n * self.decode_row_s + ctx * self.decode_ctx_s
+    def decode_time(self, n: int, ctx: float) -> float:
+        return self.decode_step_s + max(self.decode_weights_s, n * self.decode_row_s) + ctx * self.decode_ctx_s
 
     def train_time(self, tokens: float, pairs: float, gpus: int) -> float:
         return self.train_fixed_s + (self.train_token_gpu_s * tokens + self.train_pair_gpu_s * pairs) / gpus
@@ -118,7 +125,8 @@ def derive_costs(model: dict[str, float], hw: dict[str, float], tp: int) -> tupl
     attn_pair = 4 * d_attn * model["layers"]  # FLOPs per causal (query, key) pair, forward
     passes = 3 + hw["logprob_forwards"]  # forward + backward (x3) plus the extra forwards
     c = {
-        "decode_step_s": n * by / (tp * bw) + hw["step_overhead_s"],
+        "decode_step_s": hw["step_overhead_s"],
+        "decode_weights_s": n * by / (tp * bw),
         "decode_row_s": 2 * n / (tp * hw["peak_flops"] * hw["decode_mfu"]),
         "decode_ctx_s": kv_bytes / (tp * bw),
         "prefill_token_s": 2 * n / (tp * hw["peak_flops"] * hw["prefill_mfu"]),
@@ -126,9 +134,11 @@ def derive_costs(model: dict[str, float], hw: dict[str, float], tp: int) -> tupl
         "train_token_gpu_s": 2 * n * passes / (hw["peak_flops"] * hw["train_mfu"]),
         "train_pair_gpu_s": attn_pair * passes / (hw["peak_flops"] * hw["train_mfu"]),
         "weight_sync_s": n * by / (tp * hw["link_bytes_s"]) + hw["sync_fixed_s"],
+        "migrate_token_s": kv_bytes / (tp * hw["link_bytes_s"]),
     }
     f = {
-        "decode_step_s": f"{n:.3g} x {by} B / ({tp} x {bw:.3g} B/s) + {hw['step_overhead_s']} s",
+        "decode_step_s": f"{hw['step_overhead_s']} s",
+        "decode_weights_s": f"{n:.3g} x {by} B / ({tp} x {bw:.3g} B/s)",
         "decode_row_s": f"2 x {n:.3g} / ({tp} x {hw['peak_flops']:.3g} x {hw['decode_mfu']})",
         "decode_ctx_s": f"{kv_bytes:.0f} B KV per token / ({tp} x {bw:.3g} B/s)",
         "prefill_token_s": f"2 x {n:.3g} / ({tp} x {hw['peak_flops']:.3g} x {hw['prefill_mfu']})",
@@ -136,6 +146,7 @@ def derive_costs(model: dict[str, float], hw: dict[str, float], tp: int) -> tupl
         "train_token_gpu_s": f"2 x {n:.3g} x {passes} / ({hw['peak_flops']:.3g} x {hw['train_mfu']})",
         "train_pair_gpu_s": f"4 x {d_attn} x {model['layers']} x {passes} / ({hw['peak_flops']:.3g} x {hw['train_mfu']})",
         "weight_sync_s": f"{n:.3g} x {by} B / ({tp} x {hw['link_bytes_s']:.3g} B/s) + {hw['sync_fixed_s']} s",
+        "migrate_token_s": f"{kv_bytes:.0f} B KV per token / ({tp} x {hw['link_bytes_s']:.3g} B/s)",
     }
     return c, f
 
@@ -156,10 +167,11 @@ def costs_from_bench(path: str) -> dict[str, float]:
         raise SimConfigError(f"sim config field 'costs.from_bench' = {path!r}: cannot read ({e})") from None
     if "layers_and_head_ms" in data:
         ctx = data["batch"] * data["cache_length"]
-        return {"decode_step_s": data["layers_and_head_ms"] / 1e3, "decode_row_s": 0.0,
+        return {"decode_step_s": data["layers_and_head_ms"] / 1e3, "decode_weights_s": 0.0, "decode_row_s": 0.0,
                 "decode_ctx_s": data["kv_cache_part_ms"] / 1e3 / ctx}
     if "engine_tok_s" in data:
-        return {"decode_step_s": data["batch"] / data["engine_tok_s"], "decode_row_s": 0.0, "decode_ctx_s": 0.0}
+        return {"decode_step_s": data["batch"] / data["engine_tok_s"], "decode_weights_s": 0.0, "decode_row_s": 0.0,
+                "decode_ctx_s": 0.0}
     raise SimConfigError(f"sim config field 'costs.from_bench' = {path!r}: neither a 'bench decode' JSON "
                          "(layers_and_head_ms) nor a 'bench engine' JSON (engine_tok_s)")
 
@@ -228,7 +240,8 @@ def parse_config(raw: dict[str, Any], base_dir: str = ".") -> SimConfig:
         _need(isinstance(p, str), "costs.from_bench", p, "must be a path to a bench JSON")
         full = p if os.path.isabs(p) else os.path.join(base_dir, p)
         costs.update(costs_from_bench(full))
-        derivation.update({k: f"measured: {p}" for k in ("decode_step_s", "decode_row_s", "decode_ctx_s")})
+        derivation.update({k: f"measured: {p}" for k in ("decode_step_s", "decode_weights_s", "decode_row_s",
+                                                          "decode_ctx_s")})
     for k in COST_FIELDS:
         if k in c:
             costs[k] = _number(c, k, "costs")
@@ -237,8 +250,9 @@ def parse_config(raw: dict[str, Any], base_dir: str = ".") -> SimConfig:
           "required (give costs, a model + hardware block, or costs.from_bench)")
     for k in COST_FIELDS:
         _need(costs.get(k, 0.0) >= 0, f"costs.{k}", costs.get(k), "must be >= 0")
-    _need(costs["decode_step_s"] + costs.get("decode_row_s", 0.0) > 0, "costs.decode_step_s",
-          costs["decode_step_s"], "a decode step must cost something (decode_step_s + decode_row_s > 0)")
+    _need(costs["decode_step_s"] + costs.get("decode_weights_s", 0.0) + costs.get("decode_row_s", 0.0) > 0,
+          "costs.decode_step_s", costs["decode_step_s"],
+          "a decode step must cost something (decode_step_s + decode_weights_s + decode_row_s > 0)")
 
     pol = raw["policies"]
     _need(isinstance(pol, dict) and pol, "policies", pol, f"must be a mapping of policy names ({', '.join(POLICIES)})")

@@ -10,22 +10,26 @@ checked with :meth:`Ledger.check` when the run ends.
 Conventions: a prompt is prefilled when it is admitted to a slot (the instance stalls for the prefill), each
 decode step then yields one token per live row, and a row of length ``L`` frees its slot after ``L`` steps.
 Rows join at step boundaries. An update costs the trainer ``train_time + weight_sync_s``; the new version is
-published (and new prompts use it) when both are done. Partial rollout stops every instance at its next step
-boundary after an update and re-prefills each live row's prompt and generated tokens.
+published (and new prompts use it) when both are done.
+
+An instance holds the weights of one policy version at a time (a 32B-class model's weights fill a fifth of
+an 80 GB GPU at TP 4: a second resident version would take 30% of its KV cache, and K + 1 = 6 would not fit),
+so every row on it is of that version. Switching versions costs the instance ``weight_sync_s`` (it loads the version's weights), except
+under colocated sync, where the update's own weight sync leaves the new weights in the engines. Partial rollout
+stops every instance at its next step boundary after an update, loads the new weights and re-prefills each
+live row's prompt and generated tokens; its rows of any version share an instance.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-import random
 from collections import Counter
 from dataclasses import dataclass, field
 
 from dora_jax.ledger import Group, Ledger
 from dora_jax.scheduler import SchedulePolicy, Scheduler
 from dora_jax.sim.config import Costs
-from dora_jax.sim.lengths import LengthDist
 
 _LIVE = ("pending", "in_flight", "finished")
 
@@ -74,6 +78,10 @@ class SimLedger(Ledger):
 
     def group_ready(self, group_id: int) -> bool:
         return group_id in self._ready
+
+    def ready_groups(self) -> int:
+        """How many groups are ready (every member finished, none consumed)."""
+        return len(self._ready)
 
 
 class PartialRollout:
@@ -134,7 +142,8 @@ class Row:
 
 @dataclass
 class Instance:
-    """One rollout engine: ``slots`` decode slots and a step counter. Its state is valid at time ``t``."""
+    """One rollout engine: ``slots`` decode slots, a step counter and the one policy version whose weights it
+    holds (``loaded``; every row on it decodes with those weights). Its state is valid at time ``t``."""
 
     slots: int
     t: float = 0.0
@@ -142,10 +151,13 @@ class Instance:
     base: int = 0  # sum over rows of (prompt + before - start): contexts sum to base + n * counter
     rows: dict[int, Row] = field(default_factory=dict)
     heap: list[tuple[int, int]] = field(default_factory=list)
-    versions: Counter = field(default_factory=Counter)
+    loaded: int | None = None  # policy version of the weights on the instance (None: none yet)
     gen: int = 0  # bumps invalidate queued events
     reprefill: bool = False
+    check: bool = False  # re-examine a hand-off at the next step boundary
     busy_slot_s: float = 0.0
+    reloads: int = 0  # weight loads (version switches)
+    moved_in: int = 0  # rows received from another instance of the same version
 
     def ctx(self) -> int:
         return self.base + len(self.rows) * self.counter
@@ -155,7 +167,7 @@ class Instance:
         n = len(self.rows)
         if k <= 0 or n == 0:
             return 0.0
-        first = costs.decode_time(n, self.ctx(), len(self.versions))
+        first = costs.decode_time(n, self.ctx())
         return k * first + costs.decode_ctx_s * n * k * (k - 1) / 2
 
     def steps_by(self, costs: Costs, dt: float) -> int:
@@ -164,7 +176,7 @@ class Instance:
             return 0
         n = len(self.rows)
         a = costs.decode_ctx_s * n / 2
-        b = costs.decode_time(n, self.ctx(), len(self.versions)) - a
+        b = costs.decode_time(n, self.ctx()) - a
         k = dt / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * dt)) / (2 * a)
         k = max(0, math.ceil(k) - 1)
         while self.steps_time(costs, k) < dt:
@@ -180,16 +192,16 @@ class Instance:
     def add(self, sid: int, row: Row) -> None:
         self.rows[sid] = row
         self.base += row.prompt + row.before - row.start
-        self.versions[row.version] += 1
         heapq.heappush(self.heap, (row.target, sid))
 
     def remove(self, sid: int) -> Row:
         row = self.rows.pop(sid)
         self.base -= row.prompt + row.before - row.start
-        self.versions[row.version] -= 1
-        if not self.versions[row.version]:
-            del self.versions[row.version]
         return row
+
+    def generated(self, row: Row) -> int:
+        """Tokens ``row`` has generated so far (before it joined this instance and here)."""
+        return row.before + self.counter - row.start
 
 
 @dataclass

@@ -31,8 +31,8 @@ def placement(cfg: SimConfig, gpus: int, mode: str) -> Placement:
     a fraction, or ``balance``: the steady-state rates of both sides are estimated from the cost model (a full
     instance decodes ``slots`` rows whose mean context is the prompt plus the length-biased half-length
     E[L^2] / 2E[L]; the trainer needs the per-sample token and attention work) and the rollout side gets the
-    balance point's instance count rounded *up*, because a streaming pipeline whose rollout side is the
-    bottleneck stalls on the staleness window instead of degrading gently.
+    balance point's instance count rounded *up*: a real rollout side never runs every slot full (long tails,
+    instances bound to an old version), so the full-instance rate overestimates it.
     """
     tp, slots = cfg.gpus_per_instance, cfg.slots_per_instance
     if mode == "sync" and cfg.sync_colocated:
@@ -87,6 +87,7 @@ def run_config(cfg: SimConfig, progress: bool = True) -> dict[str, Any]:
                           "trainer_idle": x["trainer_idle"], "slot_utilization": x["slot_utilization"],
                           "speedup_vs_sync": x["samples_per_s"] / base["samples_per_s"] if base else None,
                           "max_live_versions": x["max_live_versions"], "staleness": x["staleness"],
+                          "weight_loads": x["weight_loads"], "migrated_rows": x["migrated_rows"],
                           "projection": g not in cfg.gpus})
     return {"name": cfg.name, "table": table, "paper": compare_with_paper(cfg, runs), "runs": runs,
             "costs": cfg.costs.__dict__, "derivation": cfg.derivation}
@@ -111,13 +112,14 @@ def compare_with_paper(cfg: SimConfig, runs: dict[str, dict[str, Any]]) -> list[
 def format_report(result: dict[str, Any]) -> str:
     """The results table and the paper comparison as Markdown."""
     out = ["| GPUs | policy | rollout inst. | trainer GPUs | step s | samples/s | tokens/s | rollout share | "
-           "trainer idle | slot util. | vs sync | live versions |", "|" + "---|" * 12]
+           "trainer idle | slot util. | vs sync | live versions | migrated rows |", "|" + "---|" * 13]
     for r in result["table"]:
         tag = " (proj.)" if r["projection"] else ""
         sp = f"{r['speedup_vs_sync']:.2f}x" if r["speedup_vs_sync"] else "-"
         out.append(f"| {r['gpus']}{tag} | {r['mode']} | {r['instances']} | {r['trainer_gpus']} | {r['step_s']:.0f} | "
                    f"{r['samples_per_s']:.2f} | {r['tokens_per_s']:.0f} | {r['rollout_share']:.1%} | "
-                   f"{r['trainer_idle']:.1%} | {r['slot_utilization']:.1%} | {sp} | {r['max_live_versions']} |")
+                   f"{r['trainer_idle']:.1%} | {r['slot_utilization']:.1%} | {sp} | {r['max_live_versions']} | "
+                   f"{r['migrated_rows']} |")
     if result["paper"]:
         out += ["", "| GPUs | figure | paper | simulated | deviation |", "|---|---|---|---|---|"]
         for p in result["paper"]:

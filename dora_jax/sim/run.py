@@ -14,6 +14,16 @@ at time 0):
   are available: the whole run, or for colocated sync the run minus the update time, weight sync included).
 * ``staleness``: histogram of ``trained_at - version`` over consumed samples (for partial rollout, the age of
   a trajectory's first token).
+* ``weight_loads``: times an instance loaded another version's weights (not counting colocated sync, whose
+  update leaves them in place); ``migrated_rows``: rows handed from one instance to another of the same version.
+
+Rollout side: every instance holds one version (see :mod:`dora_jax.sim.engine`). An instance with free slots
+takes queued rows of its own version (rows handed over first, then fresh prompts); an empty instance with none
+of its version queued takes the version :meth:`Scheduler.assign_slots` gives most of its slots (ties to the
+older) and loads it. When a version has no fresh prompts queued and another version has work waiting, its
+instance with the fewest rows hands them to its other instances if they have room (zero re-prefill: the KV
+cache moves, ``migrate_token_s`` per context token on the receiving instance) and takes the waiting work: the
+orchestrator's re-partitioning of instances between versions.
 """
 
 from __future__ import annotations
@@ -67,20 +77,39 @@ def simulate(mode: str, costs: Costs, placement: Placement, lengths: LengthDist,
     rng = __import__("random").Random(seed)
     insts = [Instance(placement.slots) for _ in range(placement.instances)]
     lengths_of: dict[int, int] = {}
-    pending: dict[int, deque] = {}
+    pending: dict[int, deque] = {}  # per version: fresh samples not yet on an instance
+    moving: dict[int, deque] = {}  # per version: (sample, tokens so far) handed over, waiting for a slot
+    holding: dict[int | None, set[int]] = {None: set(range(len(insts)))}  # instances by loaded version
+    reload_s = 0.0 if placement.colocated else costs.weight_sync_s  # colocated: the update's sync loads it
     events: list = []
     seq = itertools.count()
     state = {"now": 0.0, "busy": False, "idle_since": 0.0, "idle": 0.0, "train_s": 0.0, "max_live": 1}
     updates: list[dict[str, Any]] = []
     timeline: list[dict[str, Any]] = []
 
-    def n_pending() -> int:
-        return sum(len(q) for q in pending.values())
+    def waiting(v: int | None) -> int:
+        return len(pending.get(v, ())) + len(moving.get(v, ()))
+
+    def all_waiting(but: int | None = None) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for d in (pending, moving):
+            for v, q in d.items():
+                if q and v != but:
+                    out[v] = out.get(v, 0) + len(q)
+        return out
+
+    def admissible(inst: Instance) -> bool:
+        """Whether the instance has work to take at its next step boundary."""
+        if len(inst.rows) >= inst.slots:
+            return False
+        if partial:  # every row decodes on the newest weights, whatever version it started on
+            return any(pending.values())
+        return waiting(inst.loaded) > 0 or (not inst.rows and bool(all_waiting()))
 
     def schedule(i: int) -> None:
         inst = insts[i]
         inst.gen += 1
-        wants = inst.reprefill or (len(inst.rows) < inst.slots and n_pending() > 0)
+        wants = inst.reprefill or inst.check or admissible(inst)
         if not inst.rows:
             inst.t = max(inst.t, state["now"])
             if wants:
@@ -91,25 +120,94 @@ def simulate(mode: str, costs: Costs, placement: Placement, lengths: LengthDist,
             k = min(k, inst.steps_by(costs, state["now"] - inst.t))
         heapq.heappush(events, (inst.t + inst.steps_time(costs, k), next(seq), "inst", (i, inst.gen, k)))
 
+    def load(i: int, v: int) -> None:
+        """Puts version ``v``'s weights on instance ``i`` (a stall unless it already holds them)."""
+        inst = insts[i]
+        if inst.loaded == v:
+            return
+        if inst.loaded is not None and reload_s:  # the first load happens before the run
+            inst.t = max(inst.t, state["now"]) + reload_s
+            inst.busy_slot_s += reload_s * len(inst.rows)
+            inst.reloads += 1
+        holding[inst.loaded].discard(i)
+        holding.setdefault(v, set()).add(i)
+        inst.loaded = v
+
+    def bind(i: int, but: int | None = None) -> None:
+        """An empty instance takes the version that ``assign_slots`` gives most of its slots (ties: older)."""
+        w = all_waiting(but)
+        if w:
+            alloc = sched.assign_slots(insts[i].slots, w)
+            load(i, max(alloc, key=lambda v: (alloc[v], -v)))
+
     def admit(i: int) -> None:
         inst = insts[i]
         free = inst.slots - len(inst.rows)
-        if free <= 0 or not n_pending():
+        if free <= 0:
             return
-        alloc = sched.assign_slots(free, {v: len(q) for v, q in pending.items() if q})
-        if sum(alloc.values()) > free:
-            raise SimulationError(f"assign_slots gave {alloc} for {free} free slots")
         cost = 0.0
-        for v in sorted(alloc):
-            for _ in range(alloc[v]):
-                sid = pending[v].popleft()
-                led.start(sid)
-                # partial rollout runs every row on the newest weights: one version per instance
-                inst.add(sid, Row(0 if partial else v, prompt_tokens, inst.counter, 0,
-                                  inst.counter + lengths_of[sid]))
-                cost += costs.prefill_token_s * prompt_tokens + costs.prefill_pair_s * prompt_tokens ** 2 / 2
+        if partial:
+            if not any(pending.values()):
+                return
+            load(i, sched.version)
+            alloc = sched.assign_slots(free, {v: len(q) for v, q in pending.items() if q})
+            if sum(alloc.values()) > free:
+                raise SimulationError(f"assign_slots gave {alloc} for {free} free slots")
+            take = [(v, pending[v].popleft()) for v in sorted(alloc) for _ in range(alloc[v])]
+        else:
+            if not inst.rows and not waiting(inst.loaded):
+                bind(i)
+            v = inst.loaded
+            while free and moving.get(v):  # rows handed over with their KV cache: no re-prefill
+                sid, done = moving[v].popleft()
+                inst.add(sid, Row(v, prompt_tokens, inst.counter, done, inst.counter + lengths_of[sid] - done))
+                inst.moved_in += 1
+                cost += costs.migrate_token_s * (prompt_tokens + done)
+                free -= 1
+            take = []
+            while free and pending.get(v):
+                take.append((v, pending[v].popleft()))
+                free -= 1
+        for v, sid in take:
+            led.start(sid)
+            inst.add(sid, Row(v, prompt_tokens, inst.counter, 0, inst.counter + lengths_of[sid]))
+            cost += costs.prefill_token_s * prompt_tokens + costs.prefill_pair_s * prompt_tokens ** 2 / 2
         inst.t = max(inst.t, state["now"]) + cost
         inst.busy_slot_s += cost * len(inst.rows)
+
+    def giver(v: int | None) -> int | None:
+        """The instance of version ``v`` that should hand its rows to the other instances of ``v``: the one
+        with the fewest rows, when the others have room for them, ``v`` has no fresh work left and another
+        version has work waiting for the instance this frees (the orchestrator's defragmentation)."""
+        if partial or v is None or pending.get(v) or not all_waiting(but=v):
+            return None
+        hs = [j for j in holding.get(v, ()) if insts[j].rows]
+        if len(hs) < 2:
+            return None
+        m = min(hs, key=lambda j: (len(insts[j].rows), j))
+        room = sum(insts[j].slots - len(insts[j].rows) for j in hs if j != m) - len(moving.get(v, ()))
+        return m if room >= len(insts[m].rows) else None
+
+    def hand_off(i: int) -> None:
+        inst = insts[i]
+        v = inst.loaded
+        q = moving.setdefault(v, deque())
+        for sid in sorted(inst.rows):
+            q.append((sid, inst.generated(inst.remove(sid))))
+        inst.heap.clear()
+        bind(i, but=v)
+        for j in holding[v]:
+            if insts[j].rows and len(insts[j].rows) < insts[j].slots:
+                schedule(j)
+
+    def look_for_giver(v: int | None, here: int | None = None) -> bool:
+        """Flags version ``v``'s giver to stop at its next step boundary; True if it is ``here``."""
+        g = giver(v)
+        if g is None or g == here:
+            return g is not None
+        insts[g].check = True
+        schedule(g)
+        return False
 
     def dispatch() -> None:
         new = sched.dispatch()
@@ -120,8 +218,10 @@ def simulate(mode: str, costs: Costs, placement: Placement, lengths: LengthDist,
         if new:
             note_live()
             for i, inst in enumerate(insts):
-                if len(inst.rows) < inst.slots:
+                if admissible(inst):
                     schedule(i)
+            for v in list(holding):
+                look_for_giver(v)
 
     def note_live() -> None:
         live = set(led.outstanding()) | {sched.version}
@@ -132,6 +232,10 @@ def simulate(mode: str, costs: Costs, placement: Placement, lengths: LengthDist,
     def try_train() -> None:
         if state["busy"] or sched.done():
             return
+        if mode == "dora":  # Scheduler.next_batch needs this many ready groups; skip its scan until then
+            p = sched.policy
+            if led.ready_groups() < min(p.train_batch, p.total_samples - sched.trained_samples) // p.group_size:
+                return
         batch = sched.next_batch()
         if not batch:
             return
@@ -139,7 +243,8 @@ def simulate(mode: str, costs: Costs, placement: Placement, lengths: LengthDist,
         ids = [s for g in batch for s in led.groups[g].sample_ids]
         seqs = [prompt_tokens + lengths_of[s] for s in ids]
         dur = costs.train_time(sum(seqs), sum(x * x for x in seqs) / 2, placement.trainer_gpus)
-        state.update(busy=True, idle=state["idle"] + now - state["idle_since"], train_s=state["train_s"] + dur + costs.weight_sync_s)
+        state.update(busy=True, idle=state["idle"] + now - state["idle_since"],
+                     train_s=state["train_s"] + dur + costs.weight_sync_s)
         updates.append({"start": now, "samples": len(ids), "tokens": sum(lengths_of[s] for s in ids),
                         "version": sched.version})
         heapq.heappush(events, (now + dur + costs.weight_sync_s, next(seq), "train", (batch,)))
@@ -179,12 +284,16 @@ def simulate(mode: str, costs: Costs, placement: Placement, lengths: LengthDist,
                 inst.remove(sid)
                 led.finish(sid)
                 ready |= led.group_ready(led.entries[sid].group_id)
-            if inst.reprefill:
-                ctxs = [r.prompt + r.before + inst.counter - r.start for r in inst.rows.values()]
+            if inst.reprefill:  # partial rollout: the newest weights, then every live row re-prefilled
+                load(i, sched.version)
+                ctxs = [r.prompt + inst.generated(r) for r in inst.rows.values()]
                 cost = sum(costs.prefill_token_s * c + costs.prefill_pair_s * c * c / 2 for c in ctxs)
                 inst.t += cost
                 inst.busy_slot_s += cost * len(ctxs)
                 inst.reprefill = False
+            inst.check = False
+            if look_for_giver(inst.loaded, here=i):
+                hand_off(i)
             admit(i)
             schedule(i)
         if ready:
@@ -220,6 +329,8 @@ def _metrics(mode, updates, timeline, insts, placement, state, led, steps, warm)
         "slot_utilization": sum(i.busy_slot_s for i in insts) / (placement.slots * len(insts) * avail),
         "staleness": {str(k): v for k, v in sorted(stale.items())},
         "max_live_versions": state["max_live"],
+        "weight_loads": sum(i.reloads for i in insts),
+        "migrated_rows": sum(i.moved_in for i in insts),
         "wall_s": wall,
         "updates": [{k: round(v, 3) if isinstance(v, float) else v for k, v in u.items()} for u in updates],
         "timeline": timeline,
