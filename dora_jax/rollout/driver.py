@@ -4,9 +4,9 @@ Each policy version decodes in its own group (its own ``DecodeState`` and params
 from first to last token by the version it was submitted with. A group's capacity is the smallest power of two
 that holds its live trajectories: groups grow when requests arrive and are compacted when trajectories
 finish, so decode compute follows live work instead of a fixed slot count (``slot_utilization`` reports the
-ratio of live rows to computed rows). Capacities are powers of two, so compilation stays bounded. All groups step together in one program (one
-dispatch and one device-to-host transfer per step, whatever the number of resident versions), at the
-capacity of the largest group, so that the programs are one per (versions, capacity) pair.
+ratio of live rows to computed rows). Capacities are powers of two, so compilation stays bounded. All groups
+step together in one program (one dispatch and one device-to-host transfer per step, whatever the number of
+resident versions), at the capacity of the largest group, so there is one program per (versions, capacity).
 
 New requests are admitted between decode steps into free capacity (total live rows <= the engine's
 ``max_concurrent_decodes``), oldest first.
