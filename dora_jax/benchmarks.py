@@ -21,14 +21,14 @@ def machine() -> dict[str, Any]:
             "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
 
 
-def bench_load(config: str = "smollm2_135m", repeats: int = 2) -> dict[str, Any]:
+def bench_load(config: str = "smollm2_135m", repeats: int = 2, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     """Time to load the config's weights (GGUF dequantization included) and run one forward, ours vs
     transformers' own GGUF loader, best of ``repeats``."""
 
     from dora_jax.config import load_config
     from dora_jax.models.weights import load_model
 
-    cfg = load_config(config)
+    cfg = load_config(config, overrides)
     ours = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -72,7 +72,7 @@ def measure_machine(seconds: float = 1.0) -> dict[str, float]:
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    n = 1024
+    n = 1024 if jax.default_backend() == "cpu" else 8192  # an accelerator needs a larger product to fill it
     a = jnp.ones((n, n), jnp.float32)
     flops = 2 * n**3 / best(jax.jit(lambda x, y: x @ y), a, a)
     big = jnp.ones((64 << 20,), jnp.float32)  # 256 MiB
@@ -105,18 +105,20 @@ def _lengths(n: int, rng, p50: int, tail: int, max_len: int):
 
 
 def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int = 128, tail_requests: int = 64,
-                 tail_slots: int = 16, seed: int = 0, with_hf: bool = True) -> dict[str, Any]:
+                 tail_slots: int = 16, seed: int = 0, with_hf: bool = True,
+                 overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     """The engine benchmark: throughput at a fixed batch vs transformers and vs the roofline, and continuous
     batching vs a static batch on a long-tailed workload, side by side in one run."""
     import numpy as np
     from flax import nnx
 
     from dora_jax.config import load_config
+    from dora_jax.models.decoder import resolve_attention_impl
     from dora_jax.models.weights import load_model
     from dora_jax.rollout.driver import Request, RolloutDriver
     from dora_jax.rollout.engine import Engine, RequestSampling
 
-    cfg = load_config(config)
+    cfg = load_config(config, overrides)
     model, tok = load_model(cfg.model, progress=False)
     params = nnx.state(model)
     rng = np.random.default_rng(seed)
@@ -125,7 +127,9 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     plen = max(len(p) for p in prompts)
     target = 1 << (plen + new_tokens - 1).bit_length()
     sampling = RequestSampling(temperature=1.0, seed=seed)
-    out: dict[str, Any] = {"config": config, "batch": batch, "new_tokens": new_tokens, "prompt_tokens": plen}
+    out: dict[str, Any] = {"config": config, "overrides": list(overrides), "batch": batch, "new_tokens": new_tokens,
+                           "prompt_tokens": plen, "attention_impl": resolve_attention_impl(cfg.model),
+                           "dtype": cfg.model.compute_dtype}
 
     # 1. Fixed batch: `batch` sequences, `new_tokens` each (no early stop), sampling.
     eng = Engine(model, max_concurrent_decodes=batch, max_prefill_length=plen, max_target_length=target)
@@ -151,14 +155,15 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     n_params = sum(x.size for x in jax.tree.leaves(params))
     n_head = c.vocab_size * c.hidden_size
     n_layers = n_params - n_head * (1 if c.tie_embeddings else 2) - c.hidden_size
-    weight_bytes = n_params * 4
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    cache_item = jax.numpy.dtype(c.compute_dtype).itemsize
     attn = 4 * c.num_layers * c.num_heads * c.head_dim  # FLOPs per (query, key) pair
     prefill_s = sum(max((2 * n_layers * len(p) + attn * len(p) * (len(p) + 1) / 2 + 2 * n_head) / m["matmul_flop_s"],
                         weight_bytes / m["read_bytes_s"]) for p in prompts[:batch])
     decode_s = 0.0
     for i in range(1, new_tokens):  # the first token of each row comes from prefill
         ctx = sum(len(p) + i for p in prompts[:batch])
-        kv_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * ctx
+        kv_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * cache_item * ctx
         decode_s += max((2 * n_params * batch + attn * ctx) / m["matmul_flop_s"],
                         (weight_bytes + kv_bytes) / m["read_bytes_s"])
     step_s = decode_s / (new_tokens - 1)
@@ -179,15 +184,25 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
                                                                    gguf_file=os.path.basename(path)).eval()
             ids = [prompts[i] for i in range(batch)]
             width = max(len(p) for p in ids)
-            inp = torch.tensor([[0] * (width - len(p)) + p for p in ids])  # left padding
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
+            # On a GPU backend the reference runs on the GPU too (torch's CUDA build), in the same dtype.
+            dev = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+            hf = hf.to(device=dev, dtype=getattr(torch, c.compute_dtype))
+            inp = torch.tensor([[0] * (width - len(p)) + p for p in ids], device=dev)  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids], device=dev)
             torch.set_num_threads(os.cpu_count() or 1)  # every core, as XLA uses
             out["torch_threads"] = torch.get_num_threads()
+            out["hf_device"] = dev
+            if dev == "cuda":  # XLA's default float32 dot precision on GPU uses TF32; let torch do the same
+                torch.backends.cuda.matmul.allow_tf32 = True
+                out["hf_allow_tf32"] = True
+            sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
             with torch.inference_mode():  # HF's own KV cache (use_cache defaults to True)
                 hf.generate(inp[:2], attention_mask=mask[:2], max_new_tokens=4, do_sample=True, pad_token_id=0)
+                sync()
                 t0 = time.perf_counter()
                 hf.generate(inp, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                             do_sample=True, temperature=1.0, top_k=0, pad_token_id=0, eos_token_id=None)
+                sync()
                 out["hf_tok_s"] = batch * new_tokens / (time.perf_counter() - t0)
             out["engine_vs_hf"] = out["engine_tok_s"] / out["hf_tok_s"]
 
@@ -223,7 +238,7 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
 
 
 def bench_decode(config: str = "smollm2_135m", batch: int = 32, cache_length: int = 256,
-                 repeats: int = 5) -> dict[str, Any]:
+                 repeats: int = 5, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     """Where one decode step's time goes: the full step against a ``cache_length`` cache, the same forward
     without a cache (layers + head only), and sampling alone; best of ``repeats`` after compiling."""
     import jax.numpy as jnp
@@ -235,7 +250,7 @@ def bench_decode(config: str = "smollm2_135m", batch: int = 32, cache_length: in
     from dora_jax.models.weights import load_model
     from dora_jax.rollout.sampling import SamplingParams, row_keys, sample
 
-    cfg = load_config(config)
+    cfg = load_config(config, overrides)
     model, _ = load_model(cfg.model, progress=False)
     graphdef, params = nnx.split(model)
 
@@ -321,7 +336,7 @@ def train_flops(model_cfg, tokens: int, seq_len: int, lora: bool) -> float:
 
 
 def bench_train(config: str = "smollm2_135m", rows: int = 8, prompt_len: int = 32, response_len: int = 96,
-                lora_rank: int = 16, repeats: int = 3, seed: int = 0) -> dict[str, Any]:
+                lora_rank: int = 16, repeats: int = 3, seed: int = 0, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     """Training tokens/s of the jitted, donated train step, full fine-tuning and LoRA, with model FLOP
     utilization against the matmul rate measured in the same run; best of ``repeats`` steps after compiling.
 
@@ -333,7 +348,7 @@ def bench_train(config: str = "smollm2_135m", rows: int = 8, prompt_len: int = 3
 
     from dora_jax.config import load_config
 
-    cfg = load_config(config)
+    cfg = load_config(config, overrides)
     rng = np.random.default_rng(seed)
     seq = prompt_len + response_len
     samples = _synthetic_samples(rng, rows, prompt_len, response_len, cfg.model.vocab_size)
@@ -362,7 +377,7 @@ def bench_train(config: str = "smollm2_135m", rows: int = 8, prompt_len: int = 3
 
 def bench_snapshot(config: str = "smollm2_135m", rows: int = 8, prompt_len: int = 32, response_len: int = 96,
                    lora_rank: int = 16, baseline_steps: int = 2, snapshot_steps: int = 3, seed: int = 0,
-                   directory: str | None = None) -> dict[str, Any]:
+                   directory: str | None = None, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     """How long an asynchronous version snapshot blocks the trainer, against the train step's time, and the
     memory each resident version holds; full fine-tuning and LoRA.
 
@@ -381,7 +396,7 @@ def bench_snapshot(config: str = "smollm2_135m", rows: int = 8, prompt_len: int 
     from dora_jax.config import load_config
     from dora_jax.versions import Snapshots, VersionStore
 
-    cfg = load_config(config)
+    cfg = load_config(config, overrides)
     rng = np.random.default_rng(seed)
     seq = prompt_len + response_len
     samples = _synthetic_samples(rng, rows, prompt_len, response_len, cfg.model.vocab_size)

@@ -110,14 +110,17 @@ def cmd_bench(args) -> int:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
     from dora_jax import benchmarks
 
+    ov = tuple(args.overrides)
+    if ov and args.what in ("modes", "kernel"):
+        raise SystemExit(f"dora-jax bench {args.what}: takes no key=value overrides (got {' '.join(ov)})")
     if args.what == "load":
-        result = benchmarks.bench_load(args.config, repeats=args.repeats)
+        result = benchmarks.bench_load(args.config, repeats=args.repeats, overrides=ov)
     elif args.what == "decode":
-        result = benchmarks.bench_decode(args.config, batch=args.batch or 32)
+        result = benchmarks.bench_decode(args.config, batch=args.batch or 32, overrides=ov)
     elif args.what == "train":
-        result = benchmarks.bench_train(args.config, rows=args.batch or 8)
+        result = benchmarks.bench_train(args.config, rows=args.batch or 8, overrides=ov)
     elif args.what == "snapshot":
-        result = benchmarks.bench_snapshot(args.config, rows=args.batch or 8)
+        result = benchmarks.bench_snapshot(args.config, rows=args.batch or 8, overrides=ov)
     elif args.what == "modes":
         from dora_jax.bench_modes import bench_modes, plot_modes
 
@@ -127,7 +130,7 @@ def cmd_bench(args) -> int:
             print("plot:", plot_modes(result, args.plot))
     elif args.what == "engine":
         result = benchmarks.bench_engine(args.config, batch=args.batch or 32, new_tokens=args.new_tokens,
-                                         with_hf=not args.no_reference)
+                                         with_hf=not args.no_reference, overrides=ov)
     elif args.what == "kernel":
         from dora_jax.kernels.bench import bench_kernel
 

@@ -74,8 +74,9 @@ class ModelConfig:
 
     ``attention_impl`` picks how a one-token decode step attends over the cache: ``"xla"`` (masked attention
     over every slot), ``"pallas"`` (``dora_jax.kernels.ragged_decode_attention``, reading only each row's
-    valid positions) or ``"auto"`` (pallas on GPU/TPU, xla on CPU). ``pallas_interpret`` runs the kernel in
-    the Pallas interpreter (CPU tests). Neither changes the weights or the results beyond float rounding.
+    valid positions) or ``"auto"`` (pallas on TPU; xla on CPU and GPU, where XLA measured faster).
+    ``pallas_interpret`` runs the kernel in the Pallas interpreter (CPU tests). Neither changes the weights
+    or the results beyond float rounding.
     """
 
     family: str = "llama"

@@ -5,8 +5,12 @@ The cache is the engine's layout (:class:`dora_jax.models.decoder.KVCache`, one 
 ``[B, K, d, S]``, values ``[B, K, S, d]``. Slot ``b`` attends over positions ``0 .. lengths[b] - 1``; a slot of
 length 0 gets zeros. Two Pallas implementations compute the same float32 online softmax:
 
-  * GPU (Triton lowering): grid ``(B, K)``, one program per slot and kv head, a ``fori_loop`` over KV blocks
-    up to the slot's length (blocks past it are never loaded);
+  * GPU (Triton lowering), split over the cache as in flash-decoding: grid ``(B, K, splits)``, one program per
+    slot, kv head and contiguous chunk of ``S / splits`` positions, a ``fori_loop`` over the chunk's KV blocks
+    up to the slot's length (blocks past it are never loaded). Each program writes its chunk's unnormalized
+    output and softmax statistics; a few element-wise ops merge the chunks exactly. The split count fills the
+    GPU: one program per slot and head alone (B * K of them) leaves most multiprocessors idle at decode sizes
+    and walks a long cache serially;
   * TPU (Mosaic): grid ``(B, K, S // block_kv)`` with the lengths scalar-prefetched into SMEM; blocks past a
     slot's length are skipped with ``pl.when`` and their index map is clamped to the last valid block, so the
     pipeline issues no new copy for them.
@@ -30,6 +34,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+HIGHEST = jax.lax.Precision.HIGHEST
 IMPLEMENTATIONS = ("gpu", "tpu")
 
 
@@ -43,19 +48,27 @@ class BlockSizes:
         falls back to the whole cache length.
       num_warps: GPU only, Triton warps per program.
       num_stages: GPU only, Triton software-pipelining stages of the KV loop.
+      num_splits: GPU only, chunks of the cache handled by separate programs (a power of two). ``None`` picks
+        enough for about four programs per multiprocessor (:func:`gpu_num_splits`); either way it is reduced
+        until every chunk is a power-of-two multiple of the block.
     """
 
     block_kv: int = 128
     num_warps: int = 4
     num_stages: int = 2
+    num_splits: int | None = None
 
     def __post_init__(self):
-        for name in ("block_kv", "num_warps", "num_stages"):
+        for name in ("block_kv", "num_warps", "num_stages", "num_splits"):
             value = getattr(self, name)
+            if name == "num_splits" and value is None:
+                continue
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"BlockSizes.{name}: {value!r} must be a positive integer")
-        if self.block_kv & (self.block_kv - 1):
-            raise ValueError(f"BlockSizes.block_kv: {self.block_kv} must be a power of two")
+        for name in ("block_kv", "num_splits"):
+            value = getattr(self, name)
+            if value is not None and value & (value - 1):
+                raise ValueError(f"BlockSizes.{name}: {value} must be a power of two")
 
     @classmethod
     def default(cls, implementation: str) -> "BlockSizes":
@@ -106,9 +119,10 @@ def _normalize(acc, l_sum):
 # GPU: Triton lowering.
 
 
-def _gpu_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale: float, block_kv: int):
+def _gpu_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale: float, block_kv: int, chunk: int):
     f32 = jnp.float32
-    length = len_ref[()]
+    offset = pl.program_id(2) * chunk  # this program's first cache position
+    valid_here = jnp.clip(len_ref[()] - offset, 0, chunk)  # valid positions inside the chunk
     q = q_ref[...].astype(f32)  # [Gp, d]
     gp, d = q.shape
 
@@ -118,7 +132,7 @@ def _gpu_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale: flo
         k = k_ref[:, pl.ds(start, block_kv)].astype(f32)  # [d, block]
         # A multiply-reduce, not a dot: Gp is 1..8 and tl.dot needs 16 rows; decode is bound by the loads.
         s = jnp.sum(q[:, :, None] * k[None, :, :], axis=1) * scale  # [Gp, block]
-        valid = (start + jnp.arange(block_kv)) < length
+        valid = (start + jnp.arange(block_kv)) < valid_here
         s = jnp.where(valid[None, :], s, MASK_VALUE)
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
         alpha = jnp.exp(m_prev - m_new)
@@ -128,8 +142,8 @@ def _gpu_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale: flo
         return acc, m_new, alpha * l_prev + jnp.sum(p, axis=1)
 
     init = (jnp.zeros((gp, d), f32), jnp.full((gp,), MASK_VALUE, f32), jnp.zeros((gp,), f32))
-    acc, m, l_sum = jax.lax.fori_loop(0, pl.cdiv(length, block_kv), body, init)
-    o_ref[...] = _normalize(acc, l_sum[:, None])
+    acc, m, l_sum = jax.lax.fori_loop(0, pl.cdiv(valid_here, block_kv), body, init)
+    o_ref[...] = acc  # unnormalized: the chunks are merged outside
     m_ref[...] = m
     l_ref[...] = l_sum
 
@@ -141,36 +155,70 @@ def _triton_params(bs: BlockSizes):
     return cls(num_warps=bs.num_warps, num_stages=bs.num_stages)
 
 
+def gpu_num_splits(programs: int, blocks: int) -> int:
+    """Splits of the cache that give about four programs per multiprocessor of the default device (at most one
+    per block): ``programs`` is ``B * K``, ``blocks`` the cache length over the block."""
+    cores = getattr(jax.devices()[0], "core_count", None) or 128  # multiprocessors on a GPU
+    want = max(1, -(-4 * cores // max(programs, 1)))
+    return min(1 << (want - 1).bit_length(), blocks)
+
+
+def _split_plan(s_len: int, block: int, requested: int) -> int:
+    """The largest power of two ``<= requested`` that cuts ``s_len`` into power-of-two chunks of whole blocks
+    (Triton blocks need power-of-two shapes); 1 if none does (one chunk: the whole cache)."""
+    n = 1 << (max(requested, 1).bit_length() - 1)
+    while n > 1:
+        chunk = s_len // n
+        if s_len % n == 0 and chunk % block == 0 and chunk & (chunk - 1) == 0:
+            return n
+        n //= 2
+    return 1
+
+
+def merge_chunks(acc, m, l_sum, axis: int):
+    """Exact merge of per-chunk flash-attention partials along ``axis``: unnormalized outputs ``acc`` (one
+    more trailing dim than ``m``/``l``), row maxima ``m`` and sums of exponentials ``l``. Returns the
+    normalized output and the merged ``m``, ``l``."""
+    m_all = jnp.max(m, axis=axis)
+    w = jnp.exp(m - jnp.expand_dims(m_all, axis))  # 0 for an empty chunk (its m is MASK_VALUE)
+    l_all = jnp.sum(w * l_sum, axis=axis)
+    acc_all = jnp.sum(w[..., None] * acc, axis=axis)
+    return _normalize(acc_all, l_all[..., None]), m_all, l_all
+
+
 def _gpu_call(q_bkgd, k_bkds, v_bksd, lengths_b, bs: BlockSizes, interpret: bool):
     b, kv, g, d = q_bkgd.shape
     s_len = k_bkds.shape[3]
     if d & (d - 1):
         raise ValueError(f"ragged_decode_attention (gpu): head dim {d} must be a power of two for Triton")
     block = math.gcd(s_len, bs.block_kv)
+    splits = _split_plan(s_len, block, bs.num_splits or gpu_num_splits(b * kv, s_len // block))
+    chunk = s_len // splits
     gp = 1 << (g - 1).bit_length()
     if gp != g:  # zero query rows, sliced off below
         q_bkgd = jnp.pad(q_bkgd, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     f32 = jnp.float32
-    out, m, l_sum = pl.pallas_call(
-        functools.partial(_gpu_kernel, scale=1.0 / math.sqrt(d), block_kv=block),
-        grid=(b, kv),
+    acc, m, l_sum = pl.pallas_call(
+        functools.partial(_gpu_kernel, scale=1.0 / math.sqrt(d), block_kv=block, chunk=chunk),
+        grid=(b, kv, splits),
         in_specs=[
-            pl.BlockSpec((None,), lambda i, h: (i,)),
-            pl.BlockSpec((None, None, gp, d), lambda i, h: (i, h, 0, 0)),
-            pl.BlockSpec((None, None, d, s_len), lambda i, h: (i, h, 0, 0)),
-            pl.BlockSpec((None, None, s_len, d), lambda i, h: (i, h, 0, 0)),
+            pl.BlockSpec((None,), lambda i, h, c: (i,)),
+            pl.BlockSpec((None, None, gp, d), lambda i, h, c: (i, h, 0, 0)),
+            pl.BlockSpec((None, None, d, chunk), lambda i, h, c: (i, h, 0, c)),
+            pl.BlockSpec((None, None, chunk, d), lambda i, h, c: (i, h, c, 0)),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, gp, d), lambda i, h: (i, h, 0, 0)),
-            pl.BlockSpec((None, None, gp), lambda i, h: (i, h, 0)),
-            pl.BlockSpec((None, None, gp), lambda i, h: (i, h, 0)),
+            pl.BlockSpec((None, None, None, gp, d), lambda i, h, c: (i, h, c, 0, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda i, h, c: (i, h, c, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda i, h, c: (i, h, c, 0)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((b, kv, gp, d), f32), jax.ShapeDtypeStruct((b, kv, gp), f32),
-                   jax.ShapeDtypeStruct((b, kv, gp), f32)],
+        out_shape=[jax.ShapeDtypeStruct((b, kv, splits, gp, d), f32), jax.ShapeDtypeStruct((b, kv, splits, gp), f32),
+                   jax.ShapeDtypeStruct((b, kv, splits, gp), f32)],
         compiler_params=None if interpret else _triton_params(bs),
         interpret=interpret,
         name="ragged_decode_attention_gpu",
     )(lengths_b, q_bkgd, k_bkds, v_bksd)
+    out, m, l_sum = merge_chunks(acc, m, l_sum, axis=2)
     return out[:, :, :g], m[:, :, :g], l_sum[:, :, :g]
 
 
@@ -193,7 +241,8 @@ def _tpu_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_sc, m_sc,
     @pl.when(j * block_kv < length)
     def _step():
         q = q_ref[...].astype(f32)  # [G, d]
-        s = jnp.dot(q, k_ref[...].astype(f32), preferred_element_type=f32) * scale  # [G, block]
+        # HIGHEST: float32 dots stay float32 (TPU and the GPU interpreter would otherwise round to bf16 / TF32).
+        s = jnp.dot(q, k_ref[...].astype(f32), preferred_element_type=f32, precision=HIGHEST) * scale  # [G, block]
         pos = j * block_kv + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
         s = jnp.where(pos < length, s, MASK_VALUE)
         m_prev = m_sc[...]  # [G, 1]
@@ -201,7 +250,8 @@ def _tpu_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_sc, m_sc,
         alpha = jnp.exp(m_prev - m_new)
         p = jnp.exp(s - m_new)
         l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-        acc_sc[...] = alpha * acc_sc[...] + jnp.dot(p, v_ref[...].astype(f32), preferred_element_type=f32)
+        acc_sc[...] = alpha * acc_sc[...] + jnp.dot(p, v_ref[...].astype(f32), preferred_element_type=f32,
+                                                    precision=HIGHEST)
         m_sc[...] = m_new
 
     @pl.when(j == pl.num_programs(2) - 1)

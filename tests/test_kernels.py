@@ -76,6 +76,27 @@ def test_blocks_past_length_are_not_read(impl):
     assert rel_err(out, ref) <= 1e-5
 
 
+@pytest.mark.parametrize("s,block,splits,expect", [(64, 16, 1, 1), (64, 16, 2, 2), (64, 16, 4, 4), (64, 16, 8, 4),
+                                                    (48, 16, 4, 1), (96, 16, 2, 1), (128, 64, 4, 2)])
+def test_gpu_split_cache_merges_exactly(s, block, splits, expect):
+    """The GPU variant splits the cache into chunks handled by separate programs and merges them: any split
+    count gives the reference, for rows ending before, on and after chunk boundaries; counts that would leave a
+    chunk of no whole blocks or of a shape Triton cannot tile fall back to fewer (a cache of 48 or 96: one chunk)."""
+    from dora_jax.kernels.ragged_decode_attention import _split_plan
+
+    assert _split_plan(s, block, splits) == expect
+    chunk = s // expect
+    lengths = np.array([0, 1, chunk - 1, chunk, chunk + 1, s - 1, s, min(2 * chunk + 3, s)])
+    q, kc, vc, lengths_j = _inputs(len(lengths), 2, 2, 8, s, jnp.float32, seed=s + splits, lengths=lengths)
+    o32, m, l_sum = ragged_decode_attention(q, kc, vc, lengths_j, implementation="gpu", interpret=True,
+                                            block_sizes=BlockSizes(block_kv=block, num_splits=splits),
+                                            return_stats=True)
+    r32, rm, rl = reference_ragged_decode_attention(q, kc, vc, lengths_j, return_stats=True)
+    assert rel_err(o32, r32) <= 1e-5
+    assert rel_err(m[1:], rm[1:]) <= 1e-5 and rel_err(l_sum, rl) <= 1e-5
+    np.testing.assert_array_equal(np.asarray(o32[0]), 0.0)
+
+
 def test_query_heads_not_a_power_of_two():
     """G = 3 (the engine test model): the GPU variant pads the query rows to 4 and drops the padding."""
     q, kc, vc, lengths = _inputs(3, 2, 3, 8, 32, jnp.float32)
@@ -89,10 +110,13 @@ def test_bad_arguments():
         ragged_decode_attention(q, kc, vc[:, :, :16], lengths, interpret=True)
     with pytest.raises(ValueError, match="implementation 'cuda'"):
         ragged_decode_attention(q, kc, vc, lengths, implementation="cuda", interpret=True)
-    with pytest.raises(ValueError, match="no compiled kernel on CPU"):
-        ragged_decode_attention(q, kc, vc, lengths)
+    if jax.default_backend() == "cpu":
+        with pytest.raises(ValueError, match="no compiled kernel on CPU"):
+            ragged_decode_attention(q, kc, vc, lengths)
     with pytest.raises(ValueError, match="BlockSizes.block_kv"):
         BlockSizes(block_kv=48)
+    with pytest.raises(ValueError, match="BlockSizes.num_splits"):
+        BlockSizes(num_splits=3)
     with pytest.raises(ValueError, match="head dim 12"):
         q12, k12, v12, _ = _inputs(3, 2, 2, 12, 32, jnp.float32)
         ragged_decode_attention(q12, k12, v12, lengths, implementation="gpu", interpret=True)
@@ -109,7 +133,12 @@ def test_lowers_for_hardware(impl, platform, target):
     fn = jax.jit(functools.partial(ragged_decode_attention, implementation=impl))
     # Pallas custom calls carry no serialization guarantee; only the lowering is checked here.
     checks = [export.DisabledSafetyCheck.custom_call(target)]
-    exported = export.export(fn, platforms=[platform], disabled_checks=checks)(*args)
+    try:
+        exported = export.export(fn, platforms=[platform], disabled_checks=checks)(*args)
+    except RuntimeError as e:  # JAX >= 0.11 asks the device for its compute capability before lowering Triton
+        if impl == "gpu" and "No supported GPU devices" in str(e):
+            pytest.skip("this JAX lowers Triton kernels only with a GPU present (test_compiled_gpu covers it there)")
+        raise
     assert target in exported.mlir_module()
 
 
@@ -155,7 +184,8 @@ def test_config_switch():
     with pytest.raises(ConfigError, match="model.attention_impl"):
         dataclasses.replace(CFG, attention_impl="triton").validate()
     PALLAS.validate()
-    assert resolve_attention_impl(dataclasses.replace(CFG, attention_impl="auto")) == "xla"  # CPU
+    auto = resolve_attention_impl(dataclasses.replace(CFG, attention_impl="auto"))
+    assert auto == ("pallas" if jax.default_backend() == "tpu" else "xla")  # XLA measured faster on GPU
     assert resolve_attention_impl(PALLAS) == "pallas"
 
 
@@ -212,7 +242,8 @@ def test_bench_kernel_reports_both_sides():
 
     out = bench_kernel(batches=(2,), fills=(0.5,), cache_length=32, kv_heads=1, group=2, head_dim=8,
                        dtype="float32", repeats=1)
-    assert "Pallas interpreter" in out["kernel"] and out["copy_gbps"] > 0
+    on_cpu = jax.default_backend() == "cpu"
+    assert ("Pallas interpreter" in out["kernel"]) == on_cpu and out["copy_gbps"] > 0
     (point,) = out["points"]
     assert point["kernel_ms"] > 0 and point["xla_ms"] > 0
     assert point["xla_bytes"] == 2 * (2 * 1 * 8 * 32 * 4) + 2 * 2 * 1 * 2 * 8 * 4  # whole cache + q and out

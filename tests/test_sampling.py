@@ -83,7 +83,10 @@ def test_unfiltered_variant_equals_general_on_rows_without_filters():
     outs = [jax.jit(sample, static_argnums=3)(logits, keys, params, f) for f in (False, True, None)]
     for t, lp in outs[1:]:
         assert np.array_equal(np.asarray(t), np.asarray(outs[0][0]))
-        assert np.array_equal(np.asarray(lp), np.asarray(outs[0][1]))
+        if jax.default_backend() == "cpu":  # the same reductions, bit for bit
+            assert np.array_equal(np.asarray(lp), np.asarray(outs[0][1]))
+        else:  # GPU fuses each compiled variant's reductions differently: float32 rounding apart
+            np.testing.assert_allclose(np.asarray(lp), np.asarray(outs[0][1]), rtol=1e-6, atol=1e-6)
     # Log-probs against float64 numpy: log_softmax(logits / T) at the sampled token (T = 1 for greedy rows).
     t64 = np.where(np.asarray(temps) > 0, np.asarray(temps), 1.0)[:, None]
     z = np.asarray(logits, np.float64) / t64

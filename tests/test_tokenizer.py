@@ -34,9 +34,16 @@ def test_encode_decode(pair):
 
 
 def test_special_ids(pair):
+    """End of sequence is the file's ``tokenizer.ggml.eos_token_id`` (read here by the ``gguf`` package) and the
+    ``<|im_end|>`` token by both tokenizers. (transformers' own ``eos_token_id`` is not the reference: 5.17
+    reported the file's BOS there, 5.23 reports the file's EOS.)"""
+    import gguf
+
     ours, ref = pair
-    assert ours.eos_ids[0] == ref.eos_token_id == ours.encode("<|im_end|>")[0]
-    assert ours.vocab_size == 49152
+    field = gguf.GGUFReader(smollm2_gguf_path()).fields["tokenizer.ggml.eos_token_id"]
+    file_eos = int(field.parts[field.data[0]][0])
+    assert ours.eos_ids[0] == file_eos == ours.encode("<|im_end|>")[0] == ref.convert_tokens_to_ids("<|im_end|>")
+    assert ours.vocab_size == 49152 == len(ref)
 
 
 def test_chat_template(pair):
