@@ -138,8 +138,10 @@ class Runner:
 
     Under several processes (``jax.distributed``, ``jax.process_count() > 1``) every process runs the same
     run: the trainer on one mesh over every process's devices, a rollout engine on each process's own
-    devices doing the same work in lockstep; the batch to train and when to stop are checked to be the same
-    on every process, and only process 0 writes the run directory (docs/scale.md).
+    devices generating that process's share of the groups, in lockstep, the finished samples shared after
+    every decode step; the batch to train and when to stop are checked to be the same on every process, and only process 0 writes the run directory's files. Run checkpoints and version
+    snapshots are written by every process together (Orbax: each writes its shards of the trainer's arrays,
+    process 0 commits), and a resume restores onto the same global mesh (docs/scale.md).
     """
 
     def __init__(self, cfg: Config, run_dir: str, *, model: Any = None, tokenizer: Any = None,
@@ -169,6 +171,8 @@ class Runner:
             self.store.check_config()
         # Several processes: every process runs this same run; only process 0 writes the run directory.
         self.multi, self.writes = jax.process_count() > 1, jax.process_index() == 0
+        self.rank, self.nproc = jax.process_index(), jax.process_count()
+        self.generated = 0  # trajectories this process's engine generated (its share under several processes)
         if self.multi:
             self._check_multiprocess(parts)
             # Also a barrier: no process writes to the run directory before every process has checked it.
@@ -277,8 +281,14 @@ class Runner:
                 continue
             for sid in g.sample_ids:
                 self._items[sid] = (g.group_id, item)
-                self._enqueue(sid, g.version, ids, item)
+                if self._mine(g.group_id):
+                    self._enqueue(sid, g.version, ids, item)
         return len(groups)
+
+    def _mine(self, group_id: int) -> bool:
+        """Whether this process generates the group: under several processes each generates every
+        ``nproc``-th group (strided, so long-tailed prompts spread evenly) and the finished samples are shared."""
+        return not self.multi or group_id % self.nproc == self.rank
 
     def _enqueue(self, sample_id: int, version: int, prompt_ids: list[int], item: Item) -> None:
         r = self.cfg.rollout
@@ -286,15 +296,42 @@ class Runner:
         self._waiting.setdefault(version, deque()).append(
             Request(sample_id, tuple(prompt_ids), version=version, max_new_tokens=budget, sampling=self.sampling))
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[int]:
+        """Submits waiting requests to free slots; returns their sample ids (the ledger records them as
+        started once every process's are known, :meth:`_rollout_step`)."""
         busy = sum(self.driver.in_flight().values())
         # A version whose train step is still running is not loaded yet: its prompts wait.
         waiting = {v: len(q) for v, q in self._waiting.items() if q and v in self._params}
+        started = []
         for v, n in self.sched.assign_slots(self.cfg.rollout.slots - busy, waiting).items():
             for _ in range(n):
                 req = self._waiting[v].popleft()
                 self.driver.submit(req)
-                self.sched.ledger.start(req.sample_id)
+                started.append(req.sample_id)
+        return started
+
+    def _rollout_step(self, started: list[int]) -> tuple[bool, float, int]:
+        """One decode step of this process's engine (if it has work), then the ledger and rewards take the
+        started and finished samples: this process's, or under several processes every process's, shared
+        with one all-gather and applied in sample-id order so that every ledger stays the same. Returns whether
+        this process decoded, the seconds it took and the rows decoded."""
+        finished: list[Trajectory] = []
+        secs = rows = 0
+        stepped = not self.driver.idle
+        if stepped:
+            ts, before_rows = time.perf_counter(), self.driver.rows_live
+            finished = self.driver.step()
+            secs, rows = time.perf_counter() - ts, self.driver.rows_live - before_rows
+            self.generated += len(finished)
+        if self.multi:
+            everyone = gather_decisions({"started": started, "finished": [dataclasses.asdict(t) for t in finished]})
+            started = sorted(sid for e in everyone for sid in e["started"])
+            finished = sorted((Trajectory(**d) for e in everyone for d in e["finished"]), key=lambda t: t.sample_id)
+        for sid in started:
+            self.sched.ledger.start(sid)
+        for traj in finished:
+            self._on_finished(traj)
+        return stepped, secs, rows
 
     def _score(self, item: Item, text: str) -> tuple[float, bool]:
         s = self.task.score(item, text)
@@ -402,12 +439,6 @@ class Runner:
         """Refuses what a run under several processes does not support yet, naming the setting."""
         cfg, n = self.cfg, jax.process_count()
         where = f"with {n} processes (jax.process_count())"
-        if cfg.run.checkpoint_every > 0:
-            raise RunError(f"run.checkpoint_every = {cfg.run.checkpoint_every}: run checkpoints and version snapshots "
-                           f"are not written {where} yet; set run.checkpoint_every=0")
-        if self.store.has_checkpoints():
-            raise RunError(f"{self.store.checkpoints.directory} holds run checkpoints: resuming {where} is not "
-                           "supported yet; resume with one process, or choose another run.name or run.out_dir")
         if cfg.roles.placement != "shared":
             raise RunError(f"roles.placement = {cfg.roles.placement!r}: {where} the trainer uses every process's "
                            "devices and each process decodes on its own (time-sharing); use roles.placement=shared")
@@ -472,7 +503,8 @@ class Runner:
                 prompts[e.group_id] = (item, self._prompt_ids(item))
             item, ids = prompts[e.group_id]
             self._items[sid] = (e.group_id, item)
-            self._enqueue(sid, e.version, ids, item)
+            if self._mine(e.group_id):
+                self._enqueue(sid, e.version, ids, item)
         self.driver.rows_computed, self.driver.rows_live = metrics["rows_computed"], metrics["rows_live"]
         self.max_resident = max(metrics["max_resident"], len(self._params))
         self._resumed = metrics
@@ -570,14 +602,9 @@ class Runner:
         while self._agree("going on", not self.sched.done() or self._in_flight is not None,
                           f"before update {self.sched.version + 1}"):
             self._dispatch()
-            self._admit()
-            if not self.driver.idle:
-                ts = time.perf_counter()
-                before_rows = self.driver.rows_live
-                for traj in self.driver.step():
-                    self._on_finished(traj)
-                rollout_s += time.perf_counter() - ts
-                step_rows = self.driver.rows_live - before_rows
+            stepped, step_s, step_rows = self._rollout_step(self._admit())
+            if stepped:
+                rollout_s += step_s
                 gen_tokens += step_rows
                 live_rows += step_rows
                 slot_rows += cfg.rollout.slots
@@ -593,6 +620,8 @@ class Runner:
             # Shared placement completes the step now; split placement only when it has finished, or when
             # the rollout has nothing left to do without it.
             nothing_to_decode = self.driver.idle and not any(q for v, q in self._waiting.items() if v in self._params)
+            if self.multi:  # the branches below take decisions: every process must take the same one
+                nothing_to_decode = all(gather_decisions(nothing_to_decode))
             if (done_step := self._complete(wait=not self.split or nothing_to_decode)) is not None:
                 record(*done_step)
             elif nothing_to_decode and self._in_flight is None:

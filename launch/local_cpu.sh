@@ -4,7 +4,7 @@
 # single program on M fake devices, to try a sharded config without accelerators.
 #
 #   launch/local_cpu.sh --devices 8 export --config tiny_llama --out /tmp/tiny_hf
-#   launch/local_cpu.sh --processes 2 --devices 4 train --config tiny_llama run.checkpoint_every=0
+#   launch/local_cpu.sh --processes 2 --devices 4 train --config tiny_llama
 #   launch/local_cpu.sh --dry-run --processes 2 --devices 4 train ...   (print the commands only)
 #
 # Options: --processes N (1), --devices M per process (1), --port P coordinator port (8476),

@@ -1,7 +1,11 @@
 """A `dora` run under multi-controller ``jax.distributed``: two processes on localhost with four CPU devices
-each (gloo collectives). The trainer's mesh spans both processes' eight devices; each process decodes on its
-own four. Both processes must take the same decisions and end with the same ledger, which keeps its
-invariants; only process 0 writes the run directory."""
+each (gloo collectives). The trainer's mesh spans both processes' eight devices; each process decodes its
+share of the groups on its own four, and the finished samples are shared. Both processes must take the same
+decisions and end with the same ledger, which keeps its
+invariants; only process 0 writes the run directory's files, and both write the run checkpoints and version
+snapshots together; two processes resumed from a checkpoint finish the run exactly as the uninterrupted one."""
+
+import shutil
 
 import json
 import os
@@ -20,7 +24,7 @@ OVERRIDES = ["dora.mode=dora", f"dora.steps={STEPS}", f"dora.train_batch={TBS}",
              f"train.max_staleness={K}", "train.group_size=4", "train.learning_rate=0.003", "rollout.slots=8",
              "rollout.max_new_tokens=16", "rollout.max_prompt_len=32", "task.name=longtail",
              "task.longtail_max_len=16", "task.eval_size=2", "train.length_buckets=[64]",
-             "train.max_response_tokens=16", "run.checkpoint_every=0",
+             "train.max_response_tokens=16", "run.checkpoint_every=1",
              # The trainer shards params and optimizer state over all eight devices of both processes; each
              # process decodes on its own four devices (data-parallel rows, weights replicated).
              "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1", "roles.rollout_data=4", "roles.rollout_tensor=1"]
@@ -39,6 +43,7 @@ _WORKER = textwrap.dedent("""
 
     run_dir, out, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     runner = Runner(load_config("tiny_llama", overrides), run_dir, progress=False)
+    resumed_at = runner.sched.version
     summary = runner.run()
     # This process's rollout copy of the newest version against the trainer's (global) params.
     v = runner.sched.version
@@ -54,6 +59,7 @@ _WORKER = textwrap.dedent("""
                 and np.array_equal(np.asarray(x), b) for x, b in zip(tp, full))
     tp_sharded = sum(not x.sharding.is_fully_replicated for x in tp)
     rec = {"pid": jax.process_index(), "processes": jax.process_count(), "devices": jax.device_count(),
+           "resumed_at": resumed_at, "generated": runner.generated,
            "trainer_devices": int(runner.trainer.mesh.devices.size),
            "rollout_devices": sorted(d.id for d in runner.engine.mesh.devices.flat),
            "local_devices": sorted(d.id for d in jax.local_devices()),
@@ -141,6 +147,10 @@ def test_two_processes_run_dora_end_to_end_and_agree(tmp_path):
         assert r["copy_max_diff"] == 0.0  # the process's rollout copy is the trainer's newest version
         assert r["tp_ok"] and r["tp_sharded"] > 0  # and a tensor-sharded local copy holds the right slices
     assert len({r["local_devices"][0] for r in recs}) == 2  # different devices
+    # Each process generated its own share of the groups; together, every finished sample exactly once.
+    counts = Ledger.from_dict(recs[0]["ledger"]["ledger"]).counts()
+    assert all(r["generated"] > 0 for r in recs)
+    assert sum(r["generated"] for r in recs) == counts["consumed"] + counts["finished"]
 
     # Both processes agree on every decision: the same steps, groups, samples and versions, the same train
     # metrics, the same final ledger, the same weights and evaluations.
@@ -160,23 +170,40 @@ def test_two_processes_run_dora_end_to_end_and_agree(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["processes"] == 2 and "accuracy_before" in summary and "accuracy_after" in summary
 
+    # Both processes wrote a run checkpoint after every update and a snapshot of every version (Orbax; each
+    # process its shards). Take the last update's checkpoint and the run's end away and resume with two
+    # processes: they restore the trainer state onto the global mesh, the in-flight versions from their
+    # snapshots, and redo update 3 exactly as the uninterrupted run did.
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert ckpts == [f"step_{s:08d}" for s in range(1, STEPS + 1)], ckpts
+    assert sorted(p.name for p in (run_dir / "versions").iterdir() if p.name.startswith("v_"))[-1] == f"v_{STEPS:08d}"
+    shutil.rmtree(run_dir / "checkpoints" / f"step_{STEPS:08d}")
+    (run_dir / "summary.json").unlink()
+    codes, outs = _launch(tmp_path, lambda pid: OVERRIDES + ["run.resume=true"])
+    for pid, (code, out) in enumerate(zip(codes, outs)):
+        assert code == 0, f"resumed process {pid} failed:\n{out[-6000:]}"
+    again = [json.loads((tmp_path / f"rec{pid}.json").read_text()) for pid in range(2)]
+    for r in again:
+        assert r["resumed_at"] == STEPS - 1
+        assert r["updates"] == recs[0]["updates"][STEPS - 1:]  # the redone update: same samples, versions, loss
+        assert r["ledger"] == recs[0]["ledger"] and r["copy_sum"] == recs[0]["copy_sum"]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(1, STEPS + 1))  # the redone update's line replaced, not added
+
 
 @pytest.mark.parametrize("extra_of,message", [
     # Process 1 runs another config: both stop at startup, naming the difference.
     (lambda pid: ["rollout.seed=1"] * pid,
      "RunError: at startup: config fingerprint differs between processes: process 0 has"),
-    # Run checkpoints are not written under several processes yet: refused on both, naming the setting.
-    (lambda pid: ["run.checkpoint_every=1"], "RunError: run.checkpoint_every = 1: run checkpoints and version "
-                                             "snapshots are not written with 2 processes"),
     # Rewards that differ between processes: process 0 has a first batch, process 1 none; both stop, naming it.
     # (No evaluation: it scores on its own, and a process that raises alone leaves the other waiting.)
     (lambda pid: ["task.reward=test_multiprocess:reward_refused_on_process_1", "task.eval_size=0"],
      "RunError: before update 1: the batch to train differs between processes: process 0 has ["),
-], ids=["config_differs", "checkpoints", "rewards_differ"])
+], ids=["config_differs", "rewards_differ"])
 def test_processes_that_cannot_agree_stop_together_naming_the_cause(tmp_path, extra_of, message):
     codes, outs = _launch(tmp_path, lambda pid: OVERRIDES + extra_of(pid), timeout=120)
     for pid, (code, out) in enumerate(zip(codes, outs)):
         assert code != 0, f"process {pid} did not fail:\n{out[-3000:]}"
         assert message in out, out[-3000:]
-    if "startup" in message or "checkpoint_every" in message:
+    if "startup" in message:
         assert not (tmp_path / "run" / "config.json").exists()  # stopped before anything was written
