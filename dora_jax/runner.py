@@ -51,7 +51,7 @@ from dora_jax.distributed import gather_decisions
 from dora_jax.metrics import MetricsWriter
 from dora_jax.resume import Finished, RunStore, fsync_file, pack_run_state, truncate_lines, unpack_run_state
 from dora_jax.rewards import RewardPool
-from dora_jax.rollout.driver import Request, RolloutDriver, Trajectory
+from dora_jax.rollout.driver import DriverGroups, Request, RolloutDriver, Trajectory
 from dora_jax.rollout.engine import Engine, RequestSampling, bucket
 from dora_jax.scheduler import SchedulePolicy, Scheduler
 from dora_jax.tasks import Item, Task, load_task
@@ -179,10 +179,14 @@ class Runner:
             self._agree("config fingerprint", cfg.fingerprint(), "at startup")
         os.makedirs(run_dir, exist_ok=True)
         self.task = task if task is not None else load_task(cfg.task)
+        if cfg.roles.rollout_groups > 1 and (cfg.roles.placement != "split" or self.multi or parts is not None):
+            why = ("several processes (each decodes its own share on its own devices)" if self.multi else
+                   "Runner(parts=...) (the parts hold one engine)" if parts is not None else
+                   f"roles.placement={cfg.roles.placement!r} (every group would be the same devices)")
+            raise RunError(f"roles.rollout_groups = {cfg.roles.rollout_groups}: rollout groups are disjoint device "
+                           f"sets of a split placement, not with {why}; use roles.placement=split, or "
+                           "roles.rollout_groups=1")
         meshes = role_meshes(cfg.mesh, cfg.roles, devices) if parts is None else None
-        if meshes is not None and len(meshes.rollout) > 1 and not meshes.shared:
-            raise RunError(f"roles.rollout_groups = {cfg.roles.rollout_groups}: the runner drives one rollout group "
-                           "per process; use roles.rollout_groups=1 (with rollout_data for data-parallel decode)")
         mesh = meshes.trainer if meshes is not None else parts[0].mesh
         if model is None:
             model, tokenizer = load_model(cfg.model, mesh, cfg.mesh.logical_axis_rules, seed=cfg.run.seed,
@@ -202,17 +206,23 @@ class Runner:
             local_meshes = process_meshes(rollout_mesh_config(cfg.roles), devices) if self.multi else None
             rollout_mesh = local_meshes[jax.process_index()] if self.multi else meshes.rollout[0]
             self.engine = make_engine(cfg, model, rollout_mesh)
+        # roles.rollout_groups > 1 (split only): one engine per group, each on its own devices.
+        self.engines = [self.engine] + ([make_engine(cfg, model, m) for m in meshes.rollout[1:]]
+                                        if parts is None and not self.multi else [])
         # Split placement: the rollout engine's devices are not the trainer's; versions move between them.
         self.split = (not self.multi and _device_set(self.engine.mesh) is not None
                       and _device_set(self.engine.mesh) != _device_set(self.trainer.mesh))
-        self._rollout_shardings = (state_shardings(abstract_model(cfg.model)[1], self.engine.mesh,
-                                                   cfg.mesh.logical_axis_rules) if self.split or self.multi else None)
+        self._group_shardings = [state_shardings(abstract_model(cfg.model)[1], e.mesh, cfg.mesh.logical_axis_rules)
+                                 for e in self.engines] if self.split or self.multi else None
+        self._rollout_shardings = self._group_shardings[0] if self._group_shardings else None
         # Several processes: each new version goes from the trainer's mesh to every process's own copy.
         self._to_local = ProcessLocalCopy(self._rollout_shardings, local_meshes) if self.multi else None
         self._in_flight: _TrainInFlight | None = None
         self.sync_s = 0.0  # trainer -> rollout weight transfers, in total
         self.sampling = RequestSampling(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=r.seed)
-        self.driver = RolloutDriver(self.engine, eos_ids=tokenizer.eos_ids)
+        drivers = [RolloutDriver(e, eos_ids=tokenizer.eos_ids) for e in self.engines]
+        self.driver = drivers[0] if len(drivers) == 1 else DriverGroups(drivers)
+        self.slots = r.slots * len(drivers)  # decode slots of every group together
         self.sched = Scheduler(self.policy)
         self.rewards = RewardPool(cfg.task.reward_workers, cfg.task.reward_timeout_s)
         self.keep_versions = keep_versions
@@ -242,14 +252,19 @@ class Runner:
         """Makes ``params`` (on the trainer's devices) a resident version on the rollout side."""
         self._params[version] = params
         rollout = params
-        if self.split:  # device to device, never through the host
-            rollout, secs = reshard(params, self._rollout_shardings)
-            self.sync_s += secs
+        copies = None
+        if self.split:  # device to device, never through the host; one copy per rollout group
+            copies = []
+            for shardings in self._group_shardings:
+                copy, secs = reshard(params, shardings)
+                copies.append(copy)
+                self.sync_s += secs
+            rollout = copies[0]
         elif self._to_local is not None:  # several processes: this process's copy, device to device
             rollout, secs = self._to_local(params)
             self.sync_s += secs
-        self._rollout_params[version] = rollout
-        self.driver.add_version(version, rollout)
+        self._rollout_params[version] = rollout  # the first group's copy (evaluation decodes there)
+        self.driver.add_version(version, copies if isinstance(self.driver, DriverGroups) else rollout)
         if self.keep_versions:
             self.versions_seen[version] = params
 
@@ -303,7 +318,7 @@ class Runner:
         # A version whose train step is still running is not loaded yet: its prompts wait.
         waiting = {v: len(q) for v, q in self._waiting.items() if q and v in self._params}
         started = []
-        for v, n in self.sched.assign_slots(self.cfg.rollout.slots - busy, waiting).items():
+        for v, n in self.sched.assign_slots(self.slots - busy, waiting).items():
             for _ in range(n):
                 req = self._waiting[v].popleft()
                 self.driver.submit(req)
@@ -607,7 +622,7 @@ class Runner:
                 rollout_s += step_s
                 gen_tokens += step_rows
                 live_rows += step_rows
-                slot_rows += cfg.rollout.slots
+                slot_rows += self.slots
             self._collect_rewards()
             self._dispatch()
             self._drop_drained()
@@ -652,7 +667,8 @@ class Runner:
             "wall_s": wall, "eval_s": eval_s, "train_s": train_total, "checkpoint_s": checkpoint_s,
             "samples_per_s": counts["consumed"] / wall, "gen_tok_s": total_gen / wall,
             "trainer_idle_fraction": 1 - train_total / wall, "max_resident_versions": self.max_resident,
-            "placement": "split" if self.split else "shared", "sync_s": self.sync_s,
+            "placement": "split" if self.split else "shared", "rollout_groups": len(self.engines),
+            "sync_s": self.sync_s,
             "slot_utilization": self.driver.slot_utilization, "config_fingerprint": cfg.fingerprint(),
             "resumed": self._resumed is not None, "processes": jax.process_count(),
         }

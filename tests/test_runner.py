@@ -74,6 +74,13 @@ def split():
     return lambda: dict(model=model, parts=(trainer, jax.tree.map(jnp.copy, state), engine), progress=False)
 
 
+@pytest.fixture(scope="module")
+def split2():
+    """Split placement with two rollout groups: the trainer on devices 0-3, one engine on devices 4-5 and one
+    on 6-7 (tensor 2 each), built by the runner from the config."""
+    return lambda: dict(progress=False)
+
+
 def read_samples(run_dir):
     with open(os.path.join(run_dir, "samples.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -99,20 +106,25 @@ def always_raise(prompt, response, answer):
 
 @pytest.mark.parametrize("mode,k,rbs,placement", [("sync", 0, 8, "shared"), ("one_step_off", 1, 8, "shared"),
                                                  ("dora", 2, 24, "shared"), ("sync", 0, 8, "split"),
-                                                 ("dora", 2, 24, "split")])
+                                                 ("dora", 2, 24, "split2")])
 def test_each_mode_keeps_the_promises(tmp_path, request, mode, k, rbs, placement):
-    cfg = tiny(f"dora.mode={mode}", f"dora.rollout_batch={rbs}", *(SPLIT if placement == "split" else []))
+    groups = {"split": ["roles.rollout_groups=1"], "split2": ["roles.rollout_groups=2"]}.get(placement)
+    cfg = tiny(f"dora.mode={mode}", f"dora.rollout_batch={rbs}", *(SPLIT + groups if groups else []))
     runner = Runner(cfg, str(tmp_path), keep_versions=True, **request.getfixturevalue(placement)())
     summary = runner.run()
-    assert summary["placement"] == placement
-    if placement == "split":
-        # Trainer and rollout on disjoint devices; every version crossed over device to device.
+    assert summary["placement"] == placement[:5] and summary["rollout_groups"] == len(runner.engines)
+    if placement.startswith("split"):
+        # Trainer and rollout on disjoint devices; every version crossed over device to device, to every group.
         trainer_devices = set(runner.trainer.mesh.devices.flat)
-        rollout_devices = set(runner.engine.mesh.devices.flat)
+        group_devices = [set(e.mesh.devices.flat) for e in runner.engines]
+        rollout_devices = set().union(*group_devices)
         assert len(trainer_devices) == len(rollout_devices) == 4 and not trainer_devices & rollout_devices
+        assert sum(map(len, group_devices)) == 4  # the groups are disjoint
         for params in runner._rollout_params.values():
-            assert all(set(x.sharding.device_set) <= rollout_devices for x in jax.tree.leaves(params))
+            assert all(set(x.sharding.device_set) <= group_devices[0] for x in jax.tree.leaves(params))
         assert summary["sync_s"] > 0
+    if placement == "split2":  # two engines, both decoded: the work was shared
+        assert len(runner.engines) == 2 and all(d.rows_live > 0 for d in runner.driver.drivers)
     bound = {"sync": 0, "one_step_off": 1}.get(mode, k)
     assert summary["steps"] == 4 and summary["samples"] == 32
     assert summary["max_resident_versions"] <= bound + 1
@@ -212,3 +224,5 @@ def test_bad_run_configs_are_named(tmp_path):
         Runner(tiny("task.reward=no_such_module:f"), str(tmp_path / "r"), progress=False)
     with pytest.raises(ConfigError, match="module 'test_runner' has no attribute 'missing'"):
         Runner(tiny("task.reward=test_runner:missing"), str(tmp_path / "r2"), progress=False)
+    with pytest.raises(RunError, match=r"roles.rollout_groups = 2: .* not with roles.placement='shared'"):
+        Runner(tiny("roles.rollout_groups=2"), str(tmp_path / "r3"), progress=False)

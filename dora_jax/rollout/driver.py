@@ -72,6 +72,17 @@ class _Group:
         return sum(s is not None for s in self.slots)
 
 
+@dataclasses.dataclass
+class _Launched:
+    """A decode step dispatched by :meth:`RolloutDriver.launch`, not yet read back."""
+
+    done: list[Trajectory]
+    active: list[_Group]
+    results: list[Any]  # one per active group, or one for all when fused
+    floor: int
+    fused: bool = False
+
+
 class RolloutDriver:
     """Owns one decode group per policy version; admits, steps, and emits finished trajectories."""
 
@@ -194,36 +205,51 @@ class RolloutDriver:
         With ``fuse`` (the default) all groups step in one program (:meth:`Engine.generate_many`) at one
         shared capacity, so a step costs one dispatch and one result transfer however many versions are
         resident."""
+        return self.collect(self.launch())
+
+    def launch(self) -> "_Launched":
+        """The first half of :meth:`step`: admits pending requests and dispatches the decode step without
+        waiting for it (JAX dispatch is asynchronous), so that drivers on other devices can dispatch theirs
+        before any result is read (:class:`DriverGroups`). :meth:`collect` finishes the step."""
         done: list[Trajectory] = []
         self._admit(done)
         active = [g for g in self._groups.values() if g.live]
         if not active:
-            self.steps += 1
-            return done
+            return _Launched(done, [], [], 1)
         live_sampling = [s.request.sampling for g in active for s in g.slots if s is not None]
         filtered = needs_filter([s.top_k for s in live_sampling], [s.top_p for s in live_sampling])
-        floor = 1
         if len(active) == 1 or not self.fuse:
             results = []
             for g in active:
                 g.state, result = self.engine.generate(g.params, g.state, filtered=filtered)
                 results.append(result)
-            cols_of = [r.to_host().columns() for r in results]
+            return _Launched(done, active, results, 1)
+        # Every group at the largest group's capacity: one compiled program per (number of versions,
+        # capacity), at most (K + 1) x log2(slots) of them, whatever the mix of versions' sizes. The
+        # padding rows are counted as computed (slot_utilization); on accelerators a decode step's cost
+        # hardly depends on its row count, on CPU it is dominated by per-call costs.
+        floor = max(len(g.slots) for g in active)
+        for g in active:
+            if len(g.slots) < floor:
+                self._resize(g, floor)
+        states, result = self.engine.generate_many([g.params for g in active], [g.state for g in active],
+                                                   filtered=filtered)
+        for g, state in zip(active, states):
+            g.state = state
+        return _Launched(done, active, [result], floor, fused=True)
+
+    def collect(self, launched: "_Launched") -> list[Trajectory]:
+        """Reads a launched step's results (one device-to-host transfer) and returns what finished."""
+        done, active, floor = launched.done, launched.active, launched.floor
+        if not active:
+            self.steps += 1
+            return done
+        if not launched.fused:
+            cols_of = [r.to_host().columns() for r in launched.results]
         else:
-            # Every group at the largest group's capacity: one compiled program per (number of versions,
-            # capacity), at most (K + 1) x log2(slots) of them, whatever the mix of versions' sizes. The
-            # padding rows are counted as computed (slot_utilization); on accelerators a decode step's cost
-            # hardly depends on its row count, on CPU it is dominated by per-call costs.
-            floor = max(len(g.slots) for g in active)
-            for g in active:
-                if len(g.slots) < floor:
-                    self._resize(g, floor)
-            states, result = self.engine.generate_many([g.params for g in active], [g.state for g in active],
-                                                       filtered=filtered)
-            cols = result.to_host().columns()
+            cols = launched.results[0].to_host().columns()
             cols_of, row = [], 0
-            for g, state in zip(active, states):
-                g.state = state
+            for g in active:
                 cols_of.append({k: v[row:row + len(g.slots)] for k, v in cols.items()})
                 row += len(g.slots)
         now = time.perf_counter()
@@ -266,3 +292,84 @@ class RolloutDriver:
         while not self.idle:
             out.extend(self.step())
         return out
+
+
+class DriverGroups:
+    """Several drivers, each over its own engine on its own devices (``roles.rollout_groups``), driven as one.
+
+    A request goes to the group with the most free slots (ties to the lower group), and stays there from
+    its first token to its last. A step dispatches every busy group's decode step before reading any result
+    back, so groups on disjoint devices decode at the same time. Sampling depends on (seed, sample id,
+    position) only, so a sample's tokens do not depend on its group. Every version is loaded in every group
+    (:meth:`add_version` takes one copy per group, placed on that group's devices).
+    """
+
+    def __init__(self, drivers: Sequence[RolloutDriver]):
+        if not drivers:
+            raise EngineError("DriverGroups: at least one driver")
+        self.drivers = list(drivers)
+
+    def add_version(self, version: int, params_per_group: Sequence[Any]) -> None:
+        if len(params_per_group) != len(self.drivers):
+            raise EngineError(f"policy version {version}: {len(params_per_group)} copies for {len(self.drivers)} groups")
+        for d, p in zip(self.drivers, params_per_group):
+            d.add_version(version, p)
+
+    def remove_version(self, version: int) -> None:
+        for d in self.drivers:
+            d.remove_version(version)
+
+    @property
+    def versions(self) -> list[int]:
+        return self.drivers[0].versions
+
+    def in_flight(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for d in self.drivers:
+            for v, n in d.in_flight().items():
+                out[v] = out.get(v, 0) + n
+        return out
+
+    @property
+    def slots(self) -> int:
+        return sum(d.engine.max_concurrent_decodes for d in self.drivers)
+
+    def submit(self, request: Request) -> None:
+        free = [d.engine.max_concurrent_decodes - sum(d.in_flight().values()) for d in self.drivers]
+        self.drivers[free.index(max(free))].submit(request)
+
+    @property
+    def idle(self) -> bool:
+        return all(d.idle for d in self.drivers)
+
+    def block_until_ready(self) -> None:
+        for d in self.drivers:
+            d.block_until_ready()
+
+    def step(self) -> list[Trajectory]:
+        launched = [(d, d.launch()) for d in self.drivers if not d.idle]
+        return sorted((t for d, x in launched for t in d.collect(x)), key=lambda t: t.sample_id)
+
+    @property
+    def rows_computed(self) -> int:
+        return sum(d.rows_computed for d in self.drivers)
+
+    @rows_computed.setter
+    def rows_computed(self, value: int) -> None:  # a resume restores the total into the first group
+        self.drivers[0].rows_computed, rest = value, self.drivers[1:]
+        for d in rest:
+            d.rows_computed = 0
+
+    @property
+    def rows_live(self) -> int:
+        return sum(d.rows_live for d in self.drivers)
+
+    @rows_live.setter
+    def rows_live(self, value: int) -> None:
+        self.drivers[0].rows_live, rest = value, self.drivers[1:]
+        for d in rest:
+            d.rows_live = 0
+
+    @property
+    def slot_utilization(self) -> float:
+        return self.rows_live / max(self.rows_computed, 1)
