@@ -79,7 +79,9 @@ def _flat(tree):
     return np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
 
 
-@pytest.mark.parametrize("loss", ["grpo", "dapo", "gspo"])
+# dapo (normalized by the whole batch's token count) and gspo (sequence-level ratios): the two aggregations
+# micro-batching can get wrong; grpo's per-sequence mean is the simpler case of dapo's.
+@pytest.mark.parametrize("loss", ["dapo", "gspo"])
 def test_micro_batched_gradient_equals_one_batch(loss):
     samples = _samples()
     one, s1 = _trainer(_config(loss=loss, correction="decoupled", kl_coef=0.0))
