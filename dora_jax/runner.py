@@ -140,8 +140,9 @@ class Runner:
     run: the trainer on one mesh over every process's devices, a rollout engine on each process's own
     devices generating that process's share of the groups, in lockstep, the finished samples shared after
     every decode step; the batch to train and when to stop are checked to be the same on every process,
-    and only process 0 writes the run directory's files. Run checkpoints and version snapshots are written by every process together (Orbax: each writes its shards of the trainer's arrays,
-    process 0 commits), and a resume restores onto the same global mesh (docs/scale.md).
+    and only process 0 writes the run directory's files. Run checkpoints and version snapshots are written
+    by every process together (Orbax: each writes its shards of the trainer's arrays, process 0 commits),
+    and a resume restores onto the same global mesh (docs/scale.md).
     """
 
     def __init__(self, cfg: Config, run_dir: str, *, model: Any = None, tokenizer: Any = None,
