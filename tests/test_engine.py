@@ -44,7 +44,10 @@ def _recompute(model, traj, temperature=1.0):
     """Log-probs of the trajectory's tokens from one full forward of the same params (float64 softmax)."""
     seq = list(traj.prompt_ids) + traj.tokens
     if id(model) not in _FORWARD:
-        _FORWARD[id(model)] = jax.jit(lambda t: model(t))
+        # Weights as arguments, not closed over: constants would put the whole model into the program.
+        graphdef, state = nnx.split(model)
+        forward = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
+        _FORWARD[id(model)] = lambda t: forward(state, t)
     padded = np.zeros((1, 64), np.int32)  # causal: the padding after the sequence changes nothing before it
     padded[0, :len(seq)] = seq
     logits = np.asarray(_FORWARD[id(model)](jnp.asarray(padded)), np.float64)[0, :len(seq)] / temperature
