@@ -75,8 +75,11 @@ class ModelConfig:
     ``attention_impl`` picks how a one-token decode step attends over the cache: ``"xla"`` (masked attention
     over every slot), ``"pallas"`` (``dora_jax.kernels.ragged_decode_attention``, reading only each row's
     valid positions) or ``"auto"`` (pallas on TPU; xla on CPU and GPU, where XLA measured faster).
-    ``pallas_interpret`` runs the kernel in the Pallas interpreter (CPU tests). Neither changes the weights
-    or the results beyond float rounding.
+    ``pallas_interpret`` runs the kernel in the Pallas interpreter (CPU tests). ``cache_read_buckets`` is how
+    many cache prefixes the xla path chooses among on every step (lengths S/2^(n-1), ..., S/2, S; the shortest
+    that holds every live row's context is read, picked on device inside one program): ``0`` resolves to 3 on
+    CPU, where reading the cache is a large share of a decode step, and to 1 (always the whole cache)
+    elsewhere. None of these changes the weights or the results beyond float rounding.
     """
 
     family: str = "llama"
@@ -101,6 +104,7 @@ class ModelConfig:
     init_std: float = 0.02
     attention_impl: str = "xla"
     pallas_interpret: bool = False
+    cache_read_buckets: int = 0
 
     def validate(self, path: str = "model") -> None:
         if self.family not in ("llama", "qwen2", "qwen3"):
@@ -125,6 +129,8 @@ class ModelConfig:
             _fail(f"{path}.init_std", self.init_std, "must be > 0")
         if self.rope_scaling is not None:
             self.rope_scaling.validate(f"{path}.rope_scaling")
+        if not 0 <= self.cache_read_buckets <= 8:
+            _fail(f"{path}.cache_read_buckets", self.cache_read_buckets, "must be 0 (auto) .. 8")
         if self.attention_impl not in ATTENTION_IMPLS:
             _fail(f"{path}.attention_impl", self.attention_impl, f"allowed: {', '.join(map(repr, ATTENTION_IMPLS))}")
 

@@ -36,6 +36,7 @@ def test_overrides_and_types():
     ("model.family=gpt2", "'model.family' = 'gpt2': allowed: 'llama', 'qwen2', 'qwen3'"),
     ("model.compute_dtype=int8", "'model.compute_dtype' = 'int8': allowed: float32, bfloat16, float16"),
     ("model.head_dim=7", "'model.head_dim' = 7: must be even"),
+    ("model.cache_read_buckets=9", "'model.cache_read_buckets' = 9: must be 0 (auto) .. 8"),
     ("model.rope_scaling.type=yarn", "'model.rope_scaling.type' = 'yarn': allowed: 'llama3', 'linear'"),
     ("mesh.tensor=0", "'mesh.tensor' = 0: must be a positive integer or -1"),
     ("mesh.logical_axis_rules.embed=model", "unknown mesh axis 'model'"),

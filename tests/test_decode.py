@@ -90,3 +90,38 @@ def test_fused_params_equal_unfused(name):
     out, cache = decode_forward(cfg, model.decode_params(fuse=True), tokens, pos, init_cache(cfg, 2, 16))
     assert rel_err(out, ref) <= 1e-5
     assert rel_err(cache.k, ref_cache.k) <= 1e-5 and rel_err(cache.v, ref_cache.v) <= 1e-5
+
+
+@pytest.mark.parametrize("buckets", [1, 4])
+def test_every_cache_read_length_equals_the_full_forward(buckets):
+    """The xla decode step reads the shortest cache prefix (of 8, 16, 32, 64 slots with four buckets) that
+    holds every row's context; for contexts landing in each prefix, every row equals its own full forward,
+    and a row whose position is ignored (``read_upto``: an empty slot) does not lengthen the read."""
+    import dataclasses
+
+    from dora_jax.models.decoder import cache_read_lengths, decode_forward
+
+    cfg = dataclasses.replace(CFGS["gqa_qknorm_bias"], cache_read_buckets=buckets)
+    assert cache_read_lengths(cfg, 64) == ((8, 16, 32, 64) if buckets == 4 else (64,))
+    model = init_model(cfg, seed=5)
+    params = model.decode_params(fuse=True)
+    rng = np.random.default_rng(6)
+    step = jax.jit(lambda t, pos, c, upto: decode_forward(cfg, params, t, pos, c, read_upto=upto))
+    for lengths in ([3, 7, 8], [5, 12, 16], [20, 2, 31], [33, 50, 63]):
+        seqs = [rng.integers(0, cfg.vocab_size, n + 1) for n in lengths]
+        cache = init_cache(cfg, 4, 64)
+        padded = np.zeros((4, 64), int)
+        for i, s in enumerate(seqs):
+            padded[i, :len(s) - 1] = s[:-1]
+        _, cache = model.decode(jnp.asarray(padded), jnp.broadcast_to(jnp.arange(64), (4, 64)), cache)
+        # Row 3 stands for an empty slot: a stale position at the end of the cache, excluded by read_upto.
+        tokens = jnp.asarray([[s[-1]] for s in seqs] + [[0]])
+        positions = jnp.asarray([[n] for n in lengths] + [[63]])
+        logits, _ = step(tokens, positions, cache, jnp.int32(max(lengths)))
+        for i, s in enumerate(seqs):
+            ref = np.asarray(model(jnp.asarray(s[None])))[0, -1]
+            assert rel_err(np.asarray(logits)[i, 0], ref) <= 1e-5, (lengths, i)
+        if buckets > 1:  # the read really is cut at the chosen prefix: a too-small bound loses the context
+            short, _ = step(tokens, positions, cache, jnp.int32(min(lengths) // 2))
+            if max(lengths) > 8:
+                assert rel_err(np.asarray(short)[:3], np.asarray(logits)[:3]) > 1e-3

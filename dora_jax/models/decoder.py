@@ -192,16 +192,26 @@ def write_cache(cache: KVCache, k_lbtkd: jax.Array, v_lbtkd: jax.Array, position
     return KVCache(constrain(k, KVCache.k_axes()), constrain(v, KVCache.axes()))
 
 
+def cache_read_lengths(cfg: ModelConfig, cache_len: int) -> tuple[int, ...]:
+    """The cache prefixes the xla decode path chooses among (``cfg.cache_read_buckets``, 0 = auto), shortest
+    first; always ends with the whole cache."""
+    n = cfg.cache_read_buckets or (3 if jax.default_backend() == "cpu" else 1)
+    lengths = sorted({max(1, cache_len >> i) for i in range(n)})
+    return tuple(lengths)
+
+
 def decode_forward(cfg: ModelConfig, p: dict, tokens_bt: jax.Array, positions_bt: jax.Array, cache: KVCache,
-                   *, logits: bool = True) -> tuple[jax.Array, KVCache]:
+                   *, logits: bool = True, read_upto: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
     """Forward of T new tokens per row against the cache, as a pure function of ``Decoder.decode_params()``.
 
     Row ``b``'s new tokens sit at positions ``positions_bt[b]`` (distinct within a row); a query at position
     ``p`` sees the cached slots ``s <= p`` that this chunk does not overwrite, plus the chunk's own tokens at
-    positions ``<= p``: exactly slots ``0..p`` after the write. Layers read the cache as a scan input and the
-    new entries are written once after the scan. With one token per row and ``cfg.attention_impl`` resolving
-    to ``"pallas"``, the cached part is read by the ragged decode-attention kernel
-    (:func:`attention_with_cache_kernel`), which loads only each row's valid slots.
+    positions ``<= p``: exactly slots ``0..p`` after the write. Layers read the cache and the new entries are
+    written once after all layers. With one token per row and ``cfg.attention_impl`` resolving to
+    ``"pallas"``, the cached part is read by the ragged decode-attention kernel
+    (:func:`attention_with_cache_kernel`), which loads only each row's valid slots. Otherwise the masked
+    attention reads the shortest of :func:`cache_read_lengths` that covers every row's visible slots, chosen
+    on device (``lax.switch``), so one compiled program serves every context length.
 
     Args:
       cfg: the architecture.
@@ -210,32 +220,52 @@ def decode_forward(cfg: ModelConfig, p: dict, tokens_bt: jax.Array, positions_bt
       cache: [L, B, K, S, d] each; donate it to update it in place.
       logits: return float32 logits [B, T, V]; else the final hidden states [B, T, D] (for
         :func:`head_logits` on the rows that need it).
+      read_upto: int scalar: no row that matters sees a cached slot at or beyond it (the engine passes its
+        live rows' largest position, so that empty slots' stale positions do not lengthen the read). Default:
+        every row's first new position.
 
     Returns:
       ``(logits or hidden states, new cache)``.
     """
+    s_len = cache.v.shape[3]
     if positions_bt.shape[1] == 1 and resolve_attention_impl(cfg) == "pallas":
         # One token per row: the cached slots it sees are exactly 0 .. position - 1.
-        lengths_b = jnp.clip(positions_bt[:, 0], 0, cache.v.shape[3]).astype(jnp.int32)
+        lengths_b = jnp.clip(positions_bt[:, 0], 0, s_len).astype(jnp.int32)
 
-        def attend(q, k_c, v_c, k, v):
+        def attend(q, k_c, v_c, k, v, n):
             return attention_with_cache_kernel(q, k_c, v_c, k, v, lengths_b, interpret=cfg.pallas_interpret)
+        reads = (s_len,)
     else:
-        attend = None
-    slots = jnp.arange(cache.v.shape[3])
+        def attend(q, k_c, v_c, k, v, n):
+            return attention_with_cache(q, k_c, v_c, k, v, mask_cache_bts[..., :n], mask_new_btt)
+        reads = cache_read_lengths(cfg, s_len)
+    slots = jnp.arange(s_len)
     written_bs = jnp.any(slots[None, None, :] == positions_bt[:, :, None], axis=1)
     mask_cache_bts = (slots[None, None, :] <= positions_bt[:, :, None]) & ~written_bs[:, None, :]
     mask_new_btt = positions_bt[:, None, :] <= positions_bt[:, :, None]
+    if read_upto is None:  # slots at or after a row's first new position are written by the chunk or unseen
+        read_upto = jnp.max(jnp.min(positions_bt, axis=1))
+    branch = jnp.sum(jnp.asarray(reads[:-1], jnp.int32) < read_upto.astype(jnp.int32)) if len(reads) > 1 else 0
+
+    def read(layer, n):
+        """Layer ``layer``'s first ``n`` cache slots: one slice of the stacked cache, sized to what is read."""
+        k_c = jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(cache.k, layer, keepdims=False), 0, n, 3)
+        v_c = jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(cache.v, layer, keepdims=False), 0, n, 2)
+        return k_c, v_c
 
     def block(x, layer):
-        lp, k_c, v_c = layer
+        lp, i = layer
         q, k, v = qkv_projection(cfg, lp, x, positions_bt)
-        attn = (attend(q, k_c, v_c, k, v) if attend is not None
-                else attention_with_cache(q, k_c, v_c, k, v, mask_cache_bts, mask_new_btt))
+        if len(reads) == 1:
+            attn = attend(q, *read(i, reads[0]), k, v, reads[0])
+        else:
+            attn = jax.lax.switch(branch, [lambda q, k, v, i, n=n: attend(q, *read(i, n), k, v, n) for n in reads],
+                                  q, k, v, i)
         x = finish_block(cfg, lp, x, attn)
         return x, (k, v)
 
-    x, (k_new, v_new) = jax.lax.scan(block, embed_tokens(cfg, p["embed"], tokens_bt), (p["layers"], cache.k, cache.v))
+    layers = jnp.arange(cache.k.shape[0], dtype=jnp.int32)
+    x, (k_new, v_new) = jax.lax.scan(block, embed_tokens(cfg, p["embed"], tokens_bt), (p["layers"], layers))
     cache = write_cache(cache, k_new, v_new, positions_bt)
     return (head_logits(cfg, p, x) if logits else x), cache
 

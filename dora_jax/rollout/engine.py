@@ -207,8 +207,9 @@ class Engine:
             sampling=SamplingParams(*(put(a, b[0]) for a, b in zip(state.sampling, prefix.sampling))))
 
     def _generate_impl(self, params: PreparedParams, state: DecodeState, filtered: bool | None):
+        # Empty slots keep stale positions: only live rows decide how much of the cache is read.
         logits, cache = decode_forward(self.cfg, params.tree, state.tokens[:, None], state.positions[:, None],
-                                       state.cache)
+                                       state.cache, read_upto=jnp.max(jnp.where(state.active, state.positions, 0)))
         nxt = state.positions + 1
         keys = jax.vmap(lambda s, i, p: row_keys(s, i[None], p[None])[0])(state.seeds, state.sample_ids, nxt)
         tokens, logprobs = sample(logits[:, 0], keys, state.sampling, filtered)
