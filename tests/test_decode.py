@@ -40,6 +40,17 @@ def test_step_by_step_decode_equals_forward(name):
     assert rel_err(np.concatenate(steps, axis=1), full) <= 1e-5
 
 
+def _prefilled(model, cfg, seqs, rows, chunk, cache_len):
+    """A cache of ``rows`` x ``cache_len`` slots holding every sequence but its last token, written by one
+    prefill chunk of ``chunk`` tokens per row (zero-padded)."""
+    padded = np.zeros((rows, chunk), int)
+    for i, s in enumerate(seqs):
+        padded[i, :len(s) - 1] = s[:-1]
+    _, cache = model.decode(jnp.asarray(padded), jnp.broadcast_to(jnp.arange(chunk), (rows, chunk)),
+                            init_cache(cfg, rows, cache_len))
+    return cache
+
+
 def test_rows_at_different_positions():
     """Rows of one decode batch sit at different positions; each equals its own full forward."""
     cfg = CFGS["gqa_qknorm_bias"]
@@ -47,11 +58,7 @@ def test_rows_at_different_positions():
     rng = np.random.default_rng(3)
     lengths = [4, 9, 15]
     seqs = [rng.integers(0, cfg.vocab_size, n + 1) for n in lengths]
-    cache = init_cache(cfg, 3, 32)
-    padded = np.zeros((3, 16), int)
-    for i, s in enumerate(seqs):
-        padded[i, :len(s) - 1] = s[:-1]
-    _, cache = model.decode(jnp.asarray(padded), jnp.broadcast_to(jnp.arange(16), (3, 16)), cache)
+    cache = _prefilled(model, cfg, seqs, 3, 16, 32)
     last = jnp.asarray([[s[-1]] for s in seqs])
     step_logits, _ = model.decode(last, jnp.asarray([[n] for n in lengths]), cache)
     for i, s in enumerate(seqs):
@@ -109,11 +116,7 @@ def test_every_cache_read_length_equals_the_full_forward(buckets):
     step = jax.jit(lambda t, pos, c, upto: decode_forward(cfg, params, t, pos, c, read_upto=upto))
     for lengths in ([3, 7, 8], [5, 12, 16], [20, 2, 31], [33, 50, 63]):
         seqs = [rng.integers(0, cfg.vocab_size, n + 1) for n in lengths]
-        cache = init_cache(cfg, 4, 64)
-        padded = np.zeros((4, 64), int)
-        for i, s in enumerate(seqs):
-            padded[i, :len(s) - 1] = s[:-1]
-        _, cache = model.decode(jnp.asarray(padded), jnp.broadcast_to(jnp.arange(64), (4, 64)), cache)
+        cache = _prefilled(model, cfg, seqs, 4, 64, 64)
         # Row 3 stands for an empty slot: a stale position at the end of the cache, excluded by read_upto.
         tokens = jnp.asarray([[s[-1]] for s in seqs] + [[0]])
         positions = jnp.asarray([[n] for n in lengths] + [[63]])
