@@ -78,8 +78,8 @@ class ModelConfig:
     ``pallas_interpret`` runs the kernel in the Pallas interpreter (CPU tests). ``cache_read_buckets`` is how
     many cache prefixes the xla path chooses among on every step (lengths S/2^(n-1), ..., S/2, S; the shortest
     that holds every live row's context is read, picked on device inside one program): ``0`` resolves to 3 on
-    CPU, where reading the cache is a large share of a decode step, and to 1 (always the whole cache)
-    elsewhere. None of these changes the weights or the results beyond float rounding.
+    CPU for caches of 256 slots or more, where reading the cache is a large share of a decode step, and to 1
+    (always the whole cache) otherwise. None of these changes the weights or the results beyond float rounding.
     """
 
     family: str = "llama"

@@ -195,7 +195,9 @@ def write_cache(cache: KVCache, k_lbtkd: jax.Array, v_lbtkd: jax.Array, position
 def cache_read_lengths(cfg: ModelConfig, cache_len: int) -> tuple[int, ...]:
     """The cache prefixes the xla decode path chooses among (``cfg.cache_read_buckets``, 0 = auto), shortest
     first; always ends with the whole cache."""
-    n = cfg.cache_read_buckets or (3 if jax.default_backend() == "cpu" else 1)
+    # Auto: on CPU, for caches long enough that reading them is a real share of a step (below 256 slots the
+    # whole read is cheap, and each prefix is one more copy of the attention in the compiled step).
+    n = cfg.cache_read_buckets or (3 if jax.default_backend() == "cpu" and cache_len >= 256 else 1)
     lengths = sorted({max(1, cache_len >> i) for i in range(n)})
     return tuple(lengths)
 
