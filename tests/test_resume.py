@@ -1,7 +1,6 @@
 """Run checkpoints and resume, checked on real processes killed with SIGKILL.
 
-Training runs go in child processes (one CPU device, the tiny model, the longtail task) that share a
-persistent compilation cache, so only the first one compiles. A child is either killed from outside at a
+Training runs go in child processes (one CPU device, the tiny model, the longtail task). A child is either killed from outside at a
 random moment, or kills itself with SIGKILL right after writing a given metrics line (a deterministic crash
 point: the line is on disk, the checkpoint of that update is not). What each test checks:
 
@@ -68,8 +67,6 @@ def varied_reward(prompt, response, answer):
 @pytest.fixture(scope="module")
 def child_env(tmp_path_factory):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
-               JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
                PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")]))
     return env
 
