@@ -206,6 +206,25 @@ def role_meshes(mesh_cfg: MeshConfig, roles: RolesConfig,
     return RoleMeshes(trainer, tuple(groups))
 
 
+def settle(tree: Any) -> Any:
+    """Waits for ``tree`` when it lives on several CPU devices of this process; returns it unchanged.
+
+    XLA:CPU runs the per-device parts of every program on one shared thread pool. With several multi-device
+    programs in flight at once (JAX dispatches asynchronously), a collective can wait for a part of its
+    program that never gets a thread, and after 40 s the runtime aborts the process. It happens on a loaded
+    machine with fake devices (``--xla_force_host_platform_device_count``), mostly in tests: the engine and the
+    trainer pass every multi-device result through here, so on CPU one such program runs at a time. On
+    accelerators, and for single-device arrays, nothing waits.
+    """
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            devices = leaf.sharding.device_set
+            if len(devices) > 1 and next(iter(devices)).platform == "cpu":
+                jax.block_until_ready(tree)
+            break
+    return tree
+
+
 def reshard(tree: Any, shardings: Any) -> tuple[Any, float]:
     """Moves ``tree`` into ``shardings`` device to device (never through host memory) and waits for it.
 

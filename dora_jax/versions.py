@@ -47,6 +47,7 @@ import jax
 
 from dora_jax.checkpoint import CheckpointError, abstract_tree, leaf_shardings, tree_bytes
 from dora_jax.config import Config, LoraConfig
+from dora_jax.sharding import settle
 
 _SNAP = re.compile(r"^v_(\d{8,})$")
 _SNAP_TMP = re.compile(r"^v_(\d{8,})\.orbax-checkpoint-tmp")
@@ -276,7 +277,7 @@ class VersionStore:
         """The full parameters of ``version``, as the rollout engine takes them (under LoRA a merged copy the
         caller owns; call once per version and keep it while the version decodes)."""
         p = self._get(version).params
-        return self._merge(self._base, p) if self._merge is not None else p
+        return settle(self._merge(self._base, p)) if self._merge is not None else p
 
     def resident_bytes(self) -> dict[int, int]:
         """Bytes each resident version holds (global, unsharded size), the shared base not counted."""

@@ -13,7 +13,8 @@ from conftest import rel_err
 from dora_jax.config import DEFAULT_RULES, ConfigError, MeshConfig, ModelConfig, configs_dir, load_config
 from dora_jax.models.build import abstract_model, init_model, state_shardings
 from dora_jax.models.decoder import init_cache
-from dora_jax.sharding import activate, create_mesh, describe_shardings, logical_to_spec, mesh_shape, named_sharding
+from dora_jax.sharding import (activate, create_mesh, describe_shardings, logical_to_spec, mesh_shape, named_sharding,
+                               settle)
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 
@@ -33,6 +34,27 @@ def test_mesh_shape(sizes, n, expected):
 def test_mesh_shape_errors(sizes, n, msg):
     with pytest.raises(ConfigError, match=msg):
         mesh_shape(MeshConfig(*sizes), n)
+
+
+def test_settle_waits_for_multi_device_cpu_results_only():
+    """On CPU a result spanning several devices comes back finished (one multi-device program in flight at a
+    time); a single-device result is returned as dispatched. Either way the same object comes back."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+
+    @jax.jit
+    def slow(a):  # ~0.1-1 s on a 2-core machine: long enough to still be running when dispatch returns
+        return jax.lax.fori_loop(0, 30, lambda i, m: jnp.tanh(m @ m.T / 512.0), a).sum(axis=1)
+
+    a = jax.device_put(jnp.ones((512, 512)), sharded)
+    out = slow(a)
+    assert settle(out) is out and out.is_ready()
+    tree = {"x": slow(a), "n": 3}  # non-array leaves are passed through
+    assert settle(tree) is tree and tree["x"].is_ready()
+    one = jax.device_put(jnp.ones((512, 512)), jax.devices()[0])
+    out1 = slow(one)
+    assert settle(out1) is out1
+    np.testing.assert_allclose(np.asarray(out1), np.asarray(out), rtol=1e-5)
 
 
 def test_logical_rules():

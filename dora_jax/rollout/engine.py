@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 
 from dora_jax.models.decoder import Decoder, KVCache, decode_forward, head_logits, init_cache
 from dora_jax.rollout.sampling import SamplingParams, needs_filter, row_keys, sample
+from dora_jax.sharding import settle
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -290,8 +291,9 @@ class Engine:
         # Host (numpy) arguments: jit moves them with the call, with no eager dispatch per argument.
         sp = SamplingParams(np.full((1,), sampling.temperature, np.float32), np.full((1,), sampling.top_k, np.int32),
                             np.full((1,), sampling.top_p, np.float32))
-        prefix, packed = self._prefill_jit(self._prepared_params(params), tokens, np.int32(true_length),
-                                           np.int32(sample_id), np.int32(version), np.int32(sampling.seed), sp)
+        prefix, packed = settle(self._prefill_jit(self._prepared_params(params), tokens, np.int32(true_length),
+                                                  np.int32(sample_id), np.int32(version), np.int32(sampling.seed),
+                                                  sp))
         return prefix, ResultTokens(packed)
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
@@ -299,7 +301,7 @@ class Engine:
         b = decode_state.tokens.shape[0]
         if not (isinstance(slot, (int, np.integer)) and 0 <= slot < b):
             raise EngineError(f"slot {slot!r} does not exist (decode state has slots 0..{b - 1})")
-        return self._insert_jit(prefix, decode_state, np.int32(slot))
+        return settle(self._insert_jit(prefix, decode_state, np.int32(slot)))
 
     def generate(self, params: Any, decode_state: DecodeState, *, filtered: bool | None = None
                  ) -> tuple[DecodeState, ResultTokens]:
@@ -314,7 +316,7 @@ class Engine:
             choice that keeps the promise (see :func:`~dora_jax.rollout.sampling.sample`); the driver picks
             from its requests' settings with :func:`~dora_jax.rollout.sampling.needs_filter`.
         """
-        state, data = self._generate_jit(self._prepared_params(params), decode_state, filtered)
+        state, data = settle(self._generate_jit(self._prepared_params(params), decode_state, filtered))
         return state, ResultTokens(data)
 
     def generate_many(self, params_seq: Sequence[Any], states_seq: Sequence[DecodeState], *,
@@ -328,16 +330,16 @@ class Engine:
         """
         if len(params_seq) != len(states_seq) or not states_seq:
             raise EngineError(f"generate_many: {len(params_seq)} params for {len(states_seq)} decode states")
-        states, data = self._generate_many_jit(tuple(self._prepared_params(p) for p in params_seq),
-                                               tuple(states_seq), filtered)
+        states, data = settle(self._generate_many_jit(tuple(self._prepared_params(p) for p in params_seq),
+                                                      tuple(states_seq), filtered))
         return states, ResultTokens(data)
 
     def free_slot(self, decode_state: DecodeState, slot: int) -> DecodeState:
         """Marks ``slot`` empty (the decode state is donated); its row is computed but never reported."""
-        return self._free_jit(decode_state, np.int32(slot))
+        return settle(self._free_jit(decode_state, np.int32(slot)))
 
     def resize(self, decode_state: DecodeState, rows: list[int], capacity: int) -> DecodeState:
         """Compacts or grows a decode state: new slot ``i`` holds old slot ``rows[i]`` (-1 or missing: empty)."""
         idx = np.full((capacity,), -1, np.int32)
         idx[:len(rows)] = rows
-        return self._resize_jit(decode_state, idx, capacity)
+        return settle(self._resize_jit(decode_state, idx, capacity))

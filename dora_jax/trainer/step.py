@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dora_jax.config import Config, TrainConfig
-from dora_jax.sharding import Rules, activate, constrain, logical_to_spec
+from dora_jax.sharding import Rules, activate, constrain, logical_to_spec, settle
 from dora_jax.trainer import lora as lora_lib
 from dora_jax.trainer.batch import BatchError, TrainBatch, bucket_rows, check_batch
 from dora_jax.trainer.losses import (LossTerms, group_advantages, normalizers, policy_loss, staleness,
@@ -251,17 +251,17 @@ class Trainer:
     def train_step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, jax.Array]]:
         """One update. ``state`` is donated: use the returned one."""
         with activate(self.mesh, self.rules):
-            return self._step(state, batch)
+            return settle(self._step(state, batch))
 
     # -- forwards around the step ------------------------------------------------------------------------------
 
     def policy_params(self, state: TrainState) -> nnx.State:
         """The full parameters of the state's policy, for the rollout engine and the version store."""
-        return self._policy(state)
+        return settle(self._policy(state))
 
     def logprobs(self, params: nnx.State, batch: TrainBatch) -> jax.Array:
         with activate(self.mesh, self.rules):
-            return self._logprobs(params, batch.tokens, batch.segment_ids)
+            return settle(self._logprobs(params, batch.tokens, batch.segment_ids))
 
     def with_recomputed_behaviour(self, batch: TrainBatch, params_of: Callable[[int], nnx.State] | Mapping[int, nnx.State]
                                   ) -> TrainBatch:
