@@ -3,11 +3,7 @@
 import os
 
 # Must happen before jax is imported anywhere.
-# The CPU compiler's backend (LLVM) optimizations off: most tests run tiny models, so compiling dominates them
-# (a tiny sync run: 14.9 s of compiling at the default level, 7.9 s at 0); the SmolLM2 tests run as fast either
-# way (their time is in library matmuls). Benchmarks, the demo and users compile at XLA's default level. Child
-# processes started by tests set the same level in their own XLA_FLAGS.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -95,8 +95,7 @@ def test_two_processes_agree_on_process_zeros_decision(tmp_path):
     port = _free_port()
     procs = []
     for pid in range(2):
-        env = {**os.environ, "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0",
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
                "DORA_COORDINATOR": f"127.0.0.1:{port}", "DORA_NUM_PROCESSES": "2", "DORA_PROCESS_ID": str(pid)}
         procs.append(subprocess.Popen([sys.executable, "-c", _WORKER], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))

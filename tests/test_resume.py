@@ -1,9 +1,8 @@
 """Run checkpoints and resume, checked on real processes killed with SIGKILL.
 
-Training runs go in child processes (one CPU device, the tiny model, the longtail task). A child is
-either killed from outside at a random moment, or kills itself with SIGKILL right after writing a given
-metrics line (a deterministic crash point: the line is on disk, the checkpoint of that update is not). What
-each test checks:
+Training runs go in child processes (one CPU device, the tiny model, the longtail task). A child is either killed from outside at a
+random moment, or kills itself with SIGKILL right after writing a given metrics line (a deterministic crash
+point: the line is on disk, the checkpoint of that update is not). What each test checks:
 
 * killed three times at random moments in ``dora`` mode and resumed each time: the saved ledger passes its
   own check (every sample consumed once or filtered with a reason, groups whole, staleness <= K), metrics
@@ -67,8 +66,7 @@ def varied_reward(prompt, response, answer):
 
 @pytest.fixture(scope="module")
 def child_env(tmp_path_factory):
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0",
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
                PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")]))
     return env
 
