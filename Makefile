@@ -24,8 +24,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/dora-jax train --config smollm2_arith
 
+# --max-worker-restart=0: a test that kills its worker process is reported as failed and the run ends (with
+# --dist loadfile, a restarted worker leaves the run waiting forever).
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --durations=15
 
 clean:
 	rm -rf $(VENV) build *.egg-info
