@@ -218,7 +218,10 @@ def settle(tree: Any) -> Any:
     """
     for leaf in jax.tree.leaves(tree):
         if isinstance(leaf, jax.Array):
-            devices = leaf.sharding.device_set
+            try:
+                devices = leaf.sharding.device_set
+            except AttributeError:  # a tracer (the call is being traced, e.g. by eval_shape): nothing runs
+                break
             if len(devices) > 1 and next(iter(devices)).platform == "cpu":
                 jax.block_until_ready(tree)
             break
