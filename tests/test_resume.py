@@ -1,6 +1,9 @@
 """Run checkpoints and resume, checked on real processes killed with SIGKILL.
 
-Training runs go in child processes (one CPU device, the tiny model, the longtail task). A child is either killed from outside at a
+Training runs go in child processes (one CPU device, the tiny model, the longtail task) that share a
+persistent compilation cache, so a program is compiled once per module, not once per child. The cache is
+kept to these single-device children: the suite's own processes, with eight fake CPU devices, do not use one
+(tests/conftest.py says why). A child is either killed from outside at a
 random moment, or kills itself with SIGKILL right after writing a given metrics line (a deterministic crash
 point: the line is on disk, the checkpoint of that update is not). What each test checks:
 
@@ -67,6 +70,8 @@ def varied_reward(prompt, response, answer):
 @pytest.fixture(scope="module")
 def child_env(tmp_path_factory):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
                PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")]))
     return env
 
@@ -143,6 +148,20 @@ def newest_checkpoint(run_dir):
     return max(steps, default=0)
 
 
+@pytest.fixture(scope="module")
+def sync_crashed(child_env, tmp_path_factory):
+    """A sync run that died right after writing update 3's metrics line: checkpoints 1 and 2 are on disk,
+    update 3's is not. Tests resume from copies of it."""
+    d = tmp_path_factory.mktemp("sync_crashed")
+    run_child(child_env, d, SYNC, kill_after=3)
+    return d
+
+
+def crashed_copy(src, dst):
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    return dst
+
+
 def test_random_kills_resume_to_one_complete_run(child_env, tmp_path):
     """Three SIGKILLs at random moments of a dora run, then a resume to the end: the result is one complete
     run. Kill i waits for a checkpoint one or two updates past the newest one (so every attempt progresses),
@@ -187,13 +206,12 @@ def test_random_kills_resume_to_one_complete_run(child_env, tmp_path):
     assert summary["max_resident_versions"] <= k + 1
 
 
-def test_sync_resume_regenerates_the_same_samples(child_env, tmp_path, sync_reference):
+def test_sync_resume_regenerates_the_same_samples(child_env, tmp_path, sync_reference, sync_crashed):
     ref_samples, ref_metrics, _ = sync_reference
-    overrides = SYNC + ["run.checkpoint_every=2"]
-    run_child(child_env, tmp_path, overrides, kill_after=3)  # checkpoint at 2; update 3 is written, then lost
+    crashed_copy(sync_crashed, tmp_path)  # newest checkpoint at 2; update 3 was written, then lost
     crashed = lines(tmp_path / "samples.jsonl")
     assert len(crashed) == 24 and len(lines(tmp_path / "metrics.jsonl")) == 3
-    err = run_child(child_env, tmp_path, overrides)
+    err = run_child(child_env, tmp_path, SYNC)
     assert "step_00000002 (step 2)" in err and "dropped 1 lines" in err and "dropped 8 lines" in err
     resumed = lines(tmp_path / "samples.jsonl")
     same_samples(resumed, ref_samples)  # every sample, the regenerated ones included, as if never stopped
@@ -224,9 +242,10 @@ def test_one_step_off_resume_regenerates_old_version_samples_from_snapshots(chil
     saved_ledger(tmp_path).check(1)
 
 
-def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(child_env, tmp_path, sync_reference):
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(child_env, tmp_path, sync_reference,
+                                                                 sync_crashed):
     ref_samples, _, _ = sync_reference
-    run_child(child_env, tmp_path, SYNC, kill_after=3)  # checkpoints 1 and 2; update 3 lost
+    crashed_copy(sync_crashed, tmp_path)  # checkpoints 1 and 2; update 3 lost
     victim = tmp_path / "checkpoints" / "step_00000002" / "run_state.json"
     victim.write_bytes(victim.read_bytes()[:-10])
     err = run_child(child_env, tmp_path, SYNC)
