@@ -105,10 +105,11 @@ def _lengths(n: int, rng, p50: int, tail: int, max_len: int):
 
 
 def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int = 128, tail_requests: int = 64,
-                 tail_slots: int = 16, seed: int = 0, with_hf: bool = True,
+                 tail_slots: int = 16, group_size: int = 4, seed: int = 0, with_hf: bool = True,
                  overrides: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The engine benchmark: throughput at a fixed batch vs transformers and vs the roofline, and continuous
-    batching vs a static batch on a long-tailed workload, side by side in one run."""
+    """The engine benchmark, side by side in one run: throughput at a fixed batch vs transformers and vs the
+    roofline; continuous batching vs a static batch on a long-tailed workload; and on the same lengths in
+    GRPO groups of ``group_size`` samples per prompt, one prefill per distinct prompt vs one per sample."""
     import numpy as np
     from flax import nnx
 
@@ -233,6 +234,24 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     out["static_tok_s"], su = static()
     out["slot_utilization"] = {"continuous": cu, "static": su}
     out["continuous_vs_static"] = out["continuous_tok_s"] / out["static_tok_s"]
+
+    # 3. GRPO groups: the same long-tailed lengths, but every `group_size` consecutive samples share a prompt.
+    # Continuous batching with each distinct prompt prefilled once per admission vs every sample prefilled
+    # on its own (one prompt per prefill program, as a JetStream engine does).
+    grouped = [Request(i, tuple(prompts[i // group_size]), max_new_tokens=int(n), sampling=sampling)
+               for i, n in enumerate(lengths)]
+
+    def groups(batch_prefill):
+        d = RolloutDriver(eng2, batch_prefill=batch_prefill)
+        d.add_version(0, params)
+        t0 = time.perf_counter()
+        d.run(grouped)
+        return sum(lengths) / (time.perf_counter() - t0)
+
+    groups(True), groups(False)  # compile
+    out["group_size"] = group_size
+    out["group_prefill_tok_s"], out["single_prefill_tok_s"] = groups(True), groups(False)
+    out["group_vs_single_prefill"] = out["group_prefill_tok_s"] / out["single_prefill_tok_s"]
     out["machine"] = machine()
     return out
 

@@ -213,3 +213,85 @@ def test_sampling_variant_does_not_change_samples(models):
         (t,) = alone.run([r])
         assert t.tokens == crowd[r.sample_id].tokens
         np.testing.assert_allclose(t.logprobs, crowd[r.sample_id].logprobs, rtol=1e-5, atol=1e-6)
+
+
+def test_batched_prefill_equals_one_prompt_at_a_time(models):
+    """prefill_batch gives each request the first token and log-prob that prefill gives it alone, and a
+    cache row whose decode continues exactly as the single prefill's; equal prompts share one row."""
+    m0, _ = models
+    eng = _engine(m0, slots=8)
+    sampling = RequestSampling(temperature=1.0, seed=3)
+    prompts = [(5, 6, 7), (9, 1, 4, 4, 8, 2, 11, 30, 31, 2, 7, 9, 40, 41, 42, 43, 44, 45), (5, 6, 7), (8,), (5, 6, 7)]
+    ids = [10, 11, 12, 13, 14]
+    batch, first = eng.prefill_batch(prompts=prompts, sample_ids=ids, version=4, samplings=[sampling] * 5)
+    assert batch.cache.k.shape[1] == 4  # 3 distinct prompts, bucketed to 4 rows (not 5, not 8)
+    assert batch.cache.v.shape[3] == 32  # the prompts' bucket, not the 64-slot decode cache
+    cols = first.to_host().columns()
+    assert cols["valid"][:5].all() and not cols["valid"][5:].any()
+    singles = [eng.prefill(padded_tokens=np.array(p), true_length=len(p), sample_id=i, version=4, sampling=sampling)
+               for p, i in zip(prompts, ids)]
+    for n, (_, res) in enumerate(singles):
+        r = res.to_host().get_result_at_slot(0)
+        assert (cols["token"][n], cols["position"][n], cols["version"][n]) == (r.token, r.position, 4)
+        np.testing.assert_allclose(cols["logprob"][n], r.logprob, rtol=1e-5, atol=1e-6)
+    assert len({int(cols["token"][n]) for n in (0, 2, 4)}) > 1  # same prompt, own streams: not one shared token
+    # Decode both ways for a few steps: request n in slot 7 - n (the batch) or inserted alone.
+    a = eng.insert_batch(batch, eng.init_decode_state(), [7, 6, 5, 4, 3])
+    b = eng.init_decode_state()
+    for n, (prefix, _) in enumerate(singles):
+        b = eng.insert(prefix, b, 7 - n)
+    for _ in range(4):
+        a, ra = eng.generate(None, a)
+        b, rb = eng.generate(None, b)
+        ca, cb = ra.to_host().columns(), rb.to_host().columns()
+        assert (ca["token"] == cb["token"]).all() and (ca["valid"] == cb["valid"]).all()
+        np.testing.assert_allclose(ca["logprob"], cb["logprob"], rtol=1e-5, atol=1e-6)
+
+
+def test_group_prefill_does_not_change_samples(models):
+    """GRPO-style groups (equal prompts) admitted together are prefilled once per group; every member still
+    draws its own tokens, the same as when it is admitted and prefilled alone (a one-slot engine)."""
+    m0, _ = models
+    base = _requests(6, seed=12, sampling=RequestSampling(temperature=1.0, top_p=0.9, seed=2))
+    reqs = [dataclasses.replace(r, sample_id=4 * i + j) for i, r in enumerate(base) for j in range(4)]
+    runs, prefilled = {}, {}
+    for slots in (1, 8):
+        eng = _engine(m0, slots=slots)
+        real, calls = eng.prefill_batch, prefilled.setdefault(slots, [])
+
+        def counting(real=real, calls=calls, **kw):  # distinct prompts per prefill call
+            calls.append(len(set(map(tuple, kw["prompts"]))))
+            return real(**kw)
+
+        eng.prefill_batch = counting
+        d = RolloutDriver(eng)
+        d.add_version(0, nnx.state(m0))
+        runs[slots] = {t.sample_id: t for t in d.run(reqs)}
+    assert prefilled[1] == [1] * 24
+    assert sum(prefilled[8]) == 6  # each group's prompt once (groups finish together: they are admitted whole)
+    assert sorted(runs[1]) == sorted(runs[8]) == list(range(24))
+    for i, t in runs[1].items():
+        u = runs[8][i]
+        assert (u.tokens, u.finish_reason) == (t.tokens, t.finish_reason)
+        np.testing.assert_allclose(u.logprobs, t.logprobs, rtol=1e-5, atol=1e-6)
+    assert any(len({tuple(runs[8][4 * i + j].tokens) for j in range(4)}) > 1 for i in range(6))
+    # The prefill budget splits admitted requests by distinct prompt, never a group.
+    d = RolloutDriver(_engine(m0, slots=8))
+    assert [len(c) for c in d._prefill_chunks([(r, 0.0) for r in reqs[:8]])] == [8]
+    d.prefill_tokens = 1
+    assert [[r.sample_id for r, _ in c] for c in d._prefill_chunks([(r, 0.0) for r in reqs[:8]])] == [
+        [0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_insert_batch_bad_slots(models):
+    m0, _ = models
+    eng = _engine(m0, slots=4)
+    batch, _ = eng.prefill_batch(prompts=[(1, 2), (3,)], sample_ids=[0, 1], samplings=[GREEDY] * 2)
+    with pytest.raises(EngineError, match="slot 4 does not exist"):
+        eng.insert_batch(batch, eng.init_decode_state(), [0, 4])
+    with pytest.raises(EngineError, match="repeat a slot"):
+        eng.insert_batch(batch, eng.init_decode_state(), [1, 1])
+    with pytest.raises(EngineError, match=r"request 1 \(sample 1\): prompt of 0 tokens"):
+        eng.prefill_batch(prompts=[(1, 2), ()], sample_ids=[0, 1], samplings=[GREEDY] * 2)
+    with pytest.raises(EngineError, match="2 prompts, 1 sample ids"):
+        eng.prefill_batch(prompts=[(1, 2), (3,)], sample_ids=[0], samplings=[GREEDY] * 2)

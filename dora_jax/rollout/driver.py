@@ -9,7 +9,9 @@ step together in one program (one dispatch and one device-to-host transfer per s
 resident versions), at the capacity of the largest group, so there is one program per (versions, capacity).
 
 New requests are admitted between decode steps into free capacity (total live rows <= the engine's
-``max_concurrent_decodes``), oldest first.
+``max_concurrent_decodes``), oldest first. The requests admitted together for one version are prefilled in
+one program (:meth:`Engine.prefill_batch`), each distinct prompt once: the members of a GRPO group share one
+prefill and still draw their own tokens.
 """
 
 from __future__ import annotations
@@ -86,8 +88,13 @@ class _Launched:
 class RolloutDriver:
     """Owns one decode group per policy version; admits, steps, and emits finished trajectories."""
 
-    def __init__(self, engine: Engine, *, eos_ids: Sequence[int] = (), compact: bool = True, fuse: bool = True):
+    def __init__(self, engine: Engine, *, eos_ids: Sequence[int] = (), compact: bool = True, fuse: bool = True,
+                 prefill_tokens: int = 8192, batch_prefill: bool = True):
+        if prefill_tokens < 1:
+            raise EngineError(f"prefill_tokens must be >= 1, got {prefill_tokens!r}")
         self.engine = engine
+        self.prefill_tokens = prefill_tokens
+        self.batch_prefill = batch_prefill
         self.compact = compact
         self.fuse = fuse
         self.eos_ids = frozenset(int(i) for i in eos_ids)
@@ -178,26 +185,64 @@ class RolloutDriver:
         return None
 
     def _admit(self, done: list[Trajectory]) -> None:
-        total_live = sum(g.live for g in self._groups.values())
-        while self._pending and total_live < self.engine.max_concurrent_decodes:
+        """Admits pending requests into free capacity, oldest first. The admitted requests of one version are
+        prefilled together (:meth:`Engine.prefill_batch`: equal prompts once, up to ``prefill_tokens`` prompt
+        tokens per program), their first tokens read with one transfer, and the live ones inserted with one
+        update of the version's decode state."""
+        free = self.engine.max_concurrent_decodes - sum(g.live for g in self._groups.values())
+        taken: dict[int, list[tuple[Request, float]]] = {}
+        while self._pending and free > 0:
             request, submitted = self._pending.popleft()
-            g = self._groups[request.version]
-            started = time.perf_counter()
-            prefix, first = self.engine.prefill(params=g.params, padded_tokens=np.asarray(request.prompt_ids),
-                                                true_length=len(request.prompt_ids), sample_id=request.sample_id,
-                                                version=request.version, sampling=request.sampling)
-            res = first.to_host().get_result_at_slot(0)
-            live = _Live(request, [res.token], [res.logprob], submitted, started)
-            reason = self._reason(live, res.token)
+            taken.setdefault(request.version, []).append((request, submitted))
+            free -= 1
+        for version, items in taken.items():
+            for chunk in self._prefill_chunks(items):
+                self._prefill_and_insert(self._groups[version], chunk, done)
+
+    def _prefill_chunks(self, items: list[tuple[Request, float]]) -> list[list[tuple[Request, float]]]:
+        """Splits admitted requests so that (distinct prompts x prompt bucket) stays within the budget; without
+        ``batch_prefill``, one request per chunk (each prompt prefilled on its own, as JetStream does)."""
+        if not self.batch_prefill:
+            return [[item] for item in items]
+        chunks: list[list[tuple[Request, float]]] = [[]]
+        prompts: set[tuple[int, ...]] = set()
+        longest = 0
+        for item in items:
+            p = item[0].prompt_ids
+            grown, new_longest = prompts | {p}, max(longest, len(p))
+            if p not in prompts and chunks[-1] and bucket(len(grown), minimum=1) * bucket(new_longest) > self.prefill_tokens:
+                chunks.append([])
+                grown, new_longest = {p}, len(p)
+            chunks[-1].append(item)
+            prompts, longest = grown, new_longest
+        return chunks
+
+    def _prefill_and_insert(self, g: _Group, chunk: list[tuple[Request, float]], done: list[Trajectory]) -> None:
+        started = time.perf_counter()
+        requests = [r for r, _ in chunk]
+        batch, first = self.engine.prefill_batch(params=g.params, prompts=[r.prompt_ids for r in requests],
+                                                 sample_ids=[r.sample_id for r in requests], version=g.version,
+                                                 samplings=[r.sampling for r in requests])
+        cols = first.to_host().columns()
+        lives: list[_Live | None] = []
+        for i, (request, submitted) in enumerate(chunk):
+            live = _Live(request, [int(cols["token"][i])], [float(cols["logprob"][i])], submitted, started)
+            reason = self._reason(live, live.tokens[0])
             if reason is not None:
                 done.append(self._finish(live, reason, time.perf_counter()))
-                continue
-            if g.live == len(g.slots):
-                self._resize(g, min(bucket(g.live + 1, minimum=1), self.engine.max_concurrent_decodes))
-            slot = g.slots.index(None)
-            g.state = self.engine.insert(prefix, g.state, slot)
-            g.slots[slot] = live
-            total_live += 1
+                live = None
+            lives.append(live)
+        need = g.live + sum(x is not None for x in lives)
+        if need == g.live:
+            return
+        if need > len(g.slots):
+            self._resize(g, min(bucket(need, minimum=1), self.engine.max_concurrent_decodes))
+        free = iter([i for i, s in enumerate(g.slots) if s is None])
+        slots = [None if live is None else next(free) for live in lives]
+        g.state = self.engine.insert_batch(batch, g.state, slots)
+        for slot, live in zip(slots, lives):
+            if slot is not None:
+                g.slots[slot] = live
 
     def step(self) -> list[Trajectory]:
         """Admits pending requests, runs one decode step of every version group, returns what finished.

@@ -80,6 +80,21 @@ class Prefix(NamedTuple):
     seed: jax.Array
 
 
+class PrefixBatch(NamedTuple):
+    """Several prefilled requests of one policy version (:meth:`Engine.prefill_batch`). Requests with the same
+    prompt share one cache row (a GRPO group's members are prefilled once); each has its own first token."""
+
+    cache: KVCache  # k [L, P, K, d, T], v [L, P, K, T, d]: one row per distinct prompt, T = the prompt bucket
+    rows: jax.Array  # [N] int32: each request's cache row
+    token: jax.Array  # [N] int32
+    logprob: jax.Array  # [N] float32
+    length: jax.Array  # [N] int32: true prompt length = position of `token`
+    sample_id: jax.Array  # [N]
+    version: jax.Array  # [N]
+    sampling: SamplingParams  # [N] each
+    seed: jax.Array  # [N]
+
+
 class DecodeState(NamedTuple):
     """Every slot's cache and the token it will feed next. ``positions[b]`` is where ``tokens[b]`` sits."""
 
@@ -156,6 +171,9 @@ class Engine:
         self._prepared: PreparedParams | None = None
         self._prefill_jit = jax.jit(self._prefill_impl)
         self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(1,))
+        self._prefill_rows_jit = jax.jit(self._prefill_rows_impl)
+        self._first_tokens_jit = jax.jit(self._first_tokens_impl)
+        self._insert_batch_jit = jax.jit(self._insert_batch_impl, donate_argnums=(1,))
         self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,), static_argnums=(2,))
         self._generate_many_jit = jax.jit(self._generate_many_impl, donate_argnums=(1,), static_argnums=(2,))
         self._resize_jit = jax.jit(self._resize_impl, static_argnums=(2,))
@@ -206,6 +224,44 @@ class Engine:
             sample_ids=put(state.sample_ids, prefix.sample_id), versions=put(state.versions, prefix.version),
             seeds=put(state.seeds, prefix.seed), active=put(state.active, True),
             sampling=SamplingParams(*(put(a, b[0]) for a, b in zip(state.sampling, prefix.sampling))))
+
+    def _prefill_rows_impl(self, params: PreparedParams, tokens_pt, lengths_p):
+        """The model part of :meth:`prefill_batch`: each distinct prompt's cache and last-token logits."""
+        p, t = tokens_pt.shape
+        # The prompts' cache is T slots long, not S: insertion writes each row's first T slots.
+        cache = init_cache(self.cfg, p, t)
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (p, t))
+        x, cache = decode_forward(self.cfg, params.tree, tokens_pt, positions, cache, logits=False)
+        last_x = jnp.take_along_axis(x, (lengths_p - 1)[:, None, None], axis=1)  # [P, 1, D]
+        return cache, head_logits(self.cfg, params.tree, last_x)[:, 0]  # the head on one row per prompt
+
+    @staticmethod
+    def _first_tokens_impl(logits_pv, lengths_p, rows_n, valid_n, sample_ids_n, version, seeds_n, sampling_n):
+        """The sampling part of :meth:`prefill_batch` (a separate program: the model's is compiled per
+        (distinct prompts, bucket), this one per number of requests)."""
+        lengths_n = lengths_p[rows_n]
+        keys = jax.vmap(lambda s, i, q: row_keys(s, i[None], q[None])[0])(seeds_n, sample_ids_n, lengths_n)
+        tok, lp = sample(logits_pv[rows_n], keys, sampling_n)
+        versions_n = jnp.full(rows_n.shape, version, jnp.int32)
+        rest = (rows_n, tok, lp, lengths_n, sample_ids_n, versions_n, sampling_n, seeds_n)  # PrefixBatch order
+        return rest, _pack(tok, valid_n, lengths_n, lp, versions_n)
+
+    def _insert_batch_impl(self, batch: PrefixBatch, state: DecodeState, slots_n) -> DecodeState:
+        # Slot B (out of range) marks a request that is not inserted: its writes are dropped.
+        t = batch.cache.v.shape[3]
+        k_rows = batch.cache.k[:, batch.rows].astype(state.cache.k.dtype)  # [L, N, K, d, T]
+        v_rows = batch.cache.v[:, batch.rows].astype(state.cache.v.dtype)  # [L, N, K, T, d]
+        k = state.cache.k.at[:, slots_n, :, :, :t].set(k_rows, mode="drop")
+        v = state.cache.v.at[:, slots_n, :, :t, :].set(v_rows, mode="drop")
+
+        def put(vec, values):
+            return vec.at[slots_n].set(values.astype(vec.dtype), mode="drop")
+
+        return DecodeState(
+            cache=KVCache(k, v), tokens=put(state.tokens, batch.token), positions=put(state.positions, batch.length),
+            sample_ids=put(state.sample_ids, batch.sample_id), versions=put(state.versions, batch.version),
+            seeds=put(state.seeds, batch.seed), active=put(state.active, jnp.ones(slots_n.shape, bool)),
+            sampling=SamplingParams(*(put(a, b) for a, b in zip(state.sampling, batch.sampling))))
 
     def _generate_impl(self, params: PreparedParams, state: DecodeState, filtered: bool | None):
         # Empty slots keep stale positions: only live rows decide how much of the cache is read.
@@ -302,6 +358,79 @@ class Engine:
         if not (isinstance(slot, (int, np.integer)) and 0 <= slot < b):
             raise EngineError(f"slot {slot!r} does not exist (decode state has slots 0..{b - 1})")
         return settle(self._insert_jit(prefix, decode_state, np.int32(slot)))
+
+    def prefill_batch(self, *, params: Any = None, prompts: Sequence[Sequence[int]], sample_ids: Sequence[int],
+                      version: int = 0, samplings: Sequence[RequestSampling]) -> tuple[PrefixBatch, ResultTokens]:
+        """Prefills several requests of one policy version in one program and samples each one's first token.
+
+        Requests with equal prompts share one cache row: a prompt is prefilled once however many samples are
+        drawn from it (a GRPO group). Each request's first token is drawn from its own ``(seed, sample_id,
+        position)`` stream, exactly as :meth:`prefill` draws it. Shapes are bucketed to powers of two (the
+        number of distinct prompts, the number of requests and the prompt length), so compilation stays
+        bounded. Result row ``i`` of the returned :class:`ResultTokens` is request ``i``'s first token.
+
+        Args:
+          params: :meth:`prepare_params` output (``None``: the engine's own params).
+          prompts: token ids of each request (1..``max_prefill_length`` tokens each).
+          sample_ids: one per request.
+          version: the policy version of ``params``, recorded on every request.
+          samplings: one per request (validated here).
+        """
+        n = len(prompts)
+        if n == 0 or len(sample_ids) != n or len(samplings) != n:
+            raise EngineError(f"prefill_batch: {n} prompts, {len(sample_ids)} sample ids, {len(samplings)} "
+                              "sampling settings; need as many of each, at least one")
+        distinct: dict[tuple[int, ...], int] = {}
+        rows = np.zeros((bucket(n, minimum=1),), np.int32)
+        for i, (prompt, sampling) in enumerate(zip(prompts, samplings)):
+            sampling.validate()
+            key = tuple(int(x) for x in prompt)
+            if not 0 < len(key) <= self._max_prefill_length:
+                raise EngineError(f"prefill_batch: request {i} (sample {sample_ids[i]}): prompt of {len(key)} "
+                                  f"tokens; allowed 1..{self._max_prefill_length}")
+            rows[i] = distinct.setdefault(key, len(distinct))
+        t = min(bucket(max(len(k) for k in distinct)), self.max_target_length)
+        tokens = np.zeros((bucket(len(distinct), minimum=1), t), np.int32)
+        lengths = np.ones((tokens.shape[0],), np.int32)  # padding rows: one token, never read
+        for key, r in distinct.items():
+            tokens[r, :len(key)] = key
+            lengths[r] = len(key)
+        nb = rows.shape[0]
+
+        def col(values, dtype, pad):
+            out = np.full((nb,), pad, dtype)
+            out[:n] = values
+            return out
+
+        valid = col(True, bool, False)
+        sp = SamplingParams(col([s.temperature for s in samplings], np.float32, 0.0),
+                            col([s.top_k for s in samplings], np.int32, 0),
+                            col([s.top_p for s in samplings], np.float32, 1.0))
+        cache, logits = settle(self._prefill_rows_jit(self._prepared_params(params), tokens, lengths))
+        ids, seeds = col(sample_ids, np.int32, 0), col([s.seed for s in samplings], np.int32, 0)
+        rest, packed = settle(self._first_tokens_jit(logits, lengths, rows, valid, ids, np.int32(version), seeds,
+                                                     sp))
+        return PrefixBatch(cache, *rest), ResultTokens(packed)
+
+    def insert_batch(self, batch: PrefixBatch, decode_state: DecodeState, slots: Sequence[int | None]
+                     ) -> DecodeState:
+        """Places request ``i`` of a :meth:`prefill_batch` result into ``slots[i]`` of the decode state
+        (donated); ``None`` (or a missing entry) skips the request, e.g. one that finished at its first token."""
+        b = decode_state.tokens.shape[0]
+        nb = batch.rows.shape[0]
+        if len(slots) > nb:
+            raise EngineError(f"insert_batch: {len(slots)} slots for a batch of {nb} requests")
+        idx = np.full((nb,), b, np.int32)  # b: dropped
+        for i, slot in enumerate(slots):
+            if slot is None:
+                continue
+            if not (isinstance(slot, (int, np.integer)) and 0 <= slot < b):
+                raise EngineError(f"slot {slot!r} does not exist (decode state has slots 0..{b - 1})")
+            idx[i] = slot
+        taken = [s for s in slots if s is not None]
+        if len(set(taken)) != len(taken):
+            raise EngineError(f"insert_batch: slots {list(slots)} repeat a slot")
+        return settle(self._insert_batch_jit(batch, decode_state, idx))
 
     def generate(self, params: Any, decode_state: DecodeState, *, filtered: bool | None = None
                  ) -> tuple[DecodeState, ResultTokens]:
