@@ -104,12 +104,13 @@ def test_fused_step_equals_one_call_per_version(models):
 def test_alone_equals_busy_batch(models):
     """A sample's tokens do not depend on its slot or on what else is decoding (greedy and sampled)."""
     m0, _ = models
+    busy_engine, alone_engine = _engine(m0, slots=4), _engine(m0, slots=1)  # each compiles once for both cases
     for sampling in (GREEDY, RequestSampling(temperature=1.0, top_k=20, seed=7)):
         reqs = _requests(9, seed=3, sampling=sampling)
-        busy = RolloutDriver(_engine(m0, slots=4))
+        busy = RolloutDriver(busy_engine)
         busy.add_version(0, nnx.state(m0))
         crowd = {t.sample_id: t for t in busy.run(reqs)}
-        alone = RolloutDriver(_engine(m0, slots=1))
+        alone = RolloutDriver(alone_engine)
         alone.add_version(0, nnx.state(m0))
         for r in reqs[::3]:
             (t,) = alone.run([r])
