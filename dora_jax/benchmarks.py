@@ -256,6 +256,46 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     return out
 
 
+def bench_prefill(config: str = "smollm2_135m", prompt_len: int = 41, batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+                  repeats: int = 3, seed: int = 0, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``Engine.prefill_batch`` alone: seconds per program and per prompt for 1..32 distinct prompts of
+    ``prompt_len`` tokens (best of ``repeats``, first tokens read back), to see what one program buys."""
+    import numpy as np
+    from flax import nnx
+
+    from dora_jax.config import load_config
+    from dora_jax.models.weights import load_model
+    from dora_jax.rollout.engine import Engine, RequestSampling
+    from tqdm.auto import tqdm
+
+    cfg = load_config(config, overrides)
+    model, _ = load_model(cfg.model, progress=False)
+    eng = Engine(model, max_concurrent_decodes=max(batches), max_prefill_length=prompt_len,
+                 max_target_length=2 * (1 << (prompt_len - 1).bit_length()))
+    params = eng.prepare_params(nnx.state(model))
+    rng = np.random.default_rng(seed)
+    sampling = RequestSampling(temperature=1.0, seed=seed)
+    out: dict[str, Any] = {"config": config, "prompt_len": prompt_len, "runs": []}
+    for n in tqdm(batches, desc="bench prefill", unit="batch"):
+        prompts = [tuple(rng.integers(1, cfg.model.vocab_size, prompt_len).tolist()) for _ in range(n)]
+
+        def once():
+            batch, first = eng.prefill_batch(params=params, prompts=prompts, sample_ids=list(range(n)),
+                                             samplings=[sampling] * n)
+            first.to_host().columns()
+            jax.block_until_ready(batch)
+
+        once()  # compile
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            once()
+            times.append(time.perf_counter() - t0)
+        out["runs"].append({"prompts": n, "s": min(times), "s_per_prompt": min(times) / n})
+    out["machine"] = machine()
+    return out
+
+
 def bench_decode(config: str = "smollm2_135m", batch: int = 32, cache_length: int = 256,
                  repeats: int = 5, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     """Where one decode step's time goes: the full step against a ``cache_length`` cache, the same forward

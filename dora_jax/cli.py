@@ -115,6 +115,8 @@ def cmd_bench(args) -> int:
         raise SystemExit(f"dora-jax bench {args.what}: takes no key=value overrides (got {' '.join(ov)})")
     if args.what == "load":
         result = benchmarks.bench_load(args.config, repeats=args.repeats, overrides=ov)
+    elif args.what == "prefill":
+        result = benchmarks.bench_prefill(args.config, repeats=max(args.repeats, 3), overrides=ov)
     elif args.what == "decode":
         result = benchmarks.bench_decode(args.config, batch=args.batch or 32, overrides=ov)
     elif args.what == "train":
@@ -210,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_check)
 
     b = sub.add_parser("bench", help="benchmarks; results as JSON")
-    b.add_argument("what", choices=["load", "engine", "decode", "train", "snapshot", "modes", "kernel"])
+    b.add_argument("what", choices=["load", "engine", "prefill", "decode", "train", "snapshot", "modes", "kernel"])
     b.add_argument("--steps", type=int, default=8, help="modes: updates per mode")
     b.add_argument("--plot", help="modes: write the reward and throughput plot to this PNG")
     b.add_argument("--repeats", type=int, default=2, help="load: repeats per side; kernel: timed calls per point")
