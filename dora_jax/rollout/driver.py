@@ -210,7 +210,8 @@ class RolloutDriver:
         for item in items:
             p = item[0].prompt_ids
             grown, new_longest = prompts | {p}, max(longest, len(p))
-            if p not in prompts and chunks[-1] and bucket(len(grown), minimum=1) * bucket(new_longest) > self.prefill_tokens:
+            cost = bucket(len(grown), minimum=1) * bucket(new_longest)
+            if p not in prompts and chunks[-1] and cost > self.prefill_tokens:
                 chunks.append([])
                 grown, new_longest = {p}, len(p)
             chunks[-1].append(item)
