@@ -1,6 +1,8 @@
 """Test setup: 8 fake CPU devices for sharding tests, float32 everywhere, shared fixtures."""
 
 import os
+import shutil
+import tempfile
 
 # Must happen before jax is imported anywhere.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -29,3 +31,54 @@ def torch_threads():
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     return torch
+
+
+# -- a crashed worker's last words ------------------------------------------------------------------------------
+# A pytest-xdist worker killed by a signal (an XLA runtime abort, a segfault) prints its fatal-error report on its
+# own stderr, interleaved with everything else and far above the summary a CI log keeps. Each worker writes its
+# stderr to a file instead, and the summary repeats what a worker said from its fatal error on (and the first
+# stuck-collective warnings before it).
+
+_STDERR_DIR = "DORA_JAX_TEST_WORKER_STDERR"
+_FATAL = ("Fatal Python error", "Termination timeout", "may be stuck", "Check failed", "terminate called",
+          "Timeout +++")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's faulthandler plugin duplicates fd 2 for its reports
+def pytest_configure(config):
+    worker = getattr(config, "workerinput", None)
+    if worker is None:
+        if config.getoption("numprocesses", None):
+            os.environ[_STDERR_DIR] = tempfile.mkdtemp(prefix="dora-jax-test-stderr-")
+        return
+    directory = os.environ.get(_STDERR_DIR)
+    if directory:
+        fd = os.open(os.path.join(directory, f"{worker['workerid']}.txt"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(fd, 2)
+        os.close(fd)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    directory = os.environ.get(_STDERR_DIR)
+    if hasattr(config, "workerinput") or not directory or not os.path.isdir(directory):
+        return
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), errors="replace") as f:
+            lines = f.read().splitlines()
+        hits = [i for i, line in enumerate(lines) if any(m in line for m in _FATAL)]
+        if not hits:
+            continue
+        terminalreporter.section(f"stderr of worker {name.removesuffix('.txt')} from its fatal error", sep="-")
+        # The runtime's own last lines, the error, and the stack of the thread it hit (not the idle ones).
+        start = next((i for i in hits if lines[i].startswith("Fatal Python error")), hits[0])
+        current = next((i for i in range(start, len(lines)) if lines[i].startswith("Current thread")), start)
+        shown = sorted(set(hits[:10]) | set(range(max(start - 5, 0), start + 2))
+                       | set(range(current, min(current + 30, len(lines)))))
+        for i in shown:
+            terminalreporter.write_line(lines[i][:400])
+
+
+def pytest_unconfigure(config):
+    directory = os.environ.get(_STDERR_DIR)
+    if not hasattr(config, "workerinput") and directory:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -288,6 +288,10 @@ def _proj(p: dict[str, jax.Array], name: str, eq: str, x: jax.Array) -> jax.Arra
     return y + (p["lora_scale"].astype(dt) * delta).reshape(y.shape)
 
 
+# The layer weights :func:`fuse_layer_params` replaces (biases only where the architecture has them).
+FUSED_INPUTS = ("wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up")
+
+
 def fuse_layer_params(p: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """q|k|v -> ``wqkv`` [L, D, H + 2K, d] (and ``bqkv``), gate|up -> ``w_gate_up`` [L, D, 2, F].
 

@@ -29,7 +29,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from dora_jax.models.decoder import Decoder, KVCache, decode_forward, head_logits, init_cache
+from dora_jax.models.decoder import (FUSED_INPUTS, Decoder, KVCache, decode_forward, fuse_layer_params,
+                                     head_logits, init_cache)
 from dora_jax.rollout.sampling import SamplingParams, needs_filter, row_keys, sample
 from dora_jax.sharding import settle
 
@@ -179,6 +180,7 @@ class Engine:
         self._resize_jit = jax.jit(self._resize_impl, static_argnums=(2,))
         self._free_jit = jax.jit(lambda state, slot: state._replace(active=state.active.at[slot].set(False)),
                                  donate_argnums=(0,))
+        self._fuse_jit = jax.jit(fuse_layer_params)
 
     # -- JetStream API properties --------------------------------------------------------------------------
 
@@ -308,7 +310,12 @@ class Engine:
         """
         if isinstance(params, PreparedParams):
             return params
-        return PreparedParams(nnx.merge(self.graphdef, params).decode_params(fuse=True))
+        tree = nnx.merge(self.graphdef, params).decode_params(fuse=False)
+        layers = dict(tree["layers"])
+        # One program for the whole fusion (not one eager concatenate per weight), waited for on CPU meshes
+        # like every other engine program (dora_jax.sharding.settle).
+        fused = settle(self._fuse_jit({n: layers.pop(n) for n in FUSED_INPUTS if n in layers}))
+        return PreparedParams({**tree, "layers": {**layers, **fused}})
 
     def load_params(self, params: Any) -> PreparedParams:
         """JetStream's name for :meth:`prepare_params`."""
