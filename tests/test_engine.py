@@ -296,3 +296,34 @@ def test_insert_batch_bad_slots(models):
         eng.prefill_batch(prompts=[(1, 2), ()], sample_ids=[0, 1], samplings=[GREEDY] * 2)
     with pytest.raises(EngineError, match="2 prompts, 1 sample ids"):
         eng.prefill_batch(prompts=[(1, 2), (3,)], sample_ids=[0], samplings=[GREEDY] * 2)
+
+
+def test_prepared_params_are_the_fused_weights_ready_on_the_mesh():
+    """A version's decode weights on a 2 x 2 x 2 mesh: q|k|v (and their biases) concatenated on the head axis,
+    gate|up stacked on a new axis, values equal to a numpy concatenation; the other weights are the stored arrays
+    themselves (not copies); the fused ones come back finished (one settled program, not eager collectives)."""
+    from dora_jax.config import DEFAULT_RULES, MeshConfig
+    from dora_jax.sharding import create_mesh
+
+    mesh = create_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    cfg = dataclasses.replace(CFG, num_heads=4, num_kv_heads=2)
+    model = init_model(cfg, mesh, DEFAULT_RULES, seed=3)
+    engine = Engine(model, max_concurrent_decodes=4, max_prefill_length=32, max_target_length=64, mesh=mesh)
+    prepared = engine.prepare_params(engine.params).tree
+    stored = model.decode_params(fuse=False)
+    layers, fused = stored["layers"], prepared["layers"]
+    assert set(fused) == set(layers) - {"wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up"} | {
+        "wqkv", "bqkv", "w_gate_up"}
+    np.testing.assert_array_equal(np.asarray(fused["wqkv"]), np.concatenate(
+        [np.asarray(layers[n]) for n in ("wq", "wk", "wv")], axis=2))
+    np.testing.assert_array_equal(np.asarray(fused["bqkv"]), np.concatenate(
+        [np.asarray(layers[n]) for n in ("bq", "bk", "bv")], axis=1))
+    np.testing.assert_array_equal(np.asarray(fused["w_gate_up"]), np.stack(
+        [np.asarray(layers["w_gate"]), np.asarray(layers["w_up"])], axis=2))
+    for name in ("attn_norm", "wo", "mlp_norm", "w_down"):
+        assert fused[name] is layers[name]
+    assert prepared["embed"] is stored["embed"]
+    for name in ("wqkv", "bqkv", "w_gate_up"):
+        assert fused[name].is_ready() and len(fused[name].sharding.device_set) == 8
+    once = engine.prepare_params(engine.params)
+    assert engine.prepare_params(once) is once  # already prepared: returned as is

@@ -207,8 +207,8 @@ class Trainer:
         tx = tx if tx is not None else make_optimizer(tcfg)
         if tcfg.lora.rank > 0:
             replicated = NamedSharding(mesh, P())
-            trainable = jax.jit(lambda k: lora_lib.init_lora(params, tcfg.lora, k),
-                                out_shardings=replicated)(jax.random.fold_in(key, 1))
+            trainable = settle(jax.jit(lambda k: lora_lib.init_lora(params, tcfg.lora, k),
+                                       out_shardings=replicated)(jax.random.fold_in(key, 1)))
             frozen, reference = params, None  # the base weights are the reference policy
         else:
             trainable, frozen = params, None
@@ -219,7 +219,7 @@ class Trainer:
         param_shardings = jax.tree.map(lambda x: x.sharding, trainable)
         opt_shardings = optax.tree_map_params(tx, lambda _, sh: sh, jax.eval_shape(tx.init, trainable),
                                               param_shardings, transform_non_params=lambda _: scalar)
-        opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(trainable)
+        opt_state = settle(jax.jit(tx.init, out_shardings=opt_shardings)(trainable))
         state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), scalar),
                            version=jax.device_put(jnp.zeros((), jnp.int32), scalar),
                            params=trainable, frozen=frozen, opt_state=opt_state,
