@@ -1,6 +1,7 @@
 """Test setup: 8 fake CPU devices for sharding tests, float32 everywhere, shared fixtures."""
 
 import os
+import resource
 import shutil
 import tempfile
 
@@ -59,6 +60,9 @@ def pytest_configure(config):
 
 
 def pytest_terminal_summary(terminalreporter, config):
+    if _PEAKS:
+        terminalreporter.write_line("peak memory of the test workers: " + ", ".join(
+            f"{w} {gib:.1f} GiB" for w, gib in sorted(_PEAKS.items())))
     directory = os.environ.get(_STDERR_DIR)
     if hasattr(config, "workerinput") or not directory or not os.path.isdir(directory):
         return
@@ -76,6 +80,22 @@ def pytest_terminal_summary(terminalreporter, config):
                        | set(range(current, min(current + 30, len(lines)))))
         for i in shown:
             terminalreporter.write_line(lines[i][:400])
+
+
+def pytest_sessionfinish(session):
+    # Each worker reports its peak resident memory; the summary prints them (the CI machine has 24 GiB).
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:
+        out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+_PEAKS: dict[str, float] = {}
+
+
+def pytest_testnodedown(node, error):
+    peak = getattr(node, "workeroutput", {}).get("peak_rss_gib")
+    if peak is not None:
+        _PEAKS[node.gateway.id] = peak
 
 
 def pytest_unconfigure(config):
