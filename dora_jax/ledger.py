@@ -53,6 +53,7 @@ class Ledger:
         self.entries: dict[int, Entry] = {}
         self.groups: dict[int, Group] = {}
         self._counts = dict.fromkeys(STATES, 0)
+        self._causes: dict[int, set[int]] = {}  # group id -> members filtered for a reason of their own
 
     # -- transitions ----------------------------------------------------------------------------------------
 
@@ -92,10 +93,10 @@ class Ledger:
     def finish(self, sample_id: int) -> None:
         """A generated sample with its reward. If its group already lost a member, it is filtered too."""
         e = self._move(sample_id, ("in_flight",), "finished")
-        members = [self.entries[s] for s in self.groups[e.group_id].sample_ids]
-        causes = [m.sample_id for m in members if m.state == "filtered" and not m.reason.startswith("group member")]
+        causes = self._causes.get(e.group_id)
         if causes:  # name the member whose own failure filtered the group, not one that followed it
-            self._filter_one(e, f"group member {causes[0]} filtered")
+            first = next(s for s in self.groups[e.group_id].sample_ids if s in causes)
+            self._filter_one(e, f"group member {first} filtered")
 
     def filter(self, sample_id: int, reason: str) -> None:
         """Marks a sample filtered with ``reason``; its finished (and later-finishing) group members follow."""
@@ -105,6 +106,8 @@ class Ledger:
         if e.state in ("consumed", "filtered"):
             raise LedgerError(f"sample {sample_id} is {e.state}; cannot be filtered")
         self._filter_one(e, reason)
+        if not reason.startswith("group member"):
+            self._causes.setdefault(e.group_id, set()).add(sample_id)
         for s in self.groups[e.group_id].sample_ids:
             other = self.entries[s]
             if s != sample_id and other.state == "finished":
@@ -134,6 +137,10 @@ class Ledger:
 
     def group_ready(self, group_id: int) -> bool:
         return all(self.entries[s].state == "finished" for s in self.groups[group_id].sample_ids)
+
+    def ready_group_ids(self) -> list[int]:
+        """The groups whose members are all finished (none consumed yet)."""
+        return [g for g in self.groups if self.group_ready(g)]
 
     def group_done(self, group_id: int) -> bool:
         """Every member consumed or filtered: nothing more will happen to this group."""
@@ -168,6 +175,8 @@ class Ledger:
             led._counts[e.state] -= 1
             led._counts[state] += 1
             e.state, e.reason, e.trained_at = state, reason, trained_at
+            if state == "filtered" and not reason.startswith("group member"):
+                led._causes.setdefault(e.group_id, set()).add(sid)
         led.check()
         return led
 

@@ -159,7 +159,7 @@ class Scheduler:
                 return None
             chosen = [g for g in self.batches[0] if led.group_ready(g)]
             return chosen or None
-        ready = sorted((g.version, g.group_id) for g in led.groups.values() if led.group_ready(g.group_id))
+        ready = sorted((led.groups[g].version, g) for g in led.ready_group_ids())
         need = min(p.train_batch, p.total_samples - self.trained_samples) // p.group_size
         if len(ready) < need:
             return None

@@ -188,6 +188,17 @@ def test_ledger_rejects_bad_transitions_and_filters_whole_groups():
         led.consume([0], 0)
     restored = Ledger.from_dict(led.to_dict())
     assert restored.counts() == led.counts() and restored.filtered_reasons() == led.filtered_reasons()
+    # A member finishing after its group lost two names the first of them in group order, also in a ledger
+    # restored from its saved form.
+    led.add_group(1, [3, 4, 5], version=0, prompt_index=1)
+    for s in (3, 4, 5):
+        led.start(s)
+    led.filter(4, "reward raised ValueError")
+    led.filter(3, "reward timed out after 5s")
+    restored = Ledger.from_dict(led.to_dict())
+    for ledger in (led, restored):
+        ledger.finish(5)
+        assert ledger.filtered_reasons()[5] == "group member 3 filtered"
 
 
 def test_bad_policies_are_named():

@@ -167,6 +167,7 @@ def test_sim_ledger_answers_like_the_ledger():
     led.consume(ready[: len(ready) // 2], 5)
     assert led.outstanding() == Ledger.outstanding(led)
     assert all(led.group_ready(g) == Ledger.group_ready(led, g) for g in led.groups)
+    assert sorted(led.ready_group_ids()) == Ledger.ready_group_ids(led)
     led.check()
 
 

@@ -79,6 +79,9 @@ class SimLedger(Ledger):
     def group_ready(self, group_id: int) -> bool:
         return group_id in self._ready
 
+    def ready_group_ids(self) -> list[int]:
+        return list(self._ready)
+
     def ready_groups(self) -> int:
         """How many groups are ready (every member finished, none consumed)."""
         return len(self._ready)
