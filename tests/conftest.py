@@ -4,6 +4,7 @@ import os
 import resource
 import shutil
 import tempfile
+import time
 
 # Must happen before jax is imported anywhere.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -67,7 +68,13 @@ def pytest_terminal_summary(terminalreporter, config):
     if hasattr(config, "workerinput") or not directory or not os.path.isdir(directory):
         return
     for name in sorted(os.listdir(directory)):
-        with open(os.path.join(directory, name), errors="replace") as f:
+        path = os.path.join(directory, name)
+        for _ in range(50):  # a dying worker may still be writing its report: wait until the file stops growing
+            size = os.path.getsize(path)
+            time.sleep(0.1)
+            if os.path.getsize(path) == size:
+                break
+        with open(path, errors="replace") as f:
             lines = f.read().splitlines()
         hits = [i for i, line in enumerate(lines) if any(m in line for m in _FATAL)]
         if not hits:
