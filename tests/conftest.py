@@ -42,6 +42,7 @@ def torch_threads():
 # stuck-collective warnings before it).
 
 _STDERR_DIR = "DORA_JAX_TEST_WORKER_STDERR"
+_REPORT_FD = pytest.StashKey[int]()
 _FATAL = ("Fatal Python error", "Termination timeout", "may be stuck", "Check failed", "terminate called",
           "Timeout +++")
 
@@ -58,6 +59,18 @@ def pytest_configure(config):
         fd = os.open(os.path.join(directory, f"{worker['workerid']}.txt"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(fd, 2)
         os.close(fd)
+        config.stash[_REPORT_FD] = os.dup(2)  # fd 2 itself is swapped by pytest's output capture during tests
+
+
+def pytest_sessionstart(session):
+    # In a worker, report only the thread that received the fatal signal: the all-thread dump pytest sets up
+    # walks other threads' frames while they run and was cut off mid-dump in the aborts seen so far, before it
+    # reached the thread that mattered.
+    fd = session.config.stash.get(_REPORT_FD, None)
+    if fd is not None:
+        import faulthandler
+
+        faulthandler.enable(file=fd, all_threads=False)
 
 
 def pytest_terminal_summary(terminalreporter, config):
