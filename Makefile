@@ -25,9 +25,11 @@ demo: $(STAMP)
 	$(VENV)/bin/dora-jax train --config smollm2_arith
 
 # --max-worker-restart=0: a test that kills its worker process is reported as failed and the run ends (with
-# --dist loadfile, a restarted worker leaves the run waiting forever).
+# --dist loadfile, a restarted worker leaves the run waiting forever). --capture=sys: output written by native
+# code (XLA, glibc) goes to the worker's stderr file rather than to a per-test capture file that dies with a
+# crashed worker, so tests/conftest.py can show the runtime's last words.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --capture=sys --durations=15
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -244,11 +244,10 @@ def check_in_subprocess(config: str, overrides: list[str] | tuple[str, ...] = ()
     """Runs the check in a fresh Python on ``target.num_devices`` fake CPU devices; returns its exit status
     (0 fits, 1 does not fit, 2 bad config). Output goes to this process's stdout and stderr."""
     from dora_jax.config import load_config
+    from dora_jax.xla_flags import cpu_device_flags
 
     cfg = load_config(config, overrides)  # fail here, with the file name, on a bad config
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": " ".join([f"--xla_force_host_platform_device_count={cfg.target.num_devices}", *flags])}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_device_flags(cfg.target.num_devices)}
     for name in ("DORA_COORDINATOR", "DORA_NUM_PROCESSES", "DORA_PROCESS_ID", "DORA_CLUSTER"):
         env.pop(name, None)  # the check is one process, whatever cluster it is started from
     cmd = [sys.executable, "-m", "dora_jax.check", "--config", config, *([] if do_compile else ["--no-compile"]),

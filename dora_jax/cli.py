@@ -106,8 +106,10 @@ def cmd_check(args) -> int:
 
 def cmd_bench(args) -> int:
     if args.what == "modes" and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        from dora_jax.xla_flags import cpu_device_flags
+
         # Two host devices (before JAX starts its CPU backend): trainer and rollout each get one.
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+        os.environ["XLA_FLAGS"] = cpu_device_flags(2)
     from dora_jax import benchmarks
 
     ov = tuple(args.overrides)
@@ -232,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from dora_jax.config import ConfigError
+    from dora_jax.xla_flags import cpu_device_flags, fake_device_count
+
+    if fake_device_count() > 1:  # before JAX starts its CPU backend (dora_jax.xla_flags says why)
+        os.environ["XLA_FLAGS"] = cpu_device_flags()
     from dora_jax.distributed import DistributedError, initialize
     from dora_jax.models.hf_io import WeightsError
     from dora_jax.tokenizer import TokenizerError

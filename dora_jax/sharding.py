@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dora_jax.config import ConfigError, MeshConfig, RolesConfig
+from dora_jax.xla_flags import warn_if_unsafe
 
 MESH_AXES = ("data", "fsdp", "tensor")
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
@@ -47,6 +48,8 @@ def create_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) ->
     """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all devices)."""
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(cfg, len(devices))
+    local_cpu = [d for d in devices if d.platform == "cpu" and d.process_index == jax.process_index()]
+    warn_if_unsafe(len(local_cpu))
     try:
         from jax.experimental import mesh_utils
 
@@ -209,12 +212,11 @@ def role_meshes(mesh_cfg: MeshConfig, roles: RolesConfig,
 def settle(tree: Any) -> Any:
     """Waits for ``tree`` when it lives on several CPU devices of this process; returns it unchanged.
 
-    XLA:CPU runs the per-device parts of every program on one shared thread pool. With several multi-device
-    programs in flight at once (JAX dispatches asynchronously), a collective can wait for a part of its
-    program that never gets a thread, and after 40 s the runtime aborts the process. It happens on a loaded
-    machine with fake devices (``--xla_force_host_platform_device_count``), mostly in tests: the engine and the
-    trainer pass every multi-device result through here, so on CPU one such program runs at a time. On
-    accelerators, and for single-device arrays, nothing waits.
+    XLA:CPU's in-process collectives hold a thread of the shared pool per participant while they wait for the
+    others. The engine and the trainer pass every multi-device result through here, so on CPU one such
+    program runs at a time and a stuck collective is the one the host waits for (its stack names it). The
+    aborts our tests used to hit had another cause (collectives in different orders within one program,
+    :mod:`dora_jax.xla_flags`). On accelerators, and for single-device arrays, nothing waits.
     """
     for leaf in jax.tree.leaves(tree):
         if isinstance(leaf, jax.Array):

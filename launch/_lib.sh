@@ -52,12 +52,17 @@ need_int() {
 }
 
 # XLA_FLAGS for M fake CPU devices, keeping the other flags already set (an earlier device count is dropped:
-# XLA would take the last one).
+# XLA would take the last one). With M > 1, the flag that keeps the devices' collectives in one order comes
+# next (dora_jax/xla_flags.py says why; a setting of the caller's own, later, still wins).
 fake_device_flags() {
   local out="--xla_force_host_platform_device_count=$1"
+  local safe="--xla_cpu_enable_concurrency_optimized_scheduler=false"
   local flag
   local -a flags=()
   read -r -a flags <<<"${XLA_FLAGS:-}"
+  if (( $1 > 1 )) && [[ " ${flags[*]} " != *" $safe "* ]]; then
+    out+=" $safe"
+  fi
   for flag in "${flags[@]}"; do
     if [[ "$flag" != --xla_force_host_platform_device_count=* ]]; then
       out+=" $flag"

@@ -6,14 +6,16 @@ import shutil
 import tempfile
 import time
 
-# Must happen before jax is imported anywhere.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from dora_jax.xla_flags import DEVICE_COUNT, cpu_device_flags  # noqa: E402 - imports no JAX
+
+# Must happen before jax is imported anywhere: 8 fake CPU devices (unless XLA_FLAGS asks for another count), with
+# the flag that keeps their collectives in one order (dora_jax.xla_flags).
+os.environ["XLA_FLAGS"] = cpu_device_flags(None if DEVICE_COUNT in os.environ.get("XLA_FLAGS", "") else 8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-# No persistent compilation cache: with jaxlib 0.10 on CPU, a program loaded back from it (rather than compiled
-# in the process) aborted a runner test now and then. Tests compile what they run.
+# No persistent compilation cache: tests compile what they run.
 os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 
 import numpy as np  # noqa: E402

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from dora_jax.distributed import DistributedError, detect, first_slurm_host, process_shard
+from dora_jax.xla_flags import cpu_device_flags
 
 
 def test_single_process_when_nothing_is_set():
@@ -95,7 +96,7 @@ def test_two_processes_agree_on_process_zeros_decision(tmp_path):
     port = _free_port()
     procs = []
     for pid in range(2):
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_device_flags(2, ""),
                "DORA_COORDINATOR": f"127.0.0.1:{port}", "DORA_NUM_PROCESSES": "2", "DORA_PROCESS_ID": str(pid)}
         procs.append(subprocess.Popen([sys.executable, "-c", _WORKER], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))

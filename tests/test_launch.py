@@ -8,6 +8,8 @@ import subprocess
 
 import pytest
 
+from dora_jax.xla_flags import cpu_device_flags
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = sorted(glob.glob(os.path.join(REPO, "launch", "*.sh")) + glob.glob(os.path.join(REPO, "launch", "*.sbatch")))
 BIN = os.path.join(REPO, ".venv", "bin", "dora-jax")
@@ -54,14 +56,16 @@ def _fails(script: str, args: list[str], env: dict[str, str], message: str) -> N
 
 def test_local_cpu_one_process():
     (cmd,) = _dry("local_cpu.sh", ["--devices", "8", "export", "--config", "tiny_llama", "--out", "/tmp/x"])
-    assert cmd == ["env", "JAX_PLATFORMS=cpu", "XLA_FLAGS=--xla_force_host_platform_device_count=8", BIN,
+    assert cmd == ["env", "JAX_PLATFORMS=cpu", "XLA_FLAGS=--xla_force_host_platform_device_count=8 --xla_cpu_enable_concurrency_optimized_scheduler=false", BIN,
                    "export", "--config", "tiny_llama", "--out", "/tmp/x"]
 
 
 def test_local_cpu_keeps_other_xla_flags():
     (cmd,) = _dry("local_cpu.sh", ["--devices", "2", "train"],
                   {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/d"})
-    assert "XLA_FLAGS=--xla_force_host_platform_device_count=2 --xla_dump_to=/tmp/d" in cmd
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=2 --xla_cpu_enable_concurrency_optimized_scheduler=false --xla_dump_to=/tmp/d" in cmd
+    # the same flags as the Python entry points build
+    assert cmd[2] == "XLA_FLAGS=" + cpu_device_flags(2, "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/d")
 
 
 def test_local_cpu_processes():
@@ -70,7 +74,7 @@ def test_local_cpu_processes():
     ids = sorted(c[c.index(BIN) - 1] for c in cmds)
     assert ids == ["DORA_PROCESS_ID=0", "DORA_PROCESS_ID=1", "DORA_PROCESS_ID=2"]
     for c in cmds:
-        assert "XLA_FLAGS=--xla_force_host_platform_device_count=4" in c
+        assert "XLA_FLAGS=--xla_force_host_platform_device_count=4 --xla_cpu_enable_concurrency_optimized_scheduler=false" in c
         assert "DORA_COORDINATOR=127.0.0.1:9999" in c and "DORA_NUM_PROCESSES=3" in c
         assert c[c.index(BIN):] == [BIN, "train", "--config", "a b"]
     _fails("local_cpu.sh", ["--processes", "0", "train"], {}, "processes must be an integer >= 1")

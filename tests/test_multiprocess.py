@@ -18,6 +18,7 @@ import time
 import pytest
 
 from dora_jax.ledger import Ledger
+from dora_jax.xla_flags import cpu_device_flags
 
 STEPS, TBS, K = 3, 8, 2
 OVERRIDES = ["dora.mode=dora", f"dora.steps={STEPS}", f"dora.train_batch={TBS}", "dora.rollout_batch=16",
@@ -97,7 +98,7 @@ def _launch(tmp_path, overrides_of, timeout=240):
         # Four CPU devices per process; the CPU compiler's backend optimizations off: compiling dominates a run
         # this small, and both processes compile the same programs with the same flags.
         env = {**os.environ, "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
+               "XLA_FLAGS": cpu_device_flags(4, "--xla_backend_optimization_level=0"),
                "DORA_COORDINATOR": f"127.0.0.1:{port}", "DORA_NUM_PROCESSES": "2", "DORA_PROCESS_ID": str(pid),
                "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
         procs.append(subprocess.Popen(

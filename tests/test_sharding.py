@@ -2,6 +2,7 @@
 
 import json
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -15,12 +16,56 @@ from dora_jax.models.build import abstract_model, init_model, state_shardings
 from dora_jax.models.decoder import init_cache
 from dora_jax.sharding import (activate, create_mesh, describe_shardings, logical_to_spec, mesh_shape, named_sharding,
                                settle)
+from dora_jax.xla_flags import SAFE_COLLECTIVES, cpu_device_flags, fake_device_count
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 
 
 def test_eight_fake_devices():
     assert jax.device_count() == 8
+    assert SAFE_COLLECTIVES in os.environ["XLA_FLAGS"].split()  # tests/conftest.py builds the flags
+
+
+N8 = "--xla_force_host_platform_device_count=8"
+
+
+@pytest.mark.parametrize("n,given,expected", [
+    (8, "", f"{N8} {SAFE_COLLECTIVES}"),
+    (1, "--xla_dump_to=/d", "--xla_force_host_platform_device_count=1 --xla_dump_to=/d"),  # one device: nothing to order
+    # the count is replaced, other flags kept after ours
+    (2, f"{N8} --xla_dump_to=/d", f"--xla_force_host_platform_device_count=2 {SAFE_COLLECTIVES} --xla_dump_to=/d"),
+    (None, f"--x=1 {N8}", f"{N8} {SAFE_COLLECTIVES} --x=1"),  # None: the count already asked for
+    (8, f"{N8} {SAFE_COLLECTIVES}", f"{N8} {SAFE_COLLECTIVES}"),  # not twice
+    # the caller's own setting comes later, so it wins (XLA takes the last occurrence)
+    (8, "--xla_cpu_enable_concurrency_optimized_scheduler=true",
+     f"{N8} {SAFE_COLLECTIVES} --xla_cpu_enable_concurrency_optimized_scheduler=true"),
+])
+def test_cpu_device_flags(n, given, expected):
+    assert cpu_device_flags(n, given) == expected
+
+
+def test_fake_device_count_takes_the_last_and_rejects_zero():
+    assert fake_device_count("") == 1
+    assert fake_device_count(f"{N8} --xla_force_host_platform_device_count=3") == 3
+    with pytest.raises(ValueError, match="at least 1"):
+        cpu_device_flags(0, "")
+
+
+def test_mesh_over_cpu_devices_warns_without_the_flag(monkeypatch):
+    """XLA reads the flags when its backend starts, so this process keeps its safe setting; what is checked is
+    that create_mesh names the missing flag when XLA_FLAGS lacks it, and is silent when it is there."""
+    monkeypatch.setenv("XLA_FLAGS", N8)
+    with pytest.warns(RuntimeWarning, match="xla_cpu_enable_concurrency_optimized_scheduler=false"):
+        create_mesh(MeshConfig(2, 2, 2))
+    monkeypatch.setenv("XLA_FLAGS", cpu_device_flags(8, ""))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        create_mesh(MeshConfig(2, 2, 2))
+        create_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])  # one device: no warning whatever the flags
+    monkeypatch.setenv("XLA_FLAGS", N8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        create_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
 
 
 @pytest.mark.parametrize("sizes,n,expected", [
