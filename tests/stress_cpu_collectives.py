@@ -3,6 +3,7 @@ on 8 CPU devices (2x2x2 mesh), with XLA's stuck-collective warning at 5 s and it
 
     python tests/stress_cpu_collectives.py --steps 300 --processes 2            # the flags dora_jax builds
     python tests/stress_cpu_collectives.py --steps 300 --processes 2 --unsafe   # XLA's default scheduler
+    python tests/stress_cpu_collectives.py --steps 300 dora.mode=dora train.max_staleness=2 dora.rollout_batch=24
 
 Prints, per process, the updates it finished, its exit status and the first stuck-collective line; exits 1
 if any process got stuck. Not part of the test suite (minutes, and a failure is a matter of chance): see
@@ -27,7 +28,8 @@ steps, out = int(sys.argv[1]), sys.argv[2]
 cfg = load_config("tiny_llama", [f"dora.steps={steps}", "dora.mode=sync", "dora.train_batch=8",
     "dora.rollout_batch=16", "train.max_staleness=0", "train.group_size=4", "rollout.slots=8",
     "rollout.max_new_tokens=24", "rollout.max_prompt_len=32", "task.name=longtail", "task.longtail_max_len=24",
-    "task.eval_size=4", "train.length_buckets=[64]", "train.max_response_tokens=24", "run.checkpoint_every=0"])
+    "task.eval_size=4", "train.length_buckets=[64]", "train.max_response_tokens=24", "run.checkpoint_every=0",
+    *sys.argv[3:]])
 Runner(cfg, out, progress=False).run()
 """
 
@@ -37,6 +39,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--processes", type=int, default=2)
     p.add_argument("--unsafe", action="store_true", help="leave XLA's concurrency-optimized scheduler on")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides of the tiny sync run")
     args = p.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from dora_jax.xla_flags import SAFE_COLLECTIVES, cpu_device_flags
@@ -50,7 +53,8 @@ def main() -> int:
         procs, t0 = [], time.perf_counter()
         for i in range(args.processes):
             log = open(os.path.join(tmp, f"{i}.log"), "w+")
-            procs.append((subprocess.Popen([sys.executable, "-c", _RUN, str(args.steps), os.path.join(tmp, f"run{i}")],
+            procs.append((subprocess.Popen([sys.executable, "-c", _RUN, str(args.steps), os.path.join(tmp, f"run{i}"),
+                                            *args.overrides],
                                            env=env, stdout=log, stderr=subprocess.STDOUT), log))
         rows = []
         for i, (proc, log) in enumerate(procs):
@@ -63,7 +67,7 @@ def main() -> int:
             rows.append({"process": i, "updates": done, "exit": rc, "stuck": stuck[:300],
                          **({"last_lines": lines[-8:]} if rc else {})})
         wall = time.perf_counter() - t0
-    print(json.dumps({"XLA_FLAGS": flags, "steps": args.steps, "wall_s": round(wall, 1), "processes": rows}, indent=1))
+    print(json.dumps({"XLA_FLAGS": flags, "steps": args.steps, "overrides": args.overrides, "wall_s": round(wall, 1), "processes": rows}, indent=1))
     return 1 if any(r["stuck"] or r["exit"] for r in rows) else 0
 
 
