@@ -65,9 +65,8 @@ def pytest_configure(config):
 
 
 def pytest_sessionstart(session):
-    # In a worker, report only the thread that received the fatal signal: the all-thread dump pytest sets up
-    # walks other threads' frames while they run and was cut off mid-dump in the aborts seen so far, before it
-    # reached the thread that mattered.
+    # In a worker, report only the thread that received the fatal signal: with XLA's rendezvous abort several
+    # threads abort at once, and the all-thread dump pytest sets up was cut off midway.
     fd = session.config.stash.get(_REPORT_FD, None)
     if fd is not None:
         import faulthandler
@@ -97,7 +96,10 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.section(f"stderr of worker {name.removesuffix('.txt')} from its fatal error", sep="-")
         # The runtime's own last lines, the error, and the stack of the thread it hit (not the idle ones).
         start = next((i for i in hits if lines[i].startswith("Fatal Python error")), hits[0])
-        current = next((i for i in range(start, len(lines)) if lines[i].startswith("Current thread")), start)
+        # faulthandler heads the signalled thread's stack "Stack (most recent call first)" (one thread) or
+        # "Current thread ..." (all threads); a native thread (XLA's rendezvous abort) has no Python stack.
+        current = next((i for i in range(start, len(lines))
+                        if lines[i].startswith(("Stack (most recent call first)", "Current thread"))), start)
         shown = sorted(set(hits[:10]) | set(range(max(start - 5, 0), start + 2))
                        | set(range(current, min(current + 30, len(lines)))))
         for i in shown:
