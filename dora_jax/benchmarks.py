@@ -108,8 +108,9 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
                  tail_slots: int = 16, group_size: int = 4, seed: int = 0, with_hf: bool = True,
                  overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     """The engine benchmark, side by side in one run: throughput at a fixed batch vs transformers and vs the
-    roofline; continuous batching vs a static batch on a long-tailed workload; and on the same lengths in
-    GRPO groups of ``group_size`` samples per prompt, one prefill per distinct prompt vs one per sample."""
+    roofline; continuous batching vs a static batch on a long-tailed workload; on the same lengths in GRPO
+    groups of ``group_size`` samples per prompt, one prefill per distinct prompt vs one per sample; and the
+    fixed batch with and without host/device overlap (``RolloutDriver(overlap=...)``)."""
     import numpy as np
     from flax import nnx
 
@@ -135,16 +136,18 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     # 1. Fixed batch: `batch` sequences, `new_tokens` each (no early stop), sampling.
     eng = Engine(model, max_concurrent_decodes=batch, max_prefill_length=plen, max_target_length=target)
 
-    def fixed_run():
-        d = RolloutDriver(eng)
+    def fixed_run(overlap=None):
+        d = RolloutDriver(eng, overlap=overlap)
         d.add_version(0, params)
         t0 = time.perf_counter()
         trajs = d.run([Request(i, tuple(prompts[i]), max_new_tokens=new_tokens, sampling=sampling)
                        for i in range(batch)])
+        d.block_until_ready()  # nothing dispatched is left running
         return sum(len(t.tokens) for t in trajs) / (time.perf_counter() - t0), d
 
     fixed_run()  # compile
     out["engine_tok_s"], d = fixed_run()
+    out["overlap"] = d.overlap
 
     # Roofline of the whole measured run (prefill included: the timed run does it), from the matmul rate and
     # read bandwidth measured now. Prefill of each prompt: 2 FLOPs per layer param per prompt token plus the
@@ -252,6 +255,15 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     out["group_size"] = group_size
     out["group_prefill_tok_s"], out["single_prefill_tok_s"] = groups(True), groups(False)
     out["group_vs_single_prefill"] = out["group_prefill_tok_s"] / out["single_prefill_tok_s"]
+
+    # 4. Host/device overlap: the fixed batch of part 1 with step t + 1 dispatched before step t is read back,
+    # against reading each step before dispatching the next; alternated, best of two each.
+    runs = {True: [], False: []}
+    for _ in range(2):
+        for overlap in (False, True):
+            runs[overlap].append(fixed_run(overlap)[0])
+    out["overlap_tok_s"], out["no_overlap_tok_s"] = max(runs[True]), max(runs[False])
+    out["overlap_vs_none"] = out["overlap_tok_s"] / out["no_overlap_tok_s"]
     out["machine"] = machine()
     return out
 

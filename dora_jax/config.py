@@ -333,6 +333,9 @@ class RolloutConfig:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    # Dispatch decode step t + 1 before reading step t back, so the device decodes while the host books
+    # results (RolloutDriver(overlap=...)); null: on for accelerators, off on CPU.
+    overlap: bool | None = None
 
     def validate(self, path: str = "rollout") -> None:
         for name in ("slots", "max_prompt_len", "max_new_tokens"):

@@ -17,9 +17,9 @@ as the trainer will see it; it round-trips through the checkpoint's JSON. :func:
 checkpoint's run-state dict and back (in-flight samples come back as pending: their generation is redone).
 
 The configuration check uses :func:`run_fingerprint`, the config fingerprint without the fields that say where
-the run lives and whether or how often it checkpoints (the ``mesh`` section, ``run.name``, ``run.out_dir``,
-``run.resume``, ``run.checkpoint_every``): those do not change what the run computes, and the train state and
-snapshots restore onto any mesh. Every other field, ``dora.steps`` included, must match: a run is resumed to
+the run lives, whether or how often it checkpoints and how rollout overlaps host and device (the ``mesh``
+section, ``run.name``, ``run.out_dir``, ``run.resume``, ``run.checkpoint_every``, ``rollout.overlap``): those do
+not change what the run computes, and the train state and snapshots restore onto any mesh. Every other field, ``dora.steps`` included, must match: a run is resumed to
 the end it was started for, not extended (a longer run changes the schedule's sample budget near the end).
 """
 
@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 # what it computes. A run may resume on another mesh: checkpoints and snapshots restore onto any shardings.
 _PLACEMENT = ("name", "out_dir", "resume", "checkpoint_every")
 _PLACEMENT_SECTIONS = ("mesh",)
+_EXECUTION = {"rollout": ("overlap",)}  # how work is run, not what: a run may resume on other hardware
 
 
 class ResumeError(RuntimeError):
@@ -55,12 +56,15 @@ class ResumeError(RuntimeError):
 def _computing_dict(cfg: Config) -> dict[str, Any]:
     d = {k: v for k, v in cfg.to_dict().items() if k not in _PLACEMENT_SECTIONS}
     d["run"] = {k: v for k, v in d["run"].items() if k not in _PLACEMENT}
+    for section, names in _EXECUTION.items():
+        d[section] = {k: v for k, v in d[section].items() if k not in names}
     return d
 
 
 def run_fingerprint(cfg: Config) -> str:
     """A short hash of every setting that changes what a run computes: ``Config.fingerprint`` without the
-    ``mesh`` section, ``run.name``, ``run.out_dir``, ``run.resume`` and ``run.checkpoint_every``."""
+    ``mesh`` section, ``run.name``, ``run.out_dir``, ``run.resume``, ``run.checkpoint_every`` and
+    ``rollout.overlap``."""
     blob = json.dumps(_computing_dict(cfg), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -221,7 +221,7 @@ class Runner:
         self._in_flight: _TrainInFlight | None = None
         self.sync_s = 0.0  # trainer -> rollout weight transfers, in total
         self.sampling = RequestSampling(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=r.seed)
-        drivers = [RolloutDriver(e, eos_ids=tokenizer.eos_ids) for e in self.engines]
+        drivers = [RolloutDriver(e, eos_ids=tokenizer.eos_ids, overlap=r.overlap) for e in self.engines]
         self.driver = drivers[0] if len(drivers) == 1 else DriverGroups(drivers)
         self.slots = r.slots * len(drivers)  # decode slots of every group together
         self.sched = Scheduler(self.policy)
@@ -539,7 +539,7 @@ class Runner:
             return {"accuracy": float("nan"), "reward": float("nan"), "n": 0, "len_mean": float("nan")}
         tc = self.cfg.task
         version = self.sched.version if version is None else version
-        driver = RolloutDriver(self.engine, eos_ids=self.tokenizer.eos_ids)
+        driver = RolloutDriver(self.engine, eos_ids=self.tokenizer.eos_ids, overlap=self.cfg.rollout.overlap)
         driver.add_version(version, self._rollout_params[version])
         sampling = RequestSampling(temperature=tc.eval_temperature, seed=self.cfg.rollout.seed + 7919)
         n_new = tc.eval_max_new_tokens

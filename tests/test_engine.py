@@ -3,6 +3,7 @@
 References: per-version static generation and full-forward recomputation of the same params.
 """
 
+import collections
 import dataclasses
 
 import jax
@@ -29,6 +30,12 @@ def models():
 
 def _engine(model, slots=4):
     return Engine(model, max_concurrent_decodes=slots, max_prefill_length=32, max_target_length=64)
+
+
+@pytest.fixture(scope="module")
+def engine4(models):
+    """One 4-slot engine shared by the overlap tests, so they share its compiled programs."""
+    return _engine(models[0], slots=4)
 
 
 def _requests(n, seed=0, versions=(0,), sampling=GREEDY):
@@ -327,3 +334,135 @@ def test_prepared_params_are_the_fused_weights_ready_on_the_mesh():
         assert fused[name].is_ready() and len(fused[name].sharding.device_set) == 8
     once = engine.prepare_params(engine.params)
     assert engine.prepare_params(once) is once  # already prepared: returned as is
+
+
+def _staggered(driver, reqs):
+    """Submits the first half, steps three times, submits the rest, then runs to the end: later requests
+    are admitted into slots freed while a step may be in flight."""
+    half = len(reqs) // 2
+    out = []
+    for r in reqs[:half]:
+        driver.submit(r)
+    for _ in range(3):
+        out += driver.step()
+    out += driver.run(reqs[half:])
+    return {t.sample_id: t for t in out}
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_overlap_gives_the_same_trajectories(models, engine4, fuse):
+    """Dispatching step t + 1 before reading step t back changes when results are read, not what they are:
+    three versions, eos / stop / length finishes, admissions into slots freed by the step read while the next
+    one runs, compaction; greedy and sampled requests."""
+    m0, m1 = models
+    eng = engine4
+    probe = RolloutDriver(eng)
+    probe.add_version(0, nnx.state(m0))
+    common = collections.Counter(x for t in probe.run(_requests(8, seed=11)) for x in t.tokens).most_common(2)
+    eos, stop = common[0][0], common[1][0]  # frequent tokens: many trajectories end early
+    reqs = [dataclasses.replace(r, stop_ids=(stop,) if i % 3 == 0 else ())
+            for i, r in enumerate(_requests(16, seed=12, versions=(0, 1, 2)))]
+    reqs = [dataclasses.replace(r, sampling=RequestSampling(temperature=1.0, top_k=20, seed=3)) if i % 2 else r
+            for i, r in enumerate(reqs)]
+    runs, drivers = {}, {}
+    for overlap in (False, True):
+        d = RolloutDriver(eng, eos_ids=[eos], fuse=fuse, overlap=overlap)
+        for v, m in enumerate((m0, m1, m0)):
+            d.add_version(v, nnx.state(m))
+        runs[overlap], drivers[overlap] = _staggered(d, reqs), d
+    assert sorted(runs[True]) == list(range(16))
+    reasons = collections.Counter(t.finish_reason for t in runs[False].values())
+    assert set(reasons) == {"eos", "stop", "length"}, reasons  # every way of finishing is exercised
+    for i, t in runs[False].items():
+        o = runs[True][i]
+        assert (o.tokens, o.version, o.finish_reason) == (t.tokens, t.version, t.finish_reason)
+        np.testing.assert_allclose(o.logprobs, t.logprobs, rtol=1e-5, atol=1e-6)
+    off, on = drivers[False], drivers[True]
+    assert on.rows_live == off.rows_live == sum(len(t.tokens) - 1 for t in runs[False].values())
+    assert on.rows_computed >= off.rows_computed  # rows of finished trajectories computed once more
+    assert on.idle and off.idle
+
+
+def test_overlap_dispatches_the_next_step_before_reading_the_last(models, engine4, monkeypatch):
+    """With overlap, two decode steps are outstanding (dispatched, not yet read back) at a time; without it
+    one. A fixed batch of equal lengths runs exactly max_new_tokens - 1 steps either way (the first token
+    comes from prefill): no step is dispatched for rows whose last token is already being computed."""
+    from dora_jax.rollout.engine import ResultTokens
+
+    m0, _ = models
+    eng = engine4
+    outstanding, peak = [0], [0]
+
+    class Counted(ResultTokens):
+        def to_host(self):
+            outstanding[0] -= 1
+            return super().to_host()
+
+    def counting(method):
+        def wrapped(*args, **kwargs):
+            state, result = method(*args, **kwargs)
+            outstanding[0] += 1
+            peak[0] = max(peak[0], outstanding[0])
+            return state, Counted(result.data)
+        return wrapped
+
+    monkeypatch.setattr(eng, "generate", counting(eng.generate))
+    monkeypatch.setattr(eng, "generate_many", counting(eng.generate_many))
+    reqs = [Request(i, (3 + i, 7, 9), max_new_tokens=10, sampling=GREEDY) for i in range(4)]
+    for overlap, expect_peak in ((False, 1), (True, 2)):
+        outstanding[0] = peak[0] = 0
+        d = RolloutDriver(eng, overlap=overlap)
+        d.add_version(0, nnx.state(m0))
+        out = d.run(reqs)
+        assert peak[0] == expect_peak, overlap
+        assert outstanding[0] == 0  # every dispatched step was read: none was wasted at the end
+        assert d.steps == 9 and d.rows_computed == 4 * 9 and all(len(t.tokens) == 10 for t in out)
+
+    # Compaction between a step's dispatch and its read: two rows end at step 2 and the group shrinks from 4
+    # slots to 2 while step 3 (dispatched with 4) is in flight; a row of step 3 ends, found in its new slot.
+    lengths = (3, 3, 4, 10)
+    reqs = [Request(i, (3 + i, 7, 9), max_new_tokens=n, sampling=GREEDY) for i, n in enumerate(lengths)]
+    tokens = {}
+    for overlap in (False, True):
+        d = RolloutDriver(eng, overlap=overlap)
+        d.add_version(0, nnx.state(m0))
+        tokens[overlap] = {t.sample_id: t.tokens for t in d.run(reqs)}
+        assert [len(tokens[overlap][i]) for i in range(4)] == list(lengths)
+        assert d.rows_live == sum(n - 1 for n in lengths)
+    assert tokens[True] == tokens[False]
+
+
+def test_driver_groups_with_and_without_overlap(models, engine4):
+    """Two rollout groups driven as one: every request is answered once, by one group, with the tokens it
+    gets from a single driver (sampling depends on (seed, sample id, position) only); with overlap each group
+    keeps one step in flight and the answers are the same."""
+    from dora_jax.rollout.driver import DriverGroups
+
+    m0, m1 = models
+    engines = [engine4, engine4]  # two groups of 4 slots (on one device here; the runner gives each its own)
+    reqs = _requests(10, seed=14, versions=(0, 1), sampling=RequestSampling(temperature=1.0, seed=2))
+    single = RolloutDriver(engine4)
+    for v, m in enumerate((m0, m1)):
+        single.add_version(v, nnx.state(m))
+    want = {t.sample_id: t for t in single.run(reqs)}
+    for overlap in (False, True):
+        groups = DriverGroups([RolloutDriver(e, overlap=overlap) for e in engines])
+        for v, m in enumerate((m0, m1)):
+            groups.add_version(v, [nnx.state(m)] * 2)
+        assert groups.overlap is overlap
+        got = _staggered(groups, reqs)
+        assert sorted(got) == list(range(10)) and groups.idle
+        assert all(d.rows_live > 0 for d in groups.drivers)  # both groups decoded
+        for i, t in want.items():
+            assert (got[i].tokens, got[i].version) == (t.tokens, t.version)
+            np.testing.assert_allclose(got[i].logprobs, t.logprobs, rtol=1e-5, atol=1e-6)
+
+
+def test_overlap_default_follows_the_backend(engine4):
+    """Off where the engine decodes on CPU (a step's compute dwarfs the host's work), on elsewhere."""
+    from dora_jax.rollout.driver import default_overlap
+
+    eng = engine4
+    assert default_overlap(eng) is (jax.devices()[0].platform != "cpu")
+    assert RolloutDriver(eng).overlap is default_overlap(eng)
+    assert RolloutDriver(eng, overlap=True).overlap is True

@@ -269,8 +269,10 @@ def test_another_config_is_refused_naming_the_field(tmp_path, sync_reference):
         assert field in str(e.value) and "step_00000004" in str(e.value)
     with pytest.raises(RunError, match=r"holds an unfinished run \(checkpoints/\) and run.resume is false"):
         Runner(load_config("tiny_llama", SYNC + ["run.resume=false"]), str(tmp_path), progress=False)
-    # Where the run lives, its mesh and how often it checkpoints may change: states restore onto any mesh.
-    same = load_config("tiny_llama", SYNC + ["run.checkpoint_every=3", "run.name=elsewhere", "mesh.data=2"])
+    # Where the run lives, its mesh, how often it checkpoints and whether rollout overlaps host and device may
+    # change: states restore onto any mesh and hardware.
+    same = load_config("tiny_llama", SYNC + ["run.checkpoint_every=3", "run.name=elsewhere", "mesh.data=2",
+                                             "rollout.overlap=true"])
     assert RunStore(tmp_path, same, 0).restore(None).step == 4
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
 

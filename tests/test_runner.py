@@ -86,12 +86,14 @@ def always_raise(prompt, response, answer):
     raise RuntimeError("broken reward")
 
 
-@pytest.mark.parametrize("mode,k,rbs,placement", [("sync", 0, 8, "shared"), ("one_step_off", 1, 8, "shared"),
-                                                 ("dora", 2, 24, "shared"), ("dora", 2, 24, "split2")])
-def test_each_mode_keeps_the_promises(tmp_path, request, mode, k, rbs, placement):
-    cfg = tiny(f"dora.mode={mode}", f"dora.rollout_batch={rbs}",
+@pytest.mark.parametrize("mode,k,rbs,placement,overlap", [
+    ("sync", 0, 8, "shared", False), ("one_step_off", 1, 8, "shared", False), ("dora", 2, 24, "shared", False),
+    ("dora", 2, 24, "shared", True), ("dora", 2, 24, "split2", False)])
+def test_each_mode_keeps_the_promises(tmp_path, request, mode, k, rbs, placement, overlap):
+    cfg = tiny(f"dora.mode={mode}", f"dora.rollout_batch={rbs}", f"rollout.overlap={str(overlap).lower()}",
                *(SPLIT + ["roles.rollout_groups=2"] if placement == "split2" else []))
     runner = Runner(cfg, str(tmp_path), keep_versions=True, **request.getfixturevalue(placement)())
+    assert runner.driver.overlap is overlap  # the rollout driver dispatches ahead only when asked
     summary = runner.run()
     assert summary["placement"] == {"split2": "split"}.get(placement, placement)
     assert summary["rollout_groups"] == len(runner.engines)
@@ -152,14 +154,19 @@ def test_each_mode_keeps_the_promises(tmp_path, request, mode, k, rbs, placement
 
 
 def test_sync_mode_is_reproducible(tmp_path, shared):
+    """Two runs give the same samples; so does a third whose rollout dispatches each decode step before
+    reading the previous one back (``rollout.overlap``): overlap changes when results are read, not what."""
     cfg = tiny("dora.mode=sync", "dora.rollout_batch=8", "dora.steps=2")
     Runner(cfg, str(tmp_path / "a"), **shared()).run()
     Runner(cfg, str(tmp_path / "b"), **shared()).run()
-    a, b = read_samples(tmp_path / "a"), read_samples(tmp_path / "b")
+    Runner(tiny("dora.mode=sync", "dora.rollout_batch=8", "dora.steps=2", "rollout.overlap=true"),
+           str(tmp_path / "c"), **shared()).run()
+    a, b, c = (read_samples(tmp_path / x) for x in "abc")
     key = lambda r: (r["sample_id"], r["version"], r["tokens"], r["reward"])  # noqa: E731
-    assert [key(r) for r in a] == [key(r) for r in b]
-    np.testing.assert_allclose([x for r in a for x in r["logprobs"]], [x for r in b for x in r["logprobs"]],
-                               rtol=1e-6)
+    assert [key(r) for r in a] == [key(r) for r in b] == [key(r) for r in c]
+    for other in (b, c):
+        np.testing.assert_allclose([x for r in a for x in r["logprobs"]], [x for r in other for x in r["logprobs"]],
+                                   rtol=1e-6)
 
 
 @pytest.mark.parametrize("reward,reason", [

@@ -12,6 +12,10 @@ New requests are admitted between decode steps into free capacity (total live ro
 ``max_concurrent_decodes``), oldest first. The requests admitted together for one version are prefilled in
 one program (:meth:`Engine.prefill_batch`), each distinct prompt once: the members of a GRPO group share one
 prefill and still draw their own tokens.
+
+With ``overlap`` (the default on accelerators) the driver dispatches step t + 1 before it reads step t's
+results, so the device decodes while the host books the previous step; a trajectory that ended at step t has
+one more row computed and discarded, and a request takes its slot one step later.
 """
 
 from __future__ import annotations
@@ -53,13 +57,20 @@ class Trajectory:
     finished_s: float
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared by identity: a row is found again after resizes
 class _Live:
     request: Request
     tokens: list[int]
     logprobs: list[float]
     submitted_s: float
     started_s: float
+    in_flight: int = 0  # decode steps dispatched for this row and not yet read back
+    finished: bool = False  # its last token is read: rows of it in steps still in flight are discarded
+
+    @property
+    def needs_step(self) -> bool:
+        """Whether a step dispatched now could still produce one of its tokens."""
+        return not self.finished and len(self.tokens) + self.in_flight < self.request.max_new_tokens
 
 
 @dataclasses.dataclass
@@ -83,16 +94,21 @@ class _Launched:
     results: list[Any]  # one per active group, or one for all when fused
     floor: int
     fused: bool = False
+    rows: list[list[_Live | None]] = dataclasses.field(default_factory=list)  # each group's slots at dispatch
 
 
 class RolloutDriver:
     """Owns one decode group per policy version; admits, steps, and emits finished trajectories."""
 
     def __init__(self, engine: Engine, *, eos_ids: Sequence[int] = (), compact: bool = True, fuse: bool = True,
-                 prefill_tokens: int = 8192, batch_prefill: bool = True):
+                 prefill_tokens: int = 8192, batch_prefill: bool = True, overlap: bool | None = None):
         if prefill_tokens < 1:
             raise EngineError(f"prefill_tokens must be >= 1, got {prefill_tokens!r}")
         self.engine = engine
+        # None: overlap where the host's share of a step is large (accelerators; docs/rollout.md), not on CPU,
+        # where a step's compute dwarfs the host's work and the discarded rows would cost more than it hides.
+        self.overlap = default_overlap(engine) if overlap is None else bool(overlap)
+        self._launched: collections.deque[_Launched] = collections.deque()
         self.prefill_tokens = prefill_tokens
         self.batch_prefill = batch_prefill
         self.compact = compact
@@ -151,9 +167,11 @@ class RolloutDriver:
         return not self._pending and all(g.live == 0 for g in self._groups.values())
 
     def block_until_ready(self) -> None:
-        """Waits for every dispatched decode-state update (inserts, frees, resizes) to finish: a caller that
-        time-shares the devices with other work hands them over with nothing of the rollout still running."""
-        jax.block_until_ready([g.state for g in self._groups.values() if g.state is not None])
+        """Waits for every dispatched decode step and decode-state update (inserts, frees, resizes) to finish: a
+        caller that time-shares the devices with other work hands them over with nothing of the rollout still
+        running."""
+        jax.block_until_ready([g.state for g in self._groups.values() if g.state is not None]
+                              + [r.data for x in self._launched for r in x.results])
 
     @property
     def slot_utilization(self) -> float:
@@ -250,8 +268,28 @@ class RolloutDriver:
 
         With ``fuse`` (the default) all groups step in one program (:meth:`Engine.generate_many`) at one
         shared capacity, so a step costs one dispatch and one result transfer however many versions are
-        resident."""
-        return self.collect(self.launch())
+        resident. With ``overlap`` the step returns what the previous step finished, while this one runs."""
+        self.dispatch()
+        return self.harvest()
+
+    def dispatch(self) -> None:
+        """The first half of :meth:`step`: admits and dispatches a decode step (:meth:`launch`), queued for
+        :meth:`harvest`. Drivers on other devices can dispatch theirs before any result is read."""
+        self._launched.append(self.launch())
+
+    def harvest(self) -> list[Trajectory]:
+        """The second half of :meth:`step`: reads back the oldest dispatched step (without ``overlap``: the one
+        just dispatched; with it: the one before, while the newest runs) and returns what finished."""
+        out: list[Trajectory] = []
+        if len(self._launched) > (1 if self.overlap else 0):
+            out += self.collect(self._launched.popleft())
+        if self._launched:  # overlap: hand over the newest step's requests that ended at prefill now
+            newest = self._launched[-1]
+            out += newest.done
+            newest.done = []
+            if not newest.active:  # it dispatched nothing: nothing to wait for
+                self.collect(self._launched.pop())
+        return out
 
     def launch(self) -> "_Launched":
         """The first half of :meth:`step`: admits pending requests and dispatches the decode step without
@@ -259,7 +297,9 @@ class RolloutDriver:
         before any result is read (:class:`DriverGroups`). :meth:`collect` finishes the step."""
         done: list[Trajectory] = []
         self._admit(done)
-        active = [g for g in self._groups.values() if g.live]
+        # A group steps while a row of it can still produce a token: with overlap, rows whose last token is
+        # already being computed by the step in flight need no other.
+        active = [g for g in self._groups.values() if any(s is not None and s.needs_step for s in g.slots)]
         if not active:
             return _Launched(done, [], [], 1)
         live_sampling = [s.request.sampling for g in active for s in g.slots if s is not None]
@@ -269,7 +309,7 @@ class RolloutDriver:
             for g in active:
                 g.state, result = self.engine.generate(g.params, g.state, filtered=filtered)
                 results.append(result)
-            return _Launched(done, active, results, 1)
+            return _Launched(done, active, results, 1, rows=self._dispatched(active))
         # Every group at the largest group's capacity: one compiled program per (number of versions,
         # capacity), at most (K + 1) x log2(slots) of them, whatever the mix of versions' sizes. The
         # padding rows are counted as computed (slot_utilization); on accelerators a decode step's cost
@@ -282,38 +322,51 @@ class RolloutDriver:
                                                    filtered=filtered)
         for g, state in zip(active, states):
             g.state = state
-        return _Launched(done, active, [result], floor, fused=True)
+        return _Launched(done, active, [result], floor, fused=True, rows=self._dispatched(active))
+
+    def _dispatched(self, active: list[_Group]) -> list[list[_Live | None]]:
+        """Books a dispatched step: each group's slots as they are now (their results come in this layout,
+        whatever resizes happen before they are read) and the rows computed."""
+        rows = [list(g.slots) for g in active]
+        for slots in rows:
+            self.rows_computed += len(slots)
+            for live in slots:
+                if live is not None:
+                    live.in_flight += 1
+        return rows
 
     def collect(self, launched: "_Launched") -> list[Trajectory]:
         """Reads a launched step's results (one device-to-host transfer) and returns what finished."""
         done, active, floor = launched.done, launched.active, launched.floor
-        if not active:
-            self.steps += 1
+        if not active:  # nothing was dispatched
             return done
         if not launched.fused:
             cols_of = [r.to_host().columns() for r in launched.results]
         else:
             cols = launched.results[0].to_host().columns()
             cols_of, row = [], 0
-            for g in active:
-                cols_of.append({k: v[row:row + len(g.slots)] for k, v in cols.items()})
-                row += len(g.slots)
+            for rows in launched.rows:
+                cols_of.append({k: v[row:row + len(rows)] for k, v in cols.items()})
+                row += len(rows)
         now = time.perf_counter()
         floor = bucket(max(g.live for g in active), minimum=1) if floor > 1 else 1
-        for g, cols in zip(active, cols_of):
-            self._take(g, cols, now, done, floor)
+        for g, rows, cols in zip(active, launched.rows, cols_of):
+            self._take(g, rows, cols, now, done, floor)
         self.steps += 1
         return done
 
-    def _take(self, g: _Group, cols: dict[str, np.ndarray], now: float, done: list[Trajectory],
-              floor: int = 1) -> None:
-        """Appends one step's results to ``g``'s live trajectories; finishes, frees and compacts (not below
-        ``floor``, the capacity the fused groups share)."""
-        self.rows_computed += len(g.slots)
-        self.rows_live += g.live
-        for slot, live in enumerate(g.slots):
+    def _take(self, g: _Group, rows: list[_Live | None], cols: dict[str, np.ndarray], now: float,
+              done: list[Trajectory], floor: int = 1) -> None:
+        """Appends one step's results (``rows``: the group's slots when it was dispatched) to the live
+        trajectories; finishes, frees and compacts (not below ``floor``, the capacity the fused groups
+        share). A row whose trajectory ended in an earlier step is discarded."""
+        for slot, live in enumerate(rows):
             if live is None:
                 continue
+            live.in_flight -= 1
+            if live.finished:
+                continue
+            self.rows_live += 1
             if not cols["valid"][slot] or cols["version"][slot] != g.version:
                 raise RuntimeError(f"slot {slot} of version {g.version} returned no result")  # engine bug
             tok = int(cols["token"][slot])
@@ -321,9 +374,11 @@ class RolloutDriver:
             live.logprobs.append(float(cols["logprob"][slot]))
             reason = self._reason(live, tok)
             if reason is not None:
+                live.finished = True
                 done.append(self._finish(live, reason, now))
-                g.slots[slot] = None
-                g.state = self.engine.free_slot(g.state, slot)
+                now_at = g.slots.index(live)  # resizes since the dispatch may have moved it (identity: eq=False)
+                g.slots[now_at] = None
+                g.state = self.engine.free_slot(g.state, now_at)
         # Compaction: stop computing empty rows once at most half are live (and no request is waiting for
         # this version, which would only grow the group again).
         target = max(bucket(g.live, minimum=1), floor)
@@ -332,12 +387,23 @@ class RolloutDriver:
 
     def run(self, requests: Iterable[Request] = ()) -> list[Trajectory]:
         """Submits ``requests`` and steps until everything has finished."""
-        for r in requests:
-            self.submit(r)
-        out: list[Trajectory] = []
-        while not self.idle:
-            out.extend(self.step())
-        return out
+        return _run(self, requests)
+
+
+def _run(driver: "RolloutDriver | DriverGroups", requests: Iterable[Request]) -> list[Trajectory]:
+    for r in requests:
+        driver.submit(r)
+    out: list[Trajectory] = []
+    while not driver.idle:
+        out.extend(driver.step())
+    return out
+
+
+def default_overlap(engine: Engine) -> bool:
+    """Overlap host and device (see :class:`RolloutDriver`) unless the engine decodes on CPU."""
+    mesh = engine.mesh
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    return device.platform != "cpu"
 
 
 class DriverGroups:
@@ -380,6 +446,11 @@ class DriverGroups:
     def slots(self) -> int:
         return sum(d.engine.max_concurrent_decodes for d in self.drivers)
 
+    @property
+    def overlap(self) -> bool:
+        """Whether the groups' drivers dispatch a step before reading the previous one back."""
+        return all(d.overlap for d in self.drivers)
+
     def submit(self, request: Request) -> None:
         free = [d.engine.max_concurrent_decodes - sum(d.in_flight().values()) for d in self.drivers]
         self.drivers[free.index(max(free))].submit(request)
@@ -393,8 +464,14 @@ class DriverGroups:
             d.block_until_ready()
 
     def step(self) -> list[Trajectory]:
-        launched = [(d, d.launch()) for d in self.drivers if not d.idle]
-        return sorted((t for d, x in launched for t in d.collect(x)), key=lambda t: t.sample_id)
+        busy = [d for d in self.drivers if not d.idle]
+        for d in busy:
+            d.dispatch()
+        return sorted((t for d in busy for t in d.harvest()), key=lambda t: t.sample_id)
+
+    def run(self, requests: Iterable[Request] = ()) -> list[Trajectory]:
+        """Submits ``requests`` and steps until everything has finished."""
+        return _run(self, requests)
 
     @property
     def rows_computed(self) -> int:
