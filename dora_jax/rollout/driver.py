@@ -292,9 +292,9 @@ class RolloutDriver:
         return out
 
     def launch(self) -> "_Launched":
-        """The first half of :meth:`step`: admits pending requests and dispatches the decode step without
-        waiting for it (JAX dispatch is asynchronous), so that drivers on other devices can dispatch theirs
-        before any result is read (:class:`DriverGroups`). :meth:`collect` finishes the step."""
+        """Admits pending requests and dispatches one decode step without waiting for it (JAX dispatch is
+        asynchronous); :meth:`collect` reads it back. :meth:`dispatch` and :meth:`harvest` queue these calls
+        (one step in flight, two with ``overlap``)."""
         done: list[Trajectory] = []
         self._admit(done)
         # A group steps while a row of it can still produce a token: with overlap, rows whose last token is
