@@ -220,7 +220,8 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     out["tail_lengths"] = {"p50": float(np.percentile(lengths, 50)), "p99": float(np.percentile(lengths, 99)),
                            "max": int(max(lengths)), "total": int(sum(lengths))}
     reqs = [Request(i, tuple(prompts[i]), max_new_tokens=int(n), sampling=sampling) for i, n in enumerate(lengths)]
-    eng2 = Engine(model, max_concurrent_decodes=tail_slots, max_prefill_length=plen, max_target_length=target)
+    eng2 = eng if tail_slots == batch else Engine(model, max_concurrent_decodes=tail_slots, max_prefill_length=plen,
+                                                  max_target_length=target)  # same slots: reuse its programs
 
     def continuous():
         d = RolloutDriver(eng2)
