@@ -5,6 +5,8 @@ References: per-version static generation and full-forward recomputation of the 
 
 import collections
 import dataclasses
+import gc
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -430,6 +432,23 @@ def test_overlap_dispatches_the_next_step_before_reading_the_last(models, engine
         assert [len(tokens[overlap][i]) for i in range(4)] == list(lengths)
         assert d.rows_live == sum(n - 1 for n in lengths)
     assert tokens[True] == tokens[False]
+
+    # The last trajectory ends by eos: the step dispatched after its last token holds only finished rows and
+    # is read before the driver reports idle, so removing the version lets its group (cache, params) go.
+    free = RolloutDriver(eng, overlap=False)
+    free.add_version(0, nnx.state(m0))
+    (probe,) = free.run([Request(9, (5, 6, 7), max_new_tokens=10, sampling=GREEDY)])
+    eos = next(tok for i, tok in enumerate(probe.tokens) if 2 <= i < 8 and tok not in probe.tokens[:i])
+    d = RolloutDriver(eng, eos_ids=[eos], overlap=True)
+    d.add_version(0, nnx.state(m0))
+    outstanding[0] = 0
+    (t,) = d.run([Request(9, (5, 6, 7), max_new_tokens=10, sampling=GREEDY)])
+    assert t.finish_reason == "eos" and t.tokens == probe.tokens[:probe.tokens.index(eos) + 1]
+    assert d.idle and outstanding[0] == 0 and d.steps == len(t.tokens)  # one step past the eos, read back
+    group = weakref.ref(d._groups[0])
+    d.remove_version(0)
+    gc.collect()
+    assert group() is None
 
 
 def test_driver_groups_with_and_without_overlap(models, engine4):

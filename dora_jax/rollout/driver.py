@@ -116,9 +116,9 @@ class RolloutDriver:
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self._groups: dict[int, _Group] = {}
         self._pending: collections.deque[tuple[Request, float]] = collections.deque()
-        self.rows_computed = 0
-        self.rows_live = 0
-        self.steps = 0
+        self.rows_computed = 0  # rows of every decode step dispatched (live, finished in flight, or empty)
+        self.rows_live = 0  # rows that produced a token of a live trajectory
+        self.steps = 0  # decode steps dispatched and read back
 
     # -- versions -------------------------------------------------------------------------------------------
 
@@ -289,6 +289,10 @@ class RolloutDriver:
             newest.done = []
             if not newest.active:  # it dispatched nothing: nothing to wait for
                 self.collect(self._launched.pop())
+        if self._launched and all(g.live == 0 for g in self._groups.values()):
+            # Every row of the step in flight belongs to a finished trajectory (an eos or stop at the step
+            # just read): read it now rather than keep it, and the groups it holds, past the end of the work.
+            self.collect(self._launched.popleft())
         return out
 
     def launch(self) -> "_Launched":
