@@ -433,6 +433,34 @@ def test_overlap_dispatches_the_next_step_before_reading_the_last(models, engine
         assert d.rows_live == sum(n - 1 for n in lengths)
     assert tokens[True] == tokens[False]
 
+    # Admissions do not wait either: with overlap nothing is read back inside a launch (a request's first
+    # token, sampled at prefill, is read with the next step's results), without it the first tokens are.
+    reads_in_launch, in_launch = [0], [False]
+    to_host = ResultTokens.to_host
+
+    def reading(self):
+        reads_in_launch[0] += in_launch[0]
+        return to_host(self)
+
+    monkeypatch.setattr(ResultTokens, "to_host", reading)
+    reqs = [Request(i, (3 + i, 7, 9), max_new_tokens=2 + i % 5, sampling=GREEDY) for i in range(10)]
+    for overlap in (False, True):
+        d = RolloutDriver(eng, overlap=overlap)
+        d.add_version(0, nnx.state(m0))
+        launch = d.launch
+
+        def flagged():
+            in_launch[0] = True
+            try:
+                return launch()
+            finally:
+                in_launch[0] = False
+
+        d.launch, reads_in_launch[0] = flagged, 0
+        out = {t.sample_id: t.tokens for t in d.run(reqs)}
+        assert [len(out[i]) for i in range(10)] == [2 + i % 5 for i in range(10)]
+        assert (reads_in_launch[0] == 0) is overlap, (overlap, reads_in_launch[0])
+
     # The last trajectory ends by eos: the step dispatched after its last token holds only finished rows and
     # is read before the driver reports idle, so removing the version lets its group (cache, params) go.
     free = RolloutDriver(eng, overlap=False)
@@ -494,10 +522,12 @@ def test_bench_engine_reports_every_part():
 
     out = bench_engine("tiny_llama", batch=4, new_tokens=8, tail_requests=8, tail_slots=4, group_size=2)
     for key in ("engine_tok_s", "roofline_tok_s", "continuous_tok_s", "static_tok_s", "group_prefill_tok_s",
-                "single_prefill_tok_s", "overlap_tok_s", "no_overlap_tok_s"):
+                "single_prefill_tok_s", "overlap_tok_s", "no_overlap_tok_s", "overlap_tail_tok_s",
+                "no_overlap_tail_tok_s"):
         assert out[key] > 0, key
     assert "hf_tok_s" not in out and out["overlap"] is False  # CPU: no overlap by default
     assert out["roofline_fraction"] == pytest.approx(out["engine_tok_s"] / out["roofline_tok_s"])
     assert out["overlap_vs_none"] == pytest.approx(out["overlap_tok_s"] / out["no_overlap_tok_s"])
+    assert out["overlap_tail_vs_none"] == pytest.approx(out["overlap_tail_tok_s"] / out["no_overlap_tail_tok_s"])
     util = out["slot_utilization"]
     assert 0 < util["static"] < util["continuous"] <= 1  # the static batch waits for its longest member

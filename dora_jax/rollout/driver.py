@@ -95,6 +95,10 @@ class _Launched:
     floor: int
     fused: bool = False
     rows: list[list[_Live | None]] = dataclasses.field(default_factory=list)  # each group's slots at dispatch
+    # With overlap: requests admitted by this launch, inserted before their first token (sampled at prefill)
+    # was read; it is read with this step's results. One entry per prefill program: its first tokens, the
+    # requests' rows in order.
+    admitted: list[tuple[Any, list[_Live]]] = dataclasses.field(default_factory=list)
 
 
 class RolloutDriver:
@@ -171,7 +175,8 @@ class RolloutDriver:
         caller that time-shares the devices with other work hands them over with nothing of the rollout still
         running."""
         jax.block_until_ready([g.state for g in self._groups.values() if g.state is not None]
-                              + [r.data for x in self._launched for r in x.results])
+                              + [r.data for x in self._launched for r in x.results]
+                              + [first.data for x in self._launched for first, _ in x.admitted])
 
     @property
     def slot_utilization(self) -> float:
@@ -202,11 +207,12 @@ class RolloutDriver:
             return "length"
         return None
 
-    def _admit(self, done: list[Trajectory]) -> None:
+    def _admit(self, done: list[Trajectory], admitted: list[tuple[Any, list[_Live]]]) -> None:
         """Admits pending requests into free capacity, oldest first. The admitted requests of one version are
         prefilled together (:meth:`Engine.prefill_batch`: equal prompts once, up to ``prefill_tokens`` prompt
         tokens per program), their first tokens read with one transfer, and the live ones inserted with one
-        update of the version's decode state."""
+        update of the version's decode state. With ``overlap`` every admitted request is inserted without
+        waiting for its first token, which is read with the next step's results (``admitted``)."""
         free = self.engine.max_concurrent_decodes - sum(g.live for g in self._groups.values())
         taken: dict[int, list[tuple[Request, float]]] = {}
         while self._pending and free > 0:
@@ -215,7 +221,7 @@ class RolloutDriver:
             free -= 1
         for version, items in taken.items():
             for chunk in self._prefill_chunks(items):
-                self._prefill_and_insert(self._groups[version], chunk, done)
+                self._prefill_and_insert(self._groups[version], chunk, done, admitted)
 
     def _prefill_chunks(self, items: list[tuple[Request, float]]) -> list[list[tuple[Request, float]]]:
         """Splits admitted requests so that (distinct prompts x prompt bucket) stays within the budget; without
@@ -236,21 +242,28 @@ class RolloutDriver:
             prompts, longest = grown, new_longest
         return chunks
 
-    def _prefill_and_insert(self, g: _Group, chunk: list[tuple[Request, float]], done: list[Trajectory]) -> None:
+    def _prefill_and_insert(self, g: _Group, chunk: list[tuple[Request, float]], done: list[Trajectory],
+                            admitted: list[tuple[Any, list[_Live]]]) -> None:
         started = time.perf_counter()
         requests = [r for r, _ in chunk]
         batch, first = self.engine.prefill_batch(params=g.params, prompts=[r.prompt_ids for r in requests],
                                                  sample_ids=[r.sample_id for r in requests], version=g.version,
                                                  samplings=[r.sampling for r in requests])
-        cols = first.to_host().columns()
         lives: list[_Live | None] = []
-        for i, (request, submitted) in enumerate(chunk):
-            live = _Live(request, [int(cols["token"][i])], [float(cols["logprob"][i])], submitted, started)
-            reason = self._reason(live, live.tokens[0])
-            if reason is not None:
-                done.append(self._finish(live, reason, time.perf_counter()))
-                live = None
-            lives.append(live)
+        if self.overlap:
+            # Reading the first tokens now would wait for the step in flight (one device stream): insert every
+            # request, its first token counted in flight, and read it with the next step's results.
+            lives = [_Live(request, [], [], submitted, started, in_flight=1) for request, submitted in chunk]
+            admitted.append((first, list(lives)))
+        else:
+            cols = first.to_host().columns()
+            for i, (request, submitted) in enumerate(chunk):
+                live = _Live(request, [int(cols["token"][i])], [float(cols["logprob"][i])], submitted, started)
+                reason = self._reason(live, live.tokens[0])
+                if reason is not None:
+                    done.append(self._finish(live, reason, time.perf_counter()))
+                    live = None
+                lives.append(live)
         need = g.live + sum(x is not None for x in lives)
         if need == g.live:
             return
@@ -300,12 +313,13 @@ class RolloutDriver:
         asynchronous); :meth:`collect` reads it back. :meth:`dispatch` and :meth:`harvest` queue these calls
         (one step in flight, two with ``overlap``)."""
         done: list[Trajectory] = []
-        self._admit(done)
+        admitted: list[tuple[Any, list[_Live]]] = []
+        self._admit(done, admitted)
         # A group steps while a row of it can still produce a token: with overlap, rows whose last token is
         # already being computed by the step in flight need no other.
         active = [g for g in self._groups.values() if any(s is not None and s.needs_step for s in g.slots)]
         if not active:
-            return _Launched(done, [], [], 1)
+            return _Launched(done, [], [], 1, admitted=admitted)
         live_sampling = [s.request.sampling for g in active for s in g.slots if s is not None]
         filtered = needs_filter([s.top_k for s in live_sampling], [s.top_p for s in live_sampling])
         if len(active) == 1 or not self.fuse:
@@ -313,7 +327,7 @@ class RolloutDriver:
             for g in active:
                 g.state, result = self.engine.generate(g.params, g.state, filtered=filtered)
                 results.append(result)
-            return _Launched(done, active, results, 1, rows=self._dispatched(active))
+            return _Launched(done, active, results, 1, rows=self._dispatched(active), admitted=admitted)
         # Every group at the largest group's capacity: one compiled program per (number of versions,
         # capacity), at most (K + 1) x log2(slots) of them, whatever the mix of versions' sizes. The
         # padding rows are counted as computed (slot_utilization); on accelerators a decode step's cost
@@ -326,7 +340,8 @@ class RolloutDriver:
                                                    filtered=filtered)
         for g, state in zip(active, states):
             g.state = state
-        return _Launched(done, active, [result], floor, fused=True, rows=self._dispatched(active))
+        return _Launched(done, active, [result], floor, fused=True, rows=self._dispatched(active),
+                         admitted=admitted)
 
     def _dispatched(self, active: list[_Group]) -> list[list[_Live | None]]:
         """Books a dispatched step: each group's slots as they are now (their results come in this layout,
@@ -342,6 +357,12 @@ class RolloutDriver:
     def collect(self, launched: "_Launched") -> list[Trajectory]:
         """Reads a launched step's results (one device-to-host transfer) and returns what finished."""
         done, active, floor = launched.done, launched.active, launched.floor
+        for first, lives in launched.admitted:  # first tokens before the step's: they come first
+            cols = first.to_host().columns()
+            now = time.perf_counter()
+            for i, live in enumerate(lives):
+                live.in_flight -= 1
+                self._append(live, int(cols["token"][i]), float(cols["logprob"][i]), now, done)
         if not active:  # nothing was dispatched
             return done
         if not launched.fused:
@@ -359,6 +380,21 @@ class RolloutDriver:
         self.steps += 1
         return done
 
+    def _append(self, live: _Live, token: int, logprob: float, now: float, done: list[Trajectory]) -> None:
+        """One token of a live trajectory; when it is the last, the trajectory is finished and its slot freed
+        where it is now (resizes since the dispatch may have moved it; rows compare by identity)."""
+        live.tokens.append(token)
+        live.logprobs.append(logprob)
+        reason = self._reason(live, token)
+        if reason is None:
+            return
+        live.finished = True
+        done.append(self._finish(live, reason, now))
+        g = self._groups[live.request.version]
+        slot = g.slots.index(live)
+        g.slots[slot] = None
+        g.state = self.engine.free_slot(g.state, slot)
+
     def _take(self, g: _Group, rows: list[_Live | None], cols: dict[str, np.ndarray], now: float,
               done: list[Trajectory], floor: int = 1) -> None:
         """Appends one step's results (``rows``: the group's slots when it was dispatched) to the live
@@ -373,16 +409,7 @@ class RolloutDriver:
             self.rows_live += 1
             if not cols["valid"][slot] or cols["version"][slot] != g.version:
                 raise RuntimeError(f"slot {slot} of version {g.version} returned no result")  # engine bug
-            tok = int(cols["token"][slot])
-            live.tokens.append(tok)
-            live.logprobs.append(float(cols["logprob"][slot]))
-            reason = self._reason(live, tok)
-            if reason is not None:
-                live.finished = True
-                done.append(self._finish(live, reason, now))
-                now_at = g.slots.index(live)  # resizes since the dispatch may have moved it (identity: eq=False)
-                g.slots[now_at] = None
-                g.state = self.engine.free_slot(g.state, now_at)
+            self._append(live, int(cols["token"][slot]), float(cols["logprob"][slot]), now, done)
         # Compaction: stop computing empty rows once at most half are live (and no request is waiting for
         # this version, which would only grow the group again).
         target = max(bucket(g.live, minimum=1), floor)
