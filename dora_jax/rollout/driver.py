@@ -15,7 +15,8 @@ prefill and still draw their own tokens.
 
 With ``overlap`` (the default on accelerators) the driver dispatches step t + 1 before it reads step t's
 results, so the device decodes while the host books the previous step; a trajectory that ended at step t has
-one more row computed and discarded, and a request takes its slot one step later.
+one more row computed and discarded, and a request takes its slot one step later. Admitted requests are
+inserted before their first token (sampled at prefill) is read; it is read with the next step's results.
 """
 
 from __future__ import annotations
