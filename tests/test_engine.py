@@ -433,6 +433,17 @@ def test_overlap_dispatches_the_next_step_before_reading_the_last(models, engine
         assert d.rows_live == sum(n - 1 for n in lengths)
     assert tokens[True] == tokens[False]
 
+    # Requests that end at their first token (sampled at prefill): with overlap they are inserted and their
+    # first tokens read with the next launch, which here dispatches no step at all.
+    ones = [Request(20 + i, (3 + i, 7), max_new_tokens=1, sampling=GREEDY) for i in range(6)]
+    firsts = {}
+    for overlap in (False, True):
+        d = RolloutDriver(eng, overlap=overlap)
+        d.add_version(0, nnx.state(m0))
+        firsts[overlap] = {t.sample_id: (t.tokens, t.finish_reason) for t in d.run(ones)}
+        assert d.idle and d.steps == 0 and d.rows_computed == 0
+    assert firsts[True] == firsts[False] and sorted(firsts[True]) == list(range(20, 26))
+
     # Admissions do not wait either: with overlap nothing is read back inside a launch (a request's first
     # token, sampled at prefill, is read with the next step's results), without it the first tokens are.
     reads_in_launch, in_launch = [0], [False]

@@ -297,16 +297,12 @@ class RolloutDriver:
         out: list[Trajectory] = []
         if len(self._launched) > (1 if self.overlap else 0):
             out += self.collect(self._launched.popleft())
-        if self._launched:  # overlap: hand over the newest step's requests that ended at prefill now
-            newest = self._launched[-1]
-            out += newest.done
-            newest.done = []
-            if not newest.active:  # it dispatched nothing: nothing to wait for
-                self.collect(self._launched.pop())
-        if self._launched and all(g.live == 0 for g in self._groups.values()):
-            # Every row of the step in flight belongs to a finished trajectory (an eos or stop at the step
-            # just read): read it now rather than keep it, and the groups it holds, past the end of the work.
-            self.collect(self._launched.popleft())
+        if self._launched and (not self._launched[0].active or all(g.live == 0 for g in self._groups.values())):
+            # With overlap, the newest launch is read at once when it dispatched no step (only its admitted
+            # requests' first tokens are left to read), or when every row of its step belongs to a finished
+            # trajectory (an eos or stop at the step just read): nothing would run beside it, and keeping it
+            # would keep its groups alive past the end of the work.
+            out += self.collect(self._launched.popleft())
         return out
 
     def launch(self) -> "_Launched":
