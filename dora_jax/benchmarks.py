@@ -110,7 +110,8 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     """The engine benchmark, side by side in one run: throughput at a fixed batch vs transformers and vs the
     roofline; continuous batching vs a static batch on a long-tailed workload; on the same lengths in GRPO
     groups of ``group_size`` samples per prompt, one prefill per distinct prompt vs one per sample; and the
-    fixed batch with and without host/device overlap (``RolloutDriver(overlap=...)``)."""
+    fixed batch and the long tail's continuous run with and without host/device overlap
+    (``RolloutDriver(overlap=...)``)."""
     import numpy as np
     from flax import nnx
 

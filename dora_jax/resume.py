@@ -18,9 +18,10 @@ checkpoint's run-state dict and back (in-flight samples come back as pending: th
 
 The configuration check uses :func:`run_fingerprint`, the config fingerprint without the fields that say where
 the run lives, whether or how often it checkpoints and how rollout overlaps host and device (the ``mesh``
-section, ``run.name``, ``run.out_dir``, ``run.resume``, ``run.checkpoint_every``, ``rollout.overlap``): those do
-not change what the run computes, and the train state and snapshots restore onto any mesh. Every other field, ``dora.steps`` included, must match: a run is resumed to
-the end it was started for, not extended (a longer run changes the schedule's sample budget near the end).
+section, ``run.name``, ``run.out_dir``, ``run.resume``, ``run.checkpoint_every``, ``rollout.overlap``): those
+do not change what the run computes, and the train state and snapshots restore onto any mesh. Every other
+field, ``dora.steps`` included, must match: a run is resumed to the end it was started for, not extended (a
+longer run changes the schedule's sample budget near the end).
 """
 
 from __future__ import annotations
@@ -42,11 +43,11 @@ from dora_jax.tasks import Item
 
 log = logging.getLogger(__name__)
 
-# Settings that say where a run lives (directory, device mesh) and whether/how often it checkpoints, not
-# what it computes. A run may resume on another mesh: checkpoints and snapshots restore onto any shardings.
-_PLACEMENT = ("name", "out_dir", "resume", "checkpoint_every")
+# Settings that say where a run lives (directory, device mesh), whether/how often it checkpoints and how the
+# rollout schedules host and device work, not what it computes. A run may resume on another mesh and other
+# hardware: checkpoints and snapshots restore onto any shardings.
 _PLACEMENT_SECTIONS = ("mesh",)
-_EXECUTION = {"rollout": ("overlap",)}  # how work is run, not what: a run may resume on other hardware
+_PLACEMENT_FIELDS = {"run": ("name", "out_dir", "resume", "checkpoint_every"), "rollout": ("overlap",)}
 
 
 class ResumeError(RuntimeError):
@@ -55,8 +56,7 @@ class ResumeError(RuntimeError):
 
 def _computing_dict(cfg: Config) -> dict[str, Any]:
     d = {k: v for k, v in cfg.to_dict().items() if k not in _PLACEMENT_SECTIONS}
-    d["run"] = {k: v for k, v in d["run"].items() if k not in _PLACEMENT}
-    for section, names in _EXECUTION.items():
+    for section, names in _PLACEMENT_FIELDS.items():
         d[section] = {k: v for k, v in d[section].items() if k not in names}
     return d
 
