@@ -6,6 +6,7 @@ References (transformers + torch) are optional: when absent, only our side is me
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import platform
@@ -111,7 +112,11 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     roofline; continuous batching vs a static batch on a long-tailed workload; on the same lengths in GRPO
     groups of ``group_size`` samples per prompt, one prefill per distinct prompt vs one per sample; and the
     fixed batch and the long tail's continuous run with and without host/device overlap
-    (``RolloutDriver(overlap=...)``)."""
+    (``RolloutDriver(overlap=...)``); and the long tail with and without the shared prefix.
+
+    Every run prefills the chat template's head once per driver and each prompt after it, as a training run
+    does with ``rollout.shared_prefix`` (the default; ``rollout.shared_prefix=false`` turns it off here too);
+    the roofline counts that work: the head once, each prompt's tokens after it."""
     import numpy as np
     from flax import nnx
 
@@ -120,6 +125,7 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     from dora_jax.models.weights import load_model
     from dora_jax.rollout.driver import Request, RolloutDriver
     from dora_jax.rollout.engine import Engine, RequestSampling
+    from dora_jax.tokenizer import chat_template_head
 
     cfg = load_config(config, overrides)
     model, tok = load_model(cfg.model, progress=False)
@@ -132,18 +138,20 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
         prompts = [rng.integers(3, cfg.model.vocab_size, int(rng.integers(32, 49))).tolist()
                    for _ in range(max(batch, tail_requests))]
         with_hf = False
+    # The template head every prompt starts with (none without a tokenizer, whose prompts share nothing).
+    head = tuple(chat_template_head(tok)) if tok is not None and cfg.rollout.shared_prefix else ()
     plen = max(len(p) for p in prompts)
     target = 1 << (plen + new_tokens - 1).bit_length()
     sampling = RequestSampling(temperature=1.0, seed=seed)
     out: dict[str, Any] = {"config": config, "overrides": list(overrides), "batch": batch, "new_tokens": new_tokens,
                            "prompt_tokens": plen, "attention_impl": resolve_attention_impl(cfg.model),
-                           "dtype": cfg.model.compute_dtype}
+                           "dtype": cfg.model.compute_dtype, "shared_prefix_tokens": len(head)}
 
     # 1. Fixed batch: `batch` sequences, `new_tokens` each (no early stop), sampling.
     eng = Engine(model, max_concurrent_decodes=batch, max_prefill_length=plen, max_target_length=target)
 
     def fixed_run(overlap=None):
-        d = RolloutDriver(eng, overlap=overlap)
+        d = RolloutDriver(eng, overlap=overlap, shared_prefix=head)
         d.add_version(0, params)
         t0 = time.perf_counter()
         trajs = d.run([Request(i, tuple(prompts[i]), max_new_tokens=new_tokens, sampling=sampling)
@@ -168,8 +176,12 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     cache_item = jax.numpy.dtype(c.compute_dtype).itemsize
     attn = 4 * c.num_layers * c.num_heads * c.head_dim  # FLOPs per (query, key) pair
-    prefill_s = sum(max((2 * n_layers * len(p) + attn * len(p) * (len(p) + 1) / 2 + 2 * n_head) / m["matmul_flop_s"],
-                        weight_bytes / m["read_bytes_s"]) for p in prompts[:batch])
+    def prefill_cost(start, end, head_rows=1):  # tokens start..end - 1 of a prompt, attending to 0..end - 1
+        flops = 2 * n_layers * (end - start) + attn * (end * (end + 1) - start * (start + 1)) / 2 + 2 * n_head * head_rows
+        return max(flops / m["matmul_flop_s"], weight_bytes / m["read_bytes_s"])
+
+    prefill_s = sum(prefill_cost(len(head), len(p)) for p in prompts[:batch]) + (prefill_cost(0, len(head), 0)
+                                                                                  if head else 0.0)
     decode_s = 0.0
     for i in range(1, new_tokens):  # the first token of each row comes from prefill
         ctx = sum(len(p) + i for p in prompts[:batch])
@@ -224,16 +236,16 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     eng2 = eng if tail_slots == batch else Engine(model, max_concurrent_decodes=tail_slots, max_prefill_length=plen,
                                                   max_target_length=target)  # same slots: reuse its programs
 
-    def continuous(overlap=None):
-        d = RolloutDriver(eng2, overlap=overlap)
+    def continuous(overlap=None, prefix=head):
+        d = RolloutDriver(eng2, overlap=overlap, shared_prefix=prefix)
         d.add_version(0, params)
         t0 = time.perf_counter()
         d.run(reqs)
         d.block_until_ready()
         return sum(lengths) / (time.perf_counter() - t0), d.slot_utilization
 
-    def static():
-        d = RolloutDriver(eng2, compact=False)
+    def static(prefix=head):
+        d = RolloutDriver(eng2, compact=False, shared_prefix=prefix)
         d.add_version(0, params)
         t0 = time.perf_counter()
         for i in range(0, len(reqs), tail_slots):
@@ -253,7 +265,7 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
                for i, n in enumerate(lengths)]
 
     def groups(batch_prefill):
-        d = RolloutDriver(eng2, batch_prefill=batch_prefill)
+        d = RolloutDriver(eng2, batch_prefill=batch_prefill, shared_prefix=head)
         d.add_version(0, params)
         t0 = time.perf_counter()
         d.run(grouped)
@@ -277,6 +289,20 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
                 runs[overlap].append(fn(overlap))
         out[f"overlap_{name}tok_s"], out[f"no_overlap_{name}tok_s"] = max(runs[True]), max(runs[False])
         out[f"overlap_{name}vs_none"] = max(runs[True]) / max(runs[False])
+
+    # 5. The shared prefix: the long tail's continuous and static runs with the template head prefilled once
+    # (as above) and with every prompt prefilled whole; alternated, best of two each.
+    if head:
+        continuous(prefix=()), static(prefix=())  # compile the whole-prompt buckets
+        best: dict[str, list[float]] = collections.defaultdict(list)
+        for _ in range(2):
+            for prefix, name in (((), "no_prefix"), (head, "prefix")):
+                best[f"{name}_continuous_tok_s"].append(continuous(prefix=prefix)[0])
+                best[f"{name}_static_tok_s"].append(static(prefix=prefix)[0])
+        out.update({k: max(v) for k, v in best.items()})
+        for name in ("prefix", "no_prefix"):
+            out[f"{name}_continuous_vs_static"] = out[f"{name}_continuous_tok_s"] / out[f"{name}_static_tok_s"]
+        out["prefix_vs_none_continuous"] = out["prefix_continuous_tok_s"] / out["no_prefix_continuous_tok_s"]
     out["machine"] = machine()
     return out
 

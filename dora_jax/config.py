@@ -336,6 +336,9 @@ class RolloutConfig:
     # Dispatch decode step t + 1 before reading step t back, so the device decodes while the host books
     # results (RolloutDriver(overlap=...)); null: on for accelerators, off on CPU.
     overlap: bool | None = None
+    # Prefill the chat template's fixed head (the tokens before the user's text, the same in every prompt) once
+    # per policy version, and each prompt only from there (RolloutDriver(shared_prefix=...)).
+    shared_prefix: bool = True
 
     def validate(self, path: str = "rollout") -> None:
         for name in ("slots", "max_prompt_len", "max_new_tokens"):

@@ -55,6 +55,7 @@ from dora_jax.rollout.driver import DriverGroups, Request, RolloutDriver, Trajec
 from dora_jax.rollout.engine import Engine, RequestSampling, bucket
 from dora_jax.scheduler import SchedulePolicy, Scheduler
 from dora_jax.tasks import Item, Task, load_task
+from dora_jax.tokenizer import chat_template_head
 from dora_jax.sharding import reshard
 from dora_jax.trainer import Sample, Trainer, make_batch
 
@@ -221,7 +222,11 @@ class Runner:
         self._in_flight: _TrainInFlight | None = None
         self.sync_s = 0.0  # trainer -> rollout weight transfers, in total
         self.sampling = RequestSampling(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=r.seed)
-        drivers = [RolloutDriver(e, eos_ids=tokenizer.eos_ids, overlap=r.overlap) for e in self.engines]
+        # The template's head, prefilled once per version, when it leaves room for a prompt after it.
+        head = chat_template_head(tokenizer) if r.shared_prefix else []
+        self.shared_prefix = tuple(head) if 0 < len(head) < self.engine.max_prefill_length else ()
+        drivers = [RolloutDriver(e, eos_ids=tokenizer.eos_ids, overlap=r.overlap, shared_prefix=self.shared_prefix)
+                   for e in self.engines]
         self.driver = drivers[0] if len(drivers) == 1 else DriverGroups(drivers)
         self.slots = r.slots * len(drivers)  # decode slots of every group together
         self.sched = Scheduler(self.policy)
@@ -539,7 +544,8 @@ class Runner:
             return {"accuracy": float("nan"), "reward": float("nan"), "n": 0, "len_mean": float("nan")}
         tc = self.cfg.task
         version = self.sched.version if version is None else version
-        driver = RolloutDriver(self.engine, eos_ids=self.tokenizer.eos_ids, overlap=self.cfg.rollout.overlap)
+        driver = RolloutDriver(self.engine, eos_ids=self.tokenizer.eos_ids, overlap=self.cfg.rollout.overlap,
+                               shared_prefix=self.shared_prefix)
         driver.add_version(version, self._rollout_params[version])
         sampling = RequestSampling(temperature=tc.eval_temperature, seed=self.cfg.rollout.seed + 7919)
         n_new = tc.eval_max_new_tokens

@@ -307,6 +307,86 @@ def test_insert_batch_bad_slots(models):
         eng.prefill_batch(prompts=[(1, 2), (3,)], sample_ids=[0], samplings=[GREEDY] * 2)
 
 
+def test_shared_prefix_prefill_equals_the_whole_prompt(models):
+    """prefill_batch after a shared prefix gives each request the first token, position and log-prob of a
+    whole-prompt prefill, and a cache whose decode continues the same; it prefills only the tokens after the
+    prefix (their bucket, not the prompt's). Prompts that do not continue the prefix, or a prefix of another
+    version, are refused."""
+    m0, _ = models
+    eng = _engine(m0, slots=8)
+    sampling = RequestSampling(temperature=1.0, seed=3)
+    head = (5, 6, 7, 8, 9, 10, 11)
+    prompts = [head + (1, 2), head + tuple(range(20, 38)), head + (1, 2), head + (40,)]
+    shared = eng.prefill_shared_prefix(tokens=head, version=2)
+    assert shared.cache.v.shape[3] == len(head)  # exactly the prefix: no padding slots
+    a, first_a = eng.prefill_batch(prompts=prompts, sample_ids=[1, 2, 3, 4], version=2, samplings=[sampling] * 4,
+                                   shared_prefix=shared)
+    b, first_b = eng.prefill_batch(prompts=prompts, sample_ids=[1, 2, 3, 4], version=2, samplings=[sampling] * 4)
+    assert a.cache.v.shape[3] == len(head) + 32 and b.cache.v.shape[3] == 32  # 18 tokens after it: bucket 32
+    ca, cb = first_a.to_host().columns(), first_b.to_host().columns()
+    for k in ("token", "position", "version", "valid"):
+        assert (ca[k] == cb[k]).all(), k
+    assert list(ca["position"][:4]) == [len(p) for p in prompts]
+    np.testing.assert_allclose(ca["logprob"], cb["logprob"], rtol=1e-5, atol=1e-6)
+    x = eng.insert_batch(a, eng.init_decode_state(), [0, 1, 2, 3])
+    y = eng.insert_batch(b, eng.init_decode_state(), [4, 5, 6, 7])
+    for _ in range(5):
+        x, rx = eng.generate(None, x)
+        y, ry = eng.generate(None, y)
+        cx, cy = rx.to_host().columns(), ry.to_host().columns()
+        assert (cx["token"][:4] == cy["token"][4:]).all() and (cx["position"][:4] == cy["position"][4:]).all()
+        np.testing.assert_allclose(cx["logprob"][:4], cy["logprob"][4:], rtol=1e-5, atol=1e-6)
+    with pytest.raises(EngineError, match=r"request 1 \(sample 8\): the prompt does not continue the shared prefix"):
+        eng.prefill_batch(prompts=[head + (1,), (5, 6, 1, 2, 3, 4, 5, 6)], sample_ids=[7, 8], version=2,
+                          samplings=[sampling] * 2, shared_prefix=shared)
+    with pytest.raises(EngineError, match="does not continue"):  # the prefix alone leaves nothing to prefill
+        eng.prefill_batch(prompts=[head], sample_ids=[7], version=2, samplings=[sampling], shared_prefix=shared)
+    with pytest.raises(EngineError, match="prefilled by policy version 2, the requests are of version 3"):
+        eng.prefill_batch(prompts=prompts, sample_ids=[1, 2, 3, 4], version=3, samplings=[sampling] * 4,
+                          shared_prefix=shared)
+    with pytest.raises(EngineError, match="shared prefix of 32 tokens; allowed 1..31"):
+        eng.prefill_shared_prefix(tokens=range(32))
+
+
+def test_driver_with_a_shared_prefix_gives_the_same_trajectories(models, engine4):
+    """Two versions, requests that continue the shared prefix and requests that do not (one is the prefix
+    itself), staggered admissions, with and without overlap: the same tokens, reasons and log-probs as whole-
+    prompt prefills, and log-probs equal to a full forward of each version. Each version prefills the prefix
+    once; each prompt only its tokens after it."""
+    m0, m1 = models
+    head = (3, 1, 4, 1, 5, 9, 2, 6, 5, 3)
+    sampling = RequestSampling(temperature=1.0, seed=5)
+    reqs = [dataclasses.replace(r, prompt_ids=(head + r.prompt_ids)[:32] if i % 4 else r.prompt_ids)
+            for i, r in enumerate(_requests(14, seed=21, versions=(0, 1), sampling=sampling))]
+    reqs.append(Request(14, head, version=1, max_new_tokens=6, sampling=sampling))  # the prefix alone: whole
+    runs, drivers = {}, {}
+    for prefix, overlap in (((), False), (head, False), (head, True)):
+        d = RolloutDriver(engine4, overlap=overlap, shared_prefix=prefix)
+        for v, m in enumerate((m0, m1)):
+            d.add_version(v, nnx.state(m))
+        runs[prefix, overlap], drivers[prefix, overlap] = _staggered(d, reqs), d
+    base = runs[(), False]
+    assert sorted(base) == list(range(15))
+    for key, run in runs.items():
+        for i, t in base.items():
+            u = run[i]
+            assert (u.tokens, u.version, u.finish_reason) == (t.tokens, t.version, t.finish_reason), (key, i)
+            np.testing.assert_allclose(u.logprobs, t.logprobs, rtol=1e-5, atol=1e-6)
+    for t in runs[head, False].values():
+        want, _ = _recompute((m0, m1)[t.version], t)
+        assert rel_err(t.logprobs, want) <= 1e-4
+    continues = [r for r in reqs if len(r.prompt_ids) > len(head) and r.prompt_ids[:len(head)] == head]
+    assert len(continues) == 10
+    distinct = {(r.version, r.prompt_ids) for r in reqs}
+    whole = sum(len(p) for v, p in distinct)
+    saved = sum(len(head) for r in continues) - 2 * len(head)  # each version prefilled the prefix once
+    assert drivers[(), False].prefilled_tokens == whole
+    assert drivers[head, False].prefilled_tokens == drivers[head, True].prefilled_tokens == whole - saved
+    assert all(d.prefill_rows == len(distinct) for d in drivers.values())
+    with pytest.raises(EngineError, match="shared_prefix of 32 tokens; it must be shorter than max_prefill_length"):
+        RolloutDriver(engine4, shared_prefix=range(32))
+
+
 def test_prepared_params_are_the_fused_weights_ready_on_the_mesh():
     """A version's decode weights on a 2 x 2 x 2 mesh: q|k|v (and their biases) concatenated on the head axis,
     gate|up stacked on a new axis, values equal to a numpy concatenation; the other weights are the stored arrays

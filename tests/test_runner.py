@@ -155,18 +155,29 @@ def test_each_mode_keeps_the_promises(tmp_path, request, mode, k, rbs, placement
 
 def test_sync_mode_is_reproducible(tmp_path, shared):
     """Two runs give the same samples; so does a third whose rollout dispatches each decode step before
-    reading the previous one back (``rollout.overlap``): overlap changes when results are read, not what."""
+    reading the previous one back (``rollout.overlap``): overlap changes when results are read, not what. A
+    fourth prefills every prompt whole instead of after the template head (``rollout.shared_prefix``): the
+    same samples, log-probs equal up to float rounding."""
     cfg = tiny("dora.mode=sync", "dora.rollout_batch=8", "dora.steps=2")
-    Runner(cfg, str(tmp_path / "a"), **shared()).run()
+    first = Runner(cfg, str(tmp_path / "a"), **shared())
+    assert first.shared_prefix == tuple(b"Q: ")  # the byte tokenizer's template head, prefilled once per version
+    first.run()
     Runner(cfg, str(tmp_path / "b"), **shared()).run()
     Runner(tiny("dora.mode=sync", "dora.rollout_batch=8", "dora.steps=2", "rollout.overlap=true"),
            str(tmp_path / "c"), **shared()).run()
-    a, b, c = (read_samples(tmp_path / x) for x in "abc")
+    whole = Runner(tiny("dora.mode=sync", "dora.rollout_batch=8", "dora.steps=2", "rollout.shared_prefix=false"),
+                   str(tmp_path / "d"), **shared())
+    assert whole.shared_prefix == ()
+    whole.run()
+    a, b, c, d = (read_samples(tmp_path / x) for x in "abcd")
     key = lambda r: (r["sample_id"], r["version"], r["tokens"], r["reward"])  # noqa: E731
-    assert [key(r) for r in a] == [key(r) for r in b] == [key(r) for r in c]
+    assert [key(r) for r in a] == [key(r) for r in b] == [key(r) for r in c] == [key(r) for r in d]
     for other in (b, c):
         np.testing.assert_allclose([x for r in a for x in r["logprobs"]], [x for r in other for x in r["logprobs"]],
                                    rtol=1e-6)
+    # Prefix or whole: another float computation of the same prefill (the engine's tests hold it to 1e-5).
+    np.testing.assert_allclose([x for r in a for x in r["logprobs"]], [x for r in d for x in r["logprobs"]],
+                               rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("reward,reason", [

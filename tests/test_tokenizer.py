@@ -6,7 +6,7 @@ import pytest
 import transformers
 
 from dora_jax.models.gguf import read_gguf, smollm2_gguf_path
-from dora_jax.tokenizer import Tokenizer, TokenizerError
+from dora_jax.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, chat_template_head
 
 TEXTS = ["12345+678=", "What is 17 + 25?", "  leading spaces\n\nnew lines\t tab", "héllo wörld 日本語",
          "emoji 🙂🚀 ok", "<|im_start|>user\nhi<|im_end|>\n", "x=3.14159; y = -2e10", "The   quick  fox   ",
@@ -52,6 +52,24 @@ def test_chat_template(pair):
         for gen in (True, False):
             assert ours.apply_chat_template(chat, add_generation_prompt=gen) == \
                 ref.apply_chat_template(chat, add_generation_prompt=gen, tokenize=False)
+
+
+def test_chat_template_head(pair):
+    """The head is the encoding of the template text before the user's text (derived here from transformers'
+    rendering, cut at the user turn's opening), minus the newline token that merges with a user text starting
+    with a newline; every prompt of TEXTS starts with it, transformers' token ids included."""
+    ours, ref = pair
+    head = chat_template_head(ours)
+    rendered = ref.apply_chat_template([{"role": "user", "content": "X"}], add_generation_prompt=True, tokenize=False)
+    opening = rendered[:rendered.index("<|im_start|>user") + len("<|im_start|>user")]
+    assert head == ref.encode(opening, add_special_tokens=False)
+    assert len(head) == 23  # "<|im_start|>system\n" + the default system prompt + "<|im_end|>\n<|im_start|>user"
+    for text in TEXTS:
+        ids = ref.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        assert ids[:len(head)] == head and len(ids) > len(head), text
+    # Without merges (bytes), the head is every character before the user's text: "Q: ".
+    assert chat_template_head(ByteTokenizer()) == list(b"Q: ")
 
 
 def test_save_hf_round_trip(pair, tmp_path):

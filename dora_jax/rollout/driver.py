@@ -11,7 +11,8 @@ resident versions), at the capacity of the largest group, so there is one progra
 New requests are admitted between decode steps into free capacity (total live rows <= the engine's
 ``max_concurrent_decodes``), oldest first. The requests admitted together for one version are prefilled in
 one program (:meth:`Engine.prefill_batch`), each distinct prompt once: the members of a GRPO group share one
-prefill and still draw their own tokens.
+prefill and still draw their own tokens. Given a ``shared_prefix`` (the chat template's fixed head, which every
+prompt of a run starts with), each version prefills it once and each prompt only the tokens after it.
 
 With ``overlap`` (the default on accelerators) the driver dispatches step t + 1 before it reads step t's
 results, so the device decodes while the host books the previous step; a trajectory that ended at step t has
@@ -29,7 +30,7 @@ from typing import Any, Iterable, Sequence
 import jax
 import numpy as np
 
-from dora_jax.rollout.engine import Engine, EngineError, RequestSampling, bucket
+from dora_jax.rollout.engine import Engine, EngineError, RequestSampling, SharedPrefix, bucket
 from dora_jax.rollout.sampling import needs_filter
 
 
@@ -80,6 +81,7 @@ class _Group:
     params: Any
     state: Any = None
     slots: list[_Live | None] = dataclasses.field(default_factory=list)
+    prefix: SharedPrefix | None = None  # the driver's shared prefix prefilled by this version, made at first use
 
     @property
     def live(self) -> int:
@@ -106,9 +108,14 @@ class RolloutDriver:
     """Owns one decode group per policy version; admits, steps, and emits finished trajectories."""
 
     def __init__(self, engine: Engine, *, eos_ids: Sequence[int] = (), compact: bool = True, fuse: bool = True,
-                 prefill_tokens: int = 8192, batch_prefill: bool = True, overlap: bool | None = None):
+                 prefill_tokens: int = 8192, batch_prefill: bool = True, overlap: bool | None = None,
+                 shared_prefix: Sequence[int] = ()):
         if prefill_tokens < 1:
             raise EngineError(f"prefill_tokens must be >= 1, got {prefill_tokens!r}")
+        self.shared_prefix = tuple(int(x) for x in shared_prefix)
+        if len(self.shared_prefix) >= engine.max_prefill_length:
+            raise EngineError(f"shared_prefix of {len(self.shared_prefix)} tokens; it must be shorter than "
+                              f"max_prefill_length ({engine.max_prefill_length})")
         self.engine = engine
         # None: overlap where the host's share of a step is large (accelerators; docs/rollout.md), not on CPU,
         # where a step's compute dwarfs the host's work and the discarded rows would cost more than it hides.
@@ -124,6 +131,8 @@ class RolloutDriver:
         self.rows_computed = 0  # rows of every decode step dispatched (live, finished in flight, or empty)
         self.rows_live = 0  # rows that produced a token of a live trajectory
         self.steps = 0  # decode steps dispatched and read back
+        self.prefill_rows = 0  # distinct prompts prefilled (a GRPO group's members count once)
+        self.prefilled_tokens = 0  # prompt tokens run through prefill (shared prefixes once per version)
 
     # -- versions -------------------------------------------------------------------------------------------
 
@@ -220,13 +229,31 @@ class RolloutDriver:
             request, submitted = self._pending.popleft()
             taken.setdefault(request.version, []).append((request, submitted))
             free -= 1
+        n = len(self.shared_prefix)
         for version, items in taken.items():
-            for chunk in self._prefill_chunks(items):
-                self._prefill_and_insert(self._groups[version], chunk, done, admitted)
+            g = self._groups[version]
+            # Prompts that continue the shared prefix are prefilled after it; any other prompt whole.
+            after = [x for x in items if self._continues_prefix(x[0])]
+            whole = [x for x in items if not self._continues_prefix(x[0])]
+            if after and g.prefix is None:
+                g.prefix = self.engine.prefill_shared_prefix(params=g.params, tokens=self.shared_prefix,
+                                                             version=version)
+                self.prefilled_tokens += n
+            for chunk in self._prefill_chunks(whole):
+                self._prefill_and_insert(g, chunk, done, admitted, None)
+            for chunk in self._prefill_chunks(after, skip=n):
+                self._prefill_and_insert(g, chunk, done, admitted, g.prefix)
 
-    def _prefill_chunks(self, items: list[tuple[Request, float]]) -> list[list[tuple[Request, float]]]:
-        """Splits admitted requests so that (distinct prompts x prompt bucket) stays within the budget; without
-        ``batch_prefill``, one request per chunk (each prompt prefilled on its own, as JetStream does)."""
+    def _continues_prefix(self, request: Request) -> bool:
+        n = len(self.shared_prefix)
+        return 0 < n < len(request.prompt_ids) and tuple(request.prompt_ids[:n]) == self.shared_prefix
+
+    def _prefill_chunks(self, items: list[tuple[Request, float]], skip: int = 0) -> list[list[tuple[Request, float]]]:
+        """Splits admitted requests so that (distinct prompts x bucket of the tokens prefilled, which start
+        ``skip`` tokens in) stays within the budget; without ``batch_prefill``, one request per chunk (each
+        prompt prefilled on its own, as JetStream does)."""
+        if not items:
+            return []
         if not self.batch_prefill:
             return [[item] for item in items]
         chunks: list[list[tuple[Request, float]]] = [[]]
@@ -234,22 +261,26 @@ class RolloutDriver:
         longest = 0
         for item in items:
             p = item[0].prompt_ids
-            grown, new_longest = prompts | {p}, max(longest, len(p))
+            grown, new_longest = prompts | {p}, max(longest, len(p) - skip)
             cost = bucket(len(grown), minimum=1) * bucket(new_longest)
             if p not in prompts and chunks[-1] and cost > self.prefill_tokens:
                 chunks.append([])
-                grown, new_longest = {p}, len(p)
+                grown, new_longest = {p}, len(p) - skip
             chunks[-1].append(item)
             prompts, longest = grown, new_longest
         return chunks
 
     def _prefill_and_insert(self, g: _Group, chunk: list[tuple[Request, float]], done: list[Trajectory],
-                            admitted: list[tuple[Any, list[_Live]]]) -> None:
+                            admitted: list[tuple[Any, list[_Live]]], prefix: SharedPrefix | None) -> None:
         started = time.perf_counter()
         requests = [r for r, _ in chunk]
         batch, first = self.engine.prefill_batch(params=g.params, prompts=[r.prompt_ids for r in requests],
                                                  sample_ids=[r.sample_id for r in requests], version=g.version,
-                                                 samplings=[r.sampling for r in requests])
+                                                 samplings=[r.sampling for r in requests], shared_prefix=prefix)
+        distinct = {r.prompt_ids for r in requests}
+        skip = 0 if prefix is None else len(prefix.tokens)
+        self.prefill_rows += len(distinct)
+        self.prefilled_tokens += sum(len(p) - skip for p in distinct)
         lives: list[_Live | None] = []
         if self.overlap:
             # Reading the first tokens now would wait for the step in flight (one device stream): insert every

@@ -81,6 +81,23 @@ class Prefix(NamedTuple):
     seed: jax.Array
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class SharedPrefix:
+    """Tokens that many prompts start with (a chat template's fixed head), prefilled once for one policy
+    version (:meth:`Engine.prefill_shared_prefix`). :meth:`Engine.prefill_batch` given one prefills only what
+    follows it in each prompt, attending to this cache: the prefix costs one prefill per version, not one per
+    prompt."""
+
+    tokens: tuple[int, ...]
+    cache: KVCache  # k [L, 1, K, d, n], v [L, 1, K, n, d]: exactly n = len(tokens) slots, no padding
+    version: int
+
+    def covers(self, prompt: Sequence[int]) -> bool:
+        """Whether ``prompt`` starts with the prefix and has at least one token after it."""
+        n = len(self.tokens)
+        return len(prompt) > n and tuple(int(x) for x in prompt[:n]) == self.tokens
+
+
 class PrefixBatch(NamedTuple):
     """Several prefilled requests of one policy version (:meth:`Engine.prefill_batch`). Requests with the same
     prompt share one cache row (a GRPO group's members are prefilled once); each has its own first token."""
@@ -173,6 +190,8 @@ class Engine:
         self._prefill_jit = jax.jit(self._prefill_impl)
         self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(1,))
         self._prefill_rows_jit = jax.jit(self._prefill_rows_impl)
+        self._prefill_after_jit = jax.jit(self._prefill_after_impl)
+        self._shared_prefix_jit = jax.jit(self._shared_prefix_impl)
         self._first_tokens_jit = jax.jit(self._first_tokens_impl)
         self._insert_batch_jit = jax.jit(self._insert_batch_impl, donate_argnums=(1,))
         self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,), static_argnums=(2,))
@@ -236,6 +255,29 @@ class Engine:
         x, cache = decode_forward(self.cfg, params.tree, tokens_pt, positions, cache, logits=False)
         last_x = jnp.take_along_axis(x, (lengths_p - 1)[:, None, None], axis=1)  # [P, 1, D]
         return cache, head_logits(self.cfg, params.tree, last_x)[:, 0]  # the head on one row per prompt
+
+    def _shared_prefix_impl(self, params: PreparedParams, tokens_n):
+        n = tokens_n.shape[0]
+        _, cache = decode_forward(self.cfg, params.tree, tokens_n[None], jnp.arange(n, dtype=jnp.int32)[None],
+                                  init_cache(self.cfg, 1, n), logits=False)
+        return cache
+
+    def _prefill_after_impl(self, params: PreparedParams, prefix: KVCache, tokens_pt, lengths_p):
+        """:meth:`_prefill_rows_impl` for prompts that continue a shared prefix of n tokens: the T tokens after
+        it sit at positions n .. n + T - 1 and attend to the prefix's cache. Returns each prompt's cache over
+        the prefix and its own tokens (n + T slots) and the logits after its last token (``lengths_p``: tokens
+        after the prefix)."""
+        p, t = tokens_pt.shape
+        n = prefix.v.shape[3]
+        rows = init_cache(self.cfg, p, t)
+        cache = KVCache(jnp.concatenate([jnp.broadcast_to(prefix.k, prefix.k.shape[:1] + (p,) + prefix.k.shape[2:]),
+                                         rows.k], axis=4),
+                        jnp.concatenate([jnp.broadcast_to(prefix.v, prefix.v.shape[:1] + (p,) + prefix.v.shape[2:]),
+                                         rows.v], axis=3))
+        positions = jnp.broadcast_to(n + jnp.arange(t, dtype=jnp.int32), (p, t))
+        x, cache = decode_forward(self.cfg, params.tree, tokens_pt, positions, cache, logits=False)
+        last_x = jnp.take_along_axis(x, (lengths_p - 1)[:, None, None], axis=1)  # [P, 1, D]
+        return cache, head_logits(self.cfg, params.tree, last_x)[:, 0]
 
     @staticmethod
     def _first_tokens_impl(logits_pv, lengths_p, rows_n, valid_n, sample_ids_n, version, seeds_n, sampling_n):
@@ -366,8 +408,25 @@ class Engine:
             raise EngineError(f"slot {slot!r} does not exist (decode state has slots 0..{b - 1})")
         return settle(self._insert_jit(prefix, decode_state, np.int32(slot)))
 
+    def prefill_shared_prefix(self, *, params: Any = None, tokens: Sequence[int], version: int = 0) -> SharedPrefix:
+        """Prefills ``tokens`` once for the policy version of ``params``, for :meth:`prefill_batch` to continue
+        (one compiled program per prefix length: a run has one prefix).
+
+        Args:
+          params: :meth:`prepare_params` output (``None``: the engine's own params).
+          tokens: the shared head of the prompts (1 .. ``max_prefill_length - 1`` tokens: a prompt continues it).
+          version: the policy version of ``params``; :meth:`prefill_batch` refuses the prefix for another one.
+        """
+        key = tuple(int(x) for x in tokens)
+        if not 0 < len(key) < self._max_prefill_length:
+            raise EngineError(f"shared prefix of {len(key)} tokens; allowed 1..{self._max_prefill_length - 1} "
+                              f"(max_prefill_length {self._max_prefill_length}, and a prompt must continue it)")
+        cache = settle(self._shared_prefix_jit(self._prepared_params(params), np.asarray(key, np.int32)))
+        return SharedPrefix(key, cache, int(version))
+
     def prefill_batch(self, *, params: Any = None, prompts: Sequence[Sequence[int]], sample_ids: Sequence[int],
-                      version: int = 0, samplings: Sequence[RequestSampling]) -> tuple[PrefixBatch, ResultTokens]:
+                      version: int = 0, samplings: Sequence[RequestSampling],
+                      shared_prefix: SharedPrefix | None = None) -> tuple[PrefixBatch, ResultTokens]:
         """Prefills several requests of one policy version in one program and samples each one's first token.
 
         Requests with equal prompts share one cache row: a prompt is prefilled once however many samples are
@@ -382,6 +441,9 @@ class Engine:
           sample_ids: one per request.
           version: the policy version of ``params``, recorded on every request.
           samplings: one per request (validated here).
+          shared_prefix: :meth:`prefill_shared_prefix` output for this version, which every prompt continues:
+            only each prompt's tokens after it are prefilled (bucketed on their count), attending to its cache.
+            The same computation as a whole-prompt prefill, up to float rounding.
         """
         n = len(prompts)
         if n == 0 or len(sample_ids) != n or len(samplings) != n:
@@ -395,13 +457,22 @@ class Engine:
             if not 0 < len(key) <= self._max_prefill_length:
                 raise EngineError(f"prefill_batch: request {i} (sample {sample_ids[i]}): prompt of {len(key)} "
                                   f"tokens; allowed 1..{self._max_prefill_length}")
+            if shared_prefix is not None and not shared_prefix.covers(key):
+                raise EngineError(f"prefill_batch: request {i} (sample {sample_ids[i]}): the prompt does not "
+                                  f"continue the shared prefix ({len(shared_prefix.tokens)} tokens)")
             rows[i] = distinct.setdefault(key, len(distinct))
-        t = min(bucket(max(len(k) for k in distinct)), self.max_target_length)
+        skip = 0 if shared_prefix is None else len(shared_prefix.tokens)
+        if shared_prefix is not None and shared_prefix.version != version:
+            raise EngineError(f"prefill_batch: the shared prefix was prefilled by policy version "
+                              f"{shared_prefix.version}, the requests are of version {version}")
+        # The bucket of the tokens prefilled here, cut to what the cache holds after the prefix (a prompt is
+        # shorter than max_target_length, so its tokens always fit).
+        t = min(bucket(max(len(k) for k in distinct) - skip), self.max_target_length - skip)
         tokens = np.zeros((bucket(len(distinct), minimum=1), t), np.int32)
         lengths = np.ones((tokens.shape[0],), np.int32)  # padding rows: one token, never read
         for key, r in distinct.items():
-            tokens[r, :len(key)] = key
-            lengths[r] = len(key)
+            tokens[r, :len(key) - skip] = key[skip:]
+            lengths[r] = len(key) - skip
         nb = rows.shape[0]
 
         def col(values, dtype, pad):
@@ -413,10 +484,14 @@ class Engine:
         sp = SamplingParams(col([s.temperature for s in samplings], np.float32, 0.0),
                             col([s.top_k for s in samplings], np.int32, 0),
                             col([s.top_p for s in samplings], np.float32, 1.0))
-        cache, logits = settle(self._prefill_rows_jit(self._prepared_params(params), tokens, lengths))
+        prepared = self._prepared_params(params)
+        if shared_prefix is None:
+            cache, logits = settle(self._prefill_rows_jit(prepared, tokens, lengths))
+        else:
+            cache, logits = settle(self._prefill_after_jit(prepared, shared_prefix.cache, tokens, lengths))
         ids, seeds = col(sample_ids, np.int32, 0), col([s.seed for s in samplings], np.int32, 0)
-        rest, packed = settle(self._first_tokens_jit(logits, lengths, rows, valid, ids, np.int32(version), seeds,
-                                                     sp))
+        rest, packed = settle(self._first_tokens_jit(logits, lengths + skip, rows, valid, ids, np.int32(version),
+                                                     seeds, sp))
         return PrefixBatch(cache, *rest), ResultTokens(packed)
 
     def insert_batch(self, batch: PrefixBatch, decode_state: DecodeState, slots: Sequence[int | None]
