@@ -134,12 +134,14 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     if tok is not None:
         prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}?"}]))
                    for a, b in rng.integers(10, 1000, (max(batch, tail_requests), 2))]
-    else:  # a random-weight config without a tokenizer: random prompts of 32-48 tokens, no transformers side
-        prompts = [rng.integers(3, cfg.model.vocab_size, int(rng.integers(32, 49))).tolist()
+    else:  # a random-weight config without a tokenizer: random prompts of 32-48 tokens whose first 16 are the
+        # same (standing in for a chat template's head), no transformers side
+        common = rng.integers(3, cfg.model.vocab_size, 16).tolist()
+        prompts = [common + rng.integers(3, cfg.model.vocab_size, int(rng.integers(16, 33))).tolist()
                    for _ in range(max(batch, tail_requests))]
         with_hf = False
-    # The template head every prompt starts with (none without a tokenizer, whose prompts share nothing).
-    head = tuple(chat_template_head(tok)) if tok is not None and cfg.rollout.shared_prefix else ()
+    # The head every prompt starts with, prefilled once per driver (rollout.shared_prefix).
+    head = () if not cfg.rollout.shared_prefix else tuple(chat_template_head(tok)) if tok is not None else tuple(common)
     plen = max(len(p) for p in prompts)
     target = 1 << (plen + new_tokens - 1).bit_length()
     sampling = RequestSampling(temperature=1.0, seed=seed)

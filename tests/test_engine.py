@@ -607,15 +607,20 @@ def test_overlap_default_follows_the_backend(engine4):
 
 
 def test_bench_engine_reports_every_part():
-    """`dora-jax bench engine` on a tiny random config (no tokenizer: random prompts, no transformers side):
-    the JSON holds every figure the benchmark promises, consistent with each other."""
+    """`dora-jax bench engine` on a tiny random config (no tokenizer: random prompts sharing a 16-token head,
+    no transformers side): the JSON holds every figure the benchmark promises, consistent with each other."""
     from dora_jax.benchmarks import bench_engine
 
     out = bench_engine("tiny_llama", batch=4, new_tokens=8, tail_requests=8, tail_slots=4, group_size=2)
     for key in ("engine_tok_s", "roofline_tok_s", "continuous_tok_s", "static_tok_s", "group_prefill_tok_s",
                 "single_prefill_tok_s", "overlap_tok_s", "no_overlap_tok_s", "overlap_tail_tok_s",
-                "no_overlap_tail_tok_s"):
+                "no_overlap_tail_tok_s", "prefix_continuous_tok_s", "no_prefix_continuous_tok_s",
+                "prefix_static_tok_s", "no_prefix_static_tok_s"):
         assert out[key] > 0, key
+    assert out["shared_prefix_tokens"] == 16
+    for name in ("prefix", "no_prefix"):
+        assert out[f"{name}_continuous_vs_static"] == pytest.approx(out[f"{name}_continuous_tok_s"]
+                                                                    / out[f"{name}_static_tok_s"])
     assert "hf_tok_s" not in out and out["overlap"] is (jax.devices()[0].platform != "cpu")  # the default
     assert out["roofline_fraction"] == pytest.approx(out["engine_tok_s"] / out["roofline_tok_s"])
     assert out["overlap_vs_none"] == pytest.approx(out["overlap_tok_s"] / out["no_overlap_tok_s"])
