@@ -126,6 +126,7 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     from dora_jax.rollout.driver import Request, RolloutDriver
     from dora_jax.rollout.engine import Engine, RequestSampling
     from dora_jax.tokenizer import chat_template_head
+    from tqdm.auto import tqdm
 
     cfg = load_config(config, overrides)
     model, tok = load_model(cfg.model, progress=False)
@@ -149,6 +150,7 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
                            "prompt_tokens": plen, "attention_impl": resolve_attention_impl(cfg.model),
                            "dtype": cfg.model.compute_dtype, "shared_prefix_tokens": len(head)}
 
+    bar = tqdm(total=5, desc="bench engine", unit="part")  # five parts, minutes each on a CPU
     # 1. Fixed batch: `batch` sequences, `new_tokens` each (no early stop), sampling.
     eng = Engine(model, max_concurrent_decodes=batch, max_prefill_length=plen, max_target_length=target)
 
@@ -230,6 +232,8 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
                 out["hf_tok_s"] = batch * new_tokens / (time.perf_counter() - t0)
             out["engine_vs_hf"] = out["engine_tok_s"] / out["hf_tok_s"]
 
+    bar.update()
+    bar.set_postfix_str("long tail")
     # 2. Long tail: continuous batching vs static batches that wait for their longest member.
     lengths = _lengths(tail_requests, rng, p50=8, tail=96, max_len=new_tokens)
     out["tail_lengths"] = {"p50": float(np.percentile(lengths, 50)), "p99": float(np.percentile(lengths, 99)),
@@ -260,6 +264,8 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     out["slot_utilization"] = {"continuous": cu, "static": su}
     out["continuous_vs_static"] = out["continuous_tok_s"] / out["static_tok_s"]
 
+    bar.update()
+    bar.set_postfix_str("GRPO groups")
     # 3. GRPO groups: the same long-tailed lengths, but every `group_size` consecutive samples share a prompt.
     # Continuous batching with each distinct prompt prefilled once per admission vs every sample prefilled
     # on its own (one prompt per prefill program, as a JetStream engine does).
@@ -278,6 +284,8 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     out["group_prefill_tok_s"], out["single_prefill_tok_s"] = groups(True), groups(False)
     out["group_vs_single_prefill"] = out["group_prefill_tok_s"] / out["single_prefill_tok_s"]
 
+    bar.update()
+    bar.set_postfix_str("overlap")
     # 4. Host/device overlap: the fixed batch of part 1 and the long tail's continuous run (admissions while
     # a step is in flight) with step t + 1 dispatched before step t is read back, against reading each step
     # before dispatching the next; alternated, best of two each (of five when a run is shorter than two
@@ -292,6 +300,8 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
         out[f"overlap_{name}tok_s"], out[f"no_overlap_{name}tok_s"] = max(runs[True]), max(runs[False])
         out[f"overlap_{name}vs_none"] = max(runs[True]) / max(runs[False])
 
+    bar.update()
+    bar.set_postfix_str("shared prefix")
     # 5. The shared prefix: the long tail's continuous and static runs with the template head prefilled once
     # (as above) and with every prompt prefilled whole; alternated, best of two each.
     if head:
@@ -305,6 +315,8 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
         for name in ("prefix", "no_prefix"):
             out[f"{name}_continuous_vs_static"] = out[f"{name}_continuous_tok_s"] / out[f"{name}_static_tok_s"]
         out["prefix_vs_none_continuous"] = out["prefix_continuous_tok_s"] / out["no_prefix_continuous_tok_s"]
+    bar.update()
+    bar.close()
     out["machine"] = machine()
     return out
 
