@@ -190,7 +190,6 @@ class Engine:
         self._prefill_jit = jax.jit(self._prefill_impl)
         self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(1,))
         self._prefill_rows_jit = jax.jit(self._prefill_rows_impl)
-        self._prefill_after_jit = jax.jit(self._prefill_after_impl)
         self._shared_prefix_jit = jax.jit(self._shared_prefix_impl)
         self._first_tokens_jit = jax.jit(self._first_tokens_impl)
         self._insert_batch_jit = jax.jit(self._insert_batch_impl, donate_argnums=(1,))
@@ -246,12 +245,21 @@ class Engine:
             seeds=put(state.seeds, prefix.seed), active=put(state.active, True),
             sampling=SamplingParams(*(put(a, b[0]) for a, b in zip(state.sampling, prefix.sampling))))
 
-    def _prefill_rows_impl(self, params: PreparedParams, tokens_pt, lengths_p):
-        """The model part of :meth:`prefill_batch`: each distinct prompt's cache and last-token logits."""
+    def _prefill_rows_impl(self, params: PreparedParams, tokens_pt, lengths_p, prefix: KVCache | None = None):
+        """The model part of :meth:`prefill_batch`: each distinct prompt's cache and last-token logits.
+
+        With ``prefix`` (a shared prefix's cache of n slots), the T tokens are what follows it, at positions
+        n .. n + T - 1, attending to it; each row's cache is the prefix's n slots followed by its own T.
+        ``lengths_p`` counts the tokens given here."""
         p, t = tokens_pt.shape
-        # The prompts' cache is T slots long, not S: insertion writes each row's first T slots.
-        cache = init_cache(self.cfg, p, t)
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (p, t))
+        # The prompts' cache is T (or n + T) slots long, not S: insertion writes each row's first slots.
+        cache, n = init_cache(self.cfg, p, t), 0
+        if prefix is not None:
+            n = prefix.v.shape[3]
+            rows = lambda x: jnp.broadcast_to(x, x.shape[:1] + (p,) + x.shape[2:])  # noqa: E731
+            cache = KVCache(jnp.concatenate([rows(prefix.k), cache.k], axis=4),
+                            jnp.concatenate([rows(prefix.v), cache.v], axis=3))
+        positions = jnp.broadcast_to(n + jnp.arange(t, dtype=jnp.int32), (p, t))
         x, cache = decode_forward(self.cfg, params.tree, tokens_pt, positions, cache, logits=False)
         last_x = jnp.take_along_axis(x, (lengths_p - 1)[:, None, None], axis=1)  # [P, 1, D]
         return cache, head_logits(self.cfg, params.tree, last_x)[:, 0]  # the head on one row per prompt
@@ -261,23 +269,6 @@ class Engine:
         _, cache = decode_forward(self.cfg, params.tree, tokens_n[None], jnp.arange(n, dtype=jnp.int32)[None],
                                   init_cache(self.cfg, 1, n), logits=False)
         return cache
-
-    def _prefill_after_impl(self, params: PreparedParams, prefix: KVCache, tokens_pt, lengths_p):
-        """:meth:`_prefill_rows_impl` for prompts that continue a shared prefix of n tokens: the T tokens after
-        it sit at positions n .. n + T - 1 and attend to the prefix's cache. Returns each prompt's cache over
-        the prefix and its own tokens (n + T slots) and the logits after its last token (``lengths_p``: tokens
-        after the prefix)."""
-        p, t = tokens_pt.shape
-        n = prefix.v.shape[3]
-        rows = init_cache(self.cfg, p, t)
-        cache = KVCache(jnp.concatenate([jnp.broadcast_to(prefix.k, prefix.k.shape[:1] + (p,) + prefix.k.shape[2:]),
-                                         rows.k], axis=4),
-                        jnp.concatenate([jnp.broadcast_to(prefix.v, prefix.v.shape[:1] + (p,) + prefix.v.shape[2:]),
-                                         rows.v], axis=3))
-        positions = jnp.broadcast_to(n + jnp.arange(t, dtype=jnp.int32), (p, t))
-        x, cache = decode_forward(self.cfg, params.tree, tokens_pt, positions, cache, logits=False)
-        last_x = jnp.take_along_axis(x, (lengths_p - 1)[:, None, None], axis=1)  # [P, 1, D]
-        return cache, head_logits(self.cfg, params.tree, last_x)[:, 0]
 
     @staticmethod
     def _first_tokens_impl(logits_pv, lengths_p, rows_n, valid_n, sample_ids_n, version, seeds_n, sampling_n):
@@ -484,11 +475,8 @@ class Engine:
         sp = SamplingParams(col([s.temperature for s in samplings], np.float32, 0.0),
                             col([s.top_k for s in samplings], np.int32, 0),
                             col([s.top_p for s in samplings], np.float32, 1.0))
-        prepared = self._prepared_params(params)
-        if shared_prefix is None:
-            cache, logits = settle(self._prefill_rows_jit(prepared, tokens, lengths))
-        else:
-            cache, logits = settle(self._prefill_after_jit(prepared, shared_prefix.cache, tokens, lengths))
+        cache, logits = settle(self._prefill_rows_jit(self._prepared_params(params), tokens, lengths,
+                                                      None if shared_prefix is None else shared_prefix.cache))
         ids, seeds = col(sample_ids, np.int32, 0), col([s.seed for s in samplings], np.int32, 0)
         rest, packed = settle(self._first_tokens_jit(logits, lengths + skip, rows, valid, ids, np.int32(version),
                                                      seeds, sp))
