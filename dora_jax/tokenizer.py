@@ -207,14 +207,14 @@ def _token_str(tok: Any) -> str | None:
     return tok.get("content") if isinstance(tok, dict) else tok
 
 
-def chat_template_head(tokenizer: Any, before: Sequence[dict[str, str]] = ()) -> list[int]:
-    """The token ids that every prompt rendered as ``[*before, user turn]`` (with the generation prompt)
-    starts with, whatever the user's text: the template's fixed head (e.g. a default system prompt and the
-    user turn's opening). The longest common prefix of the encodings of probe texts that start with
+def chat_template_head(tokenizer: Any) -> list[int]:
+    """The token ids that every prompt rendered as one user turn (with the generation prompt) starts with,
+    whatever the user's text: the template's fixed head (e.g. a default system prompt and the user turn's
+    opening). The longest common prefix of the encodings of probe texts that start with
     different kinds of character, so a token that merges with the user's first character is left out. A
     rollout engine prefills this head once per policy version instead of once per prompt."""
     probes = ("a", "Z", "7", " x", "\n", "?", "<", "é")
-    seqs = [tokenizer.encode(tokenizer.apply_chat_template([*before, {"role": "user", "content": p}],
+    seqs = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}],
                                                            add_generation_prompt=True)) for p in probes]
     n = 0
     while all(len(s) > n for s in seqs) and len({s[n] for s in seqs}) == 1:

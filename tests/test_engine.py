@@ -336,6 +336,26 @@ def test_shared_prefix_prefill_equals_the_whole_prompt(models):
         cx, cy = rx.to_host().columns(), ry.to_host().columns()
         assert (cx["token"][:4] == cy["token"][4:]).all() and (cx["position"][:4] == cy["position"][4:]).all()
         np.testing.assert_allclose(cx["logprob"][:4], cy["logprob"][4:], rtol=1e-5, atol=1e-6)
+    # JetStream's prefill(existing_prefix=...): the tokens after the prefix, the whole sequence's first token,
+    # and a row that decodes like the batch's (request 1, inserted alone into slot 2 of a fresh state).
+    rest = prompts[1][len(head):]
+    padded = np.zeros(32, np.int32)
+    padded[:len(rest)] = rest
+    single, res = eng.prefill(existing_prefix=shared, padded_tokens=padded, true_length=len(rest), sample_id=2,
+                              version=2, sampling=sampling)
+    r = res.to_host().get_result_at_slot(0)
+    assert (r.token, r.position, r.version) == (cb["token"][1], len(prompts[1]), 2)
+    np.testing.assert_allclose(r.logprob, cb["logprob"][1], rtol=1e-5, atol=1e-6)
+    z = eng.insert(single, eng.init_decode_state(), 2)
+    w = eng.insert_batch(b, eng.init_decode_state(), [None, 2])
+    for _ in range(3):
+        z, rz = eng.generate(None, z)
+        w, rw = eng.generate(None, w)
+        cz, cw = rz.to_host().columns(), rw.to_host().columns()
+        assert cz["token"][2] == cw["token"][2] and cz["position"][2] == cw["position"][2]
+        np.testing.assert_allclose(cz["logprob"][2], cw["logprob"][2], rtol=1e-5, atol=1e-6)
+    with pytest.raises(EngineError, match="existing_prefix must be a SharedPrefix"):
+        eng.prefill(existing_prefix=object(), padded_tokens=padded, true_length=3)
     with pytest.raises(EngineError, match=r"request 1 \(sample 8\): the prompt does not continue the shared prefix"):
         eng.prefill_batch(prompts=[head + (1,), (5, 6, 1, 2, 3, 4, 5, 6)], sample_ids=[7, 8], version=2,
                           samplings=[sampling] * 2, shared_prefix=shared)

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Sequence
 import jax
 import numpy as np
 
-from dora_jax.rollout.engine import Engine, EngineError, RequestSampling, SharedPrefix, bucket
+from dora_jax.rollout.engine import Engine, EngineError, RequestSampling, SharedPrefix, bucket, continues
 from dora_jax.rollout.sampling import needs_filter
 
 
@@ -233,8 +233,8 @@ class RolloutDriver:
         for version, items in taken.items():
             g = self._groups[version]
             # Prompts that continue the shared prefix are prefilled after it; any other prompt whole.
-            after = [x for x in items if self._continues_prefix(x[0])]
-            whole = [x for x in items if not self._continues_prefix(x[0])]
+            after = [x for x in items if continues(self.shared_prefix, x[0].prompt_ids)]
+            whole = [x for x in items if not continues(self.shared_prefix, x[0].prompt_ids)]
             if after and g.prefix is None:
                 g.prefix = self.engine.prefill_shared_prefix(params=g.params, tokens=self.shared_prefix,
                                                              version=version)
@@ -243,10 +243,6 @@ class RolloutDriver:
                 self._prefill_and_insert(g, chunk, done, admitted, None)
             for chunk in self._prefill_chunks(after, skip=n):
                 self._prefill_and_insert(g, chunk, done, admitted, g.prefix)
-
-    def _continues_prefix(self, request: Request) -> bool:
-        n = len(self.shared_prefix)
-        return 0 < n < len(request.prompt_ids) and tuple(request.prompt_ids[:n]) == self.shared_prefix
 
     def _prefill_chunks(self, items: list[tuple[Request, float]], skip: int = 0) -> list[list[tuple[Request, float]]]:
         """Splits admitted requests so that (distinct prompts x bucket of the tokens prefilled, which start

@@ -71,7 +71,7 @@ class PreparedParams(NamedTuple):
 class Prefix(NamedTuple):
     """A prefilled request: its cache row and its first sampled token (at position ``length``)."""
 
-    cache: KVCache  # k [L, 1, K, d, S], v [L, 1, K, S, d]
+    cache: KVCache  # k [L, 1, K, d, S], v [L, 1, K, S, d] (after an existing prefix: its n slots + the bucket)
     token: jax.Array  # [] int32
     logprob: jax.Array  # [] float32
     length: jax.Array  # [] int32: true prompt length = position of `token`
@@ -94,8 +94,13 @@ class SharedPrefix:
 
     def covers(self, prompt: Sequence[int]) -> bool:
         """Whether ``prompt`` starts with the prefix and has at least one token after it."""
-        n = len(self.tokens)
-        return len(prompt) > n and tuple(int(x) for x in prompt[:n]) == self.tokens
+        return continues(self.tokens, prompt)
+
+
+def continues(prefix: Sequence[int], prompt: Sequence[int]) -> bool:
+    """Whether ``prompt`` starts with a non-empty ``prefix`` and has at least one token after it."""
+    n = len(prefix)
+    return 0 < n < len(prompt) and tuple(int(x) for x in prompt[:n]) == tuple(prefix)
 
 
 class PrefixBatch(NamedTuple):
@@ -372,9 +377,17 @@ class Engine:
     def prefill(self, *, params: Any = None, existing_prefix: Prefix | None = None, padded_tokens: Any,
                 true_length: int, sample_id: int = 0, version: int = 0,
                 sampling: RequestSampling = RequestSampling()) -> tuple[Prefix, ResultTokens]:
-        """Prefills one prompt (right-padded to a power-of-two bucket) and samples its first token."""
+        """Prefills one prompt (right-padded to a power-of-two bucket) and samples its first token.
+
+        ``existing_prefix`` (a :class:`SharedPrefix` of this version, as JetStream's argument of that name):
+        ``padded_tokens[:true_length]`` are the tokens after it, and the request is the whole sequence (its first
+        token sits at position ``len(prefix) + true_length``)."""
         if existing_prefix is not None:
-            raise EngineError("existing_prefix (prefix caching) is not supported")
+            if not isinstance(existing_prefix, SharedPrefix):
+                raise EngineError(f"existing_prefix must be a SharedPrefix (Engine.prefill_shared_prefix), got "
+                                  f"{type(existing_prefix).__name__}")
+            return self._prefill_after(params, existing_prefix, padded_tokens, true_length, sample_id, version,
+                                       sampling)
         sampling.validate()
         padded = np.asarray(padded_tokens, np.int32).reshape(-1)
         if not 0 < true_length <= padded.shape[0]:
@@ -391,6 +404,21 @@ class Engine:
                                                   np.int32(sample_id), np.int32(version), np.int32(sampling.seed),
                                                   sp))
         return prefix, ResultTokens(packed)
+
+    def _prefill_after(self, params, shared: SharedPrefix, padded_tokens, true_length, sample_id, version,
+                       sampling) -> tuple[Prefix, ResultTokens]:
+        """:meth:`prefill` after an existing prefix: :meth:`prefill_batch` of one request, as a :class:`Prefix`."""
+        padded = np.asarray(padded_tokens, np.int32).reshape(-1)
+        if not 0 < true_length <= padded.shape[0]:
+            raise EngineError(f"true_length {true_length} must be in [1, {padded.shape[0]}] (the padded length)")
+        batch, first = self.prefill_batch(params=params, prompts=[shared.tokens + tuple(padded[:true_length].tolist())],
+                                          sample_ids=[sample_id], version=version, samplings=[sampling],
+                                          shared_prefix=shared)
+        row = jax.tree.map(lambda x: x[0], (batch.token, batch.logprob, batch.length, batch.sample_id, batch.version,
+                                            batch.seed))
+        prefix = Prefix(batch.cache, row[0], row[1], row[2], row[3], row[4],
+                        SamplingParams(*(x[:1] for x in batch.sampling)), row[5])
+        return prefix, ResultTokens(first.data[:1])
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         """Places a prefilled request into ``slot`` of the decode state (donated)."""
