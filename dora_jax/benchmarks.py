@@ -6,7 +6,6 @@ References (transformers + torch) are optional: when absent, only our side is me
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import os
 import platform
@@ -105,6 +104,16 @@ def _lengths(n: int, rng, p50: int, tail: int, max_len: int):
     return np.minimum(np.where(heavy, rng.integers(tail // 2, tail + 1, n), base), max_len).tolist()
 
 
+def _best_alternated(runs: dict[str, Any], rounds: int) -> dict[str, float]:
+    """Calls each of ``runs`` (name -> a callable returning tokens/s) in turn, ``rounds`` times over, and returns
+    each one's best: alternating spreads the machine's drift over all of them alike."""
+    seen: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            seen[name].append(fn())
+    return {k: max(v) for k, v in seen.items()}
+
+
 def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int = 128, tail_requests: int = 64,
                  tail_slots: int = 16, group_size: int = 4, seed: int = 0, with_hf: bool = True,
                  overrides: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -142,7 +151,9 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
                    for _ in range(max(batch, tail_requests))]
         with_hf = False
     # The head every prompt starts with, prefilled once per driver (rollout.shared_prefix).
-    head = () if not cfg.rollout.shared_prefix else tuple(chat_template_head(tok)) if tok is not None else tuple(common)
+    head: tuple[int, ...] = ()
+    if cfg.rollout.shared_prefix:
+        head = tuple(chat_template_head(tok)) if tok is not None else tuple(common)
     plen = max(len(p) for p in prompts)
     target = 1 << (plen + new_tokens - 1).bit_length()
     sampling = RequestSampling(temperature=1.0, seed=seed)
@@ -181,7 +192,8 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     cache_item = jax.numpy.dtype(c.compute_dtype).itemsize
     attn = 4 * c.num_layers * c.num_heads * c.head_dim  # FLOPs per (query, key) pair
     def prefill_cost(start, end, head_rows=1):  # tokens start..end - 1 of a prompt, attending to 0..end - 1
-        flops = 2 * n_layers * (end - start) + attn * (end * (end + 1) - start * (start + 1)) / 2 + 2 * n_head * head_rows
+        flops = (2 * n_layers * (end - start) + attn * (end * (end + 1) - start * (start + 1)) / 2
+                 + 2 * n_head * head_rows)
         return max(flops / m["matmul_flop_s"], weight_bytes / m["read_bytes_s"])
 
     prefill_s = sum(prefill_cost(len(head), len(p)) for p in prompts[:batch]) + (prefill_cost(0, len(head), 0)
@@ -293,12 +305,10 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     continuous(True)  # compile the capacities its timing reaches
     for name, fn, secs in (("", lambda o: fixed_run(o)[0], batch * new_tokens / out["engine_tok_s"]),
                            ("tail_", lambda o: continuous(o)[0], sum(lengths) / out["continuous_tok_s"])):
-        runs = {True: [], False: []}
-        for _ in range(2 if secs > 2 else 5):
-            for overlap in (False, True):
-                runs[overlap].append(fn(overlap))
-        out[f"overlap_{name}tok_s"], out[f"no_overlap_{name}tok_s"] = max(runs[True]), max(runs[False])
-        out[f"overlap_{name}vs_none"] = max(runs[True]) / max(runs[False])
+        best = _best_alternated({f"no_overlap_{name}tok_s": lambda: fn(False),
+                                 f"overlap_{name}tok_s": lambda: fn(True)}, rounds=2 if secs > 2 else 5)
+        out.update(best)
+        out[f"overlap_{name}vs_none"] = best[f"overlap_{name}tok_s"] / best[f"no_overlap_{name}tok_s"]
 
     bar.update()
     bar.set_postfix_str("shared prefix")
@@ -306,12 +316,10 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     # (as above) and with every prompt prefilled whole; alternated, best of two each.
     if head:
         continuous(prefix=()), static(prefix=())  # compile the whole-prompt buckets
-        best: dict[str, list[float]] = collections.defaultdict(list)
-        for _ in range(2):
-            for prefix, name in (((), "no_prefix"), (head, "prefix")):
-                best[f"{name}_continuous_tok_s"].append(continuous(prefix=prefix)[0])
-                best[f"{name}_static_tok_s"].append(static(prefix=prefix)[0])
-        out.update({k: max(v) for k, v in best.items()})
+        out.update(_best_alternated({"no_prefix_continuous_tok_s": lambda: continuous(prefix=())[0],
+                                     "no_prefix_static_tok_s": lambda: static(prefix=())[0],
+                                     "prefix_continuous_tok_s": lambda: continuous(prefix=head)[0],
+                                     "prefix_static_tok_s": lambda: static(prefix=head)[0]}, rounds=2))
         for name in ("prefix", "no_prefix"):
             out[f"{name}_continuous_vs_static"] = out[f"{name}_continuous_tok_s"] / out[f"{name}_static_tok_s"]
         out["prefix_vs_none_continuous"] = out["prefix_continuous_tok_s"] / out["no_prefix_continuous_tok_s"]

@@ -374,7 +374,7 @@ class Engine:
         return DecodeState(init_cache(self.cfg, b, self.max_target_length), z(), z(), z(), z(), z(),
                            jnp.zeros((b,), bool), SamplingParams.make(b))
 
-    def prefill(self, *, params: Any = None, existing_prefix: Prefix | None = None, padded_tokens: Any,
+    def prefill(self, *, params: Any = None, existing_prefix: SharedPrefix | None = None, padded_tokens: Any,
                 true_length: int, sample_id: int = 0, version: int = 0,
                 sampling: RequestSampling = RequestSampling()) -> tuple[Prefix, ResultTokens]:
         """Prefills one prompt (right-padded to a power-of-two bucket) and samples its first token.
@@ -382,16 +382,15 @@ class Engine:
         ``existing_prefix`` (a :class:`SharedPrefix` of this version, as JetStream's argument of that name):
         ``padded_tokens[:true_length]`` are the tokens after it, and the request is the whole sequence (its first
         token sits at position ``len(prefix) + true_length``)."""
+        padded = np.asarray(padded_tokens, np.int32).reshape(-1)
+        if not 0 < true_length <= padded.shape[0]:
+            raise EngineError(f"true_length {true_length} must be in [1, {padded.shape[0]}] (the padded length)")
         if existing_prefix is not None:
             if not isinstance(existing_prefix, SharedPrefix):
                 raise EngineError(f"existing_prefix must be a SharedPrefix (Engine.prefill_shared_prefix), got "
                                   f"{type(existing_prefix).__name__}")
-            return self._prefill_after(params, existing_prefix, padded_tokens, true_length, sample_id, version,
-                                       sampling)
+            return self._prefill_after(params, existing_prefix, padded[:true_length], sample_id, version, sampling)
         sampling.validate()
-        padded = np.asarray(padded_tokens, np.int32).reshape(-1)
-        if not 0 < true_length <= padded.shape[0]:
-            raise EngineError(f"true_length {true_length} must be in [1, {padded.shape[0]}] (the padded length)")
         if true_length > self._max_prefill_length:
             raise EngineError(f"prompt of {true_length} tokens exceeds max_prefill_length ({self._max_prefill_length})")
         t = min(bucket(true_length), self.max_target_length)
@@ -405,13 +404,11 @@ class Engine:
                                                   sp))
         return prefix, ResultTokens(packed)
 
-    def _prefill_after(self, params, shared: SharedPrefix, padded_tokens, true_length, sample_id, version,
+    def _prefill_after(self, params, shared: SharedPrefix, tokens: np.ndarray, sample_id, version,
                        sampling) -> tuple[Prefix, ResultTokens]:
-        """:meth:`prefill` after an existing prefix: :meth:`prefill_batch` of one request, as a :class:`Prefix`."""
-        padded = np.asarray(padded_tokens, np.int32).reshape(-1)
-        if not 0 < true_length <= padded.shape[0]:
-            raise EngineError(f"true_length {true_length} must be in [1, {padded.shape[0]}] (the padded length)")
-        batch, first = self.prefill_batch(params=params, prompts=[shared.tokens + tuple(padded[:true_length].tolist())],
+        """:meth:`prefill` of ``tokens`` after an existing prefix: :meth:`prefill_batch` of one request, as a
+        :class:`Prefix`."""
+        batch, first = self.prefill_batch(params=params, prompts=[shared.tokens + tuple(tokens.tolist())],
                                           sample_ids=[sample_id], version=version, samplings=[sampling],
                                           shared_prefix=shared)
         row = jax.tree.map(lambda x: x[0], (batch.token, batch.logprob, batch.length, batch.sample_id, batch.version,
