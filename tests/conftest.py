@@ -9,17 +9,37 @@ import time
 from dora_jax.xla_flags import DEVICE_COUNT, cpu_device_flags  # noqa: E402 - imports no JAX
 
 # Must happen before jax is imported anywhere: 8 fake CPU devices (unless XLA_FLAGS asks for another count), with
-# the flag that keeps their collectives in one order (dora_jax.xla_flags).
-os.environ["XLA_FLAGS"] = cpu_device_flags(None if DEVICE_COUNT in os.environ.get("XLA_FLAGS", "") else 8)
+# the flag that keeps their collectives in one order (dora_jax.xla_flags). LLVM's optimizations off (unless
+# XLA_FLAGS sets a level): the tests' programs are small, so compiling them costs far more than running them
+# (the suite takes about half the time). XLA's own HLO passes (fusion, layout, scheduling) still run and the
+# matmuls go to the same runtime libraries; results differ from the default level's by float32 rounding (SmolLM2
+# logits by 4e-6 of the largest), far inside every tolerance. docs/benchmarks.md ("Test suite") has the numbers.
+_FLAGS = os.environ.get("XLA_FLAGS", "")
+OPT_LEVEL = "--xla_backend_optimization_level"
+if OPT_LEVEL not in _FLAGS:
+    _FLAGS = f"{_FLAGS} {OPT_LEVEL}=0"
+os.environ["XLA_FLAGS"] = cpu_device_flags(None if DEVICE_COUNT in _FLAGS else 8, _FLAGS)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-# No persistent compilation cache: tests compile what they run.
+# No compilation cache of the user's: tests compile what they run. They share one of their own instead, new
+# for every run and removed at its end, so the programs many tests build alike (the tiny model's train step,
+# the engine's decode step at the same shapes) compile once per run instead of once per test. The process that
+# starts the run makes the directory; pytest-xdist's workers inherit its name. Processes a test starts do not
+# read it (only this file does), so multi-process tests compile on their own.
 os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+_CACHE_DIR = "DORA_JAX_TEST_COMPILATION_CACHE"
+_OWNS_CACHE = _CACHE_DIR not in os.environ
+if _OWNS_CACHE:
+    os.environ[_CACHE_DIR] = tempfile.mkdtemp(prefix="dora-jax-test-xla-cache-")
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_DIR])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the many small programs add up
 
 
 def rel_err(actual, expected) -> float:
@@ -126,3 +146,5 @@ def pytest_unconfigure(config):
     directory = os.environ.get(_STDERR_DIR)
     if not hasattr(config, "workerinput") and directory:
         shutil.rmtree(directory, ignore_errors=True)
+    if _OWNS_CACHE:
+        shutil.rmtree(os.environ.pop(_CACHE_DIR), ignore_errors=True)

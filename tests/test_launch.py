@@ -34,9 +34,15 @@ def test_shellcheck_clean(script):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def _clean_env() -> dict[str, str]:
+    """This process's environment without what would change the scripts' output: launcher variables, and the
+    suite's own XLA_FLAGS (a test that means the caller's flags passes them)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("DORA_", "SLURM_", "TPU_")) and k != "XLA_FLAGS"}
+
+
 def _dry(script: str, args: list[str], env: dict[str, str] | None = None) -> list[list[str]]:
     """The commands a --dry-run prints, each split the way a shell would read it (comments dropped)."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("DORA_", "SLURM_", "TPU_"))}
+    full_env = _clean_env()
     full_env.update(env or {})
     full_env["DORA_JAX_BIN"] = BIN
     r = subprocess.run(["bash", os.path.join(REPO, "launch", script), "--dry-run", *args], capture_output=True,
@@ -46,7 +52,7 @@ def _dry(script: str, args: list[str], env: dict[str, str] | None = None) -> lis
 
 
 def _fails(script: str, args: list[str], env: dict[str, str], message: str) -> None:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("DORA_", "SLURM_", "TPU_"))}
+    full_env = _clean_env()
     full_env.update(env)
     r = subprocess.run(["bash", os.path.join(REPO, "launch", script), "--dry-run", *args], capture_output=True,
                        text=True, env=full_env, cwd=REPO)

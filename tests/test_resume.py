@@ -69,7 +69,8 @@ def varied_reward(prompt, response, answer):
 
 @pytest.fixture(scope="module")
 def child_env(tmp_path_factory):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0",  # conftest.py
                JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
                PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")]))
