@@ -57,6 +57,13 @@ SPLIT = ["roles.placement=split", "roles.trainer_devices=4", "target.num_devices
 
 
 @pytest.fixture(scope="module")
+def split():
+    """Split placement with one rollout group: the trainer on devices 0-3, the engine on 4-7 (tensor 2), built
+    by the runner from the config."""
+    return lambda: dict(progress=False)
+
+
+@pytest.fixture(scope="module")
 def split2():
     """Split placement with two rollout groups: the trainer on devices 0-3, one engine on devices 4-5 and one
     on 6-7 (tensor 2 each), built by the runner from the config."""
@@ -88,10 +95,10 @@ def always_raise(prompt, response, answer):
 
 @pytest.mark.parametrize("mode,k,rbs,placement,overlap", [
     ("sync", 0, 8, "shared", False), ("one_step_off", 1, 8, "shared", False), ("dora", 2, 24, "shared", False),
-    ("dora", 2, 24, "shared", True), ("dora", 2, 24, "split2", False)])
+    ("dora", 2, 24, "shared", True), ("dora", 2, 24, "split", False), ("dora", 2, 24, "split2", False)])
 def test_each_mode_keeps_the_promises(tmp_path, request, mode, k, rbs, placement, overlap):
     cfg = tiny(f"dora.mode={mode}", f"dora.rollout_batch={rbs}", f"rollout.overlap={str(overlap).lower()}",
-               *(SPLIT + ["roles.rollout_groups=2"] if placement == "split2" else []))
+               *(SPLIT + ["roles.rollout_groups=2"] if placement == "split2" else SPLIT if placement == "split" else []))
     runner = Runner(cfg, str(tmp_path), keep_versions=True, **request.getfixturevalue(placement)())
     assert runner.driver.overlap is overlap  # the rollout driver dispatches ahead only when asked
     summary = runner.run()

@@ -79,9 +79,9 @@ def _flat(tree):
     return np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
 
 
-# dapo (normalized by the whole batch's token count) and gspo (sequence-level ratios): the two aggregations
-# micro-batching can get wrong; grpo's per-sequence mean is the simpler case of dapo's.
-@pytest.mark.parametrize("loss", ["dapo", "gspo"])
+# grpo (each sequence's token mean, then the batch's), dapo (normalized by the whole batch's token count) and
+# gspo (sequence-level ratios): each aggregates over the batch in its own way, which micro-batching can get wrong.
+@pytest.mark.parametrize("loss", ["grpo", "dapo", "gspo"])
 def test_micro_batched_gradient_equals_one_batch(loss):
     samples = _samples()
     one, s1 = _trainer(_config(loss=loss, correction="decoupled", kl_coef=0.0))
