@@ -185,7 +185,8 @@ class RunCheckpoints:
     def __init__(self, directory: str | os.PathLike, *, fingerprint: str, keep_last: int = 3):
         if keep_last < 1:
             raise ValueError(f"keep_last = {keep_last}: at least one checkpoint must be kept")
-        self.directory = Path(directory)
+        # Absolute from here on: Orbax refuses relative paths, and a later change of directory must not move it.
+        self.directory = Path(directory).absolute()
         self.fingerprint = fingerprint
         self.keep_last = keep_last
 

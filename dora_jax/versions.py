@@ -320,7 +320,8 @@ class Snapshots:
 
         if keep_last < 1 or keep_every < 0:
             raise ValueError(f"keep_last = {keep_last} must be >= 1 and keep_every = {keep_every} >= 0")
-        self.directory = Path(directory)
+        # Absolute from here on: Orbax refuses relative paths, and a later change of directory must not move it.
+        self.directory = Path(directory).absolute()
         self.fingerprint = fingerprint
         self.keep_last, self.keep_every = keep_last, keep_every
         self._protect: set[int] = set()

@@ -74,6 +74,18 @@ def test_round_trip_is_bit_exact(setup, ckpts):
     assert all(x.sharding == y.sharding for x, y in zip(jax.tree.leaves(found.train_state), jax.tree.leaves(state)))
 
 
+def test_relative_directory(setup, tmp_path, monkeypatch):
+    """A relative directory is taken from the working directory at creation, for saves and restores alike."""
+    cfg, state = setup
+    monkeypatch.chdir(tmp_path)
+    ckpts = RunCheckpoints("runs/x/checkpoints", fingerprint=cfg.fingerprint())
+    ckpts.save(1, bumped(state, 1), run_state(1))
+    monkeypatch.chdir(tmp_path.parent)
+    assert (tmp_path / "runs/x/checkpoints/step_00000001" / MARKER).is_file()
+    found = ckpts.restore_latest(target=state)
+    assert found.step == 1 and equal_trees(found.train_state, bumped(state, 1))
+
+
 def test_restore_onto_a_smaller_mesh(setup, ckpts):
     _, state = setup
     mesh = create_mesh(MeshConfig(data=1, fsdp=-1, tensor=1), jax.devices()[:4])

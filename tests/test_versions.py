@@ -262,6 +262,19 @@ def test_retention_keeps_exactly_expected_set(tmp_path):
     snaps.close()
 
 
+def test_snapshots_under_a_relative_directory(tmp_path, monkeypatch):
+    """A relative directory (the CLI's default run directory is ``runs/NAME``) is taken from the working
+    directory at creation; changing directory afterwards does not move it."""
+    monkeypatch.chdir(tmp_path)
+    snaps = Snapshots("runs/x/versions", fingerprint="f")
+    snaps.save(2, tiny(2))
+    snaps.wait()
+    monkeypatch.chdir(tmp_path.parent)
+    assert snaps.versions() == [2] and (tmp_path / "runs/x/versions/v_00000002").is_dir()
+    assert float(snaps.restore(2, target=tiny(0))["w"][0, 0]) == 2.0
+    snaps.close()
+
+
 def test_bad_snapshots_are_reported(tmp_path):
     snaps = Snapshots(tmp_path, fingerprint="aaaa")
     snaps.save(3, tiny(3))
