@@ -242,16 +242,20 @@ def main(argv: list[str] | None = None) -> int:
     from dora_jax.models.hf_io import WeightsError
     from dora_jax.tokenizer import TokenizerError
 
+    from dora_jax.checkpoint import CheckpointError
+    from dora_jax.resume import ResumeError
     from dora_jax.runner import RunError
     from dora_jax.scheduler import ScheduleError
     from dora_jax.tasks.gsm8k import TaskDataError
+    from dora_jax.versions import VersionError
 
     args = build_parser().parse_args(argv)
     try:
         if args.command == "train":
             initialize()  # joins the other hosts under jax.distributed; a no-op for one process
         return args.fn(args)
-    except (DistributedError, ConfigError, WeightsError, TokenizerError, RunError, ScheduleError, TaskDataError) as e:
+    except (DistributedError, ConfigError, WeightsError, TokenizerError, RunError, ScheduleError, TaskDataError,
+            ResumeError, CheckpointError, VersionError) as e:  # bad input or saved state: the message names it
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -54,10 +54,11 @@ class ResumeError(RuntimeError):
     """A run directory that cannot be resumed as asked; the message names the directory and the cause."""
 
 
-def _computing_dict(cfg: Config) -> dict[str, Any]:
-    d = {k: v for k, v in cfg.to_dict().items() if k not in _PLACEMENT_SECTIONS}
+def _computing_dict(cfg: Config | dict[str, Any]) -> dict[str, Any]:
+    """The settings that change what a run computes, of a config or of its ``to_dict()``."""
+    d = {k: v for k, v in (cfg if isinstance(cfg, dict) else cfg.to_dict()).items() if k not in _PLACEMENT_SECTIONS}
     for section, names in _PLACEMENT_FIELDS.items():
-        d[section] = {k: v for k, v in d[section].items() if k not in names}
+        d[section] = {k: v for k, v in d.get(section, {}).items() if k not in names}
     return d
 
 
@@ -69,15 +70,16 @@ def run_fingerprint(cfg: Config) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def config_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
-    """Dotted names of the fields whose values differ between two config dicts, each with both values."""
+def config_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "", where: str = "the checkpoint") -> list[str]:
+    """Dotted names of the fields whose values differ between two config dicts, each with both values (the old
+    one as found in ``where``)."""
     out = []
     for k in sorted(set(old) | set(new)):
         a, b = old.get(k, "<absent>"), new.get(k, "<absent>")
         if isinstance(a, dict) and isinstance(b, dict):
-            out += config_diff(a, b, f"{prefix}{k}.")
+            out += config_diff(a, b, f"{prefix}{k}.", where)
         elif a != b:
-            out.append(f"{prefix}{k}: {a!r} in the checkpoint, {b!r} now")
+            out.append(f"{prefix}{k}: {a!r} in {where}, {b!r} now")
     return out
 
 
@@ -257,6 +259,31 @@ class RunStore:
                 + f"\nRestore those settings to continue this run, or choose another run.name / run.out_dir."
                 + (" (dora.steps cannot change on resume: a run continues to the end it was started for.)"
                    if any(d.startswith("dora.steps") for d in diff) else ""))
+
+    def check_restart(self) -> None:
+        """Refuses to start over in a directory whose earlier attempt left updates but no checkpoint (killed
+        before its first one, or ``run.checkpoint_every`` 0), unless that attempt's ``config.json`` shows the
+        same configuration: then its lines are this run's own and are rewritten; another run's never are.
+
+        Raises:
+          ResumeError: naming the files that would be replaced and every field that differs (or that
+            ``config.json`` is missing or unreadable).
+        """
+        if self.has_checkpoints() or not (left := self.leftovers()):
+            return
+        path = self.run_dir / "config.json"
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            why = [f"its configuration is unknown ({path}: {e.__class__.__name__}: {e})"]
+        else:
+            why = (config_diff(_computing_dict(saved), _computing_dict(self.cfg), where=str(path))
+                   if isinstance(saved, dict) else [f"its configuration is unknown ({path} holds no mapping)"])
+        if why:
+            raise ResumeError(
+                f"{self.run_dir} holds an unfinished run ({', '.join(left)}) with no checkpoint to continue from, "
+                "and starting over would replace it with another configuration's:\n  " + "\n  ".join(why)
+                + "\nChoose another run.name / run.out_dir, or move that run away.")
 
     def has_checkpoints(self) -> bool:
         return bool(self.checkpoints.steps()) or (self.checkpoints.directory.is_dir() and any(

@@ -54,7 +54,7 @@ from dora_jax.rewards import RewardPool
 from dora_jax.rollout.driver import DriverGroups, Request, RolloutDriver, Trajectory
 from dora_jax.rollout.engine import Engine, RequestSampling, bucket
 from dora_jax.scheduler import SchedulePolicy, Scheduler
-from dora_jax.tasks import Item, Task, load_task
+from dora_jax.tasks import Item, Score, Task, load_task
 from dora_jax.tokenizer import chat_template_head
 from dora_jax.sharding import reshard
 from dora_jax.trainer import Sample, Trainer, make_batch
@@ -168,9 +168,13 @@ class Runner:
         self.store = RunStore(run_dir, cfg, self.policy.bound)
         if not cfg.run.resume and (left := self.store.leftovers()):  # refused before anything is built or written
             raise RunError(f"{run_dir} holds an unfinished run ({', '.join(left)}) and run.resume is false: "
-                           "set run.resume=true to continue it, or choose another run.name or run.out_dir")
+                           + ("set run.resume=true to continue it" if self.store.has_checkpoints() else
+                              "it has no checkpoint to continue from (run.resume=true starts it over, with the "
+                              "configuration it was started with only)")
+                           + ", or choose another run.name or run.out_dir")
         if cfg.run.resume:
             self.store.check_config()
+            self.store.check_restart()
         # Several processes: every process runs this same run; only process 0 writes the run directory.
         self.multi, self.writes = jax.process_count() > 1, jax.process_index() == 0
         self.rank, self.nproc = jax.process_index(), jax.process_count()
@@ -541,7 +545,7 @@ class Runner:
         """
         items = self.task.eval_items()
         if not items:
-            return {"accuracy": float("nan"), "reward": float("nan"), "n": 0, "len_mean": float("nan")}
+            return {"accuracy": float("nan"), "reward": float("nan"), "n": 0, "len_mean": float("nan"), "score_errors": 0}
         tc = self.cfg.task
         version = self.sched.version if version is None else version
         driver = RolloutDriver(self.engine, eos_ids=self.tokenizer.eos_ids, overlap=self.cfg.rollout.overlap,
@@ -553,11 +557,25 @@ class Runner:
                         max_new_tokens=min(it.max_new_tokens or n_new, n_new), sampling=sampling)
                 for k in range(tc.eval_samples) for i, it in enumerate(items)]
         trajs = sorted(driver.run(reqs), key=lambda t: t.sample_id)
-        scores = [self.task.score(items[t.sample_id % len(items)],
-                                  self.tokenizer.decode(t.tokens, skip_special_tokens=True)) for t in trajs]
+        scores, failed = [], []
+        for t in trajs:
+            q = t.sample_id % len(items)
+            try:
+                score = self.task.score(items[q], self.tokenizer.decode(t.tokens, skip_special_tokens=True))
+                if not np.isfinite(score.reward):
+                    raise ValueError(f"returned a non-finite reward {score.reward}")
+            except Exception as e:  # noqa: BLE001 - user code: as in training, a failure is named, not fatal
+                failed.append(f"held-out question {q}: {type(e).__name__}: {e}")
+                score = Score(0.0, False)
+            scores.append(score)
+        if failed:
+            what = f"task {self.task.name!r}: scoring failed on {len(failed)} of {len(trajs)} held-out answers"
+            if len(failed) == len(trajs):
+                raise RunError(f"{what} (version {version}); the first: {failed[0]}")
+            log.warning("%s (version %d, counted as wrong with reward 0); the first: %s", what, version, failed[0])
         return {"accuracy": float(np.mean([s.correct for s in scores])),
                 "reward": float(np.mean([s.reward for s in scores])), "n": len(scores),
-                "len_mean": float(np.mean([len(t.tokens) for t in trajs]))}
+                "len_mean": float(np.mean([len(t.tokens) for t in trajs])), "score_errors": len(failed)}
 
     # -- the loop -------------------------------------------------------------------------------------------
 
@@ -582,7 +600,9 @@ class Runner:
         before, eval_s = m["eval_before"], m["eval_s"]
         for name, key in (("metrics.jsonl", "lines"), ("samples.jsonl", "samples_lines")):
             if self.writes and (dropped := truncate_lines(os.path.join(self.run_dir, name), m[key])):
-                log.warning("%s: dropped %d lines written after the checkpoint (their updates are redone)",
+                log.warning("%s: dropped %d lines written after the checkpoint (their updates are redone)"
+                            if self._resumed is not None else "%s: no checkpoint to continue from: the run starts "
+                            "over with the same configuration, replacing the %d lines of its earlier attempt",
                             os.path.join(self.run_dir, name), dropped)
         self._metrics_lines, self._sample_lines = m["lines"], m["samples_lines"]
         writer = MetricsWriter(self.run_dir) if self.writes else _NoWriter()

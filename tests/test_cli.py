@@ -21,6 +21,16 @@ def test_missing_weights_exits_2(capsys, tmp_path):
     assert "not found" in capsys.readouterr().err
 
 
+def test_a_run_directory_that_cannot_be_continued_exits_2(capsys, tmp_path):
+    """Saved state the run cannot continue from is bad input too: the message, exit code 2, nothing touched."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert main(["train", "--config", "tiny_llama", "--run-dir", str(tmp_path), "--no-plot"]) == 2
+    assert "error: " in (err := capsys.readouterr().err) and "no checkpoint to continue from" in err
+    assert (tmp_path / "config.json").read_text() == "{}" and sorted(os.listdir(tmp_path)) == [
+        "config.json", "metrics.jsonl"]
+
+
 def test_export_random_model_on_fake_devices(tmp_path):
     """`dora-jax export` of the sharded tiny config (2x2x2 mesh) in a fresh process with 8 fake devices, asked
     for the way a user would (the device count only): the command adds the collective-order flag before JAX

@@ -278,6 +278,33 @@ def test_another_config_is_refused_naming_the_field(tmp_path, sync_reference):
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
 
 
+def test_an_unfinished_run_without_checkpoints_is_only_restarted_by_its_own_configuration(tmp_path):
+    """A run killed before its first checkpoint (or run with run.checkpoint_every=0) left config.json and
+    some lines: another configuration is refused naming the field, before anything is written; the same one
+    (placement may differ) starts it over; so does a directory without such lines."""
+    cfg = load_config("tiny_llama", SYNC)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    before = {p: p.read_bytes() for p in tmp_path.iterdir()}
+    other = load_config("tiny_llama", SYNC + ["model.hidden_size=32"])
+    with pytest.raises(ResumeError, match=r"(?s)holds an unfinished run \(metrics.jsonl\) with no checkpoint.*"
+                       r"model.hidden_size: 64 in .*config.json, 32 now"):
+        Runner(other, str(tmp_path), progress=False)
+    with pytest.raises(RunError, match="no checkpoint to continue from"):
+        Runner(load_config("tiny_llama", SYNC + ["run.resume=false"]), str(tmp_path), progress=False)
+    RunStore(tmp_path, load_config("tiny_llama", SYNC + ["mesh.data=2", "run.name=b"]), 0).check_restart()
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(ResumeError, match=r"its configuration is unknown \(.*config.json: FileNotFoundError"):
+        RunStore(tmp_path, cfg, 0).check_restart()
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ResumeError, match=r"its configuration is unknown"):
+        RunStore(tmp_path, cfg, 0).check_restart()
+    (tmp_path / "config.json").write_bytes(before[tmp_path / "config.json"])
+    assert {p: p.read_bytes() for p in tmp_path.iterdir()} == before
+    (tmp_path / "metrics.jsonl").write_text("")
+    RunStore(tmp_path, other, 0).check_restart()  # nothing of the earlier attempt would be lost
+
+
 def test_truncate_lines_keeps_the_head_and_refuses_to_grow(tmp_path):
     p = tmp_path / "m.jsonl"
     p.write_text("a\nb\nc\npartial")

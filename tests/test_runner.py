@@ -93,6 +93,13 @@ def always_raise(prompt, response, answer):
     raise RuntimeError("broken reward")
 
 
+def raise_on_even_prompt(prompt, response, answer):
+    """Fails on the questions whose prompt's bytes have an even sum, whatever the response."""
+    if sum(prompt.encode()) % 2 == 0:
+        raise ValueError(f"even prompt {prompt!r}")
+    return 1.0
+
+
 @pytest.mark.parametrize("mode,k,rbs,placement,overlap", [
     ("sync", 0, 8, "shared", False), ("one_step_off", 1, 8, "shared", False), ("dora", 2, 24, "shared", False),
     ("dora", 2, 24, "shared", True), ("dora", 2, 24, "split", False), ("dora", 2, 24, "split2", False)])
@@ -212,6 +219,25 @@ def test_a_reward_that_always_fails_stops_the_run_with_the_reason(tmp_path, shar
                "task.eval_size=0")
     with pytest.raises(RunError, match="RuntimeError: broken reward"):
         Runner(cfg, str(tmp_path), **shared()).run()
+
+
+def test_evaluation_counts_failed_scores_as_wrong_and_names_them(tmp_path, shared, caplog):
+    cfg = tiny("dora.mode=sync", "dora.rollout_batch=8", "task.reward=test_runner:raise_on_even_prompt",
+               "task.eval_size=8", "task.eval_samples=2", "task.eval_temperature=1.0")
+    runner = Runner(cfg, str(tmp_path), **shared())
+    even = sum(sum(it.prompt.encode()) % 2 == 0 for it in runner.task.eval_items())
+    assert 0 < even < 8  # both kinds among the held-out questions
+    with caplog.at_level("WARNING"):
+        ev = runner.evaluate(0)
+    assert ev["n"] == 16 and ev["score_errors"] == 2 * even
+    assert ev["reward"] == (16 - 2 * even) / 16  # every answer that scored got 1.0; the failed ones 0
+    assert f"scoring failed on {2 * even} of 16 held-out answers" in caplog.text
+    assert "ValueError: even prompt" in caplog.text
+    runner = Runner(tiny("dora.mode=sync", "dora.rollout_batch=8", "task.reward=test_runner:always_raise",
+                         "task.eval_size=4"), str(tmp_path / "b"), **shared())
+    with pytest.raises(RunError, match=r"scoring failed on 4 of 4 held-out answers \(version 0\); the first: "
+                       r"held-out question 0: RuntimeError: broken reward"):
+        runner.evaluate(0)
 
 
 def test_bad_run_configs_are_named(tmp_path):
