@@ -590,6 +590,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             _fail(path, value, "must be a number")
+        if value != value:  # NaN: no setting means "not a number" (infinity is checked field by field)
+            _fail(path, value, "must be a number, not NaN")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

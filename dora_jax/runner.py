@@ -553,9 +553,18 @@ class Runner:
         driver.add_version(version, self._rollout_params[version])
         sampling = RequestSampling(temperature=tc.eval_temperature, seed=self.cfg.rollout.seed + 7919)
         n_new = tc.eval_max_new_tokens
-        reqs = [Request(k * len(items) + i, tuple(self._prompt_ids(it)), version=version,
-                        max_new_tokens=min(it.max_new_tokens or n_new, n_new), sampling=sampling)
-                for k in range(tc.eval_samples) for i, it in enumerate(items)]
+        prompts = [tuple(self._prompt_ids(it)) for it in items]
+        budgets = [min(it.max_new_tokens or n_new, n_new) for it in items]
+        eng = self.engine
+        for i, (p, n) in enumerate(zip(prompts, budgets)):  # named by the settings, before any decoding
+            if len(p) > eng.max_prefill_length or len(p) + n > eng.max_target_length:
+                raise RunError(
+                    f"task {self.task.name!r}: held-out question {i} has {len(p)} prompt tokens and may generate {n} "
+                    f"(task.eval_max_new_tokens = {n_new}), but the rollout engine takes prompts of at most "
+                    f"{eng.max_prefill_length} tokens (rollout.max_prompt_len) and {eng.max_target_length} positions "
+                    "in all (rollout.max_prompt_len + rollout.max_new_tokens, rounded up to a power of two)")
+        reqs = [Request(k * len(items) + i, p, version=version, max_new_tokens=n, sampling=sampling)
+                for k in range(tc.eval_samples) for i, (p, n) in enumerate(zip(prompts, budgets))]
         trajs = sorted(driver.run(reqs), key=lambda t: t.sample_id)
         scores, failed = [], []
         for t in trajs:

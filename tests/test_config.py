@@ -44,6 +44,7 @@ def test_overrides_and_types():
     ("generate.max_new_tokens=4096", "must be < model.max_seq_len"),
     ("run.name=a/b", "'run.name' = 'a/b'"),
     ("model.nope=1", "unknown config field 'model.nope'"),
+    ("train.learning_rate=.nan", "'train.learning_rate' = nan: must be a number, not NaN"),
     ("model", "expected key=value"),
 ])
 def test_validation_messages(override, message):

@@ -19,6 +19,7 @@ from conftest import rel_err
 from dora_jax.config import ConfigError, load_config
 from dora_jax.ledger import Ledger
 from dora_jax.runner import Runner, RunError
+from dora_jax.tasks import load_task
 from dora_jax.trainer import make_batch, Sample
 
 BASE = ["dora.steps=4", "dora.train_batch=8", "dora.rollout_batch=16", "train.max_staleness=2",
@@ -233,6 +234,12 @@ def test_evaluation_counts_failed_scores_as_wrong_and_names_them(tmp_path, share
     assert ev["reward"] == (16 - 2 * even) / 16  # every answer that scored got 1.0; the failed ones 0
     assert f"scoring failed on {2 * even} of 16 held-out answers" in caplog.text
     assert "ValueError: even prompt" in caplog.text
+    # Held-out questions the engine cannot take are named with the settings, before anything is decoded.
+    runner.task = load_task(tiny("task.name=arithmetic").task)  # prompts of 50-60 characters, bytes as tokens
+    with pytest.raises(RunError, match=r"'arithmetic': held-out question 0 has \d\d prompt tokens and may generate "
+                       r"32 \(task.eval_max_new_tokens = 32\), but the rollout engine takes prompts of at most 32 "
+                       r"tokens \(rollout.max_prompt_len\) and 64 positions in all"):
+        runner.evaluate(0)
     runner = Runner(tiny("dora.mode=sync", "dora.rollout_batch=8", "task.reward=test_runner:always_raise",
                          "task.eval_size=4"), str(tmp_path / "b"), **shared())
     with pytest.raises(RunError, match=r"scoring failed on 4 of 4 held-out answers \(version 0\); the first: "
