@@ -73,7 +73,18 @@ def test_export_never_overwrites(tmp_path):
     target = tmp_path / "precious"
     target.mkdir()
     (target / "keep.txt").write_text("do not lose me")
-    with pytest.raises(WeightsError, match="exists and is not empty"):
+    with pytest.raises(WeightsError, match=r"exists and is not empty.*overwrite=True \(--overwrite"):
         export_hf(model, str(target))
-    assert (target / "keep.txt").read_text() == "do not lose me"
-    assert sorted(os.listdir(tmp_path)) == ["precious"]  # no temporary leftovers
+    # overwrite replaces only an earlier export, never other data (a run directory, say) or a file
+    with pytest.raises(WeightsError, match=r"is not an earlier export .* it holds keep.txt"):
+        export_hf(model, str(target), overwrite=True)
+    (tmp_path / "file").write_text("x")
+    for overwrite in (False, True):
+        with pytest.raises(WeightsError, match="is a file, not a directory"):
+            export_hf(model, str(tmp_path / "file"), overwrite=overwrite)
+    assert (target / "keep.txt").read_text() == "do not lose me" and (tmp_path / "file").read_text() == "x"
+    assert sorted(os.listdir(tmp_path)) == ["file", "precious"]  # no temporary leftovers
+    first = export_hf(model, str(tmp_path / "hf"))
+    (tmp_path / "hf" / "extra.txt").write_text("an earlier export's")
+    assert export_hf(model, str(tmp_path / "hf"), overwrite=True) == first  # an export is replaced whole
+    assert not (tmp_path / "hf" / "extra.txt").exists() and (tmp_path / "hf" / "config.json").is_file()

@@ -342,11 +342,21 @@ def export_hf(model: Decoder, out_dir: str, *, tokenizer: Any = None, dtype: str
     """Writes the model as a Hugging Face directory that ``transformers`` loads.
 
     The directory is written under a temporary name and renamed into place when complete; an existing
-    non-empty ``out_dir`` is never touched unless ``overwrite`` is set.
+    non-empty ``out_dir`` is never touched unless ``overwrite`` is set, and then only if it is an earlier
+    export (a ``config.json`` beside ``*.safetensors``): a run directory or any other data is never replaced.
     """
     cfg = model.cfg
-    if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise WeightsError(f"{out_dir} exists and is not empty; choose another directory or pass overwrite=True")
+    if os.path.exists(out_dir):
+        if not os.path.isdir(out_dir):
+            raise WeightsError(f"{out_dir} exists and is a file, not a directory; choose another directory")
+        names = os.listdir(out_dir)
+        if names and not overwrite:
+            raise WeightsError(f"{out_dir} exists and is not empty; choose another directory or pass "
+                               "overwrite=True (--overwrite on the command line) to replace an earlier export")
+        if names and not ("config.json" in names and any(n.endswith(".safetensors") for n in names)):
+            raise WeightsError(f"{out_dir} is not an earlier export (no config.json beside *.safetensors), so it "
+                               f"is not replaced even with overwrite; it holds {', '.join(sorted(names)[:5])}"
+                               + (", ..." if len(names) > 5 else ""))
     np_dtype = _np_dtype(dtype or cfg.param_dtype)
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
