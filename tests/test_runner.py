@@ -57,20 +57,6 @@ SPLIT = ["roles.placement=split", "roles.trainer_devices=4", "target.num_devices
          "mesh.tensor=2"]
 
 
-@pytest.fixture(scope="module")
-def split():
-    """Split placement with one rollout group: the trainer on devices 0-3, the engine on 4-7 (tensor 2), built
-    by the runner from the config."""
-    return lambda: dict(progress=False)
-
-
-@pytest.fixture(scope="module")
-def split2():
-    """Split placement with two rollout groups: the trainer on devices 0-3, one engine on devices 4-5 and one
-    on 6-7 (tensor 2 each), built by the runner from the config."""
-    return lambda: dict(progress=False)
-
-
 def read_samples(run_dir):
     with open(os.path.join(run_dir, "samples.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -105,9 +91,13 @@ def raise_on_even_prompt(prompt, response, answer):
     ("sync", 0, 8, "shared", False), ("one_step_off", 1, 8, "shared", False), ("dora", 2, 24, "shared", False),
     ("dora", 2, 24, "shared", True), ("dora", 2, 24, "split", False), ("dora", 2, 24, "split2", False)])
 def test_each_mode_keeps_the_promises(tmp_path, request, mode, k, rbs, placement, overlap):
+    # split: the trainer on devices 0-3, the engine on 4-7 (tensor 2); split2: two rollout groups, one engine on
+    # devices 4-5 and one on 6-7. Both built by the runner from the config; shared: the module's parts.
     cfg = tiny(f"dora.mode={mode}", f"dora.rollout_batch={rbs}", f"rollout.overlap={str(overlap).lower()}",
-               *(SPLIT + ["roles.rollout_groups=2"] if placement == "split2" else SPLIT if placement == "split" else []))
-    runner = Runner(cfg, str(tmp_path), keep_versions=True, **request.getfixturevalue(placement)())
+               *(SPLIT if placement.startswith("split") else []),
+               *(["roles.rollout_groups=2"] if placement == "split2" else []))
+    parts = request.getfixturevalue("shared")() if placement == "shared" else dict(progress=False)
+    runner = Runner(cfg, str(tmp_path), keep_versions=True, **parts)
     assert runner.driver.overlap is overlap  # the rollout driver dispatches ahead only when asked
     summary = runner.run()
     assert summary["placement"] == {"split2": "split"}.get(placement, placement)
