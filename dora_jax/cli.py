@@ -168,6 +168,33 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _check_out_file(path: str | None, flag: str) -> None:
+    """Refuses an output file that cannot be written before any work is done (not after it)."""
+    if not path:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise CLIError(f"{flag} {path}: is a directory; name a file")
+    if not os.path.isdir(parent):
+        raise CLIError(f"{flag} {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise CLIError(f"{flag} {path}: the directory {parent} is not writable")
+
+
+class CLIError(ValueError):
+    """An argument that cannot work, found before anything runs."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dora-jax", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -215,12 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks; results as JSON")
     b.add_argument("what", choices=["load", "engine", "prefill", "decode", "train", "snapshot", "modes", "kernel"])
-    b.add_argument("--steps", type=int, default=8, help="modes: updates per mode")
+    b.add_argument("--steps", type=_positive_int, default=8, help="modes: updates per mode")
     b.add_argument("--plot", help="modes: write the reward and throughput plot to this PNG")
-    b.add_argument("--repeats", type=int, default=2, help="load: repeats per side; kernel: timed calls per point")
-    b.add_argument("--batch", type=int, help="engine, decode: concurrent sequences (default 32); train, snapshot: rows per step "
+    b.add_argument("--repeats", type=_positive_int, default=2, help="load: repeats per side; kernel: timed calls per point")
+    b.add_argument("--batch", type=_positive_int, help="engine, decode: concurrent sequences (default 32); train, snapshot: rows per step "
                    "(default 8); kernel: slots per call (default 8 and 32)")
-    b.add_argument("--new-tokens", type=int, default=128, help="engine: new tokens per sequence")
+    b.add_argument("--new-tokens", type=_positive_int, default=128, help="engine: new tokens per sequence")
     b.add_argument("--no-reference", action="store_true", help="engine: skip the transformers side")
     common(b)
     b.set_defaults(fn=cmd_bench)
@@ -243,19 +270,30 @@ def main(argv: list[str] | None = None) -> int:
     from dora_jax.tokenizer import TokenizerError
 
     from dora_jax.checkpoint import CheckpointError
+    from dora_jax.metrics import MetricsError
     from dora_jax.resume import ResumeError
     from dora_jax.runner import RunError
     from dora_jax.scheduler import ScheduleError
     from dora_jax.tasks.gsm8k import TaskDataError
     from dora_jax.versions import VersionError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may come after options too (``train --run-dir D a=1 --no-plot b=2``): argparse takes one run
+    # of positionals, so the later ones come back unrecognized and join the overrides here.
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
     try:
+        _check_out_file(getattr(args, "json", None), "--json")
+        _check_out_file(getattr(args, "plot", None) if args.command == "bench" else None, "--plot")
         if args.command == "train":
             initialize()  # joins the other hosts under jax.distributed; a no-op for one process
         return args.fn(args)
-    except (DistributedError, ConfigError, WeightsError, TokenizerError, RunError, ScheduleError, TaskDataError,
-            ResumeError, CheckpointError, VersionError) as e:  # bad input or saved state: the message names it
+    except (CLIError, DistributedError, ConfigError, WeightsError, TokenizerError, RunError, ScheduleError,
+            TaskDataError, ResumeError, CheckpointError, VersionError, MetricsError) as e:  # bad input or saved state: the message names it
         print(f"error: {e}", file=sys.stderr)
         return 2
 

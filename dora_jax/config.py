@@ -27,11 +27,18 @@ _MESH_AXES = ("data", "fsdp", "tensor")
 
 
 class ConfigError(ValueError):
-    """A configuration value is missing, unknown, of the wrong type or out of range."""
+    """A configuration value is missing, unknown, of the wrong type or out of range.
+
+    ``field`` is the dotted field the error is about, when there is one.
+    """
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 def _fail(path: str, value: Any, allowed: str) -> None:
-    raise ConfigError(f"config field '{path}' = {value!r}: {allowed}")
+    raise ConfigError(f"config field '{path}' = {value!r}: {allowed}", field=path)
 
 
 @dataclass(frozen=True)
@@ -617,7 +624,7 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
     if unknown:
         where = f"{path}.{unknown[0]}" if path else unknown[0]
         raise ConfigError(f"unknown config field '{where}'; fields of '{path or '<root>'}' are: "
-                          f"{', '.join(names)}")
+                          f"{', '.join(names)}", field=where)
     kwargs = {}
     for name in names:
         if name not in data:
@@ -639,7 +646,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
         parts = key.strip().split(".")
         node = data
         for p in parts[:-1]:
-            node = node.setdefault(p, {})
+            if node.get(p) is None:  # absent, or an empty section (``dora:`` with nothing under it)
+                node[p] = {}
+            node = node[p]
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: '{p}' is not a section")
         try:
@@ -658,6 +667,8 @@ def resolve_config_path(name: str) -> str:
     """Accepts a path, or the name of a shipped preset (``smollm2_135m`` or ``smollm2_135m.yaml``)."""
     if os.path.isfile(name):
         return name
+    if os.path.isdir(name):
+        raise ConfigError(f"config file {name!r} is a directory; name a YAML file in it")
     for cand in (name, f"{name}.yaml"):
         p = os.path.join(configs_dir(), cand)
         if os.path.isfile(p):
@@ -665,20 +676,34 @@ def resolve_config_path(name: str) -> str:
     raise ConfigError(f"config file {name!r} not found (looked in the current directory and {configs_dir()})")
 
 
+def _override_for(field: str | None, overrides: list[str] | tuple[str, ...]) -> str | None:
+    """The last override that set ``field`` (or a section holding it, or a field inside it)."""
+    if not field:
+        return None
+    field = field.split("[", 1)[0]
+    for item in reversed(overrides):
+        key = item.split("=", 1)[0].strip()
+        if key == field or field.startswith(key + ".") or key.startswith(field + "."):
+            return item
+    return None
+
+
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Loads a YAML config (or the defaults when ``path`` is None), applies overrides, validates.
 
     Raises:
-      ConfigError: naming the file, field, bad value and what is allowed.
+      ConfigError: naming the field, bad value and what is allowed, and where the value came from: the
+        override that set it, else the file.
     """
+    from dora_jax.textfiles import TextFileError, load_yaml
+
     data: dict[str, Any] = {}
     if path is not None:
         path = resolve_config_path(path)
         try:
-            with open(path) as f:
-                data = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+            data = load_yaml(path) or {}
+        except TextFileError as e:
+            raise ConfigError(str(e)) from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
     apply_overrides(data, overrides)
@@ -686,5 +711,7 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         cfg = from_dict(Config, data)
         cfg.validate()
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+        item = _override_for(e.field, overrides)
+        where = f"override {item!r}" if item else path
+        raise ConfigError(f"{where}: {e}" if where else str(e), field=e.field) from None
     return cfg

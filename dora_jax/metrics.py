@@ -15,8 +15,11 @@ decode steps since the previous update), ``slot_utilization`` (cumulative: live 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any, Iterable
+
+log = logging.getLogger(__name__)
 
 
 class MetricsWriter:
@@ -59,12 +62,46 @@ def _scalars(row: dict[str, Any], prefix: str = "") -> Iterable[tuple[str, float
             yield from _scalars(v, prefix + k + "/")
 
 
+class MetricsError(ValueError):
+    """A run directory's ``metrics.jsonl`` is missing or unreadable, with the file and line named."""
+
+
+_PLOTTED = ("step", "wall_s", "reward", "accuracy", "staleness", "in_flight")
+
+
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:
+    """The metrics lines of a run directory, in order.
+
+    A last line cut short (the process was killed while writing it) is left out with a warning; any other
+    line that is not a JSON object is an error naming the line.
+    """
+    from dora_jax.textfiles import TextFileError, read_text
+
+    if not os.path.isdir(run_dir):
+        raise MetricsError(f"{run_dir}: no such run directory")
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (is this a dora-jax run directory?)")
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        raise MetricsError(f"{run_dir}: no metrics.jsonl (is this a dora-jax run directory?)")
+    try:
+        lines = read_text(path).split("\n")
+    except TextFileError as e:
+        raise MetricsError(str(e)) from None
+    rows = []
+    for n, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if n == len(lines) - 1:  # no newline after it: the writer was stopped mid-line
+                log.warning("%s:%d: the last line is cut short (was the run killed while writing it?); left out",
+                            path, n + 1)
+                continue
+            raise MetricsError(f"{path}:{n + 1}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise MetricsError(f"{path}:{n + 1}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    return rows
 
 
 def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
@@ -78,7 +115,14 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
 
     rows = read_metrics(run_dir)
     if not rows:
-        raise ValueError(f"{run_dir}/metrics.jsonl has no updates to plot")
+        raise MetricsError(f"{run_dir}/metrics.jsonl has no updates to plot")
+    for n, r in enumerate(rows):
+        missing = [k for k in _PLOTTED if k not in r]
+        bad = [k for k in ("staleness", "in_flight") if k in r and not isinstance(r[k], dict)]
+        if missing or bad:
+            raise MetricsError(f"{run_dir}/metrics.jsonl, update {n + 1}: "
+                               + (f"no {', '.join(missing)}" if missing else f"{bad[0]} is not a mapping")
+                               + " (not a line written by dora-jax train?)")
     out_dir = out_dir or run_dir
     os.makedirs(out_dir, exist_ok=True)
     paths = []

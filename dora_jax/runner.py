@@ -158,6 +158,13 @@ class Runner:
         if parts is not None and devices is not None:
             raise RunError("Runner: give devices or parts, not both (the parts' meshes fix their devices)")
         self.cfg, self.run_dir, self.progress = cfg, run_dir, progress
+        parent = os.path.dirname(os.path.abspath(run_dir))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if os.path.exists(run_dir) and not os.path.isdir(run_dir) or not os.path.isdir(parent):
+            bad = run_dir if os.path.exists(run_dir) else parent
+            raise RunError(f"run directory {run_dir}: {bad} is a file, not a directory; choose another "
+                           "--run-dir, run.name or run.out_dir")
         if os.path.exists(os.path.join(run_dir, "summary.json")):
             raise RunError(f"{run_dir} already holds a finished run (summary.json); choose another run.name or "
                            "run.out_dir")

@@ -106,3 +106,68 @@ def test_bad_config_files(tmp_path):
         load_config(str(p))
     with pytest.raises(ConfigError, match="config file 'no_such' not found"):
         load_config("no_such")
+
+
+def _edit_config(d, **changes):
+    path = os.path.join(d, "config.json")
+    with open(path) as f:
+        c = json.load(f)
+    for k, v in changes.items():
+        if v is KeyError:
+            del c[k]
+        else:
+            c[k] = v
+    with open(path, "w") as f:
+        json.dump(c, f)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(vocab_size=KeyError), r"config.json: no 'vocab_size'"),
+    (dict(num_attention_heads="4"), r"config.json: 'num_attention_heads' = '4' must be an integer > 0"),
+    (dict(num_attention_heads=0), r"config.json: 'num_attention_heads' = 0 must be an integer > 0"),
+    (dict(rms_norm_eps="small"), r"config.json: 'rms_norm_eps' = 'small' must be a number > 0"),
+    (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0}), r"config.json: no rope scaling 'low_freq_factor'"),
+    (dict(rope_parameters=[1, 2]), r"config.json: 'rope_parameters' = \[1, 2\] must be a mapping"),
+    (dict(rope_parameters=KeyError, rope_scaling={"type": "linear", "factor": "x"}),
+     r"config.json: rope scaling 'factor' = 'x' must be a number > 0"),
+    (dict(num_attention_heads=3), r"copy: the weights describe a model dora-jax cannot build: config field "
+                                  r"'model.num_kv_heads' = 2: must divide num_heads \(3\)"),
+])
+def test_bad_hf_config_fields_are_named(tmp_path, hf_dir, changes, message):
+    d = _copy(hf_dir, tmp_path)
+    _edit_config(d, **changes)
+    with pytest.raises(WeightsError, match=message):
+        model_config_from_weights(d)
+
+
+def test_unreadable_hf_json_files(tmp_path, hf_dir):
+    d = _copy(hf_dir, tmp_path)
+    with open(os.path.join(d, "config.json"), "ab") as f:
+        f.write(b'\n"\xff"')
+    with pytest.raises(WeightsError, match=r"config.json: line \d+ is not UTF-8 text"):
+        model_config_from_weights(d)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        f.write("[1, 2]")
+    with pytest.raises(WeightsError, match=r"config.json: expected a JSON object, got list"):
+        model_config_from_weights(d)
+    d2 = _copy(hf_dir, tmp_path / "2")
+    with open(os.path.join(d2, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": ["model.safetensors"]}, f)
+    with pytest.raises(WeightsError, match=r"index.json: expected \{\"weight_map\""):
+        model_config_from_weights(d2)
+
+
+def test_generation_without_a_tokenizer_is_named(hf_dir):
+    from dora_jax.config import load_config
+    from dora_jax.rollout.chat import load_chat_model
+
+    one = ["mesh.data=1", "mesh.fsdp=-1", "mesh.tensor=1"]
+    with pytest.raises(WeightsError, match=r"model.weights is not set \(random init\): generation needs the "
+                                           r"tokenizer"):
+        load_chat_model(load_config("tiny_llama", one + ["model.num_layers=1"]), progress=False)
+    cfg = load_config("tiny_llama", one)
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, model=model_config_from_weights(hf_dir))  # save_pretrained wrote no tokenizer
+    with pytest.raises(WeightsError, match=r"carries no tokenizer \(a Hugging Face directory needs tokenizer.json"):
+        load_chat_model(cfg, progress=False)

@@ -47,3 +47,49 @@ def test_export_random_model_on_fake_devices(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dora_jax.cli", "export", "--config", "tiny_llama", "--out", str(out)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "exists and is not empty" in proc.stderr
+
+
+def test_overrides_may_follow_options(capsys, tmp_path):
+    # Parsed as an override after --no-plot and --run-dir: the error is the override's, not argparse's.
+    assert main(["train", "--config", "tiny_llama", "--no-plot", "dora.steps=-1", "--run-dir", str(tmp_path / "r"),
+                 "train.group_size=4"]) == 2
+    assert "error: override 'dora.steps=-1': config field 'dora.steps' = -1" in capsys.readouterr().err
+    # Anything else left over is still refused by argparse.
+    for argv in (["train", "--config", "tiny_llama", "dora.steps=1", "--bogus"], ["plot", str(tmp_path), "a=1"]):
+        try:
+            main(argv)
+        except SystemExit as e:
+            assert e.code == 2
+        else:
+            raise AssertionError(f"{argv} was accepted")
+        assert "unrecognized arguments: " + argv[-1] in capsys.readouterr().err
+
+
+def test_bad_paths_are_refused_before_any_work(capsys, tmp_path, monkeypatch):
+    from dora_jax import benchmarks
+
+    def never(*a, **k):
+        raise AssertionError("the benchmark ran although its --json file cannot be written")
+
+    monkeypatch.setattr(benchmarks, "bench_decode", never)
+    assert main(["bench", "decode", "--json", str(tmp_path / "missing" / "out.json")]) == 2
+    assert f"--json {tmp_path}/missing/out.json: the directory {tmp_path}/missing does not exist" in \
+        capsys.readouterr().err
+    assert main(["bench", "decode", "--json", str(tmp_path)]) == 2
+    assert "is a directory; name a file" in capsys.readouterr().err
+    for flag, value in (("--batch", "-2"), ("--repeats", "0"), ("--new-tokens", "x")):
+        try:
+            main(["bench", "decode", flag, value])
+        except SystemExit as e:
+            assert e.code == 2
+        assert f"argument {flag}: " in capsys.readouterr().err
+    # A run directory that is a file: refused, the file untouched.
+    f = tmp_path / "a_file"
+    f.write_text("keep me")
+    for run_dir in (f, f / "sub"):
+        assert main(["train", "--config", "tiny_llama", "--run-dir", str(run_dir), "--no-plot",
+                     "mesh.data=1", "mesh.fsdp=-1", "mesh.tensor=1"]) == 2
+        assert f"{f} is a file, not a directory" in capsys.readouterr().err
+    assert f.read_text() == "keep me"
+    assert main(["plot", str(tmp_path / "nowhere")]) == 2
+    assert "nowhere: no such run directory" in capsys.readouterr().err

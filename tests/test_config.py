@@ -51,4 +51,38 @@ def test_validation_messages(override, message):
     with pytest.raises(ConfigError) as e:
         load_config("tiny_llama", [override])
     assert message in str(e.value)
-    assert "tiny_llama.yaml" in str(e.value) or "expected key=value" in message
+    # The value came from the override, not the file: the message says so.
+    assert str(e.value).startswith(f"override {override!r}: ") or "expected key=value" in message
+
+
+def test_config_file_problems_name_the_file_and_line(tmp_path):
+    p = tmp_path / "c.yaml"
+    # A repeated section would silently replace the earlier one (PyYAML keeps the last key): refused.
+    p.write_text("model:\n  num_layers: 2\ndora:\n  steps: 3\nmodel:\n  hidden_size: 64\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: .*key 'model' appears twice in one mapping \(first on line 1\)"
+                                          r"[\s\S]*line 5"):
+        load_config(str(p))
+    p.write_text("train:\n  group_size: 4\n  learning_rate: 1.0e-6\n  group_size: 8\n")
+    with pytest.raises(ConfigError, match=r"key 'group_size' appears twice .*first on line 2"):
+        load_config(str(p))
+    p.write_bytes("run:\n  name: caf".encode() + b"\xe9\n")  # Latin-1, not UTF-8
+    with pytest.raises(ConfigError, match=r"c.yaml: line 2 is not UTF-8 text"):
+        load_config(str(p))
+    with pytest.raises(ConfigError, match=r"is a directory; name a YAML file in it"):
+        load_config(str(tmp_path))
+
+
+def test_errors_blame_the_override_or_the_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("dora:\n  steps: 0\ntrain:\n  group_size: 4\n")
+    with pytest.raises(ConfigError, match=r"^.*c.yaml: config field 'dora.steps' = 0"):
+        load_config(str(p), ["train.group_size=8"])
+    # The override replaces the file's good value: the override is named, not the file.
+    p.write_text("train:\n  group_size: 4\n")
+    with pytest.raises(ConfigError, match=r"^override 'train.group_size=-1': config field 'train.group_size'"):
+        load_config(str(p), ["train.group_size=-1"])
+    with pytest.raises(ConfigError, match=r"^override 'train=3': config field 'train' = 3: must be a mapping"):
+        load_config(str(p), ["train=3"])
+    # An empty section in the file takes overrides.
+    p.write_text("dora:\n")
+    assert load_config(str(p), ["dora.steps=7"]).dora.steps == 7

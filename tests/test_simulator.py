@@ -327,6 +327,26 @@ def test_bad_length_files_are_named(tmp_path):
         length_dist({"kind": "jsonl", "path": "nope.jsonl"}, base_dir=str(tmp_path))
 
 
+def test_bad_config_files_are_named(tmp_path):
+    f = tmp_path / "sim.yaml"
+    f.write_text("steps: 4\nworkload:\n  group_size: 4\nsteps: 8\n")
+    with pytest.raises(SimConfigError, match=r"sim.yaml: .*key 'steps' appears twice .*first on line 1"):
+        load_sim_config(str(f))
+    f.write_bytes(b"name: \xff\n")
+    with pytest.raises(SimConfigError, match=r"sim.yaml: line 1 is not UTF-8 text"):
+        load_sim_config(str(f))
+    with pytest.raises(SimConfigError, match=r"^sim config field 'steps' = 0: must be an integer >= 1"):
+        parse_config(bad("steps", 0))
+    bench = tmp_path / "bench.json"
+    bench.write_text('{"engine_tok_s": 100.0}')
+    with pytest.raises(SimConfigError,
+                       match=r"'costs.from_bench' = '.*bench.json': its 'batch' = None must be a number > 0"):
+        parse_config(bad("costs", {"from_bench": str(bench)}))
+    bench.write_text("[1]")
+    with pytest.raises(SimConfigError, match=r"costs.from_bench.*must hold a JSON object"):
+        parse_config(bad("costs", {"from_bench": str(bench)}))
+
+
 def test_cli_runs_the_small_config_calibrated_from_a_measured_bench(tmp_path):
     import json
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from dora_jax.config import ConfigError, TaskConfig
-from dora_jax.metrics import MetricsWriter, plot_run, read_metrics
+from dora_jax.metrics import MetricsError, MetricsWriter, plot_run, read_metrics
 from dora_jax.rewards import RewardPool
 from dora_jax.tasks import ArithmeticTask, LongTailTask, last_number, load_task
 from dora_jax.tasks.gsm8k import JsonlTask, TaskDataError
@@ -63,6 +63,10 @@ def test_gsm8k_jsonl_loader_and_errors(tmp_path):
     bad.write_text(json.dumps({"answer": "4"}) + "\n")
     with pytest.raises(TaskDataError, match=r"bad.jsonl:1: needs a non-empty string 'question'"):
         JsonlTask(str(bad), eval_size=0)
+    bad.write_bytes(json.dumps(rows[0]).encode() + b"\n" + '{"question": "caf\u00e9?", "answer": "1"}'.encode("latin-1")
+                    + b"\n")
+    with pytest.raises(TaskDataError, match=r"bad.jsonl: line 2 is not UTF-8 text"):
+        JsonlTask(str(bad), eval_size=0)
     with pytest.raises(TaskDataError, match="11 usable lines; need more than task.eval_size=20"):
         JsonlTask(str(path), eval_size=20)
     with pytest.raises(TaskDataError, match="does not exist"):
@@ -91,6 +95,22 @@ def test_custom_task_and_reward_by_import_path():
         load_task(TaskConfig(name="test_tasks:not_a_task"))
     with pytest.raises(ConfigError, match="is not an import path"):
         load_task(TaskConfig(reward="test_tasks:"))
+
+
+def test_user_code_failing_on_import_or_call_is_named(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "user_raises_on_import.py").write_text("x = 1\nraise RuntimeError('no API key')\n")
+    (tmp_path / "user_syntax_error.py").write_text("def reward(:\n")
+    (tmp_path / "user_factory.py").write_text("def make(cfg):\n    return {}['missing']\n")
+    with pytest.raises(ConfigError, match=r"task.reward: importing module 'user_raises_on_import' failed: "
+                                          r"RuntimeError: no API key \(at .*user_raises_on_import.py:2\)"):
+        load_task(TaskConfig(reward="user_raises_on_import:reward"))
+    with pytest.raises(ConfigError, match=r"task.name: importing module 'user_syntax_error' failed: SyntaxError: "
+                                          r".*\(at .*user_syntax_error.py:1\)"):
+        load_task(TaskConfig(name="user_syntax_error:make"))
+    with pytest.raises(ConfigError, match=r"task.name: 'user_factory:make' raised KeyError: 'missing' "
+                                          r"\(at .*user_factory.py:2\)"):
+        load_task(TaskConfig(name="user_factory:make"))
 
 
 def test_longtail_lengths_are_long_tailed():
@@ -157,5 +177,33 @@ def test_metrics_file_and_plots(tmp_path):
     for p in paths:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
+    with pytest.raises(MetricsError, match="nowhere: no such run directory"):
         read_metrics(str(tmp_path / "nowhere"))
+
+
+def test_bad_metrics_files_are_named(tmp_path, caplog):
+    with pytest.raises(MetricsError, match="no metrics.jsonl"):
+        read_metrics(str(tmp_path))
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("")
+    with pytest.raises(MetricsError, match="metrics.jsonl has no updates to plot"):
+        plot_run(str(tmp_path))
+    row = {"step": 1, "wall_s": 1.0, "reward": 0.5, "accuracy": 0.5, "staleness": {"0": 2}, "in_flight": {"1": 2}}
+    # A run killed while writing: the cut-short last line (no newline after it) is left out, with a warning.
+    path.write_text(json.dumps(row) + "\n" + json.dumps(dict(row, step=2))[:20])
+    with caplog.at_level("WARNING", logger="dora_jax.metrics"):
+        assert [r["step"] for r in read_metrics(str(tmp_path))] == [1]
+    assert "metrics.jsonl:2: the last line is cut short" in caplog.text
+    # The same damage anywhere else is an error naming the line.
+    path.write_text(json.dumps(row)[:20] + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(MetricsError, match=r"metrics.jsonl:1: not valid JSON"):
+        read_metrics(str(tmp_path))
+    path.write_text(json.dumps(row) + "\n[1, 2]\n")
+    with pytest.raises(MetricsError, match=r"metrics.jsonl:2: expected a JSON object, got list"):
+        read_metrics(str(tmp_path))
+    path.write_text(json.dumps(row) + "\n" + json.dumps({"step": 2}) + "\n")
+    with pytest.raises(MetricsError, match=r"update 2: no wall_s, reward, accuracy, staleness, in_flight"):
+        plot_run(str(tmp_path))
+    path.write_bytes(json.dumps(row).encode() + b"\n\xff\n")
+    with pytest.raises(MetricsError, match=r"metrics.jsonl: line 2 is not UTF-8 text"):
+        read_metrics(str(tmp_path))

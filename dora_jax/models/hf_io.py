@@ -104,6 +104,17 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[
     os.replace(tmp, path)
 
 
+def _read_json(path: str) -> Any:
+    from dora_jax.textfiles import TextFileError, read_text
+
+    try:
+        return json.loads(read_text(path))
+    except TextFileError as e:
+        raise WeightsError(str(e)) from None
+    except json.JSONDecodeError as e:
+        raise WeightsError(f"{path}: not valid JSON ({e})") from None
+
+
 class HFCheckpoint:
     """A Hugging Face model directory: ``config.json`` plus one or many ``*.safetensors`` files."""
 
@@ -112,15 +123,15 @@ class HFCheckpoint:
         cfg_path = os.path.join(directory, "config.json")
         if not os.path.isfile(cfg_path):
             raise WeightsError(f"{directory}: no config.json (expected a Hugging Face model directory)")
-        try:
-            with open(cfg_path) as f:
-                self.config = json.load(f)
-        except json.JSONDecodeError as e:
-            raise WeightsError(f"{cfg_path}: not valid JSON ({e})") from None
+        self.config = _read_json(cfg_path)
+        if not isinstance(self.config, dict):
+            raise WeightsError(f"{cfg_path}: expected a JSON object, got {type(self.config).__name__}")
         index = os.path.join(directory, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map", {})
+            weight_map = _read_json(index)
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise WeightsError(f"{index}: expected {{\"weight_map\": {{tensor name: file name}}}}")
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p for p in os.listdir(directory) if p.endswith(".safetensors"))
@@ -165,16 +176,44 @@ _FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3For
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
+_REQUIRED = object()
+
+
+def _field(c: dict[str, Any], key: str, kind: type, where: str, default: Any = _REQUIRED, positive: bool = False,
+           path: str = "") -> Any:
+    """``c[key]`` checked to be a ``kind`` (int, float or dict), else a WeightsError naming the file and key."""
+    if key not in c or (c[key] is None and default is not _REQUIRED):
+        if default is _REQUIRED:
+            raise WeightsError(f"{where}: no {path}{key!r} (a Hugging Face config.json of a decoder model has it)")
+        return default
+    v = c[key]
+    if kind is float:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+    else:
+        ok = isinstance(v, kind) and not isinstance(v, bool)
+    if ok and positive:
+        ok = v > 0
+    if not ok:
+        what = {int: "an integer", float: "a number", dict: "a mapping"}[kind]
+        raise WeightsError(f"{where}: {path}{key!r} = {v!r} must be {what}{' > 0' if positive else ''}")
+    return float(v) if kind is float else v
+
+
 def model_fields_from_hf_config(c: dict[str, Any], where: str) -> dict[str, Any]:
     """ModelConfig fields described by a Hugging Face ``config.json``.
 
     Raises:
-      WeightsError: for an unsupported architecture or feature, naming ``where``.
+      WeightsError: for a missing or mistyped field, or an unsupported architecture or feature, naming
+        ``where``.
     """
+    if not isinstance(c, dict):
+        raise WeightsError(f"{where}: expected a JSON object, got {type(c).__name__}")
     archs = c.get("architectures") or []
-    family = next((_FAMILIES[a] for a in archs if a in _FAMILIES), None)
+    if not isinstance(archs, list):
+        archs = [archs]
+    family = next((_FAMILIES[a] for a in archs if isinstance(a, str) and a in _FAMILIES), None)
     if family is None:
-        family = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(c.get("model_type", ""))
+        family = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(str(c.get("model_type", "")))
     if family is None:
         raise WeightsError(f"{where}: unsupported architecture {archs or c.get('model_type')!r}; supported: "
                            f"{', '.join(_ARCH.values())}")
@@ -184,39 +223,45 @@ def model_fields_from_hf_config(c: dict[str, Any], where: str) -> dict[str, Any]
         raise WeightsError(f"{where}: hidden_act {c['hidden_act']!r} is not supported (only 'silu')")
     if c.get("mlp_bias"):
         raise WeightsError(f"{where}: mlp_bias is not supported")
-    heads = c["num_attention_heads"]
-    rope = c.get("rope_parameters") or {}
-    scaling = c.get("rope_scaling") or {}
-    rope_theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+    size = lambda key, default=_REQUIRED: _field(c, key, int, where, default, positive=True)  # noqa: E731
+    heads, hidden = size("num_attention_heads"), size("hidden_size")
+    rope = _field(c, "rope_parameters", dict, where, {})
+    scaling = _field(c, "rope_scaling", dict, where, {})
+    rope_theta = _field(rope, "rope_theta", float, where, None, positive=True, path="rope_parameters.")
+    if rope_theta is None:
+        rope_theta = _field(c, "rope_theta", float, where, 10000.0, positive=True)
     rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
     params = {**scaling, **rope}
+    scale = lambda key, kind=float: _field(params, key, kind, where, positive=True, path="rope scaling ")  # noqa: E731
     rs = None
     if rope_type == "llama3":
-        rs = RopeScaling(type="llama3", factor=float(params["factor"]),
-                         low_freq_factor=float(params["low_freq_factor"]),
-                         high_freq_factor=float(params["high_freq_factor"]),
-                         original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+        rs = RopeScaling(type="llama3", factor=scale("factor"), low_freq_factor=scale("low_freq_factor"),
+                         high_freq_factor=scale("high_freq_factor"),
+                         original_max_position_embeddings=scale("original_max_position_embeddings", int))
     elif rope_type == "linear":
-        rs = RopeScaling(type="linear", factor=float(params["factor"]))
+        rs = RopeScaling(type="linear", factor=scale("factor"))
     elif rope_type not in ("default", None):
         raise WeightsError(f"{where}: rope type {rope_type!r} is not supported (default, linear, llama3)")
+    if hidden % heads and "head_dim" not in c:
+        raise WeightsError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} and "
+                           "there is no head_dim")
     return dict(
         family=family,
-        vocab_size=c["vocab_size"],
-        hidden_size=c["hidden_size"],
-        intermediate_size=c["intermediate_size"],
-        num_layers=c["num_hidden_layers"],
+        vocab_size=size("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=size("intermediate_size"),
+        num_layers=size("num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=c.get("num_key_value_heads") or heads,
-        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-        rope_theta=float(rope_theta),
+        num_kv_heads=size("num_key_value_heads", heads),
+        head_dim=size("head_dim", hidden // heads),
+        rope_theta=rope_theta,
         rope_scaling=rs,
-        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=_field(c, "rms_norm_eps", float, where, 1e-6, positive=True),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         qkv_bias=bool(c.get("attention_bias", False)) or family == "qwen2",
         o_bias=bool(c.get("attention_bias", False)) and family != "qwen2",
         qk_norm=family == "qwen3",
-        max_seq_len=int(c.get("max_position_embeddings", 2048)),
+        max_seq_len=size("max_position_embeddings", 2048),
     )
 
 

@@ -170,7 +170,10 @@ def model_config_from_weights(spec: str, **overrides: Any) -> ModelConfig:
     fields = open_weights(spec).model_fields()
     fields.update(weights=spec, **overrides)
     cfg = ModelConfig(**fields)
-    cfg.validate()
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        raise WeightsError(f"{spec}: the weights describe a model dora-jax cannot build: {e}") from None
     return cfg
 
 

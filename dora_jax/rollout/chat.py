@@ -10,6 +10,7 @@ import time
 from typing import Any, Sequence
 
 from dora_jax.config import Config
+from dora_jax.models.hf_io import WeightsError
 from dora_jax.models.weights import load_model
 from dora_jax.rollout.engine import Engine, RequestSampling
 from dora_jax.rollout.generate import engine_for, generate
@@ -30,7 +31,11 @@ def load_chat_model(cfg: Config, progress: bool = True) -> tuple[Any, Any, float
     mesh = create_mesh(cfg.mesh)
     model, tokenizer = load_model(cfg.model, mesh, cfg.mesh.logical_axis_rules, seed=cfg.run.seed, progress=progress)
     if tokenizer is None:
-        raise ValueError(f"model.weights={cfg.model.weights!r} carries no tokenizer; chat generation needs one")
+        if not cfg.model.weights:
+            raise WeightsError("model.weights is not set (random init): generation needs the tokenizer that comes "
+                               "with weights; set model.weights (e.g. smollm2) or pass --weights")
+        raise WeightsError(f"model.weights={cfg.model.weights!r} carries no tokenizer (a Hugging Face directory "
+                           "needs tokenizer.json beside config.json); generation needs one")
     return model, tokenizer, time.perf_counter() - t0
 
 

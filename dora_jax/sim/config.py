@@ -26,9 +26,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
 from dora_jax.sim.lengths import LengthDist, SimConfigError, _need, length_dist
+from dora_jax.textfiles import TextFileError, load_yaml, read_text
 
 POLICIES = ("sync", "one_step_off", "partial", "dora")
 COST_FIELDS = ("decode_step_s", "decode_weights_s", "decode_row_s", "decode_ctx_s", "prefill_token_s",
@@ -161,10 +160,16 @@ def costs_from_bench(path: str) -> dict[str, float]:
     One measured point cannot separate per-row from per-step work; a second bench at another batch would.
     """
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+        data = json.loads(read_text(path))
+    except (TextFileError, json.JSONDecodeError) as e:
         raise SimConfigError(f"sim config field 'costs.from_bench' = {path!r}: cannot read ({e})") from None
+    _need(isinstance(data, dict), "costs.from_bench", path, "must hold a JSON object written by 'dora-jax bench'")
+    fields = ("batch", "cache_length", "layers_and_head_ms", "kv_cache_part_ms") if "layers_and_head_ms" in data \
+        else ("batch", "engine_tok_s") if "engine_tok_s" in data else ()
+    for k in fields:
+        v = data.get(k)
+        _need(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "costs.from_bench", path,
+              f"its {k!r} = {v!r} must be a number > 0")
     if "layers_and_head_ms" in data:
         ctx = data["batch"] * data["cache_length"]
         return {"decode_step_s": data["layers_and_head_ms"] / 1e3, "decode_weights_s": 0.0, "decode_row_s": 0.0,
@@ -275,7 +280,8 @@ def parse_config(raw: dict[str, Any], base_dir: str = ".") -> SimConfig:
 
     steps = raw.get("steps", 6)
     warm = raw.get("warmup_steps", 2)
-    _number({"steps": steps}, "steps", "run", 1, integer=True)
+    _need(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1, "steps", steps,
+          "must be an integer >= 1")
     _need(isinstance(warm, int) and not isinstance(warm, bool) and 0 <= warm < steps, "warmup_steps", warm,
           f"must be an integer in [0, steps = {steps})")
     name = raw.get("name", "sim")
@@ -306,9 +312,8 @@ def load_sim_config(path: str) -> SimConfig:
         shipped = os.path.join(os.path.dirname(__file__), "..", "..", "configs", f"{path}.yaml")
         _need(os.path.exists(shipped), "--config", path, "no such file or shipped preset")
         path = shipped
-    with open(path) as f:
-        try:
-            raw = yaml.safe_load(f)
-        except yaml.YAMLError as e:
-            raise SimConfigError(f"{path}: not valid YAML ({e})") from None
+    try:
+        raw = load_yaml(path)
+    except TextFileError as e:
+        raise SimConfigError(str(e)) from None
     return parse_config(raw or {}, base_dir=os.path.dirname(os.path.abspath(path)))

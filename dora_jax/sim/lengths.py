@@ -19,6 +19,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from dora_jax.textfiles import TextFileError, read_text
+
 Z99 = 2.3263478740408408  # standard normal 99th percentile
 
 
@@ -111,19 +113,22 @@ def length_dist(spec: dict[str, Any], path: str = "workload.lengths", base_dir: 
         full = p if os.path.isabs(p) else os.path.join(base_dir, p)
         _need(os.path.isfile(full), f"{path}.path", p, f"no such file ({full})")
         table = []
-        with open(full) as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise SimConfigError(f"{full} line {n}: not JSON ({e.msg})") from None
-                v = row.get("length", row.get("new_tokens")) if isinstance(row, dict) else row
-                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                    raise SimConfigError(f"{full} line {n}: length {v!r} must be an integer >= 1 "
-                                         "(a bare integer or a 'length' / 'new_tokens' field)")
-                table.append(v)
+        try:
+            text = read_text(full)
+        except TextFileError as e:
+            raise SimConfigError(str(e)) from None
+        for n, line in enumerate(text.split("\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SimConfigError(f"{full} line {n}: not JSON ({e.msg})") from None
+            v = row.get("length", row.get("new_tokens")) if isinstance(row, dict) else row
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise SimConfigError(f"{full} line {n}: length {v!r} must be an integer >= 1 "
+                                     "(a bare integer or a 'length' / 'new_tokens' field)")
+            table.append(v)
         _need(bool(table), f"{path}.path", p, "the file holds no lengths")
         return LengthDist("jsonl", table=tuple(table))
     cap = int(num("max", 0, integer=True))

@@ -12,6 +12,7 @@ returning a :class:`Task`); ``task.reward: "my_pkg.my_mod:reward"`` replaces a t
 from __future__ import annotations
 
 import importlib
+import traceback
 from typing import Callable
 
 from dora_jax.config import ConfigError, TaskConfig
@@ -23,6 +24,15 @@ from dora_jax.tasks.synthetic import LongTailTask
 __all__ = ["ArithmeticTask", "Item", "JsonlTask", "LongTailTask", "Score", "Task", "import_object", "last_number", "load_task"]
 
 
+def _describe(e: BaseException) -> str:
+    """``Type: message (at file:line)``, the line being the innermost frame of the traceback."""
+    if isinstance(e, SyntaxError) and e.filename:
+        return f"{type(e).__name__}: {e.msg} (at {e.filename}:{e.lineno})"
+    frames = traceback.extract_tb(e.__traceback__)
+    at = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(e).__name__}: {e}{at}"
+
+
 def import_object(path: str, where: str) -> Callable:
     """``"package.module:attribute"`` -> the attribute, with an error naming ``where`` the path came from."""
     module, sep, attr = path.partition(":")
@@ -32,6 +42,8 @@ def import_object(path: str, where: str) -> Callable:
         mod = importlib.import_module(module)
     except ImportError as e:
         raise ConfigError(f"{where}: cannot import module {module!r} ({e})") from e
+    except Exception as e:  # the module's own code failed while importing: name it, its file and line
+        raise ConfigError(f"{where}: importing module {module!r} failed: {_describe(e)}") from e
     if not hasattr(mod, attr):
         raise ConfigError(f"{where}: module {module!r} has no attribute {attr!r}")
     obj = getattr(mod, attr)
@@ -67,7 +79,11 @@ def load_task(cfg: TaskConfig) -> Task:
     elif cfg.name == "gsm8k":
         task = JsonlTask(cfg.path, eval_size=cfg.eval_size, seed=cfg.seed)
     else:
-        task = import_object(cfg.name, "task.name")(cfg)
+        factory = import_object(cfg.name, "task.name")
+        try:
+            task = factory(cfg)
+        except Exception as e:  # user code: say whose call failed instead of a bare traceback
+            raise ConfigError(f"task.name: {cfg.name!r} raised {_describe(e)}") from e
         if not isinstance(task, Task):
             raise ConfigError(f"task.name: {cfg.name!r} returned {type(task).__name__}, not a dora_jax.tasks.Task")
     if cfg.reward:

@@ -13,6 +13,7 @@ import os
 import random
 
 from dora_jax.tasks.base import Item, Score, Task, last_number, same_number
+from dora_jax.textfiles import TextFileError, read_text
 
 
 class TaskDataError(ValueError):
@@ -34,27 +35,30 @@ class JsonlTask(Task):
         if not os.path.isfile(path):
             raise TaskDataError(f"task.path: {path!r} does not exist or is not a file")
         items = []
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{n}"
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise TaskDataError(f"{where}: not valid JSON ({e.msg})") from e
-                if not isinstance(row, dict):
-                    raise TaskDataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-                prompt = row.get("question", row.get("prompt"))
-                answer = row.get("answer")
-                if not isinstance(prompt, str) or not prompt.strip():
-                    raise TaskDataError(f"{where}: needs a non-empty string 'question' (or 'prompt')")
-                if answer is None:
-                    raise TaskDataError(f"{where}: needs an 'answer'")
-                ref = _reference(str(answer))
-                if ref is None:
-                    raise TaskDataError(f"{where}: the answer {str(answer)[-40:]!r} has no number to check against")
-                items.append(Item(prompt.strip(), ref))
+        try:
+            text = read_text(path)
+        except TextFileError as e:
+            raise TaskDataError(str(e)) from None
+        for n, line in enumerate(text.split("\n"), 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TaskDataError(f"{where}: not valid JSON ({e.msg})") from e
+            if not isinstance(row, dict):
+                raise TaskDataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            prompt = row.get("question", row.get("prompt"))
+            answer = row.get("answer")
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise TaskDataError(f"{where}: needs a non-empty string 'question' (or 'prompt')")
+            if answer is None:
+                raise TaskDataError(f"{where}: needs an 'answer'")
+            ref = _reference(str(answer))
+            if ref is None:
+                raise TaskDataError(f"{where}: the answer {str(answer)[-40:]!r} has no number to check against")
+            items.append(Item(prompt.strip(), ref))
         if len(items) <= eval_size:
             raise TaskDataError(f"{path}: {len(items)} usable lines; need more than task.eval_size={eval_size} "
                                 "(the held-out set) to have anything to train on")

@@ -1,0 +1,69 @@
+"""Reading the text files users hand us (YAML configs, JSONL data) with errors that name the file and line.
+
+``read_text`` decodes UTF-8 and, on bad bytes, says which line holds them instead of Python's bare
+``UnicodeDecodeError``. ``load_yaml`` parses with PyYAML's safe loader but refuses a key that appears twice
+in one mapping: PyYAML keeps the last one silently, so a repeated section would replace the earlier one.
+
+Both raise :class:`TextFileError` (a ``ValueError``); callers wrap it in their own error type.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import yaml
+
+
+class TextFileError(ValueError):
+    """A file cannot be read, is not UTF-8 text, or is not the YAML it should be."""
+
+
+def read_text(path: str) -> str:
+    """The file's text, decoded as UTF-8 (a byte-order mark is dropped)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise TextFileError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise TextFileError(f"{path}: line {line} is not UTF-8 text (byte {e.start}: "
+                            f"{data[e.start:e.end]!r}, {e.reason}); save the file as UTF-8") from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """Safe loader that refuses duplicate keys in a mapping."""
+
+
+def _mapping_without_duplicates(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict:
+    first_line: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            seen = first_line.get(key)
+        except TypeError:  # an unhashable key: the safe constructor names it below
+            continue
+        if seen is not None:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} appears twice in one mapping (first on line {seen}); YAML would "
+                "keep only the last one", key_node.start_mark)
+        first_line[key] = key_node.start_mark.line + 1
+    return loader.construct_mapping(node, deep=True)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
+def load_yaml(path: str) -> Any:
+    """Parses a YAML file (UTF-8, no duplicate keys); an empty file is ``None``."""
+    stream = io.StringIO(read_text(path))
+    stream.name = path  # PyYAML's marks then say the file's name, not "<unicode string>"
+    try:
+        return yaml.load(stream, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as e:
+        raise TextFileError(f"{path}: not valid YAML: {e}") from None
