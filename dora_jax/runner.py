@@ -115,6 +115,25 @@ def make_parts(cfg: Config, model: Any) -> tuple[Trainer, Any, Engine]:
     return trainer, state, make_engine(cfg, model, meshes.rollout[0])
 
 
+def _refuse_foreign_config(run_dir: str) -> None:
+    """A run writes ``config.json`` into its directory: one that is not a run's (a Hugging Face model's, say)
+    would be overwritten, so such a directory is refused."""
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.exists(path):
+        return
+    try:
+        with open(path, "rb") as f:
+            saved = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        saved = e
+    sections = {f.name for f in dataclasses.fields(Config)}
+    if not (isinstance(saved, dict) and "model" in saved and "dora" in saved and set(saved) <= sections):
+        what = ("a Hugging Face model's" if isinstance(saved, dict) and "architectures" in saved else
+                "not a dora-jax run's")
+        raise RunError(f"{path} is {what} config.json, which a run would overwrite; choose another --run-dir, "
+                       "run.name or run.out_dir")
+
+
 class Runner:
     """One training run in ``cfg.dora.mode`` on ``cfg.task``, writing into ``run_dir``.
 
@@ -165,6 +184,7 @@ class Runner:
             bad = run_dir if os.path.exists(run_dir) else parent
             raise RunError(f"run directory {run_dir}: {bad} is a file, not a directory; choose another "
                            "--run-dir, run.name or run.out_dir")
+        _refuse_foreign_config(run_dir)
         if os.path.exists(os.path.join(run_dir, "summary.json")):
             raise RunError(f"{run_dir} already holds a finished run (summary.json); choose another run.name or "
                            "run.out_dir")

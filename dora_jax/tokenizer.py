@@ -13,6 +13,8 @@ from typing import Any, Sequence
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _RustTokenizer
 
+from dora_jax.textfiles import TextFileError, read_text
+
 _CONTROL, _USER_DEFINED = 3, 4
 # Pre-tokenizer splits of common byte-level vocabularies, by GGUF ``tokenizer.ggml.pre``.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -46,9 +48,11 @@ class Tokenizer:
     """Text <-> token ids, special ids and the chat template."""
 
     def __init__(self, tok: _RustTokenizer, *, bos: str | None, eos: str | None, chat_template: str | None,
-                 extra_eos: Sequence[int] = ()):
+                 extra_eos: Sequence[int] = (), template_source: str = "chat template"):
         self._tok = tok
         self.bos_token, self.eos_token, self.chat_template = bos, eos, chat_template
+        self.template_source = template_source
+        self._template = _compile_template(chat_template, template_source) if chat_template else None
         self.bos_id = tok.token_to_id(bos) if bos else None
         eos_id = tok.token_to_id(eos) if eos else None
         ids = [eos_id] if eos_id is not None else []
@@ -71,7 +75,21 @@ class Tokenizer:
         if kind != "gpt2":
             raise TokenizerError(f"{where}: tokenizer.ggml.model = {kind!r} is not supported (supported: 'gpt2', "
                                  f"byte-level BPE)")
-        tokens = md["tokenizer.ggml.tokens"]
+        tokens = md.get("tokenizer.ggml.tokens")
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+            raise TokenizerError(f"{where}: tokenizer.ggml.tokens must be a non-empty list of strings")
+        for key in ("tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
+            if key in md and not isinstance(md[key], list):
+                raise TokenizerError(f"{where}: {key} must be a list")
+        bad = next((m for m in md.get("tokenizer.ggml.merges", []) if not isinstance(m, str) or " " not in m), None)
+        if bad is not None:
+            raise TokenizerError(f"{where}: tokenizer.ggml.merges holds {bad!r}; each merge is 'left right'")
+        for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+            if key in md and not (isinstance(md[key], int) and 0 <= md[key] < len(tokens)):
+                raise TokenizerError(f"{where}: {key} = {md[key]!r} must be a token id in 0 .. {len(tokens) - 1}")
+        template = md.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise TokenizerError(f"{where}: tokenizer.chat_template must be a string")
         alphabet = set(_bytes_to_unicode().values())
         spell = _bytes_to_unicode()
         vocab = {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8")): i
@@ -102,8 +120,8 @@ class Tokenizer:
 
         bos = name("tokenizer.ggml.bos_token_id") if md.get("tokenizer.ggml.add_bos_token", False) or \
             "tokenizer.ggml.bos_token_id" in md else None
-        return cls(tok, bos=bos, eos=name("tokenizer.ggml.eos_token_id"),
-                   chat_template=md.get("tokenizer.chat_template"))
+        return cls(tok, bos=bos, eos=name("tokenizer.ggml.eos_token_id"), chat_template=template,
+                   template_source=f"{where} (tokenizer.chat_template)")
 
     @classmethod
     def from_hf_dir(cls, directory: str) -> "Tokenizer":
@@ -116,18 +134,32 @@ class Tokenizer:
             tok = _RustTokenizer.from_file(path)
         except Exception as e:  # noqa: BLE001 - the Rust error type is not exported
             raise TokenizerError(f"{path}: cannot be read as a tokenizer ({e})") from None
-        conf = _read_json(os.path.join(directory, "tokenizer_config.json"))
-        template = conf.get("chat_template")
+        conf_path = os.path.join(directory, "tokenizer_config.json")
+        conf = _read_json(conf_path)
+        template, where = conf.get("chat_template"), conf_path
         if isinstance(template, list):  # named templates: take "default"
+            if not template or not all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in template):
+                raise TokenizerError(f"{conf_path}: chat_template must be a string or a list of "
+                                     "{name, template} mappings")
             template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        elif template is not None and not isinstance(template, str):
+            raise TokenizerError(f"{conf_path}: chat_template = {template!r} must be a string or a list of "
+                                 "{name, template} mappings")
         jinja = os.path.join(directory, "chat_template.jinja")
         if os.path.isfile(jinja):
-            with open(jinja) as f:
-                template = f.read()
-        gen = _read_json(os.path.join(directory, "generation_config.json")).get("eos_token_id")
-        extra = [gen] if isinstance(gen, int) else list(gen or [])
-        return cls(tok, bos=_token_str(conf.get("bos_token")), eos=_token_str(conf.get("eos_token")),
-                   chat_template=template, extra_eos=extra)
+            try:
+                template, where = read_text(jinja), jinja
+            except TextFileError as e:
+                raise TokenizerError(str(e)) from None
+        gen_path = os.path.join(directory, "generation_config.json")
+        gen = _read_json(gen_path).get("eos_token_id")
+        extra = [gen] if isinstance(gen, int) else list(gen) if isinstance(gen, list) else [] if gen is None else None
+        if extra is None or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < tok.get_vocab_size(
+                with_added_tokens=True) for i in extra):
+            raise TokenizerError(f"{gen_path}: eos_token_id = {gen!r} must be a token id or a list of them "
+                                 f"(0 .. {tok.get_vocab_size(with_added_tokens=True) - 1})")
+        return cls(tok, bos=_token_str(conf, "bos_token", conf_path), eos=_token_str(conf, "eos_token", conf_path),
+                   chat_template=template, extra_eos=extra, template_source=where)
 
     # -- use -----------------------------------------------------------------------------------------------
 
@@ -148,17 +180,16 @@ class Tokenizer:
         """Renders a conversation with the model's chat template."""
         if not self.chat_template:
             raise TokenizerError("this tokenizer has no chat template; encode plain text instead")
-        from jinja2 import ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise TokenizerError(f"chat template: {message}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols])
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "")
+        if self._template is None or self._template[0] != self.chat_template:  # the attribute was replaced
+            self._template = _compile_template(self.chat_template, self.template_source)
+        try:
+            return self._template[1].render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TokenizerError:
+            raise
+        except Exception as e:  # noqa: BLE001 - template code is data: whatever it raises, name the template
+            raise TokenizerError(f"{self.template_source}: the chat template fails on {len(messages)} "
+                                 f"message(s): {type(e).__name__}: {e}") from None
 
     def save_hf(self, directory: str) -> None:
         """Writes ``tokenizer.json`` and ``tokenizer_config.json`` that ``transformers.AutoTokenizer`` loads."""
@@ -170,6 +201,23 @@ class Tokenizer:
             conf["chat_template"] = self.chat_template
         with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
             json.dump(conf, f, indent=1)
+
+
+def _compile_template(source: str, where: str) -> tuple[str, Any]:
+    """``(source, jinja2 template)`` in the sandbox Hugging Face renders chat templates in."""
+    import jinja2
+    from jinja2 import ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TokenizerError(f"{where}: the chat template raised: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols])
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return source, env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise TokenizerError(f"{where}: the chat template does not compile (line {e.lineno}: {e.message})") from None
 
 
 class ByteTokenizer:
@@ -194,17 +242,27 @@ class ByteTokenizer:
 
 
 def _read_json(path: str) -> dict[str, Any]:
+    """A JSON object from ``path`` ({} when there is no such file)."""
     if not os.path.isfile(path):
         return {}
     try:
-        with open(path) as f:
-            return json.load(f)
+        data = json.loads(read_text(path))
+    except TextFileError as e:
+        raise TokenizerError(str(e)) from None
     except json.JSONDecodeError as e:
         raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
-def _token_str(tok: Any) -> str | None:
-    return tok.get("content") if isinstance(tok, dict) else tok
+def _token_str(conf: dict[str, Any], key: str, path: str) -> str | None:
+    """A special token of ``tokenizer_config.json``: a string, ``{"content": string}`` or null."""
+    tok = conf.get(key)
+    tok = tok.get("content") if isinstance(tok, dict) else tok
+    if tok is not None and not isinstance(tok, str):
+        raise TokenizerError(f"{path}: {key} = {conf[key]!r} must be a token string (or {{\"content\": string}})")
+    return tok
 
 
 def chat_template_head(tokenizer: Any) -> list[int]:

@@ -171,3 +171,17 @@ def test_generation_without_a_tokenizer_is_named(hf_dir):
     cfg = dataclasses.replace(cfg, model=model_config_from_weights(hf_dir))  # save_pretrained wrote no tokenizer
     with pytest.raises(WeightsError, match=r"carries no tokenizer \(a Hugging Face directory needs tokenizer.json"):
         load_chat_model(cfg, progress=False)
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, hf_dir):
+    """Token ids past the embedding table would be clamped by the lookup: garbage output, no error."""
+    from dora_jax.tokenizer import Tokenizer
+
+    d = _copy(hf_dir, tmp_path)  # vocab_size 64
+    tokens = [chr(ord("A") + i) for i in range(70)]
+    Tokenizer.from_gguf({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens}).save_hf(d)
+    with pytest.raises(WeightsError, match=r"copy: the tokenizer has 70 tokens but the model's vocabulary "
+                                           r"\(model.vocab_size\) is 64"):
+        load_model(model_config_from_weights(d), progress=False)
+    Tokenizer.from_gguf({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens[:64]}).save_hf(d)
+    assert load_model(model_config_from_weights(d), progress=False)[1].vocab_size == 64

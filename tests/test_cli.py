@@ -23,11 +23,15 @@ def test_missing_weights_exits_2(capsys, tmp_path):
 
 def test_a_run_directory_that_cannot_be_continued_exits_2(capsys, tmp_path):
     """Saved state the run cannot continue from is bad input too: the message, exit code 2, nothing touched."""
-    (tmp_path / "config.json").write_text("{}")
+    from dora_jax.config import load_config
+
+    saved = json.dumps(load_config("tiny_llama", ["train.group_size=2"]).to_dict())  # another run's
+    (tmp_path / "config.json").write_text(saved)
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     assert main(["train", "--config", "tiny_llama", "--run-dir", str(tmp_path), "--no-plot"]) == 2
     assert "error: " in (err := capsys.readouterr().err) and "no checkpoint to continue from" in err
-    assert (tmp_path / "config.json").read_text() == "{}" and sorted(os.listdir(tmp_path)) == [
+    assert "train.group_size" in err
+    assert (tmp_path / "config.json").read_text() == saved and sorted(os.listdir(tmp_path)) == [
         "config.json", "metrics.jsonl"]
 
 
@@ -91,5 +95,14 @@ def test_bad_paths_are_refused_before_any_work(capsys, tmp_path, monkeypatch):
                      "mesh.data=1", "mesh.fsdp=-1", "mesh.tensor=1"]) == 2
         assert f"{f} is a file, not a directory" in capsys.readouterr().err
     assert f.read_text() == "keep me"
+    # A directory whose config.json is not a run's (a Hugging Face model's): a run would overwrite it.
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "vocab_size": 256}')
+    assert main(["train", "--config", "tiny_llama", "--run-dir", str(hf), "--no-plot",
+                 "mesh.data=1", "mesh.fsdp=-1", "mesh.tensor=1"]) == 2
+    assert f"{hf}/config.json is a Hugging Face model's config.json, which a run would overwrite" in \
+        capsys.readouterr().err
+    assert (hf / "config.json").read_text().startswith('{"architectures"') and os.listdir(hf) == ["config.json"]
     assert main(["plot", str(tmp_path / "nowhere")]) == 2
     assert "nowhere: no such run directory" in capsys.readouterr().err

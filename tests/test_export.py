@@ -68,7 +68,7 @@ def test_export_bfloat16_and_sharded_files(tmp_path, torch_threads):
     np.testing.assert_allclose(np.asarray(back.w_up[...]), np.asarray(model.w_up[...]), rtol=1 / 128)
 
 
-def test_export_never_overwrites(tmp_path):
+def test_export_never_overwrites(tmp_path, monkeypatch):
     model = init_model(CASES["qwen3"], seed=0)
     target = tmp_path / "precious"
     target.mkdir()
@@ -85,6 +85,21 @@ def test_export_never_overwrites(tmp_path):
     assert (target / "keep.txt").read_text() == "do not lose me" and (tmp_path / "file").read_text() == "x"
     assert sorted(os.listdir(tmp_path)) == ["file", "precious"]  # no temporary leftovers
     first = export_hf(model, str(tmp_path / "hf"))
-    (tmp_path / "hf" / "extra.txt").write_text("an earlier export's")
+    # An earlier export with anything else in it (notes, an eval folder) is not replaced either.
+    (tmp_path / "hf" / "NOTES.md").write_text("mine")
+    (tmp_path / "hf" / "eval").mkdir()
+    with pytest.raises(WeightsError, match=r"holds files an export does not write \(NOTES.md, eval/\)"):
+        export_hf(model, str(tmp_path / "hf"), overwrite=True)
+    assert (tmp_path / "hf" / "NOTES.md").read_text() == "mine"
+    (tmp_path / "hf" / "NOTES.md").unlink()
+    (tmp_path / "hf" / "eval").rmdir()
+    # Nor the directory the process runs in.
+    monkeypatch.chdir(tmp_path / "hf")
+    with pytest.raises(WeightsError, match=r"is the current directory \(or holds it\), so it is not replaced"):
+        export_hf(model, ".", overwrite=True)
+    monkeypatch.chdir(tmp_path)
+    old_config = (tmp_path / "hf" / "config.json").read_text()
+    (tmp_path / "hf" / "config.json").write_text("{}")
     assert export_hf(model, str(tmp_path / "hf"), overwrite=True) == first  # an export is replaced whole
-    assert not (tmp_path / "hf" / "extra.txt").exists() and (tmp_path / "hf" / "config.json").is_file()
+    assert (tmp_path / "hf" / "config.json").read_text() == old_config
+    assert sorted(os.listdir(tmp_path)) == ["file", "hf", "precious"]  # no temporary leftovers

@@ -7,6 +7,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from dora_jax.models.gguf import GGUFError, dequantize, read_gguf, smollm2_gguf_path
+from dora_jax.models.hf_io import WeightsError
 
 QUANT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
@@ -123,3 +124,22 @@ def test_smollm2_file_matches_gguf_reader():
         np.testing.assert_array_equal(ours.load(t.name), expected)
     assert ours.metadata["llama.block_count"] == 30
     assert ours.metadata["tokenizer.ggml.model"] == "gpt2"
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"llama.attention.head_count": None}, r"metadata: no 'llama.attention.head_count', which the model needs"),
+    ({"llama.attention.head_count": 0}, r"metadata: 'llama.attention.head_count' = 0 must be an integer > 0"),
+    ({"llama.attention.head_count": "nine"}, r"metadata: 'llama.attention.head_count' = 'nine' must be an integer > 0"),
+    ({"general.alignment": 0}, r"metadata general.alignment = 0 must be a positive multiple of 8"),
+])
+def test_bad_model_metadata_is_named(tmp_path, changes, message):
+    from dora_jax.models.weights import model_config_from_weights
+
+    md = {"llama.embedding_length": 32, "llama.attention.head_count": 4, "llama.feed_forward_length": 48,
+          "llama.block_count": 2, "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": 64}
+    md.update(changes)
+    path = tmp_path / "m.gguf"
+    _write(path, {"token_embd.weight": (np.zeros((64, 32), np.float32), None)},
+           {k: v for k, v in md.items() if v is not None})
+    with pytest.raises(GGUFError if "alignment" in message else WeightsError, match=f"{path}: {message}"):
+        model_config_from_weights(str(path))

@@ -88,3 +88,69 @@ def test_errors(tmp_path):
         Tokenizer.from_gguf({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": []})
     with pytest.raises(TokenizerError, match=f"{tmp_path}: no tokenizer.json"):
         Tokenizer.from_hf_dir(str(tmp_path))
+
+
+def _tiny_gguf_metadata(**changes):
+    md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab", "<eos>"],
+          "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.token_type": [1, 1, 1, 3],
+          "tokenizer.ggml.eos_token_id": 3, "tokenizer.chat_template": "{% for m in messages %}{{ m.content }}"
+                                                                       "{% endfor %}"}
+    md.update(changes)
+    return {k: v for k, v in md.items() if v is not KeyError}
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(), None),
+    ({"tokenizer.ggml.tokens": KeyError}, "tokenizer.ggml.tokens must be a non-empty list of strings"),
+    ({"tokenizer.ggml.merges": ["abc"]}, r"tokenizer.ggml.merges holds 'abc'; each merge is 'left right'"),
+    ({"tokenizer.ggml.eos_token_id": "one"}, r"tokenizer.ggml.eos_token_id = 'one' must be a token id in 0 .. 3"),
+    ({"tokenizer.ggml.bos_token_id": 9}, r"tokenizer.ggml.bos_token_id = 9 must be a token id in 0 .. 3"),
+    ({"tokenizer.chat_template": "{% if %}"}, r"GGUF metadata \(tokenizer.chat_template\): the chat template does "
+                                              r"not compile \(line 1: "),
+])
+def test_bad_gguf_tokenizer_metadata_is_named(changes, message):
+    md = _tiny_gguf_metadata(**changes)
+    if message is None:
+        tok = Tokenizer.from_gguf(md)
+        assert tok.encode("ab") == [2] and tok.eos_ids == (3,) and tok.apply_chat_template(CHATS[0]) == "What is 2+3?"
+        return
+    with pytest.raises(TokenizerError, match=message):
+        Tokenizer.from_gguf(md)
+
+
+def test_bad_hf_tokenizer_files_are_named(tmp_path):
+    import json
+
+    Tokenizer.from_gguf(_tiny_gguf_metadata()).save_hf(str(tmp_path))
+    conf = json.loads((tmp_path / "tokenizer_config.json").read_text())
+
+    def write(name, content):
+        (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+
+    cases = [
+        ("tokenizer_config.json", "[1, 2]", r"tokenizer_config.json: expected a JSON object, got list"),
+        ("tokenizer_config.json", json.dumps(dict(conf, chat_template=[])), r"chat_template must be a string or a list"),
+        ("tokenizer_config.json", json.dumps(dict(conf, chat_template=5)), r"chat_template = 5 must be a string"),
+        ("tokenizer_config.json", json.dumps(dict(conf, eos_token=5)), r"eos_token = 5 must be a token string"),
+        ("tokenizer_config.json", b'{"eos_token": "\xff"}', r"tokenizer_config.json: line 1 is not UTF-8 text"),
+        ("generation_config.json", "[3]", r"generation_config.json: expected a JSON object, got list"),
+        ("generation_config.json", '{"eos_token_id": "abc"}', r"eos_token_id = 'abc' must be a token id"),
+        ("generation_config.json", '{"eos_token_id": [3, 99]}', r"eos_token_id = \[3, 99\] must be a token id"),
+        ("chat_template.jinja", "{% if %}", r"chat_template.jinja: the chat template does not compile \(line 1"),
+        ("chat_template.jinja", b"\xff{{ x }}", r"chat_template.jinja: line 1 is not UTF-8 text"),
+    ]
+    for name, content, message in cases:
+        saved = (tmp_path / name).read_bytes() if (tmp_path / name).exists() else None
+        write(name, content)
+        with pytest.raises(TokenizerError, match=message):
+            Tokenizer.from_hf_dir(str(tmp_path))
+        if saved is None:
+            (tmp_path / name).unlink()
+        else:
+            write(name, saved)
+    # A template that compiles but fails on the conversation names the template, not a jinja2 traceback.
+    write("chat_template.jinja", "{{ messages[5].content }}")
+    tok = Tokenizer.from_hf_dir(str(tmp_path))
+    with pytest.raises(TokenizerError, match=r"chat_template.jinja: the chat template fails on 1 message\(s\): "
+                                             r"UndefinedError"):
+        tok.apply_chat_template(CHATS[0])

@@ -238,7 +238,9 @@ class GGUFFile:
             ne = [cur.take("<Q") for _ in range(n_dims)]
             type_id, offset = cur.take("<I"), cur.take("<Q")
             infos.append((name, ne, type_id, offset))
-        align = int(self.metadata.get("general.alignment", 32))
+        align = self.metadata.get("general.alignment", 32)
+        if not (isinstance(align, int) and align > 0 and align % 8 == 0):
+            raise GGUFError(f"{path}: metadata general.alignment = {align!r} must be a positive multiple of 8")
         data_start = (cur.pos + align - 1) // align * align
         self.tensors: dict[str, TensorInfo] = {}
         for name, ne, type_id, offset in infos:

@@ -176,15 +176,15 @@ _FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3For
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
-_REQUIRED = object()
+REQUIRED = object()
 
 
-def _field(c: dict[str, Any], key: str, kind: type, where: str, default: Any = _REQUIRED, positive: bool = False,
-           path: str = "") -> Any:
+def typed_field(c: dict[str, Any], key: str, kind: type, where: str, default: Any = REQUIRED,
+                positive: bool = False, path: str = "") -> Any:
     """``c[key]`` checked to be a ``kind`` (int, float or dict), else a WeightsError naming the file and key."""
-    if key not in c or (c[key] is None and default is not _REQUIRED):
-        if default is _REQUIRED:
-            raise WeightsError(f"{where}: no {path}{key!r} (a Hugging Face config.json of a decoder model has it)")
+    if key not in c or (c[key] is None and default is not REQUIRED):
+        if default is REQUIRED:
+            raise WeightsError(f"{where}: no {path}{key!r}, which the model needs")
         return default
     v = c[key]
     if kind is float:
@@ -223,16 +223,22 @@ def model_fields_from_hf_config(c: dict[str, Any], where: str) -> dict[str, Any]
         raise WeightsError(f"{where}: hidden_act {c['hidden_act']!r} is not supported (only 'silu')")
     if c.get("mlp_bias"):
         raise WeightsError(f"{where}: mlp_bias is not supported")
-    size = lambda key, default=_REQUIRED: _field(c, key, int, where, default, positive=True)  # noqa: E731
+
+    def size(key: str, default: Any = REQUIRED) -> int:
+        return typed_field(c, key, int, where, default, positive=True)
+
     heads, hidden = size("num_attention_heads"), size("hidden_size")
-    rope = _field(c, "rope_parameters", dict, where, {})
-    scaling = _field(c, "rope_scaling", dict, where, {})
-    rope_theta = _field(rope, "rope_theta", float, where, None, positive=True, path="rope_parameters.")
+    rope = typed_field(c, "rope_parameters", dict, where, {})
+    scaling = typed_field(c, "rope_scaling", dict, where, {})
+    rope_theta = typed_field(rope, "rope_theta", float, where, None, positive=True, path="rope_parameters.")
     if rope_theta is None:
-        rope_theta = _field(c, "rope_theta", float, where, 10000.0, positive=True)
+        rope_theta = typed_field(c, "rope_theta", float, where, 10000.0, positive=True)
     rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
     params = {**scaling, **rope}
-    scale = lambda key, kind=float: _field(params, key, kind, where, positive=True, path="rope scaling ")  # noqa: E731
+
+    def scale(key: str, kind: type = float) -> Any:
+        return typed_field(params, key, kind, where, positive=True, path="rope scaling ")
+
     rs = None
     if rope_type == "llama3":
         rs = RopeScaling(type="llama3", factor=scale("factor"), low_freq_factor=scale("low_freq_factor"),
@@ -256,7 +262,7 @@ def model_fields_from_hf_config(c: dict[str, Any], where: str) -> dict[str, Any]
         head_dim=size("head_dim", hidden // heads),
         rope_theta=rope_theta,
         rope_scaling=rs,
-        rms_norm_eps=_field(c, "rms_norm_eps", float, where, 1e-6, positive=True),
+        rms_norm_eps=typed_field(c, "rms_norm_eps", float, where, 1e-6, positive=True),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         qkv_bias=bool(c.get("attention_bias", False)) or family == "qwen2",
         o_bias=bool(c.get("attention_bias", False)) and family != "qwen2",

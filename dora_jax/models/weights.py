@@ -30,8 +30,8 @@ from tqdm.auto import tqdm
 from dora_jax.config import ConfigError, MeshConfig, ModelConfig
 from dora_jax.models.build import abstract_model, state_shardings
 from dora_jax.models.decoder import Decoder
-from dora_jax.models.hf_io import (HFCheckpoint, WeightsError, hf_config_from_model, model_fields_from_hf_config,
-                                   write_safetensors)
+from dora_jax.models.hf_io import (REQUIRED, HFCheckpoint, WeightsError, hf_config_from_model,
+                                   model_fields_from_hf_config, typed_field, write_safetensors)
 from dora_jax.sharding import Rules, create_mesh, settle
 
 # ----------------------------------------------------------------------------------------------------------
@@ -97,20 +97,29 @@ class GGUFSource:
 
     def model_fields(self) -> dict[str, Any]:
         md, a, t = self.file.metadata, self.arch, self.file.tensors
-        heads = md[f"{a}.attention.head_count"]
-        hidden = md[f"{a}.embedding_length"]
+        where = f"{self.path}: metadata"
+
+        def size(key: str, default: Any = REQUIRED) -> int:
+            return typed_field(md, f"{a}.{key}", int, where, default, positive=True)
+
+        def number(key: str, default: Any = REQUIRED) -> float:
+            return typed_field(md, f"{a}.{key}", float, where, default, positive=True)
+
+        heads, hidden = size("attention.head_count"), size("embedding_length")
+        if "token_embd.weight" not in t:
+            raise WeightsError(f"{self.path}: no tensor 'token_embd.weight'")
         vocab = md.get(f"{a}.vocab_size") or len(md.get("tokenizer.ggml.tokens", ())) or \
             t["token_embd.weight"].shape[0]
         return dict(
-            family=a, vocab_size=int(vocab), hidden_size=int(hidden),
-            intermediate_size=int(md[f"{a}.feed_forward_length"]), num_layers=int(md[f"{a}.block_count"]),
-            num_heads=int(heads), num_kv_heads=int(md.get(f"{a}.attention.head_count_kv", heads)),
-            head_dim=int(md.get(f"{a}.attention.key_length", hidden // heads)),
-            rope_theta=float(md.get(f"{a}.rope.freq_base", 10000.0)), rope_scaling=None,
-            rms_norm_eps=float(md[f"{a}.attention.layer_norm_rms_epsilon"]),
+            family=a, vocab_size=int(vocab), hidden_size=hidden,
+            intermediate_size=size("feed_forward_length"), num_layers=size("block_count"),
+            num_heads=heads, num_kv_heads=size("attention.head_count_kv", heads),
+            head_dim=size("attention.key_length", hidden // heads),
+            rope_theta=number("rope.freq_base", 10000.0), rope_scaling=None,
+            rms_norm_eps=number("attention.layer_norm_rms_epsilon"),
             tie_embeddings="output.weight" not in t, qkv_bias="blk.0.attn_q.bias" in t,
             o_bias="blk.0.attn_output.bias" in t,
-            qk_norm="blk.0.attn_q_norm.weight" in t, max_seq_len=int(md.get(f"{a}.context_length", 2048)),
+            qk_norm="blk.0.attn_q_norm.weight" in t, max_seq_len=size("context_length", 2048),
         )
 
     def tokenizer(self):
@@ -295,6 +304,10 @@ def load_model(cfg: ModelConfig, mesh: Mesh | None = None, rules: Rules = (), *,
         return init_model(cfg, mesh, rules, seed=seed), None
     source = open_weights(cfg.weights)
     check_config_matches(cfg, source)
+    tokenizer = source.tokenizer()
+    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:  # ids past the embedding: garbage, no error
+        raise WeightsError(f"{source.path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
+                           f"vocabulary (model.vocab_size) is {cfg.vocab_size}; they do not belong together")
     graphdef, abstract_state = abstract_model(cfg)
     shardings = state_shardings(abstract_state, mesh, rules)
     table = param_table(cfg)
@@ -337,7 +350,13 @@ def load_model(cfg: ModelConfig, mesh: Mesh | None = None, rules: Rules = (), *,
     state = jax.tree.map(lambda v: v, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     for name, arr in flat.items():
         state[name] = state[name].replace(arr)
-    return nnx.merge(graphdef, state), source.tokenizer()
+    return nnx.merge(graphdef, state), tokenizer
+
+
+def _export_file(name: str) -> bool:
+    """Whether ``export_hf`` writes files of this name (what ``overwrite`` may replace)."""
+    return name.endswith(".safetensors") or name in (
+        "config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json")
 
 
 def export_hf(model: Decoder, out_dir: str, *, tokenizer: Any = None, dtype: str | None = None,
@@ -349,6 +368,9 @@ def export_hf(model: Decoder, out_dir: str, *, tokenizer: Any = None, dtype: str
     export (a ``config.json`` beside ``*.safetensors``): a run directory or any other data is never replaced.
     """
     cfg = model.cfg
+    if not out_dir:
+        raise WeightsError("export: no output directory given")
+    here = os.path.abspath(os.getcwd())
     if os.path.exists(out_dir):
         if not os.path.isdir(out_dir):
             raise WeightsError(f"{out_dir} exists and is a file, not a directory; choose another directory")
@@ -360,6 +382,15 @@ def export_hf(model: Decoder, out_dir: str, *, tokenizer: Any = None, dtype: str
             raise WeightsError(f"{out_dir} is not an earlier export (no config.json beside *.safetensors), so it "
                                f"is not replaced even with overwrite; it holds {', '.join(sorted(names)[:5])}"
                                + (", ..." if len(names) > 5 else ""))
+        others = sorted(n + ("/" if os.path.isdir(os.path.join(out_dir, n)) else "") for n in names
+                        if not _export_file(n) or os.path.isdir(os.path.join(out_dir, n)))
+        if others:
+            raise WeightsError(f"{out_dir} holds files an export does not write ({', '.join(others[:5])}"
+                               + (", ..." if len(others) > 5 else "") + "), so it is not replaced even with "
+                               "overwrite; choose another directory")
+        if (here + os.sep).startswith(os.path.abspath(out_dir).rstrip(os.sep) + os.sep):
+            raise WeightsError(f"{out_dir} is the current directory (or holds it), so it is not replaced; run from "
+                               "elsewhere or choose another directory")
     np_dtype = _np_dtype(dtype or cfg.param_dtype)
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
@@ -395,9 +426,18 @@ def export_hf(model: Decoder, out_dir: str, *, tokenizer: Any = None, dtype: str
         hf_cfg = hf_config_from_model(dataclasses.replace(cfg, param_dtype=np.dtype(np_dtype).name), ids)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_cfg, f, indent=2)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir) if os.path.isdir(out_dir) else os.remove(out_dir)
-        os.replace(tmp, out_dir)
+        aside = None
+        if os.path.exists(out_dir):  # the earlier export moves aside until the new one is in place
+            aside = tempfile.mkdtemp(prefix=".replaced-", dir=parent)
+            os.replace(out_dir, os.path.join(aside, "old"))
+        try:
+            os.replace(tmp, out_dir)
+        except BaseException:
+            if aside:
+                os.replace(os.path.join(aside, "old"), out_dir)
+            raise
+        if aside:
+            shutil.rmtree(aside, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
