@@ -275,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     from dora_jax.runner import RunError
     from dora_jax.scheduler import ScheduleError
     from dora_jax.tasks.gsm8k import TaskDataError
+    from dora_jax.trainer.batch import BatchError
     from dora_jax.versions import VersionError
 
     parser = build_parser()
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             initialize()  # joins the other hosts under jax.distributed; a no-op for one process
         return args.fn(args)
     except (CLIError, DistributedError, ConfigError, WeightsError, TokenizerError, RunError, ScheduleError,
-            TaskDataError, ResumeError, CheckpointError, VersionError, MetricsError) as e:  # bad input or saved state: the message names it
+            TaskDataError, ResumeError, CheckpointError, VersionError, MetricsError, BatchError) as e:  # bad input or saved state: the message names it
         print(f"error: {e}", file=sys.stderr)
         return 2
 

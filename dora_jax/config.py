@@ -489,8 +489,8 @@ class RunConfig:
     resume: bool = True
 
     def validate(self, path: str = "run") -> None:
-        if not self.name or "/" in self.name:
-            _fail(f"{path}.name", self.name, "must be a non-empty name without '/'")
+        if not self.name or "/" in self.name or self.name in (".", ".."):
+            _fail(f"{path}.name", self.name, "must be a non-empty name without '/', not '.' or '..'")
         if self.checkpoint_every < 0:
             _fail(f"{path}.checkpoint_every", self.checkpoint_every,
                   "must be >= 0 (updates between run checkpoints; 0 never checkpoints)")
@@ -531,6 +531,11 @@ class Config:
         if self.roles.placement == "split" and self.roles.trainer_devices >= self.target.num_devices:
             _fail("roles.trainer_devices", self.roles.trainer_devices,
                   f"must leave rollout devices: < target.num_devices ({self.target.num_devices})")
+        longest = self.rollout.max_prompt_len + self.rollout.max_new_tokens
+        if max(t.length_buckets) < longest:
+            _fail("train.length_buckets", list(t.length_buckets),
+                  f"the largest must hold the longest sample: rollout.max_prompt_len + rollout.max_new_tokens = "
+                  f"{longest}")
         if self.generate.max_new_tokens >= self.model.max_seq_len:
             _fail("generate.max_new_tokens", self.generate.max_new_tokens,
                   f"must be < model.max_seq_len ({self.model.max_seq_len})")

@@ -123,6 +123,11 @@ def pack_run_state(sched: Scheduler, done: dict[int, Finished], metrics: dict[st
     return {"scheduler": sched.state_dict(), "finished": finished, "metrics": metrics, "rng": seeds(cfg)}
 
 
+# What a checkpoint's run-state metrics hold: the runner's position in its output files and its counters.
+RUN_METRICS = ("eval_before", "eval_s", "wall_s", "train_s", "gen_tokens", "checkpoint_s", "lines", "samples_lines",
+               "rows_computed", "rows_live", "max_resident")
+
+
 def unpack_run_state(policy: SchedulePolicy, run_state: dict[str, Any], where: Path,
                      cfg: Config) -> tuple[Scheduler, list[Finished], dict[str, Any]]:
     """The scheduler, finished samples and metrics position of a checkpoint's run state, with every sample
@@ -139,6 +144,10 @@ def unpack_run_state(policy: SchedulePolicy, run_state: dict[str, Any], where: P
         metrics, saved_seeds = dict(run_state["metrics"]), run_state["rng"]
     except (KeyError, TypeError, ValueError, LedgerError) as e:
         raise ResumeError(f"{where}: not a run state this runner can continue ({e!r:.300})") from e
+    missing = [k for k in RUN_METRICS if k not in metrics]
+    if missing:
+        raise ResumeError(f"{where}: not a run state this runner can continue (its metrics lack "
+                          f"{', '.join(missing)}; written by another version of dora-jax?)")
     if saved_seeds != seeds(cfg):
         raise ResumeError(f"{where}: seeds {saved_seeds} differ from this run's {seeds(cfg)}")
     led = sched.ledger
@@ -235,9 +244,11 @@ class RunStore:
         for step in reversed(self.checkpoints.steps()):
             path = self.checkpoints.path(step)
             try:
-                out.append((path, json.loads((path / "meta.json").read_text())))
+                meta = json.loads((path / "meta.json").read_text())
             except (OSError, ValueError):
                 continue  # unreadable: restore_latest reports it and falls back
+            if isinstance(meta, dict):  # anything else is corrupt: restore_latest reports it likewise
+                out.append((path, meta))
         return out
 
     def check_config(self) -> None:

@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Any, Callable
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
 
 @dataclasses.dataclass(frozen=True)
 class RewardResult:
@@ -52,15 +54,18 @@ class RewardPool:
 
     def _work(self, wid: int) -> None:
         while True:
-            key, fn, args = self._jobs.get()
+            job = self._jobs.get()
+            if job is None:  # close()
+                return
+            key, fn, args = job
             t0 = time.perf_counter()
             with self._lock:
                 self._running[key] = (t0, wid)
             try:
                 reward, correct = fn(*args)
                 reward = float(reward)
-                if not math.isfinite(reward):
-                    raise ValueError(f"returned a non-finite reward {reward}")
+                if not (math.isfinite(reward) and abs(reward) <= _FLOAT32_MAX):  # the trainer works in float32
+                    raise ValueError(f"returned a reward {reward} that is not a finite float32 number")
                 result = RewardResult(key, reward, bool(correct), "", time.perf_counter() - t0)
             except Exception as e:  # noqa: BLE001 - any failure of user code filters the sample
                 result = RewardResult(key, error=f"reward function raised {type(e).__name__}: {e}",
@@ -74,6 +79,13 @@ class RewardPool:
     def submit(self, key: int, fn: Callable[..., tuple[float, bool]], *args: Any) -> None:
         self._outstanding += 1
         self._jobs.put((key, fn, args))
+
+    def close(self) -> None:
+        """Lets the idle workers exit (a hung one exits when its call returns)."""
+        with self._lock:
+            live = self._next_worker - len(self._abandoned)
+        for _ in range(live):
+            self._jobs.put(None)
 
     @property
     def outstanding(self) -> int:

@@ -593,17 +593,22 @@ class Runner:
         reqs = [Request(k * len(items) + i, p, version=version, max_new_tokens=n, sampling=sampling)
                 for k in range(tc.eval_samples) for i, (p, n) in enumerate(zip(prompts, budgets))]
         trajs = sorted(driver.run(reqs), key=lambda t: t.sample_id)
+        # Scored as in training: in worker threads under task.reward_timeout_s, a failure named, not fatal.
+        pool, results = RewardPool(tc.reward_workers, tc.reward_timeout_s), {}
+        try:
+            for k, t in enumerate(trajs):
+                pool.submit(k, self._score, items[t.sample_id % len(items)],
+                            self.tokenizer.decode(t.tokens, skip_special_tokens=True))
+            while pool.outstanding:
+                results.update((r.key, r) for r in pool.poll(0.05))
+        finally:
+            pool.close()
         scores, failed = [], []
-        for t in trajs:
-            q = t.sample_id % len(items)
-            try:
-                score = self.task.score(items[q], self.tokenizer.decode(t.tokens, skip_special_tokens=True))
-                if not np.isfinite(score.reward):
-                    raise ValueError(f"returned a non-finite reward {score.reward}")
-            except Exception as e:  # noqa: BLE001 - user code: as in training, a failure is named, not fatal
-                failed.append(f"held-out question {q}: {type(e).__name__}: {e}")
-                score = Score(0.0, False)
-            scores.append(score)
+        for k, t in enumerate(trajs):
+            r = results[k]
+            if r.error:
+                failed.append(f"held-out question {t.sample_id % len(items)}: {r.error}")
+            scores.append(Score(0.0, False) if r.error else Score(r.reward, r.correct))
         if failed:
             what = f"task {self.task.name!r}: scoring failed on {len(failed)} of {len(trajs)} held-out answers"
             if len(failed) == len(trajs):

@@ -43,6 +43,9 @@ def test_overrides_and_types():
     ("generate.top_p=0", "'generate.top_p' = 0.0: must be in (0, 1]"),
     ("generate.max_new_tokens=4096", "must be < model.max_seq_len"),
     ("run.name=a/b", "'run.name' = 'a/b'"),
+    ("run.name=..", "'run.name' = '..': must be a non-empty name without '/', not '.' or '..'"),
+    ("train.length_buckets=[8]", "'train.length_buckets' = [8]: the largest must hold the longest sample: "
+                                 "rollout.max_prompt_len + rollout.max_new_tokens = 192"),
     ("model.nope=1", "unknown config field 'model.nope'"),
     ("train.learning_rate=.nan", "'train.learning_rate' = nan: must be a number, not NaN"),
     ("model", "expected key=value"),

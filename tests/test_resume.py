@@ -323,3 +323,26 @@ def test_a_cut_off_first_checkpoint_starts_afresh_and_corrupt_ones_only_stop(tmp
     bad.mkdir()
     with pytest.raises(ResumeError, match="(?s)cannot resume: no usable run checkpoint.*step_00000001: no COMPLETE"):
         RunStore(tmp_path, cfg, 0).restore(None)  # a checkpoint that existed and is unusable is not ignored
+
+
+def test_run_states_and_metadata_the_runner_did_not_write_are_named(tmp_path, monkeypatch):
+    """A run state whose metrics lack a counter (another version wrote it) and a checkpoint whose meta.json is
+    not a mapping: a ResumeError naming the file, and the config check passes over what restore reports."""
+    from dora_jax.resume import RUN_METRICS, pack_run_state, unpack_run_state
+    from dora_jax.scheduler import SchedulePolicy, Scheduler
+
+    cfg = load_config("tiny_llama", SYNC)
+    policy = SchedulePolicy("sync", 0, 8, 8, 4, 32)
+    metrics = {k: 0 for k in RUN_METRICS}
+    state = pack_run_state(Scheduler(policy), {}, metrics, cfg)
+    assert unpack_run_state(policy, state, tmp_path, cfg)[2] == metrics
+    del state["metrics"]["rows_computed"]
+    with pytest.raises(ResumeError, match=r"run_state.json: not a run state this runner can continue \(its metrics "
+                                          r"lack rows_computed"):
+        unpack_run_state(policy, state, tmp_path, cfg)
+    store = RunStore(tmp_path, cfg, 0)
+    step = store.checkpoints.path(3)
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text("[]")
+    monkeypatch.setattr(store.checkpoints, "steps", lambda: [3])  # as if its completion marker were there
+    store.check_config()  # not a mapping: left to restore, which reports it and falls back (was AttributeError)

@@ -80,6 +80,13 @@ def always_raise(prompt, response, answer):
     raise RuntimeError("broken reward")
 
 
+def hang_on_even_prompt(prompt, response, answer):
+    """Hangs (far past the timeout) on the questions whose prompt's bytes have an even sum."""
+    if sum(prompt.encode()) % 2 == 0:
+        time.sleep(30)
+    return 1.0
+
+
 def raise_on_even_prompt(prompt, response, answer):
     """Fails on the questions whose prompt's bytes have an even sum, whatever the response."""
     if sum(prompt.encode()) % 2 == 0:
@@ -223,7 +230,16 @@ def test_evaluation_counts_failed_scores_as_wrong_and_names_them(tmp_path, share
     assert ev["n"] == 16 and ev["score_errors"] == 2 * even
     assert ev["reward"] == (16 - 2 * even) / 16  # every answer that scored got 1.0; the failed ones 0
     assert f"scoring failed on {2 * even} of 16 held-out answers" in caplog.text
-    assert "ValueError: even prompt" in caplog.text
+    assert "reward function raised ValueError: even prompt" in caplog.text
+    # A hung reward function is timed out under task.reward_timeout_s in evaluation too (it used to hang the run).
+    caplog.clear()
+    hung = Runner(tiny("dora.mode=sync", "dora.rollout_batch=8", "task.reward=test_runner:hang_on_even_prompt",
+                       "task.eval_size=8", "task.reward_timeout_s=0.5"), str(tmp_path / "h"), **shared())
+    t0 = time.perf_counter()
+    with caplog.at_level("WARNING"):
+        ev = hung.evaluate(0)
+    assert time.perf_counter() - t0 < 25 and ev["score_errors"] == even and ev["reward"] == (8 - even) / 8
+    assert "reward function timed out after 0.5s" in caplog.text
     # Held-out questions the engine cannot take are named with the settings, before anything is decoded.
     runner.task = load_task(tiny("task.name=arithmetic").task)  # prompts of 50-60 characters, bytes as tokens
     with pytest.raises(RunError, match=r"'arithmetic': held-out question 0 has \d\d prompt tokens and may generate "
@@ -233,7 +249,7 @@ def test_evaluation_counts_failed_scores_as_wrong_and_names_them(tmp_path, share
     runner = Runner(tiny("dora.mode=sync", "dora.rollout_batch=8", "task.reward=test_runner:always_raise",
                          "task.eval_size=4"), str(tmp_path / "b"), **shared())
     with pytest.raises(RunError, match=r"scoring failed on 4 of 4 held-out answers \(version 0\); the first: "
-                       r"held-out question 0: RuntimeError: broken reward"):
+                       r"held-out question 0: reward function raised RuntimeError: broken reward"):
         runner.evaluate(0)
 
 

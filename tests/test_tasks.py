@@ -136,29 +136,42 @@ def _slow(x):
 def _bad(kind):
     if kind == "raise":
         raise KeyError("missing")
+    if kind == "huge":  # finite in Python, infinite in the trainer's float32
+        return 1e300, True
     return float("nan"), False
 
 
 def test_reward_pool_results_errors_and_timeouts():
+    import threading
+
+    before = set(threading.enumerate())
     pool = RewardPool(workers=2, timeout_s=0.5)
     pool.submit(1, _slow, 0.0)
     pool.submit(2, _bad, "raise")
     pool.submit(3, _bad, "nan")
     pool.submit(4, _slow, 5.0)  # hangs past the timeout
     pool.submit(5, _slow, 0.01)  # must still be served: the hung worker is replaced
+    pool.submit(6, _bad, "huge")
     got = {}
     t0 = time.perf_counter()
-    while len(got) < 5 and time.perf_counter() - t0 < 10:
+    while len(got) < 6 and time.perf_counter() - t0 < 10:
         for r in pool.poll(wait_s=0.1):
             assert r.key not in got
             got[r.key] = r
     assert time.perf_counter() - t0 < 3
     assert got[1].reward == 0.0 and got[1].correct and not got[1].error
     assert got[2].error == "reward function raised KeyError: 'missing'"
-    assert "non-finite reward nan" in got[3].error
+    assert "returned a reward nan that is not a finite float32 number" in got[3].error
+    assert "returned a reward 1e+300 that is not a finite float32 number" in got[6].error
     assert got[4].error == "reward function timed out after 0.5s"
     assert got[5].reward == 0.01 and not got[5].error
     assert pool.outstanding == 0
+    assert len(set(threading.enumerate()) - before) == 3  # two serving, one abandoned in its hung call
+    pool.close()  # the idle workers exit; the abandoned one when its call returns
+    t0 = time.perf_counter()
+    while set(threading.enumerate()) - before and time.perf_counter() - t0 < 10:
+        time.sleep(0.05)
+    assert not set(threading.enumerate()) - before
     with pytest.raises(ValueError, match="workers >= 1"):
         RewardPool(workers=0)
 
