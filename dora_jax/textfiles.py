@@ -1,6 +1,6 @@
 """Reading the text files users hand us (YAML configs, JSONL data) with errors that name the file and line.
 
-``read_text`` decodes UTF-8 and, on bad bytes, says which line holds them instead of Python's bare
+``read_text`` (and ``read_jsonl``, line by line) decodes UTF-8 and, on bad bytes, says which line holds them instead of Python's bare
 ``UnicodeDecodeError``. ``load_yaml`` parses with PyYAML's safe loader but refuses a key that appears twice
 in one mapping: PyYAML keeps the last one silently, so a repeated section would replace the earlier one.
 
@@ -10,6 +10,7 @@ Both raise :class:`TextFileError` (a ``ValueError``); callers wrap it in their o
 from __future__ import annotations
 
 import io
+import json
 from typing import Any
 
 import yaml
@@ -32,6 +33,19 @@ def read_text(path: str) -> str:
         line = data.count(b"\n", 0, e.start) + 1
         raise TextFileError(f"{path}: line {line} is not UTF-8 text (byte {e.start}: "
                             f"{data[e.start:e.end]!r}, {e.reason}); save the file as UTF-8") from None
+
+
+def read_jsonl(path: str) -> list[tuple[int, Any]]:
+    """``(line number, parsed value)`` of every non-blank line of a JSON-lines file."""
+    rows = []
+    for n, line in enumerate(read_text(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((n, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise TextFileError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+    return rows
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

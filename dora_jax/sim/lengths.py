@@ -12,14 +12,13 @@ Three kinds, all drawn from a seeded ``random.Random`` so a run is reproducible:
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
 from dataclasses import dataclass
 from typing import Any
 
-from dora_jax.textfiles import TextFileError, read_text
+from dora_jax.textfiles import TextFileError, read_jsonl
 
 Z99 = 2.3263478740408408  # standard normal 99th percentile
 
@@ -114,16 +113,10 @@ def length_dist(spec: dict[str, Any], path: str = "workload.lengths", base_dir: 
         _need(os.path.isfile(full), f"{path}.path", p, f"no such file ({full})")
         table = []
         try:
-            text = read_text(full)
+            rows = read_jsonl(full)
         except TextFileError as e:
             raise SimConfigError(str(e)) from None
-        for n, line in enumerate(text.split("\n"), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SimConfigError(f"{full} line {n}: not JSON ({e.msg})") from None
+        for n, row in rows:
             v = row.get("length", row.get("new_tokens")) if isinstance(row, dict) else row
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise SimConfigError(f"{full} line {n}: length {v!r} must be an integer >= 1 "

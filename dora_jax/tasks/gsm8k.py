@@ -8,12 +8,11 @@ otherwise the answer's last number; a response is correct when its last number e
 
 from __future__ import annotations
 
-import json
 import os
 import random
 
 from dora_jax.tasks.base import Item, Score, Task, last_number, same_number
-from dora_jax.textfiles import TextFileError, read_text
+from dora_jax.textfiles import TextFileError, read_jsonl
 
 
 class TaskDataError(ValueError):
@@ -36,17 +35,11 @@ class JsonlTask(Task):
             raise TaskDataError(f"task.path: {path!r} does not exist or is not a file")
         items = []
         try:
-            text = read_text(path)
+            rows = read_jsonl(path)
         except TextFileError as e:
             raise TaskDataError(str(e)) from None
-        for n, line in enumerate(text.split("\n"), 1):
-            if not line.strip():
-                continue
+        for n, row in rows:
             where = f"{path}:{n}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TaskDataError(f"{where}: not valid JSON ({e.msg})") from e
             if not isinstance(row, dict):
                 raise TaskDataError(f"{where}: expected a JSON object, got {type(row).__name__}")
             prompt = row.get("question", row.get("prompt"))
