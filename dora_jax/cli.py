@@ -293,8 +293,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             initialize()  # joins the other hosts under jax.distributed; a no-op for one process
         return args.fn(args)
+    # Bad input or saved state: the message names it.
     except (CLIError, DistributedError, ConfigError, WeightsError, TokenizerError, RunError, ScheduleError,
-            TaskDataError, ResumeError, CheckpointError, VersionError, MetricsError, BatchError) as e:  # bad input or saved state: the message names it
+            TaskDataError, ResumeError, CheckpointError, VersionError, MetricsError, BatchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -177,12 +177,11 @@ class Runner:
         if parts is not None and devices is not None:
             raise RunError("Runner: give devices or parts, not both (the parts' meshes fix their devices)")
         self.cfg, self.run_dir, self.progress = cfg, run_dir, progress
-        parent = os.path.dirname(os.path.abspath(run_dir))
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if os.path.exists(run_dir) and not os.path.isdir(run_dir) or not os.path.isdir(parent):
-            bad = run_dir if os.path.exists(run_dir) else parent
-            raise RunError(f"run directory {run_dir}: {bad} is a file, not a directory; choose another "
+        existing = os.path.abspath(run_dir)  # the run directory, or the nearest ancestor that exists
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise RunError(f"run directory {run_dir}: {existing} is a file, not a directory; choose another "
                            "--run-dir, run.name or run.out_dir")
         _refuse_foreign_config(run_dir)
         if os.path.exists(os.path.join(run_dir, "summary.json")):
