@@ -50,6 +50,9 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    if args.config is not None:
+        raise CLIError(f"demo --config {args.config}: the demo always runs the built-in default "
+                       f"({DEFAULT_CONFIG}); for another config run 'dora-jax generate --config {args.config}'")
     print("dora-jax demo: SmolLM2-135M-Instruct on the CPU answers arithmetic questions\n")
     args.config, args.weights, args.from_weights, args.prompt = DEFAULT_CONFIG, None, False, None
     return cmd_generate(args)
@@ -191,6 +194,21 @@ def _check_out_file(path: str | None, flag: str) -> None:
         raise CLIError(f"{flag} {path}: the directory {parent} is not writable")
 
 
+def _check_out_dir(path: str | None, flag: str) -> None:
+    """Refuses an output directory that cannot be made or written, before any work is done."""
+    if path is None:
+        return
+    if not path:
+        raise CLIError(f"{flag}: empty path")
+    nearest = os.path.abspath(path)
+    while not os.path.exists(nearest):
+        nearest = os.path.dirname(nearest)
+    if not os.path.isdir(nearest):
+        raise CLIError(f"{flag} {path}: {nearest} is a file, not a directory")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise CLIError(f"{flag} {path}: {nearest} is not writable")
+
+
 class CLIError(ValueError):
     """An argument that cannot work, found before anything runs."""
 
@@ -200,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp, config_default=DEFAULT_CONFIG):
-        sp.add_argument("--config", default=config_default, help="YAML file or shipped preset name")
+        sp.add_argument("--config", default=config_default, help="YAML file or shipped preset name" if config_default
+                        else argparse.SUPPRESS)
         sp.add_argument("overrides", nargs="*", help="key=value overrides, e.g. generate.max_new_tokens=32")
         sp.add_argument("--json", help="also write results to this JSON file")
 
@@ -213,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=cmd_generate)
 
     d = sub.add_parser("demo", help="the built-in default: SmolLM2-135M-Instruct answers arithmetic on the CPU")
-    common(d)
+    common(d, config_default=None)
     d.set_defaults(fn=cmd_demo)
 
     t = sub.add_parser("train", help="RL post-training (sync, one_step_off or dora) with evaluation before and after")
@@ -263,8 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     from dora_jax.config import ConfigError
     from dora_jax.xla_flags import cpu_device_flags, fake_device_count
 
-    if fake_device_count() > 1:  # before JAX starts its CPU backend (dora_jax.xla_flags says why)
-        os.environ["XLA_FLAGS"] = cpu_device_flags()
+    try:
+        if fake_device_count() > 1:  # before JAX starts its CPU backend (dora_jax.xla_flags says why)
+            os.environ["XLA_FLAGS"] = cpu_device_flags()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from dora_jax.distributed import DistributedError, initialize
     from dora_jax.models.hf_io import WeightsError
     from dora_jax.tokenizer import TokenizerError
@@ -290,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_out_file(getattr(args, "json", None), "--json")
         _check_out_file(getattr(args, "plot", None) if args.command == "bench" else None, "--plot")
+        _check_out_dir(getattr(args, "plot", None) if args.command == "simulate" else None, "--plot")
+        _check_out_dir(getattr(args, "out", None), "--out")  # plot, export
         if args.command == "train":
             initialize()  # joins the other hosts under jax.distributed; a no-op for one process
         return args.fn(args)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import types
 import typing
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import yaml
+
+from dora_jax.textfiles import parse_yaml_value
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _MESH_AXES = ("data", "fsdp", "tensor")
@@ -602,8 +605,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             _fail(path, value, "must be a number")
-        if value != value:  # NaN: no setting means "not a number" (infinity is checked field by field)
-            _fail(path, value, "must be a number, not NaN")
+        if not math.isfinite(value):  # no setting means "not a number" or "unbounded" (0 is "off" where allowed)
+            _fail(path, value, "must be a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -657,7 +660,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: '{p}' is not a section")
         try:
-            node[parts[-1]] = yaml.safe_load(raw)
+            node[parts[-1]] = parse_yaml_value(raw)
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from None
     return data
@@ -685,10 +688,11 @@ def _override_for(field: str | None, overrides: list[str] | tuple[str, ...]) -> 
     """The last override that set ``field`` (or a section holding it, or a field inside it)."""
     if not field:
         return None
-    field = field.split("[", 1)[0]
+    head, _, last = field.split("[", 1)[0].rpartition(".")
+    fields = [f"{head}.{name}" if head else name for name in last.split("/")]  # a rule over two: train.is_low/is_high
     for item in reversed(overrides):
         key = item.split("=", 1)[0].strip()
-        if key == field or field.startswith(key + ".") or key.startswith(field + "."):
+        if any(key == f or f.startswith(key + ".") or key.startswith(f + ".") for f in fields):
             return item
     return None
 

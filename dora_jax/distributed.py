@@ -50,7 +50,7 @@ class ClusterSpec:
     local_device_ids: tuple[int, ...] | None = None
 
 
-def _int(env: Mapping[str, str], name: str, *, minimum: int = 0) -> int:
+def _int(env: Mapping[str, str], name: str, *, minimum: int = 0, maximum: int | None = None) -> int:
     if name not in env or env[name] == "":
         raise DistributedError(f"environment variable {name} is not set")
     try:
@@ -59,12 +59,16 @@ def _int(env: Mapping[str, str], name: str, *, minimum: int = 0) -> int:
         raise DistributedError(f"environment variable {name}={env[name]!r} is not an integer") from None
     if value < minimum:
         raise DistributedError(f"environment variable {name}={value} must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise DistributedError(f"environment variable {name}={value} must be <= {maximum}")
     return value
 
 
 def _address(value: str, name: str) -> str:
     if not re.fullmatch(r"[A-Za-z0-9._\-\[\]:]+:\d{1,5}", value):
         raise DistributedError(f"environment variable {name}={value!r} must be host:port, e.g. 10.0.0.1:{DEFAULT_PORT}")
+    if not 1 <= int(value.rsplit(":", 1)[1]) <= 65535:
+        raise DistributedError(f"environment variable {name}={value!r}: the port must be in 1..65535")
     return value
 
 
@@ -105,9 +109,11 @@ def detect(env: Mapping[str, str] | None = None) -> ClusterSpec:
     if env.get("DORA_LOCAL_DEVICE_IDS"):
         try:
             local = tuple(int(x) for x in env["DORA_LOCAL_DEVICE_IDS"].split(","))
+            if min(local) < 0:
+                raise ValueError
         except ValueError:
             raise DistributedError(f"environment variable DORA_LOCAL_DEVICE_IDS={env['DORA_LOCAL_DEVICE_IDS']!r} "
-                                   "must be comma-separated integers, e.g. 0,1") from None
+                                   "must be comma-separated integers >= 0, e.g. 0,1") from None
     if kind == "single":
         return ClusterSpec("single", num_processes=1, process_id=0)
     if kind == "tpu":
@@ -136,7 +142,8 @@ def detect(env: Mapping[str, str] | None = None) -> ClusterSpec:
         if not nodes:
             raise DistributedError("environment variable SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST) is not set; "
                                    "run under srun or set DORA_COORDINATOR")
-        port = int(env.get("DORA_COORDINATOR_PORT", DEFAULT_PORT))
+        port = _int(env, "DORA_COORDINATOR_PORT", minimum=1, maximum=65535) if env.get("DORA_COORDINATOR_PORT") \
+            else DEFAULT_PORT
         coordinator = f"{first_slurm_host(nodes)}:{port}"
     return ClusterSpec("slurm", coordinator, n, pid, local)
 

@@ -24,14 +24,19 @@ SAFE_COLLECTIVES = f"{SCHEDULER}=false"
 
 
 def fake_device_count(flags: str | None = None) -> int:
-    """The number of CPU devices ``flags`` (default: ``$XLA_FLAGS``) ask for (XLA takes the last; 1 if none)."""
+    """The number of CPU devices ``flags`` (default: ``$XLA_FLAGS``) ask for (XLA takes the last; 1 if none).
+
+    Raises:
+        ValueError: the count is not an integer >= 1 (XLA would fail to start its CPU backend, or stop the process
+            with a list of every flag it knows).
+    """
     n = 1
     for flag in (os.environ.get("XLA_FLAGS", "") if flags is None else flags).split():
         if flag.startswith(DEVICE_COUNT + "="):
-            try:
-                n = int(flag.split("=", 1)[1])
-            except ValueError:
-                pass
+            value = flag.split("=", 1)[1]
+            n = int(value) if value.isdigit() else 0
+            if n < 1:
+                raise ValueError(f"XLA_FLAGS: {flag}: the device count must be an integer >= 1")
     return n
 
 

@@ -104,5 +104,15 @@ def test_bad_paths_are_refused_before_any_work(capsys, tmp_path, monkeypatch):
     assert f"{hf}/config.json is a Hugging Face model's config.json, which a run would overwrite" in \
         capsys.readouterr().err
     assert (hf / "config.json").read_text().startswith('{"architectures"') and os.listdir(hf) == ["config.json"]
+    # Output directories under a file: refused before the work (simulate's plots came after the whole run).
+    for argv in (["plot", str(tmp_path), "--out", str(f)],
+                 ["simulate", "--config", "sim_small", "--plot", str(f / "p")],
+                 ["export", "--config", "tiny_llama", "--out", str(f / "hf")]):
+        assert main(argv) == 2
+        assert f"{argv[-2]} {argv[-1]}: {f} is a file, not a directory" in capsys.readouterr().err
+    assert f.read_text() == "keep me"
+    # The demo runs the built-in default; a --config would be silently ignored, so it is refused.
+    assert main(["demo", "--config", "tiny_llama"]) == 2
+    assert "for another config run 'dora-jax generate --config tiny_llama'" in capsys.readouterr().err
     assert main(["plot", str(tmp_path / "nowhere")]) == 2
     assert "nowhere: no such run directory" in capsys.readouterr().err

@@ -26,6 +26,11 @@ def test_overrides_and_types():
     assert cfg.generate.prompts == ("a", "b")
     assert dict(cfg.mesh.logical_axis_rules)["batch"] == ("data",)
     assert load_config(None).mesh.logical_axis_rules == DEFAULT_RULES
+    # YAML 1.1 (PyYAML) needs a decimal point in a float; 1e-6 is a number here too, as in YAML 1.2.
+    for text, value in (("1e-6", 1e-6), ("+2E+3", 2000.0), ("3.0e-5", 3e-5), ("5", 5.0)):
+        assert load_config("tiny_llama", [f"train.learning_rate={text}"]).train.learning_rate == value
+    from dora_jax.textfiles import parse_yaml_value
+    assert parse_yaml_value("-2E+3") == -2000.0 and parse_yaml_value("1e-6x") == "1e-6x"
     assert load_config(None).fingerprint() != cfg.fingerprint()
 
 
@@ -47,7 +52,11 @@ def test_overrides_and_types():
     ("train.length_buckets=[8]", "'train.length_buckets' = [8]: the largest must hold the longest sample: "
                                  "rollout.max_prompt_len + rollout.max_new_tokens = 192"),
     ("model.nope=1", "unknown config field 'model.nope'"),
-    ("train.learning_rate=.nan", "'train.learning_rate' = nan: must be a number, not NaN"),
+    ("train.learning_rate=.nan", "'train.learning_rate' = nan: must be a finite number"),
+    ("target.memory_gib=.inf", "'target.memory_gib' = inf: must be a finite number"),
+    ("task.reward_timeout_s=-.inf", "'task.reward_timeout_s' = -inf: must be a finite number"),
+    ("train.is_low=1.5", "'train.is_low/is_high' = (1.5, 2.0): need 0 <= is_low < 1 < is_high"),
+    ("train.learning_rate=1e-6x", "'train.learning_rate' = '1e-6x': must be a number"),
     ("model", "expected key=value"),
 ])
 def test_validation_messages(override, message):
@@ -89,3 +98,6 @@ def test_errors_blame_the_override_or_the_file(tmp_path):
     # An empty section in the file takes overrides.
     p.write_text("dora:\n")
     assert load_config(str(p), ["dora.steps=7"]).dora.steps == 7
+    p.write_text("train:\n  learning_rate: 2e-6\n  eps: 1E-8\n")
+    cfg = load_config(str(p))
+    assert (cfg.train.learning_rate, cfg.train.eps) == (2e-6, 1e-8)

@@ -37,6 +37,15 @@ def test_explicit_env():
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2"}, "SLURM_PROCID"),
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "1"}, "SLURM_STEP_NODELIST"),
     ({"DORA_CLUSTER": "mpi"}, "DORA_CLUSTER"),
+    ({"DORA_COORDINATOR": "h:70000", "DORA_NUM_PROCESSES": "2", "DORA_PROCESS_ID": "0"},
+     r"DORA_COORDINATOR='h:70000': the port must be in 1..65535"),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_STEP_NODELIST": "n1",
+      "DORA_COORDINATOR_PORT": "abc"}, r"DORA_COORDINATOR_PORT='abc' is not an integer"),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_STEP_NODELIST": "n1",
+      "DORA_COORDINATOR_PORT": "0"}, r"DORA_COORDINATOR_PORT=0 must be >= 1"),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_STEP_NODELIST": "n1",
+      "DORA_COORDINATOR_PORT": "65536"}, r"DORA_COORDINATOR_PORT=65536 must be <= 65535"),
+    ({"DORA_LOCAL_DEVICE_IDS": "0,-1"}, r"DORA_LOCAL_DEVICE_IDS='0,-1' must be comma-separated integers >= 0"),
 ])
 def test_fails_fast_naming_the_variable(env, missing):
     with pytest.raises(DistributedError, match=missing):

@@ -49,6 +49,19 @@ def test_fake_device_count_takes_the_last_and_rejects_zero():
     assert fake_device_count(f"{N8} --xla_force_host_platform_device_count=3") == 3
     with pytest.raises(ValueError, match="at least 1"):
         cpu_device_flags(0, "")
+    for bad in ("0", "abc", "-2", ""):
+        with pytest.raises(ValueError, match=rf"XLA_FLAGS: --xla_force_host_platform_device_count={bad}: the device "
+                                             "count must be an integer >= 1"):
+            fake_device_count(f"{N8} --xla_force_host_platform_device_count={bad}")
+
+
+def test_cli_names_a_bad_device_count_flag(monkeypatch, capsys):
+    from dora_jax.cli import main
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=0")
+    assert main(["simulate", "--config", "sim_small"]) == 2
+    assert "error: XLA_FLAGS: --xla_force_host_platform_device_count=0: the device count must be an integer >= 1" \
+        in capsys.readouterr().err
 
 
 def test_mesh_over_cpu_devices_warns_without_the_flag(monkeypatch):

@@ -286,6 +286,7 @@ def bad(path, value):
 
 def test_good_config_parses_and_lognormal_mean_is_the_clipped_mean():
     cfg = parse_config(copy.deepcopy(GOOD))
+    assert parse_config(bad("paper", {8: {"speedup": 1.5}})).paper == {"8": {"speedup": 1.5}}
     assert cfg.train_batch == 8 and cfg.policy("dora").max_staleness == 2
     assert cfg.lengths.mean() == pytest.approx(20, rel=1e-9)
     rng = random.Random(0)
@@ -298,7 +299,17 @@ def test_good_config_parses_and_lognormal_mean_is_the_clipped_mean():
     ("cluster.gpus_per_instance", 0, r"'cluster.gpus_per_instance' = 0: must be an integer > 0"),
     ("cluster.trainer_gpus", 8, r"'cluster.trainer_gpus' = 8: .*leaves at least one rollout instance"),
     ("cluster.sync_placement", "shared", r"'cluster.sync_placement' = 'shared': allowed: colocated"),
-    ("costs.decode_step_s", -1, r"'costs.decode_step_s' = -1: must be a number >= 0"),
+    ("costs.decode_step_s", -1, r"'costs.decode_step_s' = -1: must be a finite number >= 0"),
+    ("costs.weight_sync_s", float("inf"), r"'costs.weight_sync_s' = inf: must be a finite number >= 0"),
+    ("costs.decode_ctx_s", float("nan"), r"'costs.decode_ctx_s' = nan: must be a finite number >= 0"),
+    ("workload.lengths", {"kind": "lognormal", "p50": 10, "p99": float("inf"), "max": 100},
+     r"'workload.lengths.p99' = inf: must be a finite number > 0"),
+    ("paper", {"8": "x"}, r"'paper.8' = 'x': must be a mapping"),
+    ("paper", {"8": {"speedup": 0}}, r"'paper.8.speedup' = 0: must be a finite number > 0"),
+    ("paper", {"8": {"dora_rollout_share": 12}}, r"'paper.8.dora_rollout_share' = 12: must be a fraction in \(0, 1\]"),
+    ("paper", {"8": {"tokens": 1.0}}, r"'paper.8.tokens' = 1.0: unknown field; allowed: sync_rollout_share"),
+    ("paper", {"64": {"speedup": 1.5}}, r"'paper.64' = .*must be a GPU count that is simulated .*\[8\]"),
+    ("paper", [1.65], r"'paper' = \[1.65\]: must be a mapping of GPU counts"),
     ("costs.decode_step_s", KeyError, r"'costs.decode_step_s' = None: required"),
     ("costs.warp_s", 1, r"'costs.warp_s' = 1: unknown field"),
     ("workload.lengths.kind", "weibull", r"'workload.lengths.kind' = 'weibull': allowed: fixed, lognormal, jsonl"),
@@ -340,7 +351,10 @@ def test_bad_config_files_are_named(tmp_path):
     bench = tmp_path / "bench.json"
     bench.write_text('{"engine_tok_s": 100.0}')
     with pytest.raises(SimConfigError,
-                       match=r"'costs.from_bench' = '.*bench.json': its 'batch' = None must be a number > 0"):
+                       match=r"'costs.from_bench' = '.*bench.json': its 'batch' = None must be a finite number > 0"):
+        parse_config(bad("costs", {"from_bench": str(bench)}))
+    bench.write_text('{"engine_tok_s": Infinity, "batch": 32}')
+    with pytest.raises(SimConfigError, match=r"its 'engine_tok_s' = inf must be a finite number > 0"):
         parse_config(bad("costs", {"from_bench": str(bench)}))
     bench.write_text("[1]")
     with pytest.raises(SimConfigError, match=r"costs.from_bench.*must hold a JSON object"):
@@ -361,3 +375,16 @@ def test_cli_runs_the_small_config_calibrated_from_a_measured_bench(tmp_path):
     assert {(r["gpus"], r["mode"]) for r in table} == {(g, m) for g in (8, 16)
                                                          for m in ("sync", "one_step_off", "partial", "dora")}
     assert main(["simulate", "--config", "no_such_preset"]) == 2
+
+
+def test_derived_costs_that_overflow_name_the_formula():
+    import os
+
+    from dora_jax.textfiles import load_yaml
+
+    preset = os.path.join(os.path.dirname(__file__), "..", "configs", "sim_dora_paper.yaml")
+    raw = load_yaml(preset)
+    raw["hardware"]["peak_flops"] = 1e-300
+    with pytest.raises(SimConfigError, match=r"'costs.decode_row_s' = inf: must be a finite number >= 0 "
+                                             r"\(derived: 2 x 3.28e\+10 / \(4 x 1e-300 x 0.5\)\)"):
+        parse_config(raw)

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from dora_jax.sim.lengths import LengthDist, SimConfigError, _need, length_dist
+from dora_jax.sim.lengths import LengthDist, SimConfigError, _need, is_number, length_dist
 from dora_jax.textfiles import TextFileError, load_yaml, read_text
 
 POLICIES = ("sync", "one_step_off", "partial", "dora")
@@ -168,8 +168,7 @@ def costs_from_bench(path: str) -> dict[str, float]:
         else ("batch", "engine_tok_s") if "engine_tok_s" in data else ()
     for k in fields:
         v = data.get(k)
-        _need(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "costs.from_bench", path,
-              f"its {k!r} = {v!r} must be a number > 0")
+        _need(is_number(v) and v > 0, "costs.from_bench", path, f"its {k!r} = {v!r} must be a finite number > 0")
     if "layers_and_head_ms" in data:
         ctx = data["batch"] * data["cache_length"]
         return {"decode_step_s": data["layers_and_head_ms"] / 1e3, "decode_weights_s": 0.0, "decode_row_s": 0.0,
@@ -183,9 +182,9 @@ def costs_from_bench(path: str) -> dict[str, float]:
 
 def _number(d: dict, key: str, path: str, lo: float = 0.0, strict: bool = False, integer: bool = False) -> Any:
     v = d.get(key)
-    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-    ok = ok and not isinstance(v, bool) and (v > lo if strict else v >= lo)
-    _need(ok, f"{path}.{key}", v, f"must be {'an integer' if integer else 'a number'} {'>' if strict else '>='} {lo}")
+    ok = is_number(v, integer) and (v > lo if strict else v >= lo)
+    _need(ok, f"{path}.{key}", v,
+          f"must be {'an integer' if integer else 'a finite number'} {'>' if strict else '>='} {lo}")
     return v
 
 
@@ -194,6 +193,26 @@ def _mapping(d: Any, path: str, allowed: tuple[str, ...]) -> dict:
     for k in d:
         _need(k in allowed, f"{path}.{k}", d[k], f"unknown field; allowed: {', '.join(allowed)}")
     return d
+
+
+PAPER_FIGURES = ("sync_rollout_share", "dora_rollout_share", "speedup")
+
+
+def _paper_figures(paper: Any, sizes: set[int]) -> dict[str, dict[str, float]]:
+    """Checks the ``paper`` section: GPU count -> {figure: published value}, each count one that is simulated."""
+    _need(isinstance(paper, dict), "paper", paper, "must be a mapping of GPU counts to published figures")
+    out = {}
+    for g, figs in paper.items():
+        n = int(g) if isinstance(g, str) and g.strip().isdigit() else g
+        _need(isinstance(n, int) and not isinstance(n, bool) and n in sizes, f"paper.{g}", figs,
+              f"the key must be a GPU count that is simulated (cluster.gpus or projections.gpus: {sorted(sizes)})")
+        _mapping(figs, f"paper.{g}", PAPER_FIGURES)
+        for key, v in figs.items():
+            share = key.endswith("_share")
+            _need(is_number(v) and 0 < v and (v <= 1 or not share), f"paper.{g}.{key}", v,
+                  "must be a fraction in (0, 1]" if share else "must be a finite number > 0")
+        out[str(n)] = figs
+    return out
 
 
 def parse_config(raw: dict[str, Any], base_dir: str = ".") -> SimConfig:
@@ -254,7 +273,9 @@ def parse_config(raw: dict[str, Any], base_dir: str = ".") -> SimConfig:
     _need("decode_step_s" in costs, "costs.decode_step_s", None,
           "required (give costs, a model + hardware block, or costs.from_bench)")
     for k in COST_FIELDS:
-        _need(costs.get(k, 0.0) >= 0, f"costs.{k}", costs.get(k), "must be >= 0")
+        v = costs.get(k, 0.0)
+        _need(is_number(v) and v >= 0, f"costs.{k}", v,
+              "must be a finite number >= 0" + (f" (derived: {derivation[k]})" if k in derivation else ""))
     _need(costs["decode_step_s"] + costs.get("decode_weights_s", 0.0) + costs.get("decode_row_s", 0.0) > 0,
           "costs.decode_step_s", costs["decode_step_s"],
           "a decode step must cost something (decode_step_s + decode_weights_s + decode_row_s > 0)")
@@ -293,8 +314,7 @@ def parse_config(raw: dict[str, Any], base_dir: str = ".") -> SimConfig:
         _need(isinstance(proj.get("gpus"), list) and all(isinstance(g, int) and g % tp == 0 and g > 0
                                                          for g in proj["gpus"]),
               "projections.gpus", proj.get("gpus"), f"must be a list of GPU counts, multiples of {tp}")
-    paper = raw.get("paper", {})
-    _need(isinstance(paper, dict), "paper", paper, "must be a mapping")
+    paper = _paper_figures(raw.get("paper", {}), set(gpus) | set(proj.get("gpus", [])))
     return SimConfig(
         name=name, costs=Costs(**costs), lengths=length_dist(w.get("lengths"), base_dir=base_dir),
         prompts_per_step=_number(w, "prompts_per_step", "workload", 0, strict=True, integer=True),

@@ -27,6 +27,13 @@ class SimConfigError(ValueError):
     """A simulator configuration value is missing, unknown or out of range (the message names the field)."""
 
 
+def is_number(v: Any, integer: bool = False) -> bool:
+    """True for a finite int or float (an int when ``integer``); bools, ``.inf`` and ``.nan`` are not numbers."""
+    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
+        return False
+    return integer or math.isfinite(v)
+
+
 def _need(cond: bool, path: str, value: Any, allowed: str) -> None:
     if not cond:
         raise SimConfigError(f"sim config field '{path}' = {value!r}: {allowed}")
@@ -99,9 +106,8 @@ def length_dist(spec: dict[str, Any], path: str = "workload.lengths", base_dir: 
 
     def num(key: str, lo: float, integer: bool = False) -> float:
         v = spec.get(key)
-        ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-        _need(ok and not isinstance(v, bool) and v > lo, f"{path}.{key}", v,
-              f"must be {'an integer' if integer else 'a number'} > {lo}")
+        _need(is_number(v, integer) and v > lo, f"{path}.{key}", v,
+              f"must be {'an integer' if integer else 'a finite number'} > {lo}")
         return v
 
     if kind == "fixed":
@@ -131,7 +137,7 @@ def length_dist(spec: dict[str, Any], path: str = "workload.lengths", base_dir: 
         _need(p99 > p50, f"{path}.p99", p99, f"must be > p50 ({p50})")
         return LengthDist("lognormal", mu=math.log(p50), sigma=math.log(p99 / p50) / Z99, max=cap)
     mean, sigma = num("mean", 0), spec.get("sigma")
-    _need(isinstance(sigma, (int, float)) and not isinstance(sigma, bool) and 0 <= sigma <= 4,
+    _need(is_number(sigma) and 0 <= sigma <= 4,
           f"{path}.sigma", sigma, "must be a number in [0, 4]")
     _need(mean < cap, f"{path}.mean", mean, f"must be < max ({cap})")
     lo, hi = -10.0, math.log(cap) + 10
