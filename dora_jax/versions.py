@@ -36,6 +36,7 @@ Resume (the runner)::
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -51,6 +52,8 @@ from dora_jax.sharding import settle
 
 _SNAP = re.compile(r"^v_(\d{8,})$")
 _SNAP_TMP = re.compile(r"^v_(\d{8,})\.orbax-checkpoint-tmp")
+# Written into a snapshot once Orbax has committed it: every file's size, checked before Orbax reads it.
+SIZES = "dora_sizes.json"
 
 
 class VersionError(RuntimeError):
@@ -325,6 +328,7 @@ class Snapshots:
         self.fingerprint = fingerprint
         self.keep_last, self.keep_every = keep_last, keep_every
         self._protect: set[int] = set()
+        self._unsealed: list[Path] = []
         self._ckptr = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler())
 
     def path(self, version: int) -> Path:
@@ -345,6 +349,42 @@ class Snapshots:
 
         self._ckptr.save(path, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
                                                        meta=ocp.args.JsonSave(meta)))
+        self._unsealed.append(path)
+
+    def _finish(self) -> None:
+        """Waits for the writes in flight, then records the sizes of each committed one's files (process 0).
+
+        A truncated or missing file then stops a restore with the file's name before Orbax reads anything
+        (Orbax's own failure on such a file is an opaque tensorstore error). A snapshot committed by a process
+        that died before this record is restored without the check."""
+        self._ckptr.wait_until_finished()
+        unsealed, self._unsealed = self._unsealed, []
+        if jax.process_index() != 0:
+            return
+        for path in unsealed:
+            if not path.is_dir() or (path / SIZES).exists():
+                continue
+            sizes = {f.relative_to(path).as_posix(): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()}
+            tmp = path / f".{SIZES}.tmp"
+            tmp.write_text(json.dumps(sizes, indent=0))
+            os.replace(tmp, path / SIZES)
+
+    def _check_sizes(self, path: Path) -> None:
+        """Every file recorded in ``path``'s size record is there with its recorded size."""
+        record = path / SIZES
+        if not record.exists():
+            return
+        try:
+            sizes = json.loads(record.read_text())
+            items = [(str(rel), int(size)) for rel, size in sizes.items()]
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{record}: unreadable size record ({e})") from None
+        for rel, size in items:
+            f = path / rel
+            if not f.is_file():
+                raise CheckpointError(f"{f}: missing from the snapshot ({SIZES} lists it)")
+            if f.stat().st_size != size:
+                raise CheckpointError(f"{f}: {f.stat().st_size} bytes, {SIZES} records {size} (truncated or corrupt)")
 
     def save(self, version: int, params: Any, *, step: int | None = None, parent: int | None = None,
              kind: str = "full", protect: Iterable[int] = ()) -> bool:
@@ -363,13 +403,13 @@ class Snapshots:
     def save_base(self, base: Any) -> None:
         """Writes the shared LoRA base once (kept if already there)."""
         if not (self.directory / "base").exists():
-            self._ckptr.wait_until_finished()
+            self._finish()
             self._write(self.directory / "base", base, self._meta(None, None, None, "base"))
 
     def wait(self, protect: Iterable[int] | None = None) -> None:
         """Blocks until every started write is committed, then applies retention (``protect``: versions
         kept besides the newest ``keep_last`` and every ``keep_every``-th; default: the last ones given)."""
-        self._ckptr.wait_until_finished()
+        self._finish()
         if protect is not None:
             self._protect = {int(v) for v in protect}
         if jax.process_index() != 0 or not self.directory.is_dir():
@@ -386,9 +426,10 @@ class Snapshots:
     def _read(self, path: Path, target: Any = None) -> tuple[Any, dict[str, Any]]:
         import orbax.checkpoint as ocp
 
-        self._ckptr.wait_until_finished()
+        self._finish()
         if not path.is_dir():
             raise CheckpointError(f"no snapshot at {path}; snapshots present: versions {self.versions()}")
+        self._check_sizes(path)
         try:
             meta = self._ckptr.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
         except Exception as e:  # noqa: BLE001

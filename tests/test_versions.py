@@ -290,8 +290,48 @@ def test_bad_snapshots_are_reported(tmp_path):
         snaps.restore(3, target={"w": jnp.zeros((5,))})
     import shutil
     shutil.rmtree(tmp_path / "v_00000003" / "meta")
+    with pytest.raises(CheckpointError, match=r"v_00000003/meta/\S+: missing from the snapshot"):
+        snaps.restore(3, target=tiny(0))
+    (tmp_path / "v_00000003" / "dora_sizes.json").unlink()  # no size record: Orbax's own read fails
     with pytest.raises(CheckpointError, match=r"v_00000003: snapshot metadata missing"):
         snaps.restore(3, target=tiny(0))
+    snaps.close()
+
+
+def test_truncated_or_missing_snapshot_files_are_named_before_orbax_reads(tmp_path):
+    """Each committed snapshot records its files' sizes; a file cut short or gone stops the restore with its
+    name (Orbax itself would fail with an opaque tensorstore error, and print tracebacks from its threads)."""
+    import json
+    import os
+
+    from dora_jax.versions import SIZES
+
+    snaps = Snapshots(tmp_path, fingerprint="aaaa")
+    many = {f"w{i}": jnp.full((64, 64), float(i)) for i in range(8)}
+    for v in (1, 2, 3, 4):
+        snaps.save(v, many)
+    snaps.wait()
+    for v in (1, 2, 3, 4):
+        record = json.loads((snaps.path(v) / SIZES).read_text())
+        files = sorted(f.relative_to(snaps.path(v)).as_posix() for f in snaps.path(v).rglob("*") if f.is_file())
+        assert sorted(record) == [f for f in files if f != SIZES] and any(f.startswith("params/") for f in record)
+    assert equal_trees(snaps.restore(1, target=many), many)  # the record does not disturb Orbax
+
+    data = max((f for f in snaps.path(2).rglob("*") if f.is_file() and "params/d/" in f.as_posix()),
+               key=lambda f: f.stat().st_size)
+    size = data.stat().st_size
+    os.truncate(data, size // 2)
+    with pytest.raises(CheckpointError, match=rf"{data.name}: {size // 2} bytes, {SIZES} records {size} \(trunc"):
+        snaps.restore(2, target=many)
+    gone = next(f for f in snaps.path(3).rglob("*") if f.name == "manifest.ocdbt")
+    gone.unlink()
+    with pytest.raises(CheckpointError, match=rf"{gone.parent.name}/manifest.ocdbt: missing from the snapshot"):
+        snaps.restore(3, target=many)
+    (snaps.path(4) / SIZES).write_text("[1, 2")
+    with pytest.raises(CheckpointError, match=rf"v_00000004/{SIZES}: unreadable size record"):
+        snaps.restore(4, target=many)
+    (snaps.path(4) / SIZES).unlink()  # as if the writer died between Orbax's commit and the record
+    assert equal_trees(snaps.restore(4, target=many), many)
     snaps.close()
 
 
