@@ -86,8 +86,8 @@ class ModelConfig:
     over every slot), ``"pallas"`` (``dora_jax.kernels.ragged_decode_attention``, reading only each row's
     valid positions) or ``"auto"`` (pallas on TPU; xla on CPU and GPU, where XLA measured faster).
     ``pallas_interpret`` runs the kernel in the Pallas interpreter (CPU tests). ``cache_read_buckets`` is how
-    many cache prefixes the xla path chooses among on every step (lengths S/2^(n-1), ..., S/2, S; the shortest
-    that holds every live row's context is read, picked on device inside one program): ``0`` resolves to 3 on
+    many cache prefixes the xla path chooses among on every step (lengths S/n, 2S/n, ..., S; the shortest
+    that holds every live row's context is read, picked on device inside one program): ``0`` resolves to 8 on
     CPU for caches of 256 slots or more, where reading the cache is a large share of a decode step, and to 1
     (always the whole cache) otherwise. None of these changes the weights or the results beyond float rounding.
     """

@@ -193,13 +193,13 @@ def write_cache(cache: KVCache, k_lbtkd: jax.Array, v_lbtkd: jax.Array, position
 
 
 def cache_read_lengths(cfg: ModelConfig, cache_len: int) -> tuple[int, ...]:
-    """The cache prefixes the xla decode path chooses among (``cfg.cache_read_buckets``, 0 = auto), shortest
-    first; always ends with the whole cache."""
+    """The cache prefixes the xla decode path chooses among: ``n = cfg.cache_read_buckets`` evenly spaced
+    lengths ``S/n, 2S/n, ..., S`` (rounded up; 0 = auto), shortest first; always ends with the whole cache."""
     # Auto: on CPU, for caches long enough that reading them is a real share of a step (below 256 slots the
-    # whole read is cheap, and each prefix is one more copy of the attention in the compiled step).
-    n = cfg.cache_read_buckets or (3 if jax.default_backend() == "cpu" and cache_len >= 256 else 1)
-    lengths = sorted({max(1, cache_len >> i) for i in range(n)})
-    return tuple(lengths)
+    # whole read is cheap, and each prefix is one more copy of the attention in the compiled step). Even
+    # spacing reads at most S/n slots more than the longest live context needs.
+    n = cfg.cache_read_buckets or (8 if jax.default_backend() == "cpu" and cache_len >= 256 else 1)
+    return tuple(sorted({max(1, -(-cache_len * i // n)) for i in range(1, n + 1)}))
 
 
 def decode_forward(cfg: ModelConfig, p: dict, tokens_bt: jax.Array, positions_bt: jax.Array, cache: KVCache,
