@@ -1,9 +1,9 @@
 """Reading the text files users hand us (YAML configs, JSONL data) with errors that name the file and line.
 
 ``read_text`` (and ``read_jsonl``, line by line) decodes UTF-8 and, on bad bytes, says which line holds them
-instead of Python's bare ``UnicodeDecodeError``. ``load_yaml`` parses with PyYAML's safe loader but refuses a key that appears twice
-in one mapping (PyYAML keeps the last one silently, so a repeated section would replace the earlier one) and
-reads ``1e-6`` as a number, as YAML 1.2 does.
+instead of Python's bare ``UnicodeDecodeError``. ``load_yaml`` parses with PyYAML's safe loader but refuses a
+key that appears twice in one mapping (PyYAML keeps the last one silently, so a repeated section would
+replace the earlier one) and reads ``1e-6`` as a number, as YAML 1.2 does.
 
 Both raise :class:`TextFileError` (a ``ValueError``); callers wrap it in their own error type.
 """
@@ -53,8 +53,8 @@ def read_jsonl(path: str) -> list[tuple[int, Any]]:
 class _UniqueKeyLoader(yaml.SafeLoader):
     """Safe loader that refuses duplicate keys in a mapping and reads ``1e-6`` as a float.
 
-    PyYAML follows YAML 1.1, whose floats need a decimal point (``1.0e-6``), so ``learning_rate: 1e-6`` came back
-    as the string ``'1e-6'``; YAML 1.2 (and every other config reader) takes it as a number, and so do we.
+    PyYAML follows YAML 1.1, whose floats need a decimal point (``1.0e-6``), so ``learning_rate: 1e-6`` came
+    back as the string ``'1e-6'``; YAML 1.2 (and every other config reader) takes it as a number, and so do we.
     """
 
 
