@@ -95,6 +95,76 @@ def measure_matmul(m: int, k: int, n: int, seconds: float = 0.5) -> float:
     return 2 * m * k * n / min(times)
 
 
+def measure_matmul_chain(model_cfg, batch: int, rounds: int = 5, torch_device: str | None = None) -> dict:
+    """A decode step's weight matmuls and nothing else, for ``batch`` rows: per layer the fused q|k|v, the
+    output projection, the fused gate|up and the down projection, then the output head; each layer its own
+    weight buffers (no slices of stacked arrays), no norms, attention, cache or sampling. Random weights of the
+    model's shapes and compute dtype (the time does not depend on the values).
+
+    Timed as one jitted XLA program, and, with ``torch_device``, as the same chain of
+    ``torch.nn.functional.linear`` calls in torch (the library transformers runs), alternated, best of
+    ``rounds`` each. No decode step of this model at this batch can be faster than its matmuls, so
+    ``batch / xla_s`` bounds the tokens/s any XLA decode step reaches here."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    c = model_cfg
+    q, kv, d, f = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
+    shapes = {"qkv": (d, q + 2 * kv), "o": (q, d), "gate_up": (d, 2 * f), "down": (f, d)}
+    rng = np.random.default_rng(0)
+    host = [{k: (0.02 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
+            for _ in range(c.num_layers)]
+    head = (0.02 * rng.standard_normal((c.vocab_size, d))).astype(np.float32)  # [V, D], as the tied head
+    x0 = rng.standard_normal((batch, d)).astype(np.float32)
+    cast = lambda a: jnp.asarray(a, c.compute_dtype)  # noqa: E731
+    layers, w_head, x_in = jax.tree.map(cast, host), cast(head), cast(x0)
+
+    @jax.jit
+    def chain(x, layers, w_head):
+        for w in layers:
+            x = x + (x @ w["qkv"])[:, :q] @ w["o"]
+            x = x + (x @ w["gate_up"])[:, :f] @ w["down"]
+        return jnp.einsum("bd,vd->bv", x, w_head, preferred_element_type=jnp.float32)
+
+    chain(x_in, layers, w_head).block_until_ready()  # compile
+    times: dict[str, list[float]] = {"xla": []}
+    runs = {"xla": lambda: chain(x_in, layers, w_head).block_until_ready()}
+    if torch_device is not None:
+        import torch
+
+        tdt = getattr(torch, c.compute_dtype)
+        # torch.nn.functional.linear takes [out, in] weights, as transformers stores them.
+        tl = [{k: torch.from_numpy(np.ascontiguousarray(v.T)).to(torch_device, tdt) for k, v in w.items()}
+              for w in host]
+        th, tx = torch.from_numpy(head).to(torch_device, tdt), torch.from_numpy(x0).to(torch_device, tdt)
+        sync = torch.cuda.synchronize if torch_device == "cuda" else (lambda: None)
+        lin = torch.nn.functional.linear
+
+        def torch_chain():
+            with torch.inference_mode():
+                y = tx
+                for w in tl:
+                    y = y + lin(lin(y, w["qkv"])[:, :q], w["o"])
+                    y = y + lin(lin(y, w["gate_up"])[:, :f], w["down"])
+                lin(y, th)
+                sync()
+
+        torch_chain()
+        runs["torch"], times["torch"] = torch_chain, []
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    flops = 2 * batch * (c.num_layers * sum(a * b for a, b in shapes.values()) + c.vocab_size * d)
+    out = {"matmul_only_flops": flops, "matmul_only_step_ms": 1e3 * min(times["xla"]),
+           "matmul_only_tok_s": batch / min(times["xla"]),
+           "matmul_only_flop_s": flops / min(times["xla"])}
+    if "torch" in times:
+        out["torch_matmul_only_step_ms"] = 1e3 * min(times["torch"])
+    return out
+
+
 def _lengths(n: int, rng, p50: int, tail: int, max_len: int):
     """Long-tailed output lengths: most near p50, a few ~tail; p99/p50 >= 8 for tail >= 8 * p50."""
     import numpy as np
@@ -243,6 +313,15 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
                 sync()
                 out["hf_tok_s"] = batch * new_tokens / (time.perf_counter() - t0)
             out["engine_vs_hf"] = out["engine_tok_s"] / out["hf_tok_s"]
+
+    # The ceiling of both ratios above: a decode step cannot beat its weight matmuls, so with every other
+    # part of the step free the engine would reach `matmul_only_tok_s`. Its ratio to transformers and to the
+    # decode roofline bounds `engine_vs_hf` and `roofline_fraction` (prefill only lowers them further).
+    out.update(measure_matmul_chain(c, batch, torch_device=out.get("hf_device") if out.get("hf_tok_s") else None))
+    out["engine_vs_matmul_only"] = out["engine_tok_s"] / out["matmul_only_tok_s"]
+    out["matmul_only_vs_decode_roofline"] = out["matmul_only_tok_s"] / out["decode_only_roofline_tok_s"]
+    if out.get("hf_tok_s"):
+        out["matmul_only_vs_hf"] = out["matmul_only_tok_s"] / out["hf_tok_s"]
 
     bar.update()
     bar.set_postfix_str("long tail")
@@ -421,7 +500,7 @@ def bench_decode(config: str = "smollm2_135m", batch: int = 32, cache_length: in
     return {"config": config, "batch": batch, "cache_length": cache_length, "decode_step_ms": 1e3 * full_s,
             "layers_and_head_ms": 1e3 * dense_s, "kv_cache_part_ms": 1e3 * (full_s - dense_s),
             "sampling_ms": 1e3 * sample_s, "sampling_runtime_choice_ms": 1e3 * sample_cond_s,
-            "machine": machine()}
+            **measure_matmul_chain(cfg.model, batch), "machine": machine()}
 
 
 def _synthetic_samples(rng, rows: int, prompt_len: int, response_len: int, vocab_size: int) -> list:

@@ -647,3 +647,28 @@ def test_bench_engine_reports_every_part():
     assert out["overlap_tail_vs_none"] == pytest.approx(out["overlap_tail_tok_s"] / out["no_overlap_tail_tok_s"])
     util = out["slot_utilization"]
     assert 0 < util["static"] < util["continuous"] <= 1  # the static batch waits for its longest member
+    # The matmul ceiling: its ratios follow from its own figures.
+    assert out["engine_vs_matmul_only"] == pytest.approx(out["engine_tok_s"] / out["matmul_only_tok_s"])
+    assert out["matmul_only_vs_decode_roofline"] == pytest.approx(out["matmul_only_tok_s"]
+                                                                  / out["decode_only_roofline_tok_s"])
+    assert "matmul_only_vs_hf" not in out and "torch_matmul_only_step_ms" not in out
+
+
+def test_matmul_chain_covers_every_weight_matmul_of_a_step():
+    """The matmul-only ceiling times exactly the step's weight matmuls: 2 FLOPs per row per parameter of the
+    model less its norms and, when the head has its own weights, the embedding table (a lookup, not a matmul),
+    whatever the config's shapes."""
+    from dora_jax.benchmarks import measure_matmul_chain
+    from dora_jax.config import load_config
+    from dora_jax.models.weights import load_model
+
+    for overrides in ([], ["model.num_heads=8", "model.num_kv_heads=2", "model.intermediate_size=96",
+                           "model.tie_embeddings=true"]):
+        cfg = load_config("tiny_llama", overrides).model
+        model, _ = load_model(cfg, progress=False)
+        n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
+        norms = (2 * cfg.num_layers + 1) * cfg.hidden_size
+        lookup = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size
+        out = measure_matmul_chain(cfg, batch=3, rounds=1)
+        assert out["matmul_only_flops"] == 2 * 3 * (n_params - norms - lookup)
+        assert out["matmul_only_tok_s"] == pytest.approx(3e3 / out["matmul_only_step_ms"])
