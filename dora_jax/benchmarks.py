@@ -457,7 +457,7 @@ def bench_decode(config: str = "smollm2_135m", batch: int = 32, cache_length: in
     from flax import nnx
 
     from dora_jax.config import load_config
-    from dora_jax.models.decoder import decode_forward, init_cache
+    from dora_jax.models.decoder import decode_forward, init_cache, resolve_decode_weights
     from dora_jax.models.weights import load_model
     from dora_jax.rollout.sampling import SamplingParams, row_keys, sample
 
@@ -480,7 +480,7 @@ def bench_decode(config: str = "smollm2_135m", batch: int = 32, cache_length: in
     positions = jnp.full((batch, 1), cache_length // 2, jnp.int32)
     cache = init_cache(cfg.model, batch, cache_length)
     # As in the engine: fused params prepared once, the cache donated and threaded from step to step.
-    prepared = model.decode_params(fuse=True)
+    prepared = model.decode_params(fuse=True, transpose=resolve_decode_weights(cfg.model) == "out_in")
     step = jax.jit(lambda p, t, pos, c: decode_forward(cfg.model, p, t, pos, c), donate_argnums=(3,))
     dense = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(batch, cfg.model.vocab_size)), jnp.float32)

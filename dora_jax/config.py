@@ -70,6 +70,7 @@ class RopeScaling:
 
 
 ATTENTION_IMPLS = ("xla", "pallas", "auto")
+DECODE_WEIGHT_LAYOUTS = ("auto", "in_out", "out_in")
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,11 @@ class ModelConfig:
     many cache prefixes the xla path chooses among on every step (lengths S/n, 2S/n, ..., S; the shortest
     that holds every live row's context is read, picked on device inside one program): ``0`` resolves to 8 on
     CPU for caches of 256 slots or more, where reading the cache is a large share of a decode step, and to 1
-    (always the whole cache) otherwise. None of these changes the weights or the results beyond float rounding.
+    (always the whole cache) otherwise. ``decode_weights`` is the layout of the weights a rollout engine
+    prepares for decode: ``"in_out"`` (as stored, ``x @ W``), ``"out_in"`` (each projection transposed once
+    per version, each product computed as ``W^T @ x^T``: XLA:CPU runs the few-row products of decode 1.3-2.8x
+    faster that way, docs/benchmarks.md) or ``"auto"`` (out_in on CPU, in_out elsewhere). None of these
+    changes the weights or the results beyond float rounding.
     """
 
     family: str = "llama"
@@ -115,6 +120,7 @@ class ModelConfig:
     attention_impl: str = "xla"
     pallas_interpret: bool = False
     cache_read_buckets: int = 0
+    decode_weights: str = "auto"
 
     def validate(self, path: str = "model") -> None:
         if self.family not in ("llama", "qwen2", "qwen3"):
@@ -141,6 +147,9 @@ class ModelConfig:
             self.rope_scaling.validate(f"{path}.rope_scaling")
         if not 0 <= self.cache_read_buckets <= 8:
             _fail(f"{path}.cache_read_buckets", self.cache_read_buckets, "must be 0 (auto) .. 8")
+        if self.decode_weights not in DECODE_WEIGHT_LAYOUTS:
+            _fail(f"{path}.decode_weights", self.decode_weights,
+                  f"allowed: {', '.join(map(repr, DECODE_WEIGHT_LAYOUTS))}")
         if self.attention_impl not in ATTENTION_IMPLS:
             _fail(f"{path}.attention_impl", self.attention_impl, f"allowed: {', '.join(map(repr, ATTENTION_IMPLS))}")
 

@@ -407,33 +407,47 @@ def test_driver_with_a_shared_prefix_gives_the_same_trajectories(models, engine4
         RolloutDriver(engine4, shared_prefix=range(32))
 
 
-def test_prepared_params_are_the_fused_weights_ready_on_the_mesh():
+@pytest.mark.parametrize("layout,tied", [("in_out", False), ("out_in", False), ("out_in", True)])
+def test_prepared_params_are_the_fused_weights_ready_on_the_mesh(layout, tied):
     """A version's decode weights on a 2 x 2 x 2 mesh: q|k|v (and their biases) concatenated on the head axis,
-    gate|up stacked on a new axis, values equal to a numpy concatenation; the other weights are the stored arrays
-    themselves (not copies); the fused ones come back finished (one settled program, not eager collectives)."""
+    gate|up stacked on a new axis, values equal to a numpy concatenation; in the out_in layout those and the
+    output and down projections transposed (output axes first), the head transposed or, when tied, the embedding
+    itself; the other
+    weights are the stored arrays themselves (not copies); the new ones come back finished (settled programs,
+    not eager collectives)."""
     from dora_jax.config import DEFAULT_RULES, MeshConfig
     from dora_jax.sharding import create_mesh
 
     mesh = create_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-    cfg = dataclasses.replace(CFG, num_heads=4, num_kv_heads=2)
+    cfg = dataclasses.replace(CFG, num_heads=4, num_kv_heads=2, decode_weights=layout, tie_embeddings=tied)
     model = init_model(cfg, mesh, DEFAULT_RULES, seed=3)
     engine = Engine(model, max_concurrent_decodes=4, max_prefill_length=32, max_target_length=64, mesh=mesh)
     prepared = engine.prepare_params(engine.params).tree
     stored = model.decode_params(fuse=False)
     layers, fused = stored["layers"], prepared["layers"]
-    assert set(fused) == set(layers) - {"wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up"} | {
-        "wqkv", "bqkv", "w_gate_up"}
-    np.testing.assert_array_equal(np.asarray(fused["wqkv"]), np.concatenate(
-        [np.asarray(layers[n]) for n in ("wq", "wk", "wv")], axis=2))
-    np.testing.assert_array_equal(np.asarray(fused["bqkv"]), np.concatenate(
-        [np.asarray(layers[n]) for n in ("bq", "bk", "bv")], axis=1))
-    np.testing.assert_array_equal(np.asarray(fused["w_gate_up"]), np.stack(
-        [np.asarray(layers["w_gate"]), np.asarray(layers["w_up"])], axis=2))
-    for name in ("attn_norm", "wo", "mlp_norm", "w_down"):
+    w = {n: np.asarray(layers[n]) for n in layers}
+    expected = {"wqkv": np.concatenate([w["wq"], w["wk"], w["wv"]], axis=2),
+                "w_gate_up": np.stack([w["w_gate"], w["w_up"]], axis=2)}
+    kept = ["attn_norm", "mlp_norm"]
+    if layout == "out_in":  # [L, *in, *out] -> [L, *out, *in]
+        expected = {"wqkv_t": expected["wqkv"].transpose(0, 2, 3, 1), "wo_t": w["wo"].transpose(0, 3, 1, 2),
+                    "w_gate_up_t": expected["w_gate_up"].transpose(0, 2, 3, 1),
+                    "w_down_t": w["w_down"].transpose(0, 2, 1)}
+        if tied:
+            assert prepared["head_t"] is stored["embed"]
+        else:
+            assert "lm_head" not in prepared and prepared["head_t"].is_ready()
+            np.testing.assert_array_equal(np.asarray(prepared["head_t"]), np.asarray(stored["lm_head"]).T)
+    else:
+        kept += ["wo", "w_down"]
+    expected["bqkv"] = np.concatenate([w["bq"], w["bk"], w["bv"]], axis=1)
+    assert set(fused) == set(kept) | set(expected)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(np.asarray(fused[name]), value, err_msg=name)
+        assert fused[name].is_ready() and len(fused[name].sharding.device_set) == 8
+    for name in kept:
         assert fused[name] is layers[name]
     assert prepared["embed"] is stored["embed"]
-    for name in ("wqkv", "bqkv", "w_gate_up"):
-        assert fused[name].is_ready() and len(fused[name].sharding.device_set) == 8
     once = engine.prepare_params(engine.params)
     assert engine.prepare_params(once) is once  # already prepared: returned as is
 

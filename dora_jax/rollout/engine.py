@@ -30,7 +30,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dora_jax.models.decoder import (FUSED_INPUTS, Decoder, KVCache, decode_forward, fuse_layer_params,
-                                     head_logits, init_cache)
+                                     head_logits, init_cache, resolve_decode_weights, transpose_decode_params,
+                                     transpose_weights)
 from dora_jax.rollout.sampling import SamplingParams, needs_filter, row_keys, sample
 from dora_jax.sharding import settle
 
@@ -63,7 +64,8 @@ class RequestSampling:
 
 
 class PreparedParams(NamedTuple):
-    """One policy version's weights in the layout decode runs on (``Decoder.decode_params(fuse=True)``)."""
+    """One policy version's weights in the layout decode runs on (``Decoder.decode_params(fuse=True)``, with
+    each projection transposed where ``model.decode_weights`` resolves to ``out_in``)."""
 
     tree: dict
 
@@ -204,6 +206,7 @@ class Engine:
         self._free_jit = jax.jit(lambda state, slot: state._replace(active=state.active.at[slot].set(False)),
                                  donate_argnums=(0,))
         self._fuse_jit = jax.jit(fuse_layer_params)
+        self._transpose_jit = jax.jit(transpose_weights)
 
     # -- JetStream API properties --------------------------------------------------------------------------
 
@@ -353,7 +356,10 @@ class Engine:
         # One program for the whole fusion (not one eager concatenate per weight), waited for on CPU meshes
         # like every other engine program (dora_jax.sharding.settle).
         fused = settle(self._fuse_jit({n: layers.pop(n) for n in FUSED_INPUTS if n in layers}))
-        return PreparedParams({**tree, "layers": {**layers, **fused}})
+        tree = {**tree, "layers": {**layers, **fused}}
+        if resolve_decode_weights(self.cfg) == "out_in":  # each projection transposed once per version
+            tree = transpose_decode_params(tree, lambda ws: settle(self._transpose_jit(ws)))
+        return PreparedParams(tree)
 
     def load_params(self, params: Any) -> PreparedParams:
         """JetStream's name for :meth:`prepare_params`."""
