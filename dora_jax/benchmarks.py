@@ -98,19 +98,23 @@ def measure_matmul(m: int, k: int, n: int, seconds: float = 0.5) -> float:
 def measure_matmul_chain(model_cfg, batch: int, rounds: int = 5, torch_device: str | None = None) -> dict:
     """A decode step's weight matmuls and nothing else, for ``batch`` rows: per layer the fused q|k|v, the
     output projection, the fused gate|up and the down projection, then the output head; each layer its own
-    weight buffers (no slices of stacked arrays), no norms, attention, cache or sampling. Random weights of the
-    model's shapes and compute dtype (the time does not depend on the values).
+    weight buffers (no slices of stacked arrays), every product's whole output used, no norms, attention,
+    cache or sampling. Random weights of the model's shapes and compute dtype (the time does not depend on the
+    values).
 
-    Timed as one jitted XLA program, and, with ``torch_device``, as the same chain of
-    ``torch.nn.functional.linear`` calls in torch (the library transformers runs), alternated, best of
+    Timed as one jitted XLA program in each weight layout of ``model.decode_weights`` (``in_out``: ``x @ W``;
+    ``out_in``: ``W^T @ x^T`` as the decode step computes it) and, with ``torch_device``, as the same chain of
+    ``torch.nn.functional.linear`` calls in torch (the library transformers runs); alternated, best of
     ``rounds`` each. No decode step of this model at this batch can be faster than its matmuls, so
-    ``batch / xla_s`` bounds the tokens/s any XLA decode step reaches here."""
+    ``batch`` / the faster layout's time bounds the tokens/s a decode step built this way reaches here."""
     import jax.numpy as jnp
     import numpy as np
 
+    from dora_jax.models.decoder import _dot_out_in
+
     c = model_cfg
     q, kv, d, f = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
-    shapes = {"qkv": (d, q + 2 * kv), "o": (q, d), "gate_up": (d, 2 * f), "down": (f, d)}
+    shapes = {"qkv": (d, q + 2 * kv), "o": (q, d), "gate_up": (d, 2 * f), "down": (f, d)}  # [in, out]
     rng = np.random.default_rng(0)
     host = [{k: (0.02 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
             for _ in range(c.num_layers)]
@@ -118,17 +122,27 @@ def measure_matmul_chain(model_cfg, batch: int, rounds: int = 5, torch_device: s
     x0 = rng.standard_normal((batch, d)).astype(np.float32)
     cast = lambda a: jnp.asarray(a, c.compute_dtype)  # noqa: E731
     layers, w_head, x_in = jax.tree.map(cast, host), cast(head), cast(x0)
+    layers_t = jax.tree.map(lambda a: cast(np.ascontiguousarray(a.T)), host)  # [out, in]
 
-    @jax.jit
-    def chain(x, layers, w_head):
-        for w in layers:
-            x = x + (x @ w["qkv"])[:, :q] @ w["o"]
-            x = x + (x @ w["gate_up"])[:, :f] @ w["down"]
-        return jnp.einsum("bd,vd->bv", x, w_head, preferred_element_type=jnp.float32)
+    def chain(x, layers, w_head, dot):
+        for w in layers:  # q times the k|v mean and gate times up: every output of a product is used
+            h = dot(x, w["qkv"])
+            x = x + dot(h[:, :q] * jnp.mean(h[:, q:], axis=1, keepdims=True), w["o"])
+            g = dot(x, w["gate_up"])
+            x = x + dot(g[:, :f] * g[:, f:], w["down"])
+        return dot(x, w_head.T if dot is in_out else w_head)
 
-    chain(x_in, layers, w_head).block_until_ready()  # compile
-    times: dict[str, list[float]] = {"xla": []}
-    runs = {"xla": lambda: chain(x_in, layers, w_head).block_until_ready()}
+    def in_out(x, w):
+        return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+    def out_in(x, w):
+        return _dot_out_in(x[:, None], w, 1, jnp.float32)[:, 0].astype(x.dtype)
+
+    runs, times = {}, {}
+    for name, dot, ws in (("in_out", in_out, layers), ("out_in", out_in, layers_t)):
+        fn = jax.jit(lambda x, ws, h, dot=dot: chain(x, ws, h, dot))
+        fn(x_in, ws, w_head).block_until_ready()  # compile
+        runs[name] = lambda fn=fn, ws=ws: fn(x_in, ws, w_head).block_until_ready()
     if torch_device is not None:
         import torch
 
@@ -144,22 +158,26 @@ def measure_matmul_chain(model_cfg, batch: int, rounds: int = 5, torch_device: s
             with torch.inference_mode():
                 y = tx
                 for w in tl:
-                    y = y + lin(lin(y, w["qkv"])[:, :q], w["o"])
-                    y = y + lin(lin(y, w["gate_up"])[:, :f], w["down"])
+                    h = lin(y, w["qkv"])
+                    y = y + lin(h[:, :q] * h[:, q:].mean(dim=1, keepdim=True), w["o"])
+                    g = lin(y, w["gate_up"])
+                    y = y + lin(g[:, :f] * g[:, f:], w["down"])
                 lin(y, th)
                 sync()
 
         torch_chain()
-        runs["torch"], times["torch"] = torch_chain, []
+        runs["torch"] = torch_chain
+    times = {name: [] for name in runs}
     for _ in range(rounds):
         for name, fn in runs.items():
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+    best = min(min(times["in_out"]), min(times["out_in"]))
     flops = 2 * batch * (c.num_layers * sum(a * b for a, b in shapes.values()) + c.vocab_size * d)
-    out = {"matmul_only_flops": flops, "matmul_only_step_ms": 1e3 * min(times["xla"]),
-           "matmul_only_tok_s": batch / min(times["xla"]),
-           "matmul_only_flop_s": flops / min(times["xla"])}
+    out = {"matmul_only_flops": flops, "matmul_only_step_ms": 1e3 * best, "matmul_only_tok_s": batch / best,
+           "matmul_only_flop_s": flops / best, "matmul_only_in_out_ms": 1e3 * min(times["in_out"]),
+           "matmul_only_out_in_ms": 1e3 * min(times["out_in"])}
     if "torch" in times:
         out["torch_matmul_only_step_ms"] = 1e3 * min(times["torch"])
     return out

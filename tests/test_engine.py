@@ -137,6 +137,23 @@ def test_sampled_logprobs_match_recompute(models):
         assert rel_err(t.logprobs, lp) <= 1e-4
 
 
+def test_both_decode_weight_layouts_give_the_same_trajectories():
+    """``model.decode_weights``: the in_out and out_in layouts decode the same tokens from the same stream, and
+    each one's log-probs match a full forward of the stored weights."""
+    out, kept = {}, []  # the models kept alive: _recompute caches a forward per id(model)
+    for layout in ("in_out", "out_in"):
+        model = init_model(dataclasses.replace(CFG, decode_weights=layout), seed=0)
+        kept.append(model)
+        d = RolloutDriver(_engine(model))
+        d.add_version(0, nnx.state(model))
+        out[layout] = sorted(d.run(_requests(6, seed=7, sampling=RequestSampling(temperature=0.8, seed=2))),
+                             key=lambda t: t.sample_id)
+        for t in out[layout]:
+            assert rel_err(t.logprobs, _recompute(model, t, temperature=0.8)[0]) <= 1e-4, layout
+    assert [t.tokens for t in out["in_out"]] == [t.tokens for t in out["out_in"]]
+    assert sum(len(t.tokens) for t in out["out_in"]) > 20
+
+
 def test_stop_and_eos_reasons(models):
     m0, _ = models
     probe = RolloutDriver(_engine(m0))

@@ -350,7 +350,7 @@ def transpose_decode_params(p: dict, transpose=transpose_weights) -> dict:
 def _dot_out_in(x: jax.Array, w_t: jax.Array, n_in: int, out_dtype=None) -> jax.Array:
     """``x`` [B, T, *in] times ``w_t`` [*out, *in] -> [B, T, *out], computed as ``w_t @ x^T``.
 
-    XLA:CPU runs a product with few rows (decode: B x T is the batch) 1.3-2.8x faster with the rows as the
+    XLA:CPU runs a product with few rows (decode: B x T is the batch) 1.1-2.8x faster with the rows as the
     second operand's columns than as the first operand's rows. Left to itself XLA folds the transposes into
     the product and picks the slow form again; the barriers keep the product as written, and the two
     transposes only move activations, which are small."""
