@@ -1,0 +1,79 @@
+"""The decode weight layouts side by side (``model.decode_weights``: ``in_out``, ``x @ W``, against ``out_in``,
+``W^T @ x^T``; docs/benchmarks.md, "decode weights transposed").
+
+Run from the repository root: ``.venv/bin/python docs/experiments/decode_weights_layout.py [ROUNDS]``.
+SmolLM2-135M float32. Part 1: one decode step (batch 32, 256-slot cache, every row at one position), best of
+ROUNDS alternated rounds. Part 2: the fixed batch of ``dora-jax bench engine`` (32 chat prompts x 128 sampled
+tokens through ``RolloutDriver``), the two layouts alternated ROUNDS times, with how many of the 32
+trajectories have the same tokens.
+"""
+
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dora_jax.config import load_config
+from dora_jax.models.decoder import decode_forward, init_cache
+from dora_jax.models.weights import load_model
+from dora_jax.rollout.driver import Request, RolloutDriver
+from dora_jax.rollout.engine import Engine, RequestSampling
+from dora_jax.tokenizer import chat_template_head
+
+ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+LAYOUTS = ("in_out", "out_in")
+B, S = 32, 256
+models = {}
+for layout in LAYOUTS:
+    models[layout], tok = load_model(load_config("smollm2_135m", [f"model.decode_weights={layout}"]).model,
+                                     progress=False)
+cfg = models["out_in"].cfg
+
+# Part 1: the step alone.
+step = jax.jit(lambda p, t, pos, c: decode_forward(cfg, p, t, pos, c), donate_argnums=(3,))
+prepared = {lay: m.decode_params(fuse=True, transpose=lay == "out_in") for lay, m in models.items()}
+tokens = jnp.zeros((B, 1), jnp.int32)
+for pos in (64, 128, 200):
+    positions = jnp.full((B, 1), pos, jnp.int32)
+    caches = {lay: init_cache(cfg, B, S) for lay in LAYOUTS}
+    best = {lay: float("inf") for lay in LAYOUTS}
+    for r in range(ROUNDS + 1):
+        for lay in LAYOUTS:
+            t0 = time.perf_counter()
+            out, caches[lay] = step(prepared[lay], tokens, positions, caches[lay])
+            out.block_until_ready()
+            if r:  # round 0 compiles
+                best[lay] = min(best[lay], time.perf_counter() - t0)
+    print(f"step at position {pos}: in_out {1e3 * best['in_out']:.1f} ms, out_in {1e3 * best['out_in']:.1f} ms, "
+          f"out_in / in_out {best['out_in'] / best['in_out']:.2f}", flush=True)
+
+# Part 2: the fixed batch end to end.
+rng = np.random.default_rng(0)
+prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}?"}]))
+           for a, b in rng.integers(10, 1000, (B, 2))]
+plen = max(map(len, prompts))
+engines = {lay: (Engine(m, max_concurrent_decodes=B, max_prefill_length=plen,
+                        max_target_length=1 << (plen + 127).bit_length()), nnx.state(m)) for lay, m in models.items()}
+
+
+def run(lay):
+    eng, params = engines[lay]
+    d = RolloutDriver(eng, shared_prefix=tuple(chat_template_head(tok)))
+    d.add_version(0, params)
+    t0 = time.perf_counter()
+    out = d.run([Request(i, tuple(p), max_new_tokens=128, sampling=RequestSampling(temperature=1.0, seed=0))
+                 for i, p in enumerate(prompts)])
+    d.block_until_ready()
+    return sum(len(t.tokens) for t in out) / (time.perf_counter() - t0), sorted(out, key=lambda t: t.sample_id)
+
+
+for lay in LAYOUTS:
+    run(lay)  # compile
+for _ in range(ROUNDS):
+    (a, ta), (b, tb) = run("in_out"), run("out_in")
+    same = sum(x.tokens == y.tokens for x, y in zip(ta, tb))
+    print(f"fixed batch: in_out {a:.1f}, out_in {b:.1f} tokens/s, out_in / in_out {b / a:.2f}x, "
+          f"same tokens in {same} of {len(ta)} trajectories", flush=True)
