@@ -332,9 +332,10 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
                 out["hf_tok_s"] = batch * new_tokens / (time.perf_counter() - t0)
             out["engine_vs_hf"] = out["engine_tok_s"] / out["hf_tok_s"]
 
-    # The ceiling of both ratios above: a decode step cannot beat its weight matmuls, so with every other
-    # part of the step free the engine would reach `matmul_only_tok_s`. Its ratio to transformers and to the
-    # decode roofline bounds `engine_vs_hf` and `roofline_fraction` (prefill only lowers them further).
+    # The ceiling of both ratios above: a decode step built from these products (in the faster of the two
+    # weight layouts) cannot beat its weight matmuls, so with every other part of the step free the engine
+    # would reach `matmul_only_tok_s`. Its ratio to transformers and to the decode roofline bounds
+    # `engine_vs_hf` and `roofline_fraction` (prefill only lowers them further).
     out.update(measure_matmul_chain(c, batch, torch_device=out.get("hf_device") if out.get("hf_tok_s") else None))
     out["engine_vs_matmul_only"] = out["engine_tok_s"] / out["matmul_only_tok_s"]
     out["matmul_only_vs_decode_roofline"] = out["matmul_only_tok_s"] / out["decode_only_roofline_tok_s"]

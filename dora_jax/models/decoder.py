@@ -520,6 +520,8 @@ class Decoder(nnx.Module):
           transpose: also store each projection output axes first (:func:`transpose_decode_params`, the
             ``out_in`` layout of ``model.decode_weights``; needs ``fuse``).
         """
+        if transpose and not fuse:
+            raise ValueError("decode_params: transpose=True needs fuse=True (the out_in layout is of fused weights)")
         layers = self._layer_params()
         p = {"layers": fuse_layer_params(layers) if fuse else layers, **self.head_params()}
         return transpose_decode_params(p) if transpose else p
