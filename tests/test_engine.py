@@ -428,10 +428,9 @@ def test_driver_with_a_shared_prefix_gives_the_same_trajectories(models, engine4
 def test_prepared_params_are_the_fused_weights_ready_on_the_mesh(layout, tied):
     """A version's decode weights on a 2 x 2 x 2 mesh: q|k|v (and their biases) concatenated on the head axis,
     gate|up stacked on a new axis, values equal to a numpy concatenation; in the out_in layout those and the
-    output and down projections transposed (output axes first), the head transposed or, when tied, the embedding
-    itself; the other
-    weights are the stored arrays themselves (not copies); the new ones come back finished (settled programs,
-    not eager collectives)."""
+    output and down projections transposed (output axes first), the head transposed or, when tied, the
+    embedding itself; the other weights are the stored arrays themselves (not copies); the new ones come back
+    finished (settled programs, not eager collectives)."""
     from dora_jax.config import DEFAULT_RULES, MeshConfig
     from dora_jax.sharding import create_mesh
 
