@@ -428,9 +428,9 @@ def test_driver_with_a_shared_prefix_gives_the_same_trajectories(models, engine4
 def test_prepared_params_are_the_fused_weights_ready_on_the_mesh(layout, tied):
     """A version's decode weights on a 2 x 2 x 2 mesh: q|k|v (and their biases) concatenated on the head axis,
     gate|up stacked on a new axis, values equal to a numpy concatenation; in the out_in layout those and the
-    output and down projections transposed (output axes first), the head transposed or, when tied, the
-    embedding itself; the other weights are the stored arrays themselves (not copies); the new ones come back
-    finished (settled programs, not eager collectives)."""
+    output and down projections transposed (output axes first) and stored one buffer per layer, the head
+    transposed or, when tied, the embedding itself; the other weights are the stored arrays themselves (not
+    copies); the new ones come back finished (settled programs, not eager collectives)."""
     from dora_jax.config import DEFAULT_RULES, MeshConfig
     from dora_jax.sharding import create_mesh
 
@@ -459,8 +459,15 @@ def test_prepared_params_are_the_fused_weights_ready_on_the_mesh(layout, tied):
     expected["bqkv"] = np.concatenate([w["bq"], w["bk"], w["bv"]], axis=1)
     assert set(fused) == set(kept) | set(expected)
     for name, value in expected.items():
-        np.testing.assert_array_equal(np.asarray(fused[name]), value, err_msg=name)
-        assert fused[name].is_ready() and len(fused[name].sharding.device_set) == 8
+        got = fused[name]
+        if layout == "out_in" and name != "bqkv":  # one buffer per layer
+            assert isinstance(got, tuple) and len(got) == cfg.num_layers, name
+        else:
+            got = (got,)
+            value = value[None]
+        for i, layer in enumerate(got):
+            np.testing.assert_array_equal(np.asarray(layer), value[i], err_msg=f"{name}[{i}]")
+            assert layer.is_ready() and len(layer.sharding.device_set) == 8
     for name in kept:
         assert fused[name] is layers[name]
     assert prepared["embed"] is stored["embed"]

@@ -266,8 +266,14 @@ def decode_forward(cfg: ModelConfig, p: dict, tokens_bt: jax.Array, positions_bt
         x = finish_block(cfg, lp, x, attn)
         return x, (k, v)
 
+    stacked, per_layer = split_layer_params(p["layers"])
+
+    def scanned(x, layer):
+        lp, i = layer
+        return block(x, ({**lp, **{n: LayerWeights(ws, i) for n, ws in per_layer.items()}}, i))
+
     layers = jnp.arange(cache.k.shape[0], dtype=jnp.int32)
-    x, (k_new, v_new) = jax.lax.scan(block, embed_tokens(cfg, p["embed"], tokens_bt), (p["layers"], layers))
+    x, (k_new, v_new) = jax.lax.scan(scanned, embed_tokens(cfg, p["embed"], tokens_bt), (stacked, layers))
     cache = write_cache(cache, k_new, v_new, positions_bt)
     return (head_logits(cfg, p, x) if logits else x), cache
 
@@ -318,15 +324,22 @@ _TRANSPOSED = {"wqkv": ("wqkv_t", 1), "wo": ("wo_t", 2), "w_gate_up": ("w_gate_u
                "w_down": ("w_down_t", 1)}
 
 
-def transpose_weights(ws: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """The projections of :data:`TRANSPOSED_INPUTS` (stacked [L, *in, *out]) -> output axes first, input axes
-    last: ``wqkv_t`` [L, H + 2K, d, D], ``wo_t`` [L, D, H, d], ``w_gate_up_t`` [L, 2, F, D], ``w_down_t``
-    [L, D, F]; an untied ``lm_head`` [D, V] -> ``head_t`` [V, D]."""
+def transpose_weights(ws: dict[str, jax.Array]) -> dict:
+    """The projections of :data:`TRANSPOSED_INPUTS` (stacked [L, *in, *out]) -> one array per layer, output
+    axes first and input axes last: ``wqkv_t`` L x [H + 2K, d, D], ``wo_t`` L x [D, H, d], ``w_gate_up_t``
+    L x [2, F, D], ``w_down_t`` L x [D, F] (tuples); an untied ``lm_head`` [D, V] -> ``head_t`` [V, D].
+
+    One buffer per layer, not one stacked array: a scanned layer reads its weights through
+    :class:`LayerWeights` (a ``lax.switch`` over the buffers), which XLA:CPU runs on the buffer itself, where
+    a slice of a stacked array is first copied out (the whole model's projections, every step)."""
     out = {}
     for name, w in ws.items():
-        new, n_in = _TRANSPOSED[name] if name in _TRANSPOSED else ("head_t", 0)
-        out[new] = w.T if name == "lm_head" else jnp.moveaxis(w, tuple(range(1, 1 + n_in)),
-                                                              tuple(range(w.ndim - n_in, w.ndim)))
+        if name == "lm_head":
+            out["head_t"] = w.T
+            continue
+        new, n_in = _TRANSPOSED[name]
+        src, dst = tuple(range(n_in)), tuple(range(w.ndim - 1 - n_in, w.ndim - 1))
+        out[new] = tuple(jnp.moveaxis(w[i], src, dst) for i in range(w.shape[0]))
     return out
 
 
@@ -347,18 +360,42 @@ def transpose_decode_params(p: dict, transpose=transpose_weights) -> dict:
     return {**{k: v for k, v in p.items() if k != "lm_head"}, "layers": {**layers, **moved}, "head_t": head}
 
 
-def _dot_out_in(x: jax.Array, w_t: jax.Array, n_in: int, out_dtype=None) -> jax.Array:
+class LayerWeights(NamedTuple):
+    """Layer ``index``'s weight out of ``weights``, one buffer per layer (:func:`transpose_weights`), inside a
+    scan over layers; :func:`_dot_out_in` multiplies by it."""
+
+    weights: tuple[jax.Array, ...]
+    index: jax.Array
+
+
+def split_layer_params(layers: dict) -> tuple[dict, dict]:
+    """``(stacked, per_layer)``: the layer params scanned over their leading axis, and those stored one buffer
+    per layer (tuples, read through :class:`LayerWeights`)."""
+    per_layer = {k: v for k, v in layers.items() if isinstance(v, tuple)}
+    return {k: v for k, v in layers.items() if k not in per_layer}, per_layer
+
+
+def _dot_out_in(x: jax.Array, w_t: jax.Array | LayerWeights, n_in: int, out_dtype=None) -> jax.Array:
     """``x`` [B, T, *in] times ``w_t`` [*out, *in] -> [B, T, *out], computed as ``w_t @ x^T``.
 
     XLA:CPU runs a product with few rows (decode: B x T is the batch) 1.1-2.8x faster with the rows as the
     second operand's columns than as the first operand's rows. Left to itself XLA folds the transposes into
     the product and picks the slow form again; the barriers keep the product as written, and the two
-    transposes only move activations, which are small."""
+    transposes only move activations, which are small. A :class:`LayerWeights` is multiplied inside a
+    ``lax.switch`` with one branch per layer, so each product reads its layer's buffer in place."""
     b, t = x.shape[:2]
     k = math.prod(x.shape[2:])
-    out = w_t.shape[:w_t.ndim - n_in]
     xt = jax.lax.optimization_barrier(x.reshape(b * t, k).T)
-    y = jnp.matmul(w_t.reshape(-1, k).astype(x.dtype), xt, preferred_element_type=out_dtype)
+
+    def product(w, xt):
+        return jnp.matmul(w.reshape(-1, k).astype(x.dtype), xt, preferred_element_type=out_dtype)
+
+    if isinstance(w_t, LayerWeights):
+        out = w_t.weights[0].shape[:w_t.weights[0].ndim - n_in]
+        y = jax.lax.switch(w_t.index, [lambda xt, w=w: product(w, xt) for w in w_t.weights], xt)
+    else:
+        out = w_t.shape[:w_t.ndim - n_in]
+        y = product(w_t, xt)
     return jax.lax.optimization_barrier(y).T.reshape(b, t, *out)
 
 
