@@ -1,0 +1,80 @@
+"""Transposed decode weights as one buffer per layer against one stacked array (docs/benchmarks.md, "one
+buffer per layer").
+
+Run from the repository root: ``.venv/bin/python docs/experiments/layer_buffers.py [ROUNDS]``. SmolLM2-135M
+float32, ``model.decode_weights=out_in``. ``per_layer`` is what ``Engine.prepare_params`` makes: each layer's
+projections its own buffer, read in the scan through ``decoder.LayerWeights``. ``stacked`` is the same
+weights stacked on a leading layer axis, as before: the scan slices (copies) each layer's weights out of them.
+Part 1: one decode step (batch 32, 256-slot cache, every row at one position), best and median of ROUNDS
+alternated rounds. Part 2: the fixed batch of ``dora-jax bench engine`` (32 chat prompts x 128 sampled
+tokens through ``RolloutDriver``), alternated ROUNDS times, with how many trajectories have the same tokens.
+"""
+
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dora_jax.config import load_config
+from dora_jax.models.decoder import decode_forward, init_cache
+from dora_jax.models.weights import load_model
+from dora_jax.rollout.driver import Request, RolloutDriver
+from dora_jax.rollout.engine import Engine, PreparedParams, RequestSampling
+from dora_jax.tokenizer import chat_template_head
+
+ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+B, S = 32, 256
+model, tok = load_model(load_config("smollm2_135m", ["model.decode_weights=out_in"]).model, progress=False)
+cfg = model.cfg
+rng = np.random.default_rng(0)
+prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}?"}]))
+           for a, b in rng.integers(10, 1000, (B, 2))]
+plen = max(map(len, prompts))
+engine = Engine(model, max_concurrent_decodes=B, max_prefill_length=plen,
+                max_target_length=1 << (plen + 127).bit_length())
+per_layer = engine.prepare_params(nnx.state(model))
+stacked = PreparedParams({**per_layer.tree, "layers": {k: jnp.stack(v) if isinstance(v, tuple) else v
+                                                       for k, v in per_layer.tree["layers"].items()}})
+params = {"stacked": stacked, "per_layer": per_layer}
+
+# Part 1: the step alone.
+step = jax.jit(lambda p, t, pos, c: decode_forward(cfg, p.tree, t, pos, c), donate_argnums=(3,))
+tokens = jnp.zeros((B, 1), jnp.int32)
+for pos in (64, 128, 200):
+    positions = jnp.full((B, 1), pos, jnp.int32)
+    caches = {k: init_cache(cfg, B, S) for k in params}
+    times = {k: [] for k in params}
+    for r in range(ROUNDS + 1):
+        for k, p in params.items():
+            t0 = time.perf_counter()
+            out, caches[k] = step(p, tokens, positions, caches[k])
+            out.block_until_ready()
+            if r:  # round 0 compiles
+                times[k].append(time.perf_counter() - t0)
+    a, b = (np.array(times[k]) * 1e3 for k in params)
+    print(f"step at position {pos}, best / median ms: stacked {a.min():.1f} / {np.median(a):.1f}, per_layer "
+          f"{b.min():.1f} / {np.median(b):.1f}, per_layer / stacked {b.min() / a.min():.2f} / "
+          f"{np.median(b) / np.median(a):.2f}", flush=True)
+
+
+# Part 2: the fixed batch end to end.
+def run(k):
+    d = RolloutDriver(engine, shared_prefix=tuple(chat_template_head(tok)))
+    d.add_version(0, params[k])
+    t0 = time.perf_counter()
+    out = d.run([Request(i, tuple(p), max_new_tokens=128, sampling=RequestSampling(temperature=1.0, seed=0))
+                 for i, p in enumerate(prompts)])
+    d.block_until_ready()
+    return sum(len(t.tokens) for t in out) / (time.perf_counter() - t0), sorted(out, key=lambda t: t.sample_id)
+
+
+for k in params:
+    run(k)  # compile
+for _ in range(ROUNDS):
+    (a, ta), (b, tb) = run("stacked"), run("per_layer")
+    same = sum(x.tokens == y.tokens for x, y in zip(ta, tb))
+    print(f"fixed batch: stacked {a:.1f}, per_layer {b:.1f} tokens/s, per_layer / stacked {b / a:.2f}x, "
+          f"same tokens in {same} of {len(ta)} trajectories", flush=True)
