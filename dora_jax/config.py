@@ -92,9 +92,9 @@ class ModelConfig:
     CPU for caches of 256 slots or more, where reading the cache is a large share of a decode step, and to 1
     (always the whole cache) otherwise. ``decode_weights`` is the layout of the weights a rollout engine
     prepares for decode: ``"in_out"`` (as stored, ``x @ W``), ``"out_in"`` (each projection transposed once
-    per version, each product computed as ``W^T @ x^T``: XLA:CPU runs the few-row products of decode 1.1-2.8x
-    faster that way, docs/benchmarks.md) or ``"auto"`` (out_in on CPU, in_out elsewhere). None of these
-    changes the weights or the results beyond float rounding.
+    per version into one buffer per layer, each product computed as ``W^T @ x^T``: XLA:CPU runs the few-row
+    products of decode 1.1-2.8x faster that way, docs/benchmarks.md) or ``"auto"`` (out_in on CPU, in_out
+    elsewhere). None of these changes the weights or the results beyond float rounding.
     """
 
     family: str = "llama"

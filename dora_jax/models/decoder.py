@@ -217,7 +217,8 @@ def decode_forward(cfg: ModelConfig, p: dict, tokens_bt: jax.Array, positions_bt
 
     Args:
       cfg: the architecture.
-      p: ``Decoder.decode_params(fuse=...)``.
+      p: ``Decoder.decode_params(fuse=..., transpose=...)``: stacked layer params are scanned over, those
+        stored one buffer per layer (the ``out_in`` layout's tuples) read through :class:`LayerWeights`.
       tokens_bt, positions_bt: int [B, T].
       cache: [L, B, K, S, d] each; donate it to update it in place.
       logits: return float32 logits [B, T, V]; else the final hidden states [B, T, D] (for
