@@ -99,6 +99,47 @@ def test_fused_params_equal_unfused(name):
     assert rel_err(cache.k, ref_cache.k) <= 1e-5 and rel_err(cache.v, ref_cache.v) <= 1e-5
 
 
+@pytest.mark.parametrize("rows", [(4, 1), (8, 8), (65, 1), (3, 40)])
+def test_out_in_products_equal_float64_numpy(rows):
+    """Both forms of an out_in product (W^T @ x^T for at most OUT_IN_MAX_ROWS rows, a contraction on both
+    minor axes above), with one weight or with one buffer per layer picked by the layer index, against float64
+    numpy; two input axes (the output projection's heads x head dim) included."""
+    from dora_jax.models.decoder import OUT_IN_MAX_ROWS, LayerWeights, _dot_out_in
+
+    b, t = rows
+    assert (b * t > OUT_IN_MAX_ROWS) == (rows in [(65, 1), (3, 40)])
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((b, t, 3, 4)).astype(np.float32)  # [B, T, *in]
+    ws = [rng.standard_normal((5, 2, 3, 4)).astype(np.float32) for _ in range(3)]  # [*out, *in] per layer
+    want = [np.einsum("btij,ocij->btoc", x.astype(np.float64), w.astype(np.float64)) for w in ws]
+    one = jax.jit(lambda x, w: _dot_out_in(x, w, 2))
+    picked = jax.jit(lambda x, ws, i: _dot_out_in(x, LayerWeights(ws, i), 2))
+    for i, w in enumerate(ws):
+        assert rel_err(np.asarray(one(x, w)), want[i]) <= 1e-6
+        assert rel_err(np.asarray(picked(x, tuple(ws), jnp.int32(i))), want[i]) <= 1e-6
+
+
+def test_out_in_decode_params_equal_the_full_forward():
+    """Decode params in the out_in layout (transposed, one buffer per layer), a prefill chunk of more rows
+    than OUT_IN_MAX_ROWS and then single tokens: every logit equals the training forward's."""
+    from dora_jax.models.decoder import OUT_IN_MAX_ROWS, decode_forward
+
+    cfg = CFGS["gqa_qknorm_bias"]
+    model = init_model(cfg, seed=8)
+    params = model.decode_params(fuse=True, transpose=True)
+    assert isinstance(params["layers"]["wqkv_t"], tuple) and len(params["layers"]["wqkv_t"]) == cfg.num_layers
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (4, 30)))
+    full = np.asarray(model(tokens))
+    assert 4 * 24 > OUT_IN_MAX_ROWS
+    step = jax.jit(lambda t, pos, c: decode_forward(cfg, params, t, pos, c))
+    logits, cache = step(tokens[:, :24], jnp.broadcast_to(jnp.arange(24), (4, 24)), init_cache(cfg, 4, 32))
+    out = [np.asarray(logits)]
+    for i in range(24, 30):
+        logits, cache = step(tokens[:, i:i + 1], jnp.full((4, 1), i), cache)
+        out.append(np.asarray(logits))
+    assert rel_err(np.concatenate(out, axis=1), full) <= 1e-5
+
+
 @pytest.mark.parametrize("buckets", [1, 4])
 def test_every_cache_read_length_equals_the_full_forward(buckets):
     """The xla decode step reads the shortest cache prefix (of 16, 32, 48, 64 slots with four buckets) that

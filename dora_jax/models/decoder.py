@@ -376,28 +376,44 @@ def split_layer_params(layers: dict) -> tuple[dict, dict]:
     return {k: v for k, v in layers.items() if k not in per_layer}, per_layer
 
 
+# Above this many rows (B x T) an out_in product contracts both operands on their minor axis instead: the
+# two activation transposes of the W^T @ x^T form grow with the rows, and from ~96 rows XLA:CPU runs the
+# contraction as fast as x @ W (docs/benchmarks.md, "prefill rows").
+OUT_IN_MAX_ROWS = 64
+
+
 def _dot_out_in(x: jax.Array, w_t: jax.Array | LayerWeights, n_in: int, out_dtype=None) -> jax.Array:
     """``x`` [B, T, *in] times ``w_t`` [*out, *in] -> [B, T, *out], computed as ``w_t @ x^T``.
 
     XLA:CPU runs a product with few rows (decode: B x T is the batch) 1.1-2.8x faster with the rows as the
     second operand's columns than as the first operand's rows. Left to itself XLA folds the transposes into
     the product and picks the slow form again; the barriers keep the product as written, and the two
-    transposes only move activations, which are small. A :class:`LayerWeights` is multiplied inside a
-    ``lax.switch`` with one branch per layer, so each product reads its layer's buffer in place."""
+    transposes only move activations, which are small. With more than :data:`OUT_IN_MAX_ROWS` rows (prefill)
+    the product contracts ``x`` and ``w_t`` on their minor axes, with no transposes. A :class:`LayerWeights`
+    is multiplied inside a ``lax.switch`` with one branch per layer, so each product reads its layer's
+    buffer in place."""
     b, t = x.shape[:2]
     k = math.prod(x.shape[2:])
-    xt = jax.lax.optimization_barrier(x.reshape(b * t, k).T)
+    w0 = w_t.weights[0] if isinstance(w_t, LayerWeights) else w_t
+    out = w0.shape[:w0.ndim - n_in]
+    few = b * t <= OUT_IN_MAX_ROWS
+    x2 = x.reshape(b * t, k)
+    if few:
+        x2 = jax.lax.optimization_barrier(x2.T)
 
-    def product(w, xt):
-        return jnp.matmul(w.reshape(-1, k).astype(x.dtype), xt, preferred_element_type=out_dtype)
+    def product(w, x2):
+        w = w.reshape(-1, k).astype(x.dtype)
+        if few:
+            return jnp.matmul(w, x2, preferred_element_type=out_dtype)
+        return jnp.einsum("ri,oi->ro", x2, w, preferred_element_type=out_dtype)
 
     if isinstance(w_t, LayerWeights):
-        out = w_t.weights[0].shape[:w_t.weights[0].ndim - n_in]
-        y = jax.lax.switch(w_t.index, [lambda xt, w=w: product(w, xt) for w in w_t.weights], xt)
+        y = jax.lax.switch(w_t.index, [lambda x2, w=w: product(w, x2) for w in w_t.weights], x2)
     else:
-        out = w_t.shape[:w_t.ndim - n_in]
-        y = product(w_t, xt)
-    return jax.lax.optimization_barrier(y).T.reshape(b, t, *out)
+        y = product(w_t, x2)
+    if few:
+        y = jax.lax.optimization_barrier(y).T
+    return y.reshape(b, t, *out)
 
 
 def embed_tokens(cfg: ModelConfig, embed_vd: jax.Array, tokens_bt: jax.Array) -> jax.Array:
