@@ -27,6 +27,7 @@ from dora_jax.rollout.engine import Engine, RequestSampling
 
 POSITION = int(sys.argv[1]) if len(sys.argv) > 1 else 100
 STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+TOP = int(sys.argv[3]) if len(sys.argv) > 3 else 30
 B = 32
 model, tok = load_model(load_config("smollm2_135m").model, progress=False)
 engine = Engine(model, max_concurrent_decodes=B, max_prefill_length=64, max_target_length=256)
@@ -62,6 +63,6 @@ for e in events:
         calls[e["name"]] += 1
 print(f"{STEPS} steps from position {POSITION}: {1e3 * wall:.1f} ms a step under the profiler")
 print(f"{'ms/step':>8} {'calls':>5}  op: result  <-  source")
-for name, ms in sorted(total.items(), key=lambda kv: -kv[1])[:30]:
+for name, ms in sorted(total.items(), key=lambda kv: -kv[1])[:TOP]:
     shape, src = ops[name]
     print(f"{ms:8.2f} {calls[name] / STEPS:5.0f}  {name}: {shape}  <-  {src.replace('jit(_generate_impl)/', '')}")
