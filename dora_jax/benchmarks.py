@@ -202,6 +202,30 @@ def _best_alternated(runs: dict[str, Any], rounds: int) -> dict[str, float]:
     return {k: max(v) for k, v in seen.items()}
 
 
+def chat_prompts(tok, n: int, rng) -> list[list[int]]:
+    """``n`` chat-templated prompts "What is a + b?", a and b drawn from the numpy generator ``rng``: the
+    engine benchmark's (``np.random.default_rng(0)``)."""
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}?"}]))
+            for a, b in rng.integers(10, 1000, (n, 2))]
+
+
+def run_fixed_batch(engine, params, prompts, new_tokens: int = 128, shared_prefix=(), overlap=None, seed: int = 0):
+    """Every prompt through a fresh ``RolloutDriver`` for exactly ``new_tokens`` sampled tokens (temperature
+    1, no stop); returns ``(tokens/s, driver, trajectories by sample id)``, timed until nothing dispatched is
+    left running."""
+    from dora_jax.rollout.driver import Request, RolloutDriver
+    from dora_jax.rollout.engine import RequestSampling
+
+    d = RolloutDriver(engine, overlap=overlap, shared_prefix=shared_prefix)
+    d.add_version(0, params)
+    sampling = RequestSampling(temperature=1.0, seed=seed)
+    t0 = time.perf_counter()
+    trajs = d.run([Request(i, tuple(p), max_new_tokens=new_tokens, sampling=sampling) for i, p in enumerate(prompts)])
+    d.block_until_ready()
+    rate = sum(len(t.tokens) for t in trajs) / (time.perf_counter() - t0)
+    return rate, d, sorted(trajs, key=lambda t: t.sample_id)
+
+
 def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int = 128, tail_requests: int = 64,
                  tail_slots: int = 16, group_size: int = 4, seed: int = 0, with_hf: bool = True,
                  overrides: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -230,8 +254,7 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     params = nnx.state(model)
     rng = np.random.default_rng(seed)
     if tok is not None:
-        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}?"}]))
-                   for a, b in rng.integers(10, 1000, (max(batch, tail_requests), 2))]
+        prompts = chat_prompts(tok, max(batch, tail_requests), rng)
     else:  # a random-weight config without a tokenizer: random prompts of 32-48 tokens whose first 16 are the
         # same (standing in for a chat template's head), no transformers side
         common = rng.integers(3, cfg.model.vocab_size, 16).tolist()
@@ -254,13 +277,8 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     eng = Engine(model, max_concurrent_decodes=batch, max_prefill_length=plen, max_target_length=target)
 
     def fixed_run(overlap=None):
-        d = RolloutDriver(eng, overlap=overlap, shared_prefix=head)
-        d.add_version(0, params)
-        t0 = time.perf_counter()
-        trajs = d.run([Request(i, tuple(prompts[i]), max_new_tokens=new_tokens, sampling=sampling)
-                       for i in range(batch)])
-        d.block_until_ready()  # nothing dispatched is left running
-        return sum(len(t.tokens) for t in trajs) / (time.perf_counter() - t0), d
+        rate, d, _ = run_fixed_batch(eng, params, prompts[:batch], new_tokens, head, overlap, seed)
+        return rate, d
 
     fixed_run()  # compile
     out["engine_tok_s"], d = fixed_run()

@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dora_jax.benchmarks import chat_prompts, run_fixed_batch
 from dora_jax.config import load_config
 from dora_jax.models.decoder import decode_forward, init_cache
 from dora_jax.models.weights import load_model
-from dora_jax.rollout.driver import Request, RolloutDriver
-from dora_jax.rollout.engine import Engine, RequestSampling
+from dora_jax.rollout.engine import Engine
 from dora_jax.tokenizer import chat_template_head
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
@@ -51,9 +51,7 @@ for pos in (64, 128, 200):
           f"out_in / in_out {best['out_in'] / best['in_out']:.2f}", flush=True)
 
 # Part 2: the fixed batch end to end.
-rng = np.random.default_rng(0)
-prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}?"}]))
-           for a, b in rng.integers(10, 1000, (B, 2))]
+prompts = chat_prompts(tok, B, np.random.default_rng(0))
 plen = max(map(len, prompts))
 engines = {lay: (Engine(m, max_concurrent_decodes=B, max_prefill_length=plen,
                         max_target_length=1 << (plen + 127).bit_length()), nnx.state(m)) for lay, m in models.items()}
@@ -61,13 +59,8 @@ engines = {lay: (Engine(m, max_concurrent_decodes=B, max_prefill_length=plen,
 
 def run(lay):
     eng, params = engines[lay]
-    d = RolloutDriver(eng, shared_prefix=tuple(chat_template_head(tok)))
-    d.add_version(0, params)
-    t0 = time.perf_counter()
-    out = d.run([Request(i, tuple(p), max_new_tokens=128, sampling=RequestSampling(temperature=1.0, seed=0))
-                 for i, p in enumerate(prompts)])
-    d.block_until_ready()
-    return sum(len(t.tokens) for t in out) / (time.perf_counter() - t0), sorted(out, key=lambda t: t.sample_id)
+    rate, _, trajectories = run_fixed_batch(eng, params, prompts, shared_prefix=tuple(chat_template_head(tok)))
+    return rate, trajectories
 
 
 for lay in LAYOUTS:

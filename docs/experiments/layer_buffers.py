@@ -18,20 +18,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dora_jax.benchmarks import chat_prompts, run_fixed_batch
 from dora_jax.config import load_config
 from dora_jax.models.decoder import decode_forward, init_cache
 from dora_jax.models.weights import load_model
-from dora_jax.rollout.driver import Request, RolloutDriver
-from dora_jax.rollout.engine import Engine, PreparedParams, RequestSampling
+from dora_jax.rollout.engine import Engine, PreparedParams
 from dora_jax.tokenizer import chat_template_head
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 B, S = 32, 256
 model, tok = load_model(load_config("smollm2_135m", ["model.decode_weights=out_in"]).model, progress=False)
 cfg = model.cfg
-rng = np.random.default_rng(0)
-prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}?"}]))
-           for a, b in rng.integers(10, 1000, (B, 2))]
+prompts = chat_prompts(tok, B, np.random.default_rng(0))
 plen = max(map(len, prompts))
 engine = Engine(model, max_concurrent_decodes=B, max_prefill_length=plen,
                 max_target_length=1 << (plen + 127).bit_length())
@@ -62,13 +60,8 @@ for pos in (64, 128, 200):
 
 # Part 2: the fixed batch end to end.
 def run(k):
-    d = RolloutDriver(engine, shared_prefix=tuple(chat_template_head(tok)))
-    d.add_version(0, params[k])
-    t0 = time.perf_counter()
-    out = d.run([Request(i, tuple(p), max_new_tokens=128, sampling=RequestSampling(temperature=1.0, seed=0))
-                 for i, p in enumerate(prompts)])
-    d.block_until_ready()
-    return sum(len(t.tokens) for t in out) / (time.perf_counter() - t0), sorted(out, key=lambda t: t.sample_id)
+    rate, _, trajectories = run_fixed_batch(engine, params[k], prompts, shared_prefix=tuple(chat_template_head(tok)))
+    return rate, trajectories
 
 
 for k in params:

@@ -19,9 +19,9 @@ import numpy as np
 from flax import nnx
 
 import dora_jax.models.decoder as dec
+from dora_jax.benchmarks import chat_prompts, run_fixed_batch
 from dora_jax.config import load_config
 from dora_jax.models.weights import load_model
-from dora_jax.rollout.driver import Request, RolloutDriver
 from dora_jax.rollout.engine import Engine, RequestSampling
 from dora_jax.tokenizer import chat_template_head
 
@@ -59,8 +59,7 @@ for out, inp in ((960, 576), (3072, 576), (576, 1536)):
 
 # Part 2: prefill and the fixed batch through the engine.
 model, tok = load_model(load_config("smollm2_135m", ["model.decode_weights=out_in"]).model, progress=False)
-prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}?"}]))
-           for a, b in rng.integers(10, 1000, (B, 2))]
+prompts = chat_prompts(tok, B, np.random.default_rng(0))
 head = tuple(chat_template_head(tok))
 plen = max(map(len, prompts))
 engines = {}
@@ -89,13 +88,8 @@ def run(name):
     eng, params, _, limit = engines[name]
     dec.OUT_IN_MAX_ROWS = limit
     try:
-        d = RolloutDriver(eng, shared_prefix=head)
-        d.add_version(0, params)
-        t0 = time.perf_counter()
-        out = d.run([Request(i, tuple(p), max_new_tokens=128, sampling=RequestSampling(temperature=1.0, seed=0))
-                     for i, p in enumerate(prompts)])
-        d.block_until_ready()
-        return sum(len(t.tokens) for t in out) / (time.perf_counter() - t0), sorted(out, key=lambda t: t.sample_id)
+        rate, _, trajectories = run_fixed_batch(eng, params, prompts, shared_prefix=head)
+        return rate, trajectories
     finally:
         dec.OUT_IN_MAX_ROWS = SHIPPED
 
