@@ -192,14 +192,60 @@ def _lengths(n: int, rng, p50: int, tail: int, max_len: int):
     return np.minimum(np.where(heavy, rng.integers(tail // 2, tail + 1, n), base), max_len).tolist()
 
 
-def _best_alternated(runs: dict[str, Any], rounds: int) -> dict[str, float]:
+def _alternated(runs: dict[str, Any], rounds: int) -> dict[str, list[float]]:
     """Calls each of ``runs`` (name -> a callable returning tokens/s) in turn, ``rounds`` times over, and returns
-    each one's best: alternating spreads the machine's drift over all of them alike."""
+    every result by name: alternating spreads the machine's drift over all of them alike."""
     seen: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(rounds):
         for name, fn in runs.items():
             seen[name].append(fn())
-    return {k: max(v) for k, v in seen.items()}
+    return seen
+
+
+def _best_alternated(runs: dict[str, Any], rounds: int) -> dict[str, float]:
+    """:func:`_alternated`, each one's best."""
+    return {k: max(v) for k, v in _alternated(runs, rounds).items()}
+
+
+def _hf_generate_run(prompts: list[list[int]], new_tokens: int, dtype: str, out: dict[str, Any]):
+    """A callable that times transformers ``generate`` on SmolLM2's GGUF and returns tokens/s: ``prompts`` as one
+    left-padded batch, exactly ``new_tokens`` tokens each sampled at temperature 1 without top-k, with
+    transformers' own KV cache. On a GPU backend it runs on the GPU (torch's CUDA build) with TF32 matmuls
+    allowed, as XLA's default float32 dot precision does there. Records ``torch_threads`` and ``hf_device``
+    (and ``hf_allow_tf32``) in ``out``. None when torch or transformers is not installed."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    from dora_jax.models.gguf import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                                           gguf_file=os.path.basename(path)).eval()
+    width = max(len(p) for p in prompts)
+    dev = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+    hf = hf.to(device=dev, dtype=getattr(torch, dtype))
+    inp = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=dev)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
+    torch.set_num_threads(os.cpu_count() or 1)  # every core, as XLA uses
+    out["torch_threads"], out["hf_device"] = torch.get_num_threads(), dev
+    if dev == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        out["hf_allow_tf32"] = True
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    with torch.inference_mode():  # warm-up
+        hf.generate(inp[:2], attention_mask=mask[:2], max_new_tokens=4, do_sample=True, pad_token_id=0)
+        sync()
+
+    def run() -> float:
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            hf.generate(inp, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                        do_sample=True, temperature=1.0, top_k=0, pad_token_id=0, eos_token_id=None)
+            sync()
+        return len(prompts) * new_tokens / (time.perf_counter() - t0)
+    return run
 
 
 def chat_prompts(tok, n: int, rng) -> list[list[int]]:
@@ -226,14 +272,46 @@ def run_fixed_batch(engine, params, prompts, new_tokens: int = 128, shared_prefi
     return rate, d, sorted(trajs, key=lambda t: t.sample_id)
 
 
+def time_decode_steps(variants: dict[str, tuple[Any, Any]], model_cfg, batch: int, cache_len: int, position: int,
+                      rounds: int) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """Alternated timings of one decode step in several variants, for comparing forms of the step side by side.
+
+    ``variants``: name -> ``(step, params)`` with ``step(params, tokens [B, 1], positions [B, 1], cache) ->
+    (out, cache)`` jitted with the cache donated. Every row decodes token 0 at ``position`` into a cache of its
+    own per variant. Rounds 0 and 1 compile (a fresh cache, then one the step returned) and are not timed;
+    then ``rounds`` rounds, each calling every variant once in turn. Returns ``(seconds per variant, each
+    variant's last output as numpy)``."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dora_jax.models.decoder import init_cache
+
+    tokens = jnp.zeros((batch, 1), jnp.int32)
+    positions = jnp.full((batch, 1), position, jnp.int32)
+    caches = {k: init_cache(model_cfg, batch, cache_len) for k in variants}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    outs: dict[str, Any] = {}
+    for r in range(rounds + 2):
+        for k, (step, params) in variants.items():
+            t0 = time.perf_counter()
+            out, caches[k] = step(params, tokens, positions, caches[k])
+            out.block_until_ready()
+            if r > 1:
+                times[k].append(time.perf_counter() - t0)
+            outs[k] = out
+    return times, {k: np.asarray(v) for k, v in outs.items()}
+
+
 def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int = 128, tail_requests: int = 64,
                  tail_slots: int = 16, group_size: int = 4, seed: int = 0, with_hf: bool = True,
-                 overrides: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The engine benchmark, side by side in one run: throughput at a fixed batch vs transformers and vs the
-    roofline; continuous batching vs a static batch on a long-tailed workload; on the same lengths in GRPO
-    groups of ``group_size`` samples per prompt, one prefill per distinct prompt vs one per sample; and the
-    fixed batch and the long tail's continuous run with and without host/device overlap
-    (``RolloutDriver(overlap=...)``); and the long tail with and without the shared prefix.
+                 overrides: tuple[str, ...] = (), rounds: int = 3) -> dict[str, Any]:
+    """The engine benchmark, side by side in one run: throughput at a fixed batch vs transformers (the two
+    alternated ``rounds`` times: ``engine_tok_s`` and ``hf_tok_s`` are each one's best, every run is in
+    ``fixed_batch_runs``, ``engine_vs_hf_median`` is the ratio of the medians) and vs the roofline;
+    continuous batching vs a static batch on a long-tailed workload; on the same lengths in GRPO groups of
+    ``group_size`` samples per prompt, one prefill per distinct prompt vs one per sample; and the fixed batch
+    and the long tail's continuous run with and without host/device overlap (``RolloutDriver(overlap=...)``);
+    and the long tail with and without the shared prefix.
 
     Every run prefills the chat template's head once per driver and each prompt after it, as a training run
     does with ``rollout.shared_prefix`` (the default; ``rollout.shared_prefix=false`` turns it off here too);
@@ -280,9 +358,20 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
         rate, d, _ = run_fixed_batch(eng, params, prompts[:batch], new_tokens, head, overlap, seed)
         return rate, d
 
-    fixed_run()  # compile
-    out["engine_tok_s"], d = fixed_run()
-    out["overlap"] = d.overlap
+    c = cfg.model
+    # transformers `generate` at the same batch and sampling, timed alternately with the engine's run.
+    hf_run = _hf_generate_run(prompts[:batch], new_tokens, c.compute_dtype, out) if with_hf else None
+    out["overlap"] = fixed_run()[1].overlap  # compiles
+    runs = {"engine_tok_s": lambda: fixed_run()[0]}
+    if hf_run is not None:
+        runs["hf_tok_s"] = hf_run
+    seen = _alternated(runs, rounds)
+    out.update({k: max(v) for k, v in seen.items()}, fixed_batch_runs=seen)
+    if hf_run is not None:
+        out["engine_vs_hf"] = out["engine_tok_s"] / out["hf_tok_s"]
+        out["engine_vs_hf_median"] = float(np.median(seen["engine_tok_s"]) / np.median(seen["hf_tok_s"]))
+    elif with_hf:
+        out["hf_tok_s"] = None
 
     # Roofline of the whole measured run (prefill included: the timed run does it), from the matmul rate and
     # read bandwidth measured now. Prefill of each prompt: 2 FLOPs per layer param per prompt token plus the
@@ -290,7 +379,6 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     # counted once) plus attention over the row's context; weights read once plus every row's cache.
     m = measure_machine()
     m["matmul_flop_s_at_batch"] = measure_matmul(batch, cfg.model.hidden_size, 2 * cfg.model.intermediate_size)
-    c = cfg.model
     n_params = sum(x.size for x in jax.tree.leaves(params))
     n_head = c.vocab_size * c.hidden_size
     n_layers = n_params - n_head * (1 if c.tie_embeddings else 2) - c.hidden_size
@@ -315,40 +403,6 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
                roofline_prefill_s=prefill_s, roofline_decode_step_ms=1e3 * step_s,
                decode_only_roofline_tok_s=batch / step_s)
     out["roofline_fraction"] = out["engine_tok_s"] / out["roofline_tok_s"]
-
-    if with_hf:
-        try:
-            import torch
-            import transformers
-        except ImportError:
-            out["hf_tok_s"] = None
-        else:
-            path = __import__("dora_jax.models.gguf", fromlist=["x"]).smollm2_gguf_path()
-            hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
-                                                                   gguf_file=os.path.basename(path)).eval()
-            ids = [prompts[i] for i in range(batch)]
-            width = max(len(p) for p in ids)
-            # On a GPU backend the reference runs on the GPU too (torch's CUDA build), in the same dtype.
-            dev = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
-            hf = hf.to(device=dev, dtype=getattr(torch, c.compute_dtype))
-            inp = torch.tensor([[0] * (width - len(p)) + p for p in ids], device=dev)  # left padding
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids], device=dev)
-            torch.set_num_threads(os.cpu_count() or 1)  # every core, as XLA uses
-            out["torch_threads"] = torch.get_num_threads()
-            out["hf_device"] = dev
-            if dev == "cuda":  # XLA's default float32 dot precision on GPU uses TF32; let torch do the same
-                torch.backends.cuda.matmul.allow_tf32 = True
-                out["hf_allow_tf32"] = True
-            sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-            with torch.inference_mode():  # HF's own KV cache (use_cache defaults to True)
-                hf.generate(inp[:2], attention_mask=mask[:2], max_new_tokens=4, do_sample=True, pad_token_id=0)
-                sync()
-                t0 = time.perf_counter()
-                hf.generate(inp, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                            do_sample=True, temperature=1.0, top_k=0, pad_token_id=0, eos_token_id=None)
-                sync()
-                out["hf_tok_s"] = batch * new_tokens / (time.perf_counter() - t0)
-            out["engine_vs_hf"] = out["engine_tok_s"] / out["hf_tok_s"]
 
     # The ceiling of both ratios above: a decode step built from these products (in the faster of the two
     # weight layouts) cannot beat its weight matmuls, so with every other part of the step free the engine

@@ -119,9 +119,9 @@ def cmd_bench(args) -> int:
     if ov and args.what in ("modes", "kernel"):
         raise SystemExit(f"dora-jax bench {args.what}: takes no key=value overrides (got {' '.join(ov)})")
     if args.what == "load":
-        result = benchmarks.bench_load(args.config, repeats=args.repeats, overrides=ov)
+        result = benchmarks.bench_load(args.config, repeats=args.repeats or 2, overrides=ov)
     elif args.what == "prefill":
-        result = benchmarks.bench_prefill(args.config, repeats=max(args.repeats, 3), overrides=ov)
+        result = benchmarks.bench_prefill(args.config, repeats=max(args.repeats or 2, 3), overrides=ov)
     elif args.what == "decode":
         result = benchmarks.bench_decode(args.config, batch=args.batch or 32, overrides=ov)
     elif args.what == "train":
@@ -137,11 +137,12 @@ def cmd_bench(args) -> int:
             print("plot:", plot_modes(result, args.plot))
     elif args.what == "engine":
         result = benchmarks.bench_engine(args.config, batch=args.batch or 32, new_tokens=args.new_tokens,
-                                         with_hf=not args.no_reference, overrides=ov)
+                                         with_hf=not args.no_reference, overrides=ov,
+                                         rounds=args.repeats or 3)
     elif args.what == "kernel":
         from dora_jax.kernels.bench import bench_kernel
 
-        result = bench_kernel(batches=(args.batch,) if args.batch else (8, 32), repeats=args.repeats)
+        result = bench_kernel(batches=(args.batch,) if args.batch else (8, 32), repeats=args.repeats or 2)
     else:  # argparse restricts the choices
         raise AssertionError(args.what)
     print(json.dumps(result, indent=1))
@@ -263,7 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("what", choices=["load", "engine", "prefill", "decode", "train", "snapshot", "modes", "kernel"])
     b.add_argument("--steps", type=_positive_int, default=8, help="modes: updates per mode")
     b.add_argument("--plot", help="modes: write the reward and throughput plot to this PNG")
-    b.add_argument("--repeats", type=_positive_int, default=2, help="load: repeats per side; kernel: timed calls per point")
+    b.add_argument("--repeats", type=_positive_int, help="load: repeats per side (default 2); kernel: timed calls "
+                   "per point (default 2); engine: alternated runs of the fixed batch, engine and transformers "
+                   "(default 3)")
     b.add_argument("--batch", type=_positive_int, help="engine, decode: concurrent sequences (default 32); train, snapshot: rows per step "
                    "(default 8); kernel: slots per call (default 8 and 32)")
     b.add_argument("--new-tokens", type=_positive_int, default=128, help="engine: new tokens per sequence")

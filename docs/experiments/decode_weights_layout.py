@@ -9,16 +9,14 @@ trajectories have the same tokens.
 """
 
 import sys
-import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dora_jax.benchmarks import chat_prompts, run_fixed_batch
+from dora_jax.benchmarks import chat_prompts, run_fixed_batch, time_decode_steps
 from dora_jax.config import load_config
-from dora_jax.models.decoder import decode_forward, init_cache
+from dora_jax.models.decoder import decode_forward
 from dora_jax.models.weights import load_model
 from dora_jax.rollout.engine import Engine
 from dora_jax.tokenizer import chat_template_head
@@ -34,19 +32,10 @@ cfg = models["out_in"].cfg
 
 # Part 1: the step alone.
 step = jax.jit(lambda p, t, pos, c: decode_forward(cfg, p, t, pos, c), donate_argnums=(3,))
-prepared = {lay: m.decode_params(fuse=True, transpose=lay == "out_in") for lay, m in models.items()}
-tokens = jnp.zeros((B, 1), jnp.int32)
+variants = {lay: (step, m.decode_params(fuse=True, transpose=lay == "out_in")) for lay, m in models.items()}
 for pos in (64, 128, 200):
-    positions = jnp.full((B, 1), pos, jnp.int32)
-    caches = {lay: init_cache(cfg, B, S) for lay in LAYOUTS}
-    best = {lay: float("inf") for lay in LAYOUTS}
-    for r in range(ROUNDS + 2):
-        for lay in LAYOUTS:
-            t0 = time.perf_counter()
-            out, caches[lay] = step(prepared[lay], tokens, positions, caches[lay])
-            out.block_until_ready()
-            if r > 1:  # rounds 0 and 1 compile (a fresh cache, then one the step returned)
-                best[lay] = min(best[lay], time.perf_counter() - t0)
+    times, _ = time_decode_steps(variants, cfg, B, S, pos, ROUNDS)
+    best = {lay: min(t) for lay, t in times.items()}
     print(f"step at position {pos}: in_out {1e3 * best['in_out']:.1f} ms, out_in {1e3 * best['out_in']:.1f} ms, "
           f"out_in / in_out {best['out_in'] / best['in_out']:.2f}", flush=True)
 

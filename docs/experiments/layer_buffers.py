@@ -11,16 +11,15 @@ tokens through ``RolloutDriver``), alternated ROUNDS times, with how many trajec
 """
 
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dora_jax.benchmarks import chat_prompts, run_fixed_batch
+from dora_jax.benchmarks import chat_prompts, run_fixed_batch, time_decode_steps
 from dora_jax.config import load_config
-from dora_jax.models.decoder import decode_forward, init_cache
+from dora_jax.models.decoder import decode_forward
 from dora_jax.models.weights import load_model
 from dora_jax.rollout.engine import Engine, PreparedParams
 from dora_jax.tokenizer import chat_template_head
@@ -40,18 +39,8 @@ params = {"stacked": stacked, "per_layer": per_layer}
 
 # Part 1: the step alone.
 step = jax.jit(lambda p, t, pos, c: decode_forward(cfg, p.tree, t, pos, c), donate_argnums=(3,))
-tokens = jnp.zeros((B, 1), jnp.int32)
 for pos in (64, 128, 200):
-    positions = jnp.full((B, 1), pos, jnp.int32)
-    caches = {k: init_cache(cfg, B, S) for k in params}
-    times = {k: [] for k in params}
-    for r in range(ROUNDS + 2):
-        for k, p in params.items():
-            t0 = time.perf_counter()
-            out, caches[k] = step(p, tokens, positions, caches[k])
-            out.block_until_ready()
-            if r > 1:  # rounds 0 and 1 compile (a fresh cache, then one the step returned)
-                times[k].append(time.perf_counter() - t0)
+    times, _ = time_decode_steps({k: (step, p) for k, p in params.items()}, cfg, B, S, pos, ROUNDS)
     a, b = (np.array(times[k]) * 1e3 for k in params)
     print(f"step at position {pos}, best / median ms: stacked {a.min():.1f} / {np.median(a):.1f}, per_layer "
           f"{b.min():.1f} / {np.median(b):.1f}, per_layer / stacked {b.min() / a.min():.2f} / "
