@@ -678,6 +678,9 @@ def test_bench_engine_reports_every_part():
     runs = out["fixed_batch_runs"]  # the fixed batch timed `rounds` times, the best reported
     assert list(runs) == ["engine_tok_s"] and len(runs["engine_tok_s"]) == 2
     assert out["engine_tok_s"] == max(runs["engine_tok_s"])
+    assert out["continuous_tok_s"] == max(out["long_tail_runs"]["continuous_tok_s"])
+    assert out["static_tok_s"] == max(out["long_tail_runs"]["static_tok_s"])
+    assert out["continuous_vs_static"] == pytest.approx(out["continuous_tok_s"] / out["static_tok_s"])
     for name in ("prefix", "no_prefix"):
         assert out[f"{name}_continuous_vs_static"] == pytest.approx(out[f"{name}_continuous_tok_s"]
                                                                     / out[f"{name}_static_tok_s"])
