@@ -272,6 +272,20 @@ def run_fixed_batch(engine, params, prompts, new_tokens: int = 128, shared_prefi
     return rate, d, sorted(trajs, key=lambda t: t.sample_id)
 
 
+def compare_fixed_batches(runs: dict[str, Any], rounds: int) -> None:
+    """Two forms of the engine side by side: ``runs`` maps two names to callables returning ``(tokens/s,
+    trajectories by sample id)``, as :func:`run_fixed_batch` does. Each is called once (compiling), then the
+    two alternate ``rounds`` times; every round prints both rates, the second / the first, and how many
+    trajectories have the same tokens in both."""
+    (name_a, run_a), (name_b, run_b) = runs.items()
+    run_a(), run_b()
+    for _ in range(rounds):
+        (a, ta), (b, tb) = run_a(), run_b()
+        same = sum(x.tokens == y.tokens for x, y in zip(ta, tb))
+        print(f"fixed batch: {name_a} {a:.1f}, {name_b} {b:.1f} tokens/s, {name_b} / {name_a} {b / a:.2f}x, "
+              f"same tokens in {same} of {len(ta)} trajectories", flush=True)
+
+
 def time_decode_steps(variants: dict[str, tuple[Any, Any]], model_cfg, batch: int, cache_len: int, position: int,
                       rounds: int) -> tuple[dict[str, list[float]], dict[str, Any]]:
     """Alternated timings of one decode step in several variants, for comparing forms of the step side by side.

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dora_jax.benchmarks import chat_prompts, run_fixed_batch, time_decode_steps
+from dora_jax.benchmarks import chat_prompts, compare_fixed_batches, run_fixed_batch, time_decode_steps
 from dora_jax.config import load_config
 from dora_jax.models.decoder import decode_forward
 from dora_jax.models.weights import load_model
@@ -52,10 +52,4 @@ def run(lay):
     return rate, trajectories
 
 
-for lay in LAYOUTS:
-    run(lay)  # compile
-for _ in range(ROUNDS):
-    (a, ta), (b, tb) = run("in_out"), run("out_in")
-    same = sum(x.tokens == y.tokens for x, y in zip(ta, tb))
-    print(f"fixed batch: in_out {a:.1f}, out_in {b:.1f} tokens/s, out_in / in_out {b / a:.2f}x, "
-          f"same tokens in {same} of {len(ta)} trajectories", flush=True)
+compare_fixed_batches({lay: lambda lay=lay: run(lay) for lay in LAYOUTS}, ROUNDS)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dora_jax.benchmarks import chat_prompts, run_fixed_batch, time_decode_steps
+from dora_jax.benchmarks import chat_prompts, compare_fixed_batches, run_fixed_batch, time_decode_steps
 from dora_jax.config import load_config
 from dora_jax.models.decoder import decode_forward
 from dora_jax.models.weights import load_model
@@ -53,10 +53,4 @@ def run(k):
     return rate, trajectories
 
 
-for k in params:
-    run(k)  # compile
-for _ in range(ROUNDS):
-    (a, ta), (b, tb) = run("stacked"), run("per_layer")
-    same = sum(x.tokens == y.tokens for x, y in zip(ta, tb))
-    print(f"fixed batch: stacked {a:.1f}, per_layer {b:.1f} tokens/s, per_layer / stacked {b / a:.2f}x, "
-          f"same tokens in {same} of {len(ta)} trajectories", flush=True)
+compare_fixed_batches({k: lambda k=k: run(k) for k in params}, ROUNDS)

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 import dora_jax.models.decoder as dec
-from dora_jax.benchmarks import chat_prompts, run_fixed_batch
+from dora_jax.benchmarks import chat_prompts, compare_fixed_batches, run_fixed_batch
 from dora_jax.config import load_config
 from dora_jax.models.weights import load_model
 from dora_jax.rollout.engine import Engine, RequestSampling
@@ -95,13 +95,9 @@ def run(name):
 
 
 for name in engines:
-    prefill(name), run(name)  # compile
+    prefill(name)  # compile
 for _ in range(ROUNDS):
     (a, ta), (b, tb) = prefill("before"), prefill("shipped")
     print(f"prefill of {B} prompts: before {1e3 * a:.0f} ms, shipped {1e3 * b:.0f} ms, shipped / before "
           f"{b / a:.2f}, same first tokens {int(np.sum(ta == tb))} of {B}", flush=True)
-for _ in range(ROUNDS):
-    (a, ta), (b, tb) = run("before"), run("shipped")
-    same = sum(x.tokens == y.tokens for x, y in zip(ta, tb))
-    print(f"fixed batch: before {a:.1f}, shipped {b:.1f} tokens/s, shipped / before {b / a:.2f}x, "
-          f"same tokens in {same} of {len(ta)} trajectories", flush=True)
+compare_fixed_batches({name: lambda name=name: run(name) for name in engines}, ROUNDS)
