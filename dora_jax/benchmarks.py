@@ -207,7 +207,7 @@ def _best_alternated(runs: dict[str, Any], rounds: int) -> dict[str, float]:
     return {k: max(v) for k, v in _alternated(runs, rounds).items()}
 
 
-def _hf_generate_run(prompts: list[list[int]], new_tokens: int, dtype: str, out: dict[str, Any]):
+def hf_generate_run(prompts: list[list[int]], new_tokens: int, dtype: str, out: dict[str, Any]):
     """A callable that times transformers ``generate`` on SmolLM2's GGUF and returns tokens/s: ``prompts`` as one
     left-padded batch, exactly ``new_tokens`` tokens each sampled at temperature 1 without top-k, with
     transformers' own KV cache. On a GPU backend it runs on the GPU (torch's CUDA build) with TF32 matmuls
@@ -375,7 +375,7 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
 
     c = cfg.model
     # transformers `generate` at the same batch and sampling, timed alternately with the engine's run.
-    hf_run = _hf_generate_run(prompts[:batch], new_tokens, c.compute_dtype, out) if with_hf else None
+    hf_run = hf_generate_run(prompts[:batch], new_tokens, c.compute_dtype, out) if with_hf else None
     out["overlap"] = fixed_run()[1].overlap  # compiles
     runs = {"engine_tok_s": lambda: fixed_run()[0]}
     if hf_run is not None:

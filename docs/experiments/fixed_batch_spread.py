@@ -12,7 +12,7 @@ import time
 import numpy as np
 from flax import nnx
 
-from dora_jax.benchmarks import _hf_generate_run, chat_prompts, run_fixed_batch
+from dora_jax.benchmarks import chat_prompts, hf_generate_run, run_fixed_batch
 from dora_jax.config import load_config
 from dora_jax.models.weights import load_model
 from dora_jax.rollout.engine import Engine
@@ -33,7 +33,7 @@ def run():
 
 run()  # compile
 print("engine alone:", [round(run(), 1) for _ in range(4)], flush=True)
-hf = _hf_generate_run(prompts, NEW, "float32", {})
+hf = hf_generate_run(prompts, NEW, "float32", {})
 for _ in range(3):
     h, right_after = hf(), run()
     time.sleep(2)
