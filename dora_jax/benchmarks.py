@@ -241,10 +241,14 @@ def hf_generate_run(prompts: list[list[int]], new_tokens: int, dtype: str, out: 
     def run() -> float:
         with torch.inference_mode():
             t0 = time.perf_counter()
-            hf.generate(inp, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                        do_sample=True, temperature=1.0, top_k=0, pad_token_id=0, eos_token_id=None)
+            seqs = hf.generate(inp, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                               do_sample=True, temperature=1.0, top_k=0, pad_token_id=0, eos_token_id=None)
             sync()
-        return len(prompts) * new_tokens / (time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+        if tuple(seqs.shape) != (len(prompts), width + new_tokens):  # the rate counts exactly new_tokens a row
+            raise RuntimeError(f"transformers generate returned {tuple(seqs.shape)} tokens, expected "
+                               f"{(len(prompts), width + new_tokens)} ({new_tokens} new after {width})")
+        return len(prompts) * new_tokens / seconds
     return run
 
 

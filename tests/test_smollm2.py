@@ -108,3 +108,15 @@ def test_engine_greedy_with_staggered_inserts_matches_transformers(reference, ou
             ref = ref_model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                      eos_token_id=None, pad_token_id=0)
         assert out[i].tokens == ref[0, len(ids):].tolist()
+
+
+def test_bench_engine_transformers_side_generates_exactly_the_asked_tokens():
+    """`bench engine`'s transformers runner (`benchmarks.hf_generate_run`): left-padded prompts of different
+    lengths, sampled, each row exactly `new_tokens` long (no early stop, which would inflate the rate);
+    repeated calls run again; it records where and on how many threads it ran."""
+    from dora_jax.benchmarks import hf_generate_run
+
+    out = {}
+    run = hf_generate_run([[1, 2, 3, 4], [5, 6]], 3, "float32", out)
+    assert run() > 0 and run() > 0
+    assert out["hf_device"] == "cpu" and out["torch_threads"] == (os.cpu_count() or 1)
