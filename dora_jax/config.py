@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.resources
 import json
 import math
 import os
@@ -40,8 +41,24 @@ class ConfigError(ValueError):
         self.field = field
 
 
-def _fail(path: str, value: Any, allowed: str) -> None:
+def fail(path: str, value: Any, allowed: str) -> None:
+    """Stops on a bad config value with a :class:`ConfigError` naming the field, the value and what is allowed.
+
+    The check every config schema uses (this module's and ``dora_jax.sim.config``'s), so every error reads
+    ``config field 'workload.group_size' = 0: must be an integer > 0``.
+
+    Args:
+        path: the dotted field, e.g. ``train.clip_low`` (``paper.64.speedup`` for a key of a mapping).
+        value: the value found there.
+        allowed: what the field accepts, e.g. ``must be > 0`` or ``allowed: 'xla', 'pallas'``.
+
+    Raises:
+        ConfigError: always, with ``field`` set to ``path``.
+    """
     raise ConfigError(f"config field '{path}' = {value!r}: {allowed}", field=path)
+
+
+_fail = fail  # the name this module's checks call
 
 
 @dataclass(frozen=True)
@@ -598,9 +615,16 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
+        if value is None and len(args) < len(typing.get_args(tp)):
             return None
-        return _convert(value, args[0], path)
+        if len(args) == 1:
+            return _convert(value, args[0], path)
+        for arg in args:  # the first type, in the order written, that takes the value
+            try:
+                return _convert(value, arg, path)
+            except ConfigError:
+                pass
+        _fail(path, value, f"must be {' or '.join(_describe(a) for a in args)}")
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, path)
     if tp is bool:
@@ -626,22 +650,54 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             _fail(path, value, "must be a list")
         (item_tp, _) = typing.get_args(tp)
         return tuple(_convert(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict:  # a mapping whose keys the config chooses (names, counts); each key is a dotted step
+        if not isinstance(value, dict):
+            _fail(path, value, "must be a mapping")
+        key_tp, item_tp = typing.get_args(tp)
+        return {_convert(k, key_tp, f"{path}.{k}"): _convert(v, item_tp, f"{path}.{k}") for k, v in value.items()}
     raise TypeError(f"unsupported config field type {tp} at {path}")  # programming error, not user input
 
 
+def _describe(tp: Any) -> str:
+    """A config field type in words, for the error of a field that accepts several."""
+    words = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    if tp in words:
+        return words[tp]
+    if typing.get_origin(tp) is tuple:
+        return f"a list ({_describe(typing.get_args(tp)[0])} each)"
+    return "a mapping"
+
+
 def from_dict(cls: type, data: Any, path: str = "") -> Any:
-    """Builds dataclass ``cls`` from nested plain data, checking every key and type."""
+    """Builds dataclass ``cls`` from nested plain data, checking every key and type.
+
+    Field types: ``bool``, ``int``, ``float`` (finite; an integer is taken as a float), ``str``,
+    ``tuple[X, ...]`` (a list), ``dict[K, V]`` (a mapping), a nested dataclass, ``Optional[X]`` and unions
+    ``X | Y`` (the first type, in the order written, that takes the value). A missing key keeps the field's
+    default; range and cross-field checks are the dataclass's own (``validate`` methods calling :func:`fail`).
+
+    Args:
+        cls: the dataclass to build.
+        data: a mapping of its fields (``None`` is an empty one).
+        path: the dotted field ``data`` sits at, for error messages (``""`` at the top).
+
+    Returns:
+        The dataclass instance.
+
+    Raises:
+        ConfigError: naming the first unknown key, or the field whose value has the wrong type.
+    """
     if data is None:
         data = {}
     if not isinstance(data, dict):
         _fail(path or "<root>", data, f"must be a mapping of {cls.__name__} fields")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
+    unknown = sorted(set(data) - set(names), key=str)
     if unknown:
         where = f"{path}.{unknown[0]}" if path else unknown[0]
-        raise ConfigError(f"unknown config field '{where}'; fields of '{path or '<root>'}' are: "
-                          f"{', '.join(names)}", field=where)
+        raise ConfigError(f"unknown config field '{where}' = {data[unknown[0]]!r}; fields of "
+                          f"'{path or '<root>'}' are: {', '.join(names)}", field=where)
     kwargs = {}
     for name in names:
         if name not in data:
@@ -676,8 +732,20 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
 
 
 def configs_dir() -> str:
-    """The ``configs/`` folder that ships beside the package."""
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    """The folder of shipped YAML presets.
+
+    The repository's top-level ``configs/`` is installed as the package ``dora_jax.configs`` (pyproject.toml),
+    found here through ``importlib.resources`` in a wheel or an editable install. Where that package cannot be
+    imported (a source checkout put on ``sys.path`` without installing it), the presets are the ``configs/``
+    folder beside ``dora_jax/``.
+
+    Returns:
+        The folder's path.
+    """
+    try:
+        return str(importlib.resources.files("dora_jax.configs"))
+    except ModuleNotFoundError:
+        return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
 def resolve_config_path(name: str) -> str:

@@ -9,7 +9,7 @@ from dora_jax.config import DEFAULT_RULES, Config, ConfigError, configs_dir, loa
 
 @pytest.mark.parametrize("name", sorted(f for f in os.listdir(configs_dir()) if f.endswith(".yaml")))
 def test_shipped_configs_load(name):
-    if name.startswith("sim_"):  # simulator presets have their own schema (dora_jax.sim.config)
+    if name.startswith("sim_"):  # simulator presets: the sections of dora_jax.sim.config.SimFile
         from dora_jax.sim.config import load_sim_config
 
         load_sim_config(os.path.join(configs_dir(), name))

@@ -287,6 +287,7 @@ def bad(path, value):
 def test_good_config_parses_and_lognormal_mean_is_the_clipped_mean():
     cfg = parse_config(copy.deepcopy(GOOD))
     assert parse_config(bad("paper", {8: {"speedup": 1.5}})).paper == {"8": {"speedup": 1.5}}
+    assert parse_config(bad("cluster.gpus", 8)).gpus == (8,)  # one count is one cluster size
     assert cfg.train_batch == 8 and cfg.policy("dora").max_staleness == 2
     assert cfg.lengths.mean() == pytest.approx(20, rel=1e-9)
     rng = random.Random(0)
@@ -299,27 +300,38 @@ def test_good_config_parses_and_lognormal_mean_is_the_clipped_mean():
     ("cluster.gpus_per_instance", 0, r"'cluster.gpus_per_instance' = 0: must be an integer > 0"),
     ("cluster.trainer_gpus", 8, r"'cluster.trainer_gpus' = 8: .*leaves at least one rollout instance"),
     ("cluster.sync_placement", "shared", r"'cluster.sync_placement' = 'shared': allowed: colocated"),
-    ("costs.decode_step_s", -1, r"'costs.decode_step_s' = -1: must be a finite number >= 0"),
-    ("costs.weight_sync_s", float("inf"), r"'costs.weight_sync_s' = inf: must be a finite number >= 0"),
-    ("costs.decode_ctx_s", float("nan"), r"'costs.decode_ctx_s' = nan: must be a finite number >= 0"),
+    ("costs.decode_step_s", -1, r"'costs.decode_step_s' = -1.0: must be a finite number >= 0"),
+    ("costs.weight_sync_s", float("inf"), r"'costs.weight_sync_s' = inf: must be a finite number"),
+    ("costs.decode_ctx_s", float("nan"), r"'costs.decode_ctx_s' = nan: must be a finite number"),
     ("workload.lengths", {"kind": "lognormal", "p50": 10, "p99": float("inf"), "max": 100},
-     r"'workload.lengths.p99' = inf: must be a finite number > 0"),
+     r"'workload.lengths.p99' = inf: must be a finite number"),
+    ("workload.lengths", {"kind": "fixed", "value": 6, "max": 9},
+     r"'workload.lengths.max' = 9: unknown for kind fixed; allowed: kind, value"),
     ("paper", {"8": "x"}, r"'paper.8' = 'x': must be a mapping"),
-    ("paper", {"8": {"speedup": 0}}, r"'paper.8.speedup' = 0: must be a finite number > 0"),
-    ("paper", {"8": {"dora_rollout_share": 12}}, r"'paper.8.dora_rollout_share' = 12: must be a fraction in \(0, 1\]"),
-    ("paper", {"8": {"tokens": 1.0}}, r"'paper.8.tokens' = 1.0: unknown field; allowed: sync_rollout_share"),
+    ("paper", {"8": {"speedup": 0}}, r"'paper.8.speedup' = 0.0: must be a number > 0"),
+    ("paper", {"8": {"dora_rollout_share": 12}},
+     r"'paper.8.dora_rollout_share' = 12.0: must be a fraction in \(0, 1\]"),
+    ("paper", {"8": {"tokens": 1.0}}, r"'paper.8.tokens' = 1.0; fields of 'paper.8' are: sync_rollout_share"),
     ("paper", {"64": {"speedup": 1.5}}, r"'paper.64' = .*must be a GPU count that is simulated .*\[8\]"),
-    ("paper", [1.65], r"'paper' = \[1.65\]: must be a mapping of GPU counts"),
+    ("paper", [1.65], r"'paper' = \[1.65\]: must be a mapping"),
     ("costs.decode_step_s", KeyError, r"'costs.decode_step_s' = None: required"),
-    ("costs.warp_s", 1, r"'costs.warp_s' = 1: unknown field"),
+    ("costs.warp_s", 1, r"unknown config field 'costs.warp_s' = 1; fields of 'costs' are: decode_step_s"),
     ("workload.lengths.kind", "weibull", r"'workload.lengths.kind' = 'weibull': allowed: fixed, lognormal, jsonl"),
-    ("workload.lengths.mean", 500, r"'workload.lengths.mean' = 500: must be < max \(100\)"),
-    ("workload.lengths.sigma", "wide", r"'workload.lengths.sigma' = 'wide': must be a number in \[0, 4\]"),
+    ("workload.lengths.mean", 500, r"'workload.lengths.mean' = 500.0: must be < max \(100\)"),
+    ("workload.lengths.sigma", "wide", r"'workload.lengths.sigma' = 'wide': must be a number"),
+    ("workload.lengths.sigma", 5, r"'workload.lengths.sigma' = 5.0: must be a number in \[0, 4\]"),
+    ("workload", KeyError, r"^config field 'workload' = None: required"),
+    ("cluster.gpus", "eight", r"'cluster.gpus' = 'eight': must be an integer or a list \(an integer each\)"),
+    ("cluster.trainer_gpus", True, r"'cluster.trainer_gpus' = True: must be a string or an integer or a number"),
     ("workload.group_size", 0, r"'workload.group_size' = 0: must be an integer > 0"),
     ("policies.dora", {"max_staleness": 1, "rollout_batches": 3.0},
      r"'policies.dora.rollout_batches' = 3.0: must be <= max_staleness \+ 1 = 2"),
     ("policies.async", {}, r"'policies.async' = \{\}: unknown policy"),
     ("policies.sync", {"max_staleness": 2}, r"'policies.sync' = \{'max_staleness': 2\}: takes no options"),
+    ("policies.partial", {"max_staleness": 2, "rollout_batches": 2.0},
+     r"'policies.partial.max_staleness' = 2: not an option of partial; allowed: rollout_batches"),
+    ("policies", {}, r"'policies' = \{\}: must be a mapping of policy names"),
+    ("hardware", {"peak_flops": 1e15}, r"^config field 'model' = None: model and hardware go together"),
 ])
 def test_bad_config_values_are_named(path, value, message):
     with pytest.raises(SimConfigError, match=message):
@@ -346,7 +358,7 @@ def test_bad_config_files_are_named(tmp_path):
     f.write_bytes(b"name: \xff\n")
     with pytest.raises(SimConfigError, match=r"sim.yaml: line 1 is not UTF-8 text"):
         load_sim_config(str(f))
-    with pytest.raises(SimConfigError, match=r"^sim config field 'steps' = 0: must be an integer >= 1"):
+    with pytest.raises(SimConfigError, match=r"^config field 'steps' = 0: must be an integer >= 1"):
         parse_config(bad("steps", 0))
     bench = tmp_path / "bench.json"
     bench.write_text('{"engine_tok_s": 100.0}')
@@ -367,7 +379,7 @@ def test_cli_runs_the_small_config_calibrated_from_a_measured_bench(tmp_path):
     from dora_jax.cli import main
 
     cfg = load_sim_config("sim_small")
-    # docs/bench_engine_cpu_2026-11-22.json: 32 rows at 96.95 tokens/s -> one step = 32 / 96.95 s.
+    # benchmarks/results/bench_engine_cpu_2026-11-22.json: 32 rows at 96.95 tokens/s -> one step = 32 / 96.95 s.
     assert cfg.costs.decode_step_s == pytest.approx(32 / 96.95051391960808)
     out = tmp_path / "sim.json"
     assert main(["simulate", "--config", "sim_small", "--json", str(out)]) == 0

@@ -1,6 +1,7 @@
-"""Simulator configuration (``configs/sim_*.yaml``): its own small schema, validated on load with errors that
-name the field, and the cost model, either given directly, derived from model and hardware figures, or
-calibrated from a measured ``dora-jax bench decode`` / ``bench engine`` JSON.
+"""Simulator configuration (``configs/sim_*.yaml``): the file's sections as dataclasses read by the run config's
+schema machinery (:func:`dora_jax.config.from_dict`, errors from :func:`dora_jax.config.fail` that name the
+field, the value and what is allowed), and the cost model, either given directly, derived from model and
+hardware figures, or calibrated from a measured ``dora-jax bench decode`` / ``bench engine`` JSON.
 
 Cost model (all seconds; an *instance* is one rollout engine of ``gpus_per_instance`` GPUs):
 
@@ -22,20 +23,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
 
-from dora_jax.sim.lengths import LengthDist, SimConfigError, _need, is_number, length_dist
+from dora_jax.config import ConfigError, fail, from_dict, resolve_config_path
+from dora_jax.sim.lengths import LengthDist, LengthSpec, length_dist
 from dora_jax.textfiles import TextFileError, load_yaml, read_text
+
+# A simulator config is checked by the run config's schema machinery, so its errors are that ConfigError.
+SimConfigError = ConfigError
 
 POLICIES = ("sync", "one_step_off", "partial", "dora")
 COST_FIELDS = ("decode_step_s", "decode_weights_s", "decode_row_s", "decode_ctx_s", "prefill_token_s",
                "prefill_pair_s", "train_token_gpu_s", "train_pair_gpu_s", "train_fixed_s", "weight_sync_s",
                "migrate_token_s")
-MODEL_FIELDS = ("params", "layers", "heads", "kv_heads", "head_dim", "bytes_per_param")
-HARDWARE_FIELDS = ("peak_flops", "hbm_bytes_s", "hbm_efficiency", "decode_mfu", "prefill_mfu", "train_mfu",
-                   "step_overhead_s", "link_bytes_s", "sync_fixed_s", "logprob_forwards")
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ class SimConfig:
         for p in self.policies:
             if p.name == name:
                 return p
-        raise SimConfigError(f"sim config field 'policies': no policy {name!r} (has {[p.name for p in self.policies]})")
+        fail("policies", [p.name for p in self.policies], f"has no policy {name!r}")
 
 
 def derive_costs(model: dict[str, float], hw: dict[str, float], tp: int) -> tuple[dict[str, float], dict[str, str]]:
@@ -137,14 +140,15 @@ def derive_costs(model: dict[str, float], hw: dict[str, float], tp: int) -> tupl
     }
     f = {
         "decode_step_s": f"{hw['step_overhead_s']} s",
-        "decode_weights_s": f"{n:.3g} x {by} B / ({tp} x {bw:.3g} B/s)",
+        "decode_weights_s": f"{n:.3g} x {by:g} B / ({tp} x {bw:.3g} B/s)",
         "decode_row_s": f"2 x {n:.3g} / ({tp} x {hw['peak_flops']:.3g} x {hw['decode_mfu']})",
         "decode_ctx_s": f"{kv_bytes:.0f} B KV per token / ({tp} x {bw:.3g} B/s)",
         "prefill_token_s": f"2 x {n:.3g} / ({tp} x {hw['peak_flops']:.3g} x {hw['prefill_mfu']})",
         "prefill_pair_s": f"4 x {d_attn} x {model['layers']} / ({tp} x {hw['peak_flops']:.3g} x {hw['prefill_mfu']})",
-        "train_token_gpu_s": f"2 x {n:.3g} x {passes} / ({hw['peak_flops']:.3g} x {hw['train_mfu']})",
-        "train_pair_gpu_s": f"4 x {d_attn} x {model['layers']} x {passes} / ({hw['peak_flops']:.3g} x {hw['train_mfu']})",
-        "weight_sync_s": f"{n:.3g} x {by} B / ({tp} x {hw['link_bytes_s']:.3g} B/s) + {hw['sync_fixed_s']} s",
+        "train_token_gpu_s": f"2 x {n:.3g} x {passes:g} / ({hw['peak_flops']:.3g} x {hw['train_mfu']})",
+        "train_pair_gpu_s": f"4 x {d_attn} x {model['layers']} x {passes:g} / "
+                            f"({hw['peak_flops']:.3g} x {hw['train_mfu']})",
+        "weight_sync_s": f"{n:.3g} x {by:g} B / ({tp} x {hw['link_bytes_s']:.3g} B/s) + {hw['sync_fixed_s']} s",
         "migrate_token_s": f"{kv_bytes:.0f} B KV per token / ({tp} x {hw['link_bytes_s']:.3g} B/s)",
     }
     return c, f
@@ -162,13 +166,15 @@ def costs_from_bench(path: str) -> dict[str, float]:
     try:
         data = json.loads(read_text(path))
     except (TextFileError, json.JSONDecodeError) as e:
-        raise SimConfigError(f"sim config field 'costs.from_bench' = {path!r}: cannot read ({e})") from None
-    _need(isinstance(data, dict), "costs.from_bench", path, "must hold a JSON object written by 'dora-jax bench'")
-    fields = ("batch", "cache_length", "layers_and_head_ms", "kv_cache_part_ms") if "layers_and_head_ms" in data \
+        fail("costs.from_bench", path, f"cannot read ({e})")
+    if not isinstance(data, dict):
+        fail("costs.from_bench", path, "must hold a JSON object written by 'dora-jax bench'")
+    needed = ("batch", "cache_length", "layers_and_head_ms", "kv_cache_part_ms") if "layers_and_head_ms" in data \
         else ("batch", "engine_tok_s") if "engine_tok_s" in data else ()
-    for k in fields:
+    for k in needed:  # a JSON file, not a config section: checked here rather than by from_dict
         v = data.get(k)
-        _need(is_number(v) and v > 0, "costs.from_bench", path, f"its {k!r} = {v!r} must be a finite number > 0")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+            fail("costs.from_bench", path, f"its {k!r} = {v!r} must be a finite number > 0")
     if "layers_and_head_ms" in data:
         ctx = data["batch"] * data["cache_length"]
         return {"decode_step_s": data["layers_and_head_ms"] / 1e3, "decode_weights_s": 0.0, "decode_row_s": 0.0,
@@ -176,164 +182,322 @@ def costs_from_bench(path: str) -> dict[str, float]:
     if "engine_tok_s" in data:
         return {"decode_step_s": data["batch"] / data["engine_tok_s"], "decode_weights_s": 0.0, "decode_row_s": 0.0,
                 "decode_ctx_s": 0.0}
-    raise SimConfigError(f"sim config field 'costs.from_bench' = {path!r}: neither a 'bench decode' JSON "
-                         "(layers_and_head_ms) nor a 'bench engine' JSON (engine_tok_s)")
+    fail("costs.from_bench", path, "neither a 'bench decode' JSON (layers_and_head_ms) nor a 'bench engine' JSON "
+         "(engine_tok_s)")
 
 
-def _number(d: dict, key: str, path: str, lo: float = 0.0, strict: bool = False, integer: bool = False) -> Any:
-    v = d.get(key)
-    ok = is_number(v, integer) and (v > lo if strict else v >= lo)
-    _need(ok, f"{path}.{key}", v,
-          f"must be {'an integer' if integer else 'a finite number'} {'>' if strict else '>='} {lo}")
-    return v
+# ----------------------------------------------------------------------------------------------------------
+# The config file's sections. ``None`` marks a field the file did not give: required ones are refused by name.
 
 
-def _mapping(d: Any, path: str, allowed: tuple[str, ...]) -> dict:
-    _need(isinstance(d, dict), path, d, "must be a mapping")
-    for k in d:
-        _need(k in allowed, f"{path}.{k}", d[k], f"unknown field; allowed: {', '.join(allowed)}")
-    return d
+def _int_or_list(gpus: Any) -> Any:
+    """``cluster.gpus`` as it is reported in an error: the list the file wrote, or the single count."""
+    return list(gpus) if isinstance(gpus, tuple) else gpus
 
 
-PAPER_FIGURES = ("sync_rollout_share", "dora_rollout_share", "speedup")
+@dataclass(frozen=True)
+class Workload:
+    """``workload``: prompts per update, samples per prompt, prompt tokens and the completion lengths."""
+
+    prompts_per_step: Optional[int] = None
+    group_size: Optional[int] = None
+    prompt_tokens: Optional[int] = None
+    lengths: Optional[LengthSpec] = None
+
+    def validate(self, path: str = "workload") -> None:
+        for name in ("prompts_per_step", "group_size"):
+            if getattr(self, name) is None or getattr(self, name) <= 0:
+                fail(f"{path}.{name}", getattr(self, name), "must be an integer > 0")
+        if self.prompt_tokens is None or self.prompt_tokens < 0:
+            fail(f"{path}.prompt_tokens", self.prompt_tokens, "must be an integer >= 0")
+        if self.lengths is None:
+            fail(f"{path}.lengths", None, "must be a mapping with a 'kind'")
 
 
-def _paper_figures(paper: Any, sizes: set[int]) -> dict[str, dict[str, float]]:
-    """Checks the ``paper`` section: GPU count -> {figure: published value}, each count one that is simulated."""
-    _need(isinstance(paper, dict), "paper", paper, "must be a mapping of GPU counts to published figures")
-    out = {}
-    for g, figs in paper.items():
-        n = int(g) if isinstance(g, str) and g.strip().isdigit() else g
-        _need(isinstance(n, int) and not isinstance(n, bool) and n in sizes, f"paper.{g}", figs,
-              f"the key must be a GPU count that is simulated (cluster.gpus or projections.gpus: {sorted(sizes)})")
-        _mapping(figs, f"paper.{g}", PAPER_FIGURES)
-        for key, v in figs.items():
-            share = key.endswith("_share")
-            _need(is_number(v) and 0 < v and (v <= 1 or not share), f"paper.{g}.{key}", v,
-                  "must be a fraction in (0, 1]" if share else "must be a finite number > 0")
-        out[str(n)] = figs
-    return out
+@dataclass(frozen=True)
+class Cluster:
+    """``cluster``: the cluster sizes to run (``gpus``: one count or a list), GPUs and decode slots per rollout
+    instance, the trainer's share of the GPUs and where the synchronous baseline syncs weights."""
+
+    gpus: Union[int, tuple[int, ...], None] = None
+    gpus_per_instance: Optional[int] = None
+    slots_per_instance: Optional[int] = None
+    trainer_gpus: Union[str, int, float] = "balance"
+    sync_placement: str = "colocated"
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The cluster sizes, as a tuple whether the file gave one count or a list."""
+        return (self.gpus,) if isinstance(self.gpus, int) else tuple(self.gpus or ())
+
+    def validate(self, path: str = "cluster") -> None:
+        tp = self.gpus_per_instance
+        if tp is None or tp <= 0:
+            fail(f"{path}.gpus_per_instance", tp, "must be an integer > 0")
+        if not self.sizes or any(g < 2 * tp or g % tp for g in self.sizes):
+            fail(f"{path}.gpus", _int_or_list(self.gpus), f"must be an integer or list of integers, each a multiple "
+                 f"of gpus_per_instance ({tp}) and >= 2 instances (one rollout, one trainer side)")
+        tg = self.trainer_gpus
+        if not (tg == "balance" or (isinstance(tg, float) and 0 < tg < 1) or
+                (isinstance(tg, int) and all(0 < tg <= g - tp for g in self.sizes))):
+            fail(f"{path}.trainer_gpus", tg, "must be 'balance', a fraction in (0, 1), or a GPU count that leaves at "
+                 "least one rollout instance on every cluster size")
+        if self.slots_per_instance is None or self.slots_per_instance <= 0:
+            fail(f"{path}.slots_per_instance", self.slots_per_instance, "must be an integer > 0")
+        if self.sync_placement not in ("colocated", "disaggregated"):
+            fail(f"{path}.sync_placement", self.sync_placement, "allowed: colocated, disaggregated")
 
 
-def parse_config(raw: dict[str, Any], base_dir: str = ".") -> SimConfig:
-    """Validates a simulator config mapping and builds a :class:`SimConfig` (see ``configs/sim_*.yaml``).
+# ``costs``: each cost given here replaces the derived or measured one; ``from_bench`` is a bench JSON's path,
+# relative to the config file.
+CostsSection = dataclasses.make_dataclass(
+    "CostsSection", [(k, Optional[float], field(default=None)) for k in COST_FIELDS]
+    + [("from_bench", Optional[str], field(default=None))], frozen=True)
 
-    Raises:
-        SimConfigError: naming the dotted field, the bad value and what is allowed.
+
+@dataclass(frozen=True)
+class ModelShape:
+    """``model``: the figures :func:`derive_costs` reads (parameter count, layers, attention shape, bytes per
+    parameter)."""
+
+    params: Optional[float] = None
+    layers: Optional[int] = None
+    heads: Optional[int] = None
+    kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    bytes_per_param: Optional[float] = None
+
+    def validate(self, path: str = "model") -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is None or v <= 0:
+                fail(f"{path}.{f.name}", v, "must be given and > 0")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """``hardware``: per-GPU figures :func:`derive_costs` reads; the efficiencies and MFUs are fractions."""
+
+    peak_flops: Optional[float] = None
+    hbm_bytes_s: Optional[float] = None
+    hbm_efficiency: Optional[float] = None
+    decode_mfu: Optional[float] = None
+    prefill_mfu: Optional[float] = None
+    train_mfu: Optional[float] = None
+    step_overhead_s: Optional[float] = None
+    link_bytes_s: Optional[float] = None
+    sync_fixed_s: Optional[float] = None
+    logprob_forwards: Optional[float] = None
+
+    def validate(self, path: str = "hardware") -> None:
+        for f in dataclasses.fields(self):
+            v, may_be_zero = getattr(self, f.name), f.name in ("step_overhead_s", "sync_fixed_s", "logprob_forwards")
+            if v is None or v < 0 or (v == 0 and not may_be_zero):
+                fail(f"{path}.{f.name}", v, f"must be given and {'>=' if may_be_zero else '>'} 0")
+        for name in ("hbm_efficiency", "decode_mfu", "prefill_mfu", "train_mfu"):
+            if getattr(self, name) > 1:
+                fail(f"{path}.{name}", getattr(self, name), "a fraction: must be <= 1")
+
+
+MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelShape))
+HARDWARE_FIELDS = tuple(f.name for f in dataclasses.fields(Hardware))
+POLICY_OPTIONS = {"sync": (), "one_step_off": (), "partial": ("rollout_batches",),
+                  "dora": ("max_staleness", "rollout_batches")}
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """One entry of ``policies``: ``dora`` takes ``max_staleness`` (K) and ``rollout_batches`` (RBS / TBS),
+    ``partial`` takes ``rollout_batches``, ``sync`` and ``one_step_off`` take nothing (:data:`POLICY_OPTIONS`)."""
+
+    max_staleness: Optional[int] = None
+    rollout_batches: Optional[float] = None
+
+    def spec(self, name: str, path: str = "policies") -> PolicySpec:
+        """Checks these options for policy ``name`` and returns its :class:`PolicySpec`."""
+        given = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        if name not in POLICY_OPTIONS:
+            fail(f"{path}.{name}", given, f"unknown policy; allowed: {', '.join(POLICIES)}")
+        allowed = POLICY_OPTIONS[name]
+        if not allowed and given:
+            fail(f"{path}.{name}", given, "takes no options")
+        for k, v in given.items():
+            if k not in allowed:
+                fail(f"{path}.{name}.{k}", v, f"not an option of {name}; allowed: {', '.join(allowed)}")
+        if name not in ("dora", "partial"):
+            return PolicySpec(name, {"sync": 0, "one_step_off": 1}[name])
+        k = 0
+        if name == "dora":
+            k = self.max_staleness
+            if k is None or k < 0:
+                fail(f"{path}.{name}.max_staleness", k, "must be an integer >= 0")
+        rb = self.rollout_batches
+        if rb is None or rb < 1:
+            fail(f"{path}.{name}.rollout_batches", rb, "must be a number >= 1")
+        if name == "dora" and rb > k + 1:
+            fail(f"{path}.{name}.rollout_batches", rb, f"must be <= max_staleness + 1 = {k + 1} (more outstanding "
+                 "work than the next K + 1 updates can train)")
+        return PolicySpec(name, k, rb)
+
+
+@dataclass(frozen=True)
+class PaperFigures:
+    """One GPU count's entry of ``paper``: published rollout shares (fractions in (0, 1]) and DORA's speedup."""
+
+    sync_rollout_share: Optional[float] = None
+    dora_rollout_share: Optional[float] = None
+    speedup: Optional[float] = None
+
+
+PAPER_FIGURES = tuple(f.name for f in dataclasses.fields(PaperFigures))
+
+
+@dataclass(frozen=True)
+class Projections:
+    """``projections``: further cluster sizes to run, past those the paper reports."""
+
+    gpus: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class SimFile:
+    """A simulator config file as written (``configs/sim_*.yaml``); :func:`parse_config` checks it and builds the
+    :class:`SimConfig` the simulator runs."""
+
+    name: str = "sim"
+    seed: int = 0
+    steps: int = 6
+    warmup_steps: int = 2
+    workload: Optional[Workload] = None
+    cluster: Optional[Cluster] = None
+    costs: CostsSection = field(default_factory=CostsSection)
+    model: Optional[ModelShape] = None
+    hardware: Optional[Hardware] = None
+    policies: dict[str, PolicyOptions] = field(default_factory=dict)
+    paper: dict[Union[int, str], PaperFigures] = field(default_factory=dict)
+    projections: Projections = field(default_factory=Projections)
+
+    def validate(self) -> None:
+        """Checks every section and the rules across them, apart from the costs (:func:`parse_config`)."""
+        for name in ("workload", "cluster"):
+            if getattr(self, name) is None:
+                fail(name, None, "required")
+        self.workload.validate()
+        self.cluster.validate()
+        if (self.model is None) != (self.hardware is None):
+            missing = "model" if self.model is None else "hardware"
+            fail(missing, None, "model and hardware go together: costs are derived from both")
+        if self.model is not None:
+            self.model.validate()
+            self.hardware.validate()
+        if self.steps < 1:
+            fail("steps", self.steps, "must be an integer >= 1")
+        if not 0 <= self.warmup_steps < self.steps:
+            fail("warmup_steps", self.warmup_steps, f"must be an integer in [0, steps = {self.steps})")
+        if not self.policies:
+            fail("policies", self.policies, f"must be a mapping of policy names ({', '.join(POLICIES)})")
+        tp = self.cluster.gpus_per_instance
+        if any(g <= 0 or g % tp for g in self.projections.gpus):
+            fail("projections.gpus", list(self.projections.gpus), f"must be a list of GPU counts, multiples of {tp}")
+        self.paper_figures()
+
+    def policy_specs(self) -> tuple[PolicySpec, ...]:
+        """The policies to run, in the order the file lists them."""
+        return tuple(opts.spec(name) for name, opts in self.policies.items())
+
+    def paper_figures(self) -> dict[str, dict[str, float]]:
+        """``paper`` checked: GPU count (a string) -> {figure: published value}, each count one that is simulated."""
+        sizes = set(self.cluster.sizes) | set(self.projections.gpus)
+        out = {}
+        for g, figs in self.paper.items():
+            n = int(g) if isinstance(g, str) and g.strip().isdigit() else g
+            given = {k: v for k, v in dataclasses.asdict(figs).items() if v is not None}
+            if not isinstance(n, int) or n not in sizes:
+                fail(f"paper.{g}", given, f"the key must be a GPU count that is simulated (cluster.gpus or "
+                     f"projections.gpus: {sorted(sizes)})")
+            for key, v in given.items():
+                share = key.endswith("_share")
+                if not (0 < v and (v <= 1 or not share)):
+                    fail(f"paper.{g}.{key}", v, "must be a fraction in (0, 1]" if share else "must be a number > 0")
+            out[str(n)] = given
+        return out
+
+
+def _costs(f: SimFile, base_dir: str) -> tuple[Costs, dict[str, str]]:
+    """The costs: derived from model + hardware, then measured decode costs, then given values, later wins.
+
+    Returns:
+        ``(costs, derivation)``: the costs and, for each one set, how it was obtained (a formula, ``measured:
+        PATH`` or ``given``).
     """
-    top = ("name", "seed", "steps", "warmup_steps", "workload", "cluster", "costs", "model", "hardware",
-           "policies", "paper", "projections")
-    raw = _mapping(raw, "<top>", top)
-    for key in ("workload", "cluster", "policies"):
-        _need(key in raw, key, None, "required")
-    w = _mapping(raw["workload"], "workload", ("prompts_per_step", "group_size", "prompt_tokens", "lengths"))
-    cl = _mapping(raw["cluster"], "cluster", ("gpus", "gpus_per_instance", "slots_per_instance", "trainer_gpus",
-                                              "sync_placement"))
-    tp = _number(cl, "gpus_per_instance", "cluster", 0, strict=True, integer=True)
-    gpus = cl.get("gpus")
-    gpus = [gpus] if isinstance(gpus, int) and not isinstance(gpus, bool) else gpus
-    _need(isinstance(gpus, list) and gpus and all(isinstance(g, int) and not isinstance(g, bool) and g >= 2 * tp
-                                                  and g % tp == 0 for g in gpus),
-          "cluster.gpus", cl.get("gpus"), f"must be an integer or list of integers, each a multiple of "
-          f"gpus_per_instance ({tp}) and >= 2 instances (one rollout, one trainer side)")
-    tg = cl.get("trainer_gpus", "balance")
-    _need(tg == "balance" or (isinstance(tg, float) and 0 < tg < 1) or
-          (isinstance(tg, int) and not isinstance(tg, bool) and all(0 < tg <= g - tp for g in gpus)),
-          "cluster.trainer_gpus", tg, "must be 'balance', a fraction in (0, 1), or a GPU count that leaves at "
-          "least one rollout instance on every cluster size")
-    placement = cl.get("sync_placement", "colocated")
-    _need(placement in ("colocated", "disaggregated"), "cluster.sync_placement", placement,
-          "allowed: colocated, disaggregated")
-
-    # Costs: derived from model + hardware, then measured decode costs, then explicit values, later wins.
     costs: dict[str, float] = {}
-    derivation: dict[str, Any] = {}
-    if "model" in raw or "hardware" in raw:
-        m = _mapping(raw.get("model"), "model", MODEL_FIELDS)
-        h = _mapping(raw.get("hardware"), "hardware", HARDWARE_FIELDS)
-        for k in MODEL_FIELDS:
-            _number(m, k, "model", 0, strict=True)
-        for k in HARDWARE_FIELDS:
-            _number(h, k, "hardware", 0, strict=k not in ("step_overhead_s", "sync_fixed_s", "logprob_forwards"))
-        for k in ("hbm_efficiency", "decode_mfu", "prefill_mfu", "train_mfu"):
-            _need(h[k] <= 1, f"hardware.{k}", h[k], "a fraction: must be <= 1")
-        costs, derivation = derive_costs(m, h, tp)
-    c = _mapping(raw.get("costs", {}), "costs", COST_FIELDS + ("from_bench",))
-    if "from_bench" in c:
-        p = c["from_bench"]
-        _need(isinstance(p, str), "costs.from_bench", p, "must be a path to a bench JSON")
-        full = p if os.path.isabs(p) else os.path.join(base_dir, p)
+    derivation: dict[str, str] = {}
+    if f.model is not None:
+        costs, derivation = derive_costs(dataclasses.asdict(f.model), dataclasses.asdict(f.hardware),
+                                         f.cluster.gpus_per_instance)
+    c = f.costs
+    if c.from_bench is not None:
+        full = c.from_bench if os.path.isabs(c.from_bench) else os.path.join(base_dir, c.from_bench)
         costs.update(costs_from_bench(full))
-        derivation.update({k: f"measured: {p}" for k in ("decode_step_s", "decode_weights_s", "decode_row_s",
-                                                          "decode_ctx_s")})
+        derivation.update({k: f"measured: {c.from_bench}" for k in ("decode_step_s", "decode_weights_s",
+                                                                     "decode_row_s", "decode_ctx_s")})
     for k in COST_FIELDS:
-        if k in c:
-            costs[k] = _number(c, k, "costs")
+        if getattr(c, k) is not None:
+            costs[k] = getattr(c, k)
             derivation[k] = "given"
-    _need("decode_step_s" in costs, "costs.decode_step_s", None,
-          "required (give costs, a model + hardware block, or costs.from_bench)")
+    if "decode_step_s" not in costs:
+        fail("costs.decode_step_s", None, "required (give costs, a model + hardware block, or costs.from_bench)")
     for k in COST_FIELDS:
         v = costs.get(k, 0.0)
-        _need(is_number(v) and v >= 0, f"costs.{k}", v,
-              "must be a finite number >= 0" + (f" (derived: {derivation[k]})" if k in derivation else ""))
-    _need(costs["decode_step_s"] + costs.get("decode_weights_s", 0.0) + costs.get("decode_row_s", 0.0) > 0,
-          "costs.decode_step_s", costs["decode_step_s"],
-          "a decode step must cost something (decode_step_s + decode_weights_s + decode_row_s > 0)")
+        if not (math.isfinite(v) and v >= 0):
+            how = derivation.get(k, "given")
+            fail(f"costs.{k}", v, "must be a finite number >= 0" + ("" if how == "given" else f" (derived: {how})"))
+    if not costs["decode_step_s"] + costs.get("decode_weights_s", 0.0) + costs.get("decode_row_s", 0.0) > 0:
+        fail("costs.decode_step_s", costs["decode_step_s"],
+             "a decode step must cost something (decode_step_s + decode_weights_s + decode_row_s > 0)")
+    return Costs(**costs), derivation
 
-    pol = raw["policies"]
-    _need(isinstance(pol, dict) and pol, "policies", pol, f"must be a mapping of policy names ({', '.join(POLICIES)})")
-    specs = []
-    for name, opts in pol.items():
-        _need(name in POLICIES, f"policies.{name}", opts, f"unknown policy; allowed: {', '.join(POLICIES)}")
-        opts = _mapping(opts or {}, f"policies.{name}", ("max_staleness", "rollout_batches"))
-        k = {"sync": 0, "one_step_off": 1}.get(name)
-        if name in ("dora", "partial"):
-            k = _number(opts, "max_staleness", f"policies.{name}", 0, integer=True) if name == "dora" else 0
-            rb = _number(opts, "rollout_batches", f"policies.{name}", 1.0)
-            if name == "dora":
-                _need(rb <= k + 1, f"policies.{name}.rollout_batches", rb,
-                      f"must be <= max_staleness + 1 = {k + 1} (more outstanding work than the next K + 1 updates "
-                      "can train)")
-            specs.append(PolicySpec(name, k, float(rb)))
-        else:
-            _need(not opts, f"policies.{name}", opts, "takes no options")
-            specs.append(PolicySpec(name, k))
 
-    steps = raw.get("steps", 6)
-    warm = raw.get("warmup_steps", 2)
-    _need(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1, "steps", steps,
-          "must be an integer >= 1")
-    _need(isinstance(warm, int) and not isinstance(warm, bool) and 0 <= warm < steps, "warmup_steps", warm,
-          f"must be an integer in [0, steps = {steps})")
-    name = raw.get("name", "sim")
-    _need(isinstance(name, str), "name", name, "must be a string")
-    seed = raw.get("seed", 0)
-    _need(isinstance(seed, int) and not isinstance(seed, bool), "seed", seed, "must be an integer")
-    proj = _mapping(raw.get("projections", {}), "projections", ("gpus",))
-    if proj:
-        _need(isinstance(proj.get("gpus"), list) and all(isinstance(g, int) and g % tp == 0 and g > 0
-                                                         for g in proj["gpus"]),
-              "projections.gpus", proj.get("gpus"), f"must be a list of GPU counts, multiples of {tp}")
-    paper = _paper_figures(raw.get("paper", {}), set(gpus) | set(proj.get("gpus", [])))
+def parse_config(raw: Any, base_dir: str = ".") -> SimConfig:
+    """Validates a simulator config mapping and builds a :class:`SimConfig` (see ``configs/sim_*.yaml``).
+
+    Args:
+        raw: the file's top-level mapping.
+        base_dir: directory relative paths in it (``costs.from_bench``, a ``jsonl`` length file) are resolved
+            against: the config file's.
+
+    Returns:
+        The simulator setup.
+
+    Raises:
+        ConfigError: naming the dotted field, the bad value and what is allowed.
+    """
+    f = from_dict(SimFile, raw)
+    f.validate()
+    specs = f.policy_specs()
+    costs, derivation = _costs(f, base_dir)
+    w, cl = f.workload, f.cluster
     return SimConfig(
-        name=name, costs=Costs(**costs), lengths=length_dist(w.get("lengths"), base_dir=base_dir),
-        prompts_per_step=_number(w, "prompts_per_step", "workload", 0, strict=True, integer=True),
-        group_size=_number(w, "group_size", "workload", 0, strict=True, integer=True),
-        prompt_tokens=_number(w, "prompt_tokens", "workload", 0, integer=True),
-        gpus=tuple(gpus), gpus_per_instance=tp,
-        slots_per_instance=_number(cl, "slots_per_instance", "cluster", 0, strict=True, integer=True),
-        trainer_gpus=tg, sync_colocated=placement == "colocated", policies=tuple(specs), steps=steps,
-        warmup_steps=warm, seed=seed, derivation=derivation, paper=paper, projections=proj)
+        name=f.name, costs=costs, lengths=length_dist(w.lengths, base_dir=base_dir),
+        prompts_per_step=w.prompts_per_step, group_size=w.group_size, prompt_tokens=w.prompt_tokens,
+        gpus=cl.sizes, gpus_per_instance=cl.gpus_per_instance, slots_per_instance=cl.slots_per_instance,
+        trainer_gpus=cl.trainer_gpus, sync_colocated=cl.sync_placement == "colocated", policies=specs,
+        steps=f.steps, warmup_steps=f.warmup_steps, seed=f.seed, derivation=derivation, paper=f.paper_figures(),
+        projections={"gpus": list(f.projections.gpus)} if f.projections.gpus else {})
 
 
 def load_sim_config(path: str) -> SimConfig:
-    """Loads and validates ``path`` (a YAML file, or a shipped preset name such as ``sim_dora_paper``)."""
-    if not os.path.exists(path):
-        shipped = os.path.join(os.path.dirname(__file__), "..", "..", "configs", f"{path}.yaml")
-        _need(os.path.exists(shipped), "--config", path, "no such file or shipped preset")
-        path = shipped
+    """Loads and validates ``path`` (a YAML file, or a shipped preset name such as ``sim_dora_paper``).
+
+    Raises:
+        ConfigError: the file cannot be found or read, or a value is bad (the message starts with the file).
+    """
+    path = resolve_config_path(path)
     try:
         raw = load_yaml(path)
     except TextFileError as e:
-        raise SimConfigError(str(e)) from None
-    return parse_config(raw or {}, base_dir=os.path.dirname(os.path.abspath(path)))
+        raise ConfigError(str(e)) from None
+    try:
+        return parse_config(raw, base_dir=os.path.dirname(os.path.abspath(path)))
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}", field=e.field) from None

@@ -12,31 +12,19 @@ Three kinds, all drawn from a seeded ``random.Random`` so a run is reproducible:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
+from dora_jax.config import ConfigError, fail, from_dict
 from dora_jax.textfiles import TextFileError, read_jsonl
 
 Z99 = 2.3263478740408408  # standard normal 99th percentile
-
-
-class SimConfigError(ValueError):
-    """A simulator configuration value is missing, unknown or out of range (the message names the field)."""
-
-
-def is_number(v: Any, integer: bool = False) -> bool:
-    """True for a finite int or float (an int when ``integer``); bools, ``.inf`` and ``.nan`` are not numbers."""
-    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
-        return False
-    return integer or math.isfinite(v)
-
-
-def _need(cond: bool, path: str, value: Any, allowed: str) -> None:
-    if not cond:
-        raise SimConfigError(f"sim config field '{path}' = {value!r}: {allowed}")
+KIND_FIELDS = {"fixed": ("kind", "value"), "lognormal": ("kind", "mean", "sigma", "p50", "p99", "max"),
+               "jsonl": ("kind", "path")}
 
 
 def _clipped_lognormal_mean(mu: float, sigma: float, cap: float) -> float:
@@ -80,12 +68,28 @@ class LengthDist:
         return {"fixed": self.value, "jsonl": max(self.table) if self.table else 0}.get(self.kind, self.max)
 
 
-def length_dist(spec: dict[str, Any], path: str = "workload.lengths", base_dir: str = ".") -> LengthDist:
+@dataclass(frozen=True)
+class LengthSpec:
+    """``workload.lengths`` as written: a ``kind`` and that kind's fields (:data:`KIND_FIELDS`); the rest stay
+    ``None``. :func:`length_dist` checks it and builds the distribution."""
+
+    kind: Optional[str] = None
+    value: Optional[int] = None
+    mean: Optional[float] = None
+    sigma: Optional[float] = None
+    p50: Optional[float] = None
+    p99: Optional[float] = None
+    max: Optional[int] = None
+    path: Optional[str] = None
+
+
+def length_dist(spec: LengthSpec | dict[str, Any], path: str = "workload.lengths", base_dir: str = ".") -> LengthDist:
     """Builds a :class:`LengthDist` from its config mapping, validating every field.
 
     Args:
         spec: ``{kind: fixed, value}``, ``{kind: lognormal, mean, sigma, max}``,
-            ``{kind: lognormal, p50, p99, max}`` or ``{kind: jsonl, path}``.
+            ``{kind: lognormal, p50, p99, max}`` or ``{kind: jsonl, path}``, as a mapping or a
+            :class:`LengthSpec`.
         path: dotted config path, used in error messages.
         base_dir: directory a relative ``jsonl`` path is resolved against (the config file's).
 
@@ -94,52 +98,62 @@ def length_dist(spec: dict[str, Any], path: str = "workload.lengths", base_dir: 
         *clipped* mean equals ``mean``: the figure papers report is the mean of what was generated.
 
     Raises:
-        SimConfigError: naming the field, the value and what is allowed.
+        ConfigError: naming the field, the value and what is allowed.
     """
-    _need(isinstance(spec, dict), path, spec, "must be a mapping with a 'kind'")
-    kind = spec.get("kind")
-    _need(kind in ("fixed", "lognormal", "jsonl"), f"{path}.kind", kind, "allowed: fixed, lognormal, jsonl")
-    allowed = {"fixed": {"kind", "value"}, "jsonl": {"kind", "path"},
-               "lognormal": {"kind", "mean", "sigma", "p50", "p99", "max"}}[kind]
-    for key in spec:
-        _need(key in allowed, f"{path}.{key}", spec[key], f"unknown for kind {kind}; allowed: {sorted(allowed)}")
+    if not isinstance(spec, LengthSpec):
+        if not isinstance(spec, dict):
+            fail(path, spec, "must be a mapping with a 'kind'")
+        spec = from_dict(LengthSpec, spec, path)
+    kind = spec.kind
+    if kind not in KIND_FIELDS:
+        fail(f"{path}.kind", kind, f"allowed: {', '.join(KIND_FIELDS)}")
+    given = {k: v for k, v in dataclasses.asdict(spec).items() if v is not None}
+    for key, v in given.items():
+        if key not in KIND_FIELDS[kind]:
+            fail(f"{path}.{key}", v, f"unknown for kind {kind}; allowed: {', '.join(KIND_FIELDS[kind])}")
 
-    def num(key: str, lo: float, integer: bool = False) -> float:
-        v = spec.get(key)
-        _need(is_number(v, integer) and v > lo, f"{path}.{key}", v,
-              f"must be {'an integer' if integer else 'a finite number'} > {lo}")
+    def positive(key: str) -> Any:
+        v = given.get(key)
+        if v is None or v <= 0:
+            fail(f"{path}.{key}", v, f"must be {'an integer' if key in ('value', 'max') else 'a number'} > 0")
         return v
 
     if kind == "fixed":
-        return LengthDist("fixed", value=int(num("value", 0, integer=True)))
+        return LengthDist("fixed", value=positive("value"))
     if kind == "jsonl":
-        p = spec.get("path")
-        _need(isinstance(p, str), f"{path}.path", p, "must be a file path")
+        p = spec.path
+        if p is None:
+            fail(f"{path}.path", p, "must be a file path")
         full = p if os.path.isabs(p) else os.path.join(base_dir, p)
-        _need(os.path.isfile(full), f"{path}.path", p, f"no such file ({full})")
+        if not os.path.isfile(full):
+            fail(f"{path}.path", p, f"no such file ({full})")
         table = []
         try:
             rows = read_jsonl(full)
         except TextFileError as e:
-            raise SimConfigError(str(e)) from None
+            raise ConfigError(str(e)) from None
         for n, row in rows:
             v = row.get("length", row.get("new_tokens")) if isinstance(row, dict) else row
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise SimConfigError(f"{full} line {n}: length {v!r} must be an integer >= 1 "
-                                     "(a bare integer or a 'length' / 'new_tokens' field)")
+                raise ConfigError(f"{full} line {n}: length {v!r} must be an integer >= 1 "
+                                  "(a bare integer or a 'length' / 'new_tokens' field)")
             table.append(v)
-        _need(bool(table), f"{path}.path", p, "the file holds no lengths")
+        if not table:
+            fail(f"{path}.path", p, "the file holds no lengths")
         return LengthDist("jsonl", table=tuple(table))
-    cap = int(num("max", 0, integer=True))
-    if "p50" in spec or "p99" in spec:
-        _need("mean" not in spec and "sigma" not in spec, path, spec, "give either mean + sigma or p50 + p99")
-        p50, p99 = num("p50", 0), num("p99", 0)
-        _need(p99 > p50, f"{path}.p99", p99, f"must be > p50 ({p50})")
+    cap = positive("max")
+    if "p50" in given or "p99" in given:
+        if "mean" in given or "sigma" in given:
+            fail(path, given, "give either mean + sigma or p50 + p99")
+        p50, p99 = positive("p50"), positive("p99")
+        if not p99 > p50:
+            fail(f"{path}.p99", p99, f"must be > p50 ({p50})")
         return LengthDist("lognormal", mu=math.log(p50), sigma=math.log(p99 / p50) / Z99, max=cap)
-    mean, sigma = num("mean", 0), spec.get("sigma")
-    _need(is_number(sigma) and 0 <= sigma <= 4,
-          f"{path}.sigma", sigma, "must be a number in [0, 4]")
-    _need(mean < cap, f"{path}.mean", mean, f"must be < max ({cap})")
+    mean, sigma = positive("mean"), spec.sigma
+    if sigma is None or not 0 <= sigma <= 4:
+        fail(f"{path}.sigma", sigma, "must be a number in [0, 4]")
+    if not mean < cap:
+        fail(f"{path}.mean", mean, f"must be < max ({cap})")
     lo, hi = -10.0, math.log(cap) + 10
     for _ in range(200):  # the clipped mean is increasing in mu
         mid = (lo + hi) / 2
