@@ -142,14 +142,14 @@ def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
     """Per-device memory of one rollout group on ``mesh``: resident versions, KV cache, decode-step scratch.
 
     ``train.max_staleness + 1`` policy versions can be resident at once (DORA's bound), each a full copy of
-    the parameters in the rollout shardings.
+    the parameters in ``rollout.dtype`` and the rollout shardings; the KV cache is in ``rollout.dtype`` too.
     """
     import jax
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from dora_jax.models.build import state_shardings
-    from dora_jax.models.decoder import Decoder
+    from dora_jax.models.decoder import Decoder, DecodeSettings
     from dora_jax.rollout.engine import Engine, bucket
     from dora_jax.sharding import named_sharding
 
@@ -158,8 +158,10 @@ def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
     r = cfg.rollout
     engine = Engine(model, max_concurrent_decodes=r.slots, max_prefill_length=r.max_prompt_len,
                     max_target_length=min(bucket(r.max_prompt_len + r.max_new_tokens), cfg.model.max_seq_len),
-                    mesh=mesh)
+                    mesh=mesh, dtype=r.dtype, settings=DecodeSettings.of(r))
     params = _with_shardings(engine.params, state_shardings(engine.params, mesh, rules))
+    # A resident version is held in the rollout dtype (Engine.prepare_params casts it once per version).
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, engine.dtype, sharding=x.sharding), params)
     decode = jax.eval_shape(engine.init_decode_state)
     replicated = NamedSharding(mesh, P())
     # Cache [L, B, K, ., .]: slots over the batch axes, KV heads over tensor; per-slot vectors are tiny.
@@ -204,7 +206,8 @@ def run_check(cfg: Any, *, do_compile: bool = True, log: Callable[[str], None] =
     meshes = role_meshes(cfg.mesh, cfg.roles)
     m = cfg.model
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_model(m)[1]))
-    log(f"config {cfg.run.name}: {n_params / 1e9:.2f}B parameters ({m.param_dtype}), target "
+    rollout_dtype = m.compute_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+    log(f"config {cfg.run.name}: {n_params / 1e9:.2f}B parameters ({m.param_dtype}; rollout {rollout_dtype}), target "
         f"{tgt.num_devices} x {tgt.device_kind}" + (f" with {tgt.memory_gib:g} GiB each" if tgt.memory_gib else ""))
     log(f"roles: {cfg.roles.placement}; trainer mesh {dict(meshes.trainer.shape)}"
         + ("" if meshes.shared else f"; {len(meshes.rollout)} rollout groups of mesh {dict(meshes.rollout[0].shape)}"))

@@ -29,7 +29,7 @@ def cmd_generate(args) -> int:
         from dora_jax.models.weights import model_config_from_weights
 
         cfg = Config(model=model_config_from_weights(args.weights), mesh=cfg.mesh, generate=cfg.generate,
-                     run=cfg.run)
+                     rollout=cfg.rollout, run=cfg.run)
     prompts = args.prompt or list(cfg.generate.prompts)
     if not prompts:
         print("error: no prompts (pass --prompt or set generate.prompts)", file=sys.stderr)

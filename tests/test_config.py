@@ -41,7 +41,12 @@ def test_overrides_and_types():
     ("model.family=gpt2", "'model.family' = 'gpt2': allowed: 'llama', 'qwen2', 'qwen3'"),
     ("model.compute_dtype=int8", "'model.compute_dtype' = 'int8': allowed: float32, bfloat16, float16"),
     ("model.head_dim=7", "'model.head_dim' = 7: must be even"),
-    ("model.cache_read_buckets=9", "'model.cache_read_buckets' = 9: must be 0 (auto) .. 8"),
+    ("rollout.cache_read_buckets=9", "'rollout.cache_read_buckets' = 9: must be 0 (auto) .. 8"),
+    ("rollout.attention_impl=triton", "'rollout.attention_impl' = 'triton': allowed: 'xla', 'pallas', 'auto'"),
+    ("rollout.decode_weights=rows", "'rollout.decode_weights' = 'rows': allowed: 'auto', 'in_out', 'out_in'"),
+    ("rollout.pallas_interpret=1", "'rollout.pallas_interpret' = 1: must be true or false"),
+    ("rollout.dtype=int8", "'rollout.dtype' = 'int8': allowed: auto, float32, bfloat16, float16 "
+                           "(auto: model.compute_dtype)"),
     ("model.rope_scaling.type=yarn", "'model.rope_scaling.type' = 'yarn': allowed: 'llama3', 'linear'"),
     ("mesh.tensor=0", "'mesh.tensor' = 0: must be a positive integer or -1"),
     ("mesh.logical_axis_rules.embed=model", "unknown mesh axis 'model'"),
@@ -65,6 +70,40 @@ def test_validation_messages(override, message):
     assert message in str(e.value)
     # The value came from the override, not the file: the message says so.
     assert str(e.value).startswith(f"override {override!r}: ") or "expected key=value" in message
+
+
+@pytest.mark.parametrize("name,value", [("attention_impl", "pallas"), ("pallas_interpret", True),
+                                        ("cache_read_buckets", 4), ("decode_weights", "out_in")])
+def test_engine_settings_under_model_point_to_rollout(tmp_path, name, value):
+    """The rollout engine's settings are refused under ``model``, from an override or a file, with the key
+    that holds them; under ``rollout`` the same value loads."""
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny_llama", [f"model.{name}={value}"])
+    assert str(e.value).startswith(f"override 'model.{name}={value}': config field 'model.{name}' = {value!r}: ")
+    assert f"set 'rollout.{name}' instead" in str(e.value) and e.value.field == f"model.{name}"
+    p = tmp_path / "old.yaml"
+    p.write_text(f"model:\n  num_layers: 2\n  {name}: {str(value).lower()}\n")
+    with pytest.raises(ConfigError, match=rf"old.yaml: config field 'model.{name}' = .*set 'rollout.{name}' instead"):
+        load_config(str(p))
+    assert getattr(load_config("tiny_llama", [f"rollout.{name}={value}"]).rollout, name) == value
+
+
+def test_rollout_dtype_defaults_to_the_compute_dtype():
+    """``rollout.dtype`` is ``auto`` unless set, which the engine resolves to ``model.compute_dtype``: float32 in
+    the CPU presets (the demo's), bfloat16 in the accelerator presets that compute in it."""
+    from flax import nnx
+
+    from dora_jax.models.decoder import Decoder
+    from dora_jax.rollout.engine import Engine
+
+    for name, want in (("smollm2_arith", "float32"), ("smollm2_135m", "float32"), ("tiny_llama", "float32"),
+                       ("qwen2_5_1_5b_1gpu", "bfloat16")):
+        cfg = load_config(name)
+        assert cfg.rollout.dtype == "auto" and cfg.model.compute_dtype == want, name
+        shell = nnx.eval_shape(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)))
+        engine = Engine(shell, max_concurrent_decodes=1, max_prefill_length=8, max_target_length=16)
+        assert engine.dtype == want and engine.cfg.compute_dtype == want, name
+    assert load_config("tiny_llama", ["rollout.dtype=bfloat16"]).model.compute_dtype == "float32"
 
 
 def test_config_file_problems_name_the_file_and_line(tmp_path):

@@ -145,17 +145,16 @@ def test_every_cache_read_length_equals_the_full_forward(buckets):
     """The xla decode step reads the shortest cache prefix (of 16, 32, 48, 64 slots with four buckets) that
     holds every row's context; for contexts landing in each prefix, every row equals its own full forward,
     and a row whose position is ignored (``read_upto``: an empty slot) does not lengthen the read."""
-    import dataclasses
+    from dora_jax.models.decoder import DecodeSettings, cache_read_lengths, decode_forward
 
-    from dora_jax.models.decoder import cache_read_lengths, decode_forward
-
-    cfg = dataclasses.replace(CFGS["gqa_qknorm_bias"], cache_read_buckets=buckets)
-    assert cache_read_lengths(cfg, 64) == ((16, 32, 48, 64) if buckets == 4 else (64,))
-    assert cache_read_lengths(dataclasses.replace(cfg, cache_read_buckets=3), 256) == (86, 171, 256)
+    cfg = CFGS["gqa_qknorm_bias"]
+    settings = DecodeSettings(cache_read_buckets=buckets)
+    assert cache_read_lengths(settings, 64) == ((16, 32, 48, 64) if buckets == 4 else (64,))
+    assert cache_read_lengths(DecodeSettings(cache_read_buckets=3), 256) == (86, 171, 256)
     model = init_model(cfg, seed=5)
     params = model.decode_params(fuse=True)
     rng = np.random.default_rng(6)
-    step = jax.jit(lambda t, pos, c, upto: decode_forward(cfg, params, t, pos, c, read_upto=upto))
+    step = jax.jit(lambda t, pos, c, upto: decode_forward(cfg, params, t, pos, c, read_upto=upto, settings=settings))
     forward = jax.jit(lambda t: model(t))  # a tiny model: its weights as constants cost nothing
     for lengths in ([3, 7, 8], [5, 12, 16], [20, 2, 31], [33, 40, 47], [33, 50, 63]):
         seqs = [rng.integers(0, cfg.vocab_size, n + 1) for n in lengths]
@@ -173,5 +172,5 @@ def test_every_cache_read_length_equals_the_full_forward(buckets):
             assert rel_err(np.asarray(logits)[i, 0], ref[i, n]) <= 1e-5, (lengths, i)
         if buckets > 1:  # the read really is cut at the chosen prefix: a too-small bound loses the context
             short, _ = step(tokens, positions, cache, jnp.int32(min(lengths) // 2))
-            if max(lengths) > cache_read_lengths(cfg, 64)[0]:
+            if max(lengths) > cache_read_lengths(settings, 64)[0]:
                 assert rel_err(np.asarray(short)[:3], np.asarray(logits)[:3]) > 1e-3

@@ -5,7 +5,6 @@ prefetch) and lowers both for their real platforms (``jax.export``: the Triton a
 without a device). The ``gpu`` / ``tpu`` marked tests run the compiled kernels and are skipped elsewhere.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -15,12 +14,12 @@ import pytest
 from flax import nnx
 
 from conftest import rel_err
-from dora_jax.config import ConfigError, ModelConfig
+from dora_jax.config import ConfigError, ModelConfig, RolloutConfig
 from dora_jax.kernels.ragged_decode_attention import (BlockSizes, ragged_decode_attention,
                                                       reference_ragged_decode_attention)
 from dora_jax.models.build import init_model
-from dora_jax.models.decoder import Decoder, decode_forward, init_cache, resolve_attention_impl
-from dora_jax.rollout.engine import Engine, RequestSampling
+from dora_jax.models.decoder import Decoder, DecodeSettings, decode_forward, init_cache, resolve_attention_impl
+from dora_jax.rollout.engine import Engine, EngineError, RequestSampling
 
 # Output tolerance by dtype: float32 differs only by summation order; bfloat16 adds one rounding of the output
 # (2^-8 relative) on top of identical float32 math.
@@ -172,7 +171,8 @@ def test_compiled_tpu():
 
 CFG = ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=6, num_kv_heads=2,
                   head_dim=8, init_std=0.3, qkv_bias=True)
-PALLAS = dataclasses.replace(CFG, attention_impl="pallas", pallas_interpret=True)
+XLA = DecodeSettings(attention_impl="xla")
+PALLAS = DecodeSettings(attention_impl="pallas", pallas_interpret=True)
 
 
 @pytest.fixture(scope="module")
@@ -181,12 +181,16 @@ def model():
 
 
 def test_config_switch():
-    with pytest.raises(ConfigError, match="model.attention_impl"):
-        dataclasses.replace(CFG, attention_impl="triton").validate()
-    PALLAS.validate()
-    auto = resolve_attention_impl(dataclasses.replace(CFG, attention_impl="auto"))
+    with pytest.raises(ConfigError, match="rollout.attention_impl"):
+        RolloutConfig(attention_impl="triton").validate()
+    with pytest.raises(EngineError, match="attention_impl 'triton'"):
+        Engine(init_model(CFG, seed=0), settings=DecodeSettings(attention_impl="triton"))
+    rollout = RolloutConfig(attention_impl="pallas", pallas_interpret=True)
+    rollout.validate()
+    assert DecodeSettings.of(rollout) == PALLAS
+    auto = resolve_attention_impl(DecodeSettings(attention_impl="auto"))
     assert auto == ("pallas" if jax.default_backend() == "tpu" else "xla")  # XLA measured faster on GPU
-    assert resolve_attention_impl(PALLAS) == "pallas"
+    assert resolve_attention_impl(PALLAS) == "pallas" and resolve_attention_impl(rollout) == "pallas"
 
 
 def test_decode_step_matches_xla(model):
@@ -199,8 +203,9 @@ def test_decode_step_matches_xla(model):
                         jnp.asarray(rng.normal(size=cache.v.shape), jnp.float32))
     tokens = jnp.asarray(rng.integers(0, 96, (4, 1)), jnp.int32)
     positions = jnp.asarray([[0], [5], [17], [s - 1]], jnp.int32)
-    want, want_cache = jax.jit(functools.partial(decode_forward, CFG))(params, tokens, positions, cache)
-    got, got_cache = jax.jit(functools.partial(decode_forward, PALLAS))(params, tokens, positions, cache)
+    want, want_cache = jax.jit(functools.partial(decode_forward, CFG, settings=XLA))(params, tokens, positions, cache)
+    got, got_cache = jax.jit(functools.partial(decode_forward, CFG, settings=PALLAS))(params, tokens, positions,
+                                                                                     cache)
     assert rel_err(got, want) <= 1e-5
     # Layer 0's new entries do not depend on attention: bit-identical. Later layers' follow its rounding.
     np.testing.assert_array_equal(np.asarray(got_cache.k[0]), np.asarray(want_cache.k[0]))
@@ -215,9 +220,10 @@ def test_engine_greedy_identical(model):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 96, n) for n in (2, 5, 9, 14)]
     results = []
-    for cfg in (CFG, PALLAS):
-        shell = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))  # the engine reads only its config
-        engine = Engine(shell, max_concurrent_decodes=4, max_prefill_length=16, max_target_length=32)
+    shell = nnx.eval_shape(lambda: Decoder(CFG, rngs=nnx.Rngs(0)))  # the engine reads only its config
+    for settings in (XLA, PALLAS):
+        engine = Engine(shell, max_concurrent_decodes=4, max_prefill_length=16, max_target_length=32,
+                        settings=settings)
         params = engine.prepare_params(state)  # the same weights for both
         decode_state = engine.init_decode_state()
         for slot, prompt in enumerate(prompts):

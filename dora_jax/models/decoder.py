@@ -18,6 +18,7 @@ d head dim, F mlp hidden, V vocab, L layers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dora_jax.config import ModelConfig
+from dora_jax.config import ModelConfig, RolloutConfig
 from dora_jax.sharding import constrain
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -145,15 +146,37 @@ def attention_with_cache(q_bthd: jax.Array, k_bkds: jax.Array, v_bksd: jax.Array
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
-def resolve_attention_impl(cfg: ModelConfig) -> str:
-    """``cfg.attention_impl`` with ``"auto"`` resolved: ``"pallas"`` on TPU, ``"xla"`` on CPU and GPU.
+@dataclasses.dataclass(frozen=True)
+class DecodeSettings:
+    """How the rollout engine runs decode: its serving settings, apart from the architecture.
+
+    The fields and their meaning are those of the same names in :class:`~dora_jax.config.RolloutConfig`
+    (``rollout.attention_impl``, ``rollout.pallas_interpret``, ``rollout.cache_read_buckets``,
+    ``rollout.decode_weights``). :func:`decode_forward` reads the first three; ``decode_weights`` is read where
+    the engine prepares a version's weights (:func:`decode_forward` recognizes the layout from the params).
+    None of them changes a result beyond float rounding.
+    """
+
+    attention_impl: str = "xla"
+    pallas_interpret: bool = False
+    cache_read_buckets: int = 0
+    decode_weights: str = "auto"
+
+    @classmethod
+    def of(cls, rollout: RolloutConfig) -> "DecodeSettings":
+        """The settings of a config's ``rollout`` section."""
+        return cls(**{f.name: getattr(rollout, f.name) for f in dataclasses.fields(cls)})
+
+
+def resolve_attention_impl(settings: DecodeSettings | RolloutConfig) -> str:
+    """``settings.attention_impl`` with ``"auto"`` resolved: ``"pallas"`` on TPU, ``"xla"`` on CPU and GPU.
 
     GPU resolves to XLA because that is what measured faster there: on an H100 the Triton kernel read full
     caches slower than XLA's masked attention, which reads every slot (docs/benchmarks.md, kernel section);
     it stays available as ``attention_impl="pallas"``.
     """
-    if cfg.attention_impl != "auto":
-        return cfg.attention_impl
+    if settings.attention_impl != "auto":
+        return settings.attention_impl
     return "pallas" if jax.default_backend() == "tpu" else "xla"
 
 
@@ -192,31 +215,33 @@ def write_cache(cache: KVCache, k_lbtkd: jax.Array, v_lbtkd: jax.Array, position
     return KVCache(constrain(k, KVCache.k_axes()), constrain(v, KVCache.axes()))
 
 
-def cache_read_lengths(cfg: ModelConfig, cache_len: int) -> tuple[int, ...]:
-    """The cache prefixes the xla decode path chooses among: ``n = cfg.cache_read_buckets`` evenly spaced
+def cache_read_lengths(settings: DecodeSettings | RolloutConfig, cache_len: int) -> tuple[int, ...]:
+    """The cache prefixes the xla decode path chooses among: ``n = settings.cache_read_buckets`` evenly spaced
     lengths ``S/n, 2S/n, ..., S`` (rounded up; 0 = auto), shortest first; always ends with the whole cache."""
     # Auto: on CPU, for caches long enough that reading them is a real share of a step (below 256 slots the
     # whole read is cheap, and each prefix is one more copy of the attention in the compiled step). Even
     # spacing reads at most S/n slots more than the longest live context needs.
-    n = cfg.cache_read_buckets or (8 if jax.default_backend() == "cpu" and cache_len >= 256 else 1)
+    n = settings.cache_read_buckets or (8 if jax.default_backend() == "cpu" and cache_len >= 256 else 1)
     return tuple(sorted({max(1, -(-cache_len * i // n)) for i in range(1, n + 1)}))
 
 
 def decode_forward(cfg: ModelConfig, p: dict, tokens_bt: jax.Array, positions_bt: jax.Array, cache: KVCache,
-                   *, logits: bool = True, read_upto: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+                   *, logits: bool = True, read_upto: jax.Array | None = None,
+                   settings: DecodeSettings = DecodeSettings()) -> tuple[jax.Array, KVCache]:
     """Forward of T new tokens per row against the cache, as a pure function of ``Decoder.decode_params()``.
 
     Row ``b``'s new tokens sit at positions ``positions_bt[b]`` (distinct within a row); a query at position
     ``p`` sees the cached slots ``s <= p`` that this chunk does not overwrite, plus the chunk's own tokens at
     positions ``<= p``: exactly slots ``0..p`` after the write. Layers read the cache and the new entries are
-    written once after all layers. With one token per row and ``cfg.attention_impl`` resolving to
+    written once after all layers. With one token per row and ``settings.attention_impl`` resolving to
     ``"pallas"``, the cached part is read by the ragged decode-attention kernel
     (:func:`attention_with_cache_kernel`), which loads only each row's valid slots. Otherwise the masked
     attention reads the shortest of :func:`cache_read_lengths` that covers every row's visible slots, chosen
     on device (``lax.switch``), so one compiled program serves every context length.
 
     Args:
-      cfg: the architecture.
+      cfg: the architecture; activations and the new cache entries are in ``cfg.compute_dtype`` (the rollout
+        engine passes its architecture with its own dtype).
       p: ``Decoder.decode_params(fuse=..., transpose=...)``: stacked layer params are scanned over, those
         stored one buffer per layer (the ``out_in`` layout's tuples) read through :class:`LayerWeights`.
       tokens_bt, positions_bt: int [B, T].
@@ -226,22 +251,23 @@ def decode_forward(cfg: ModelConfig, p: dict, tokens_bt: jax.Array, positions_bt
       read_upto: int scalar: no row that matters sees a cached slot at or beyond it (the engine passes its
         live rows' largest position, so that empty slots' stale positions do not lengthen the read). Default:
         every row's first new position.
+      settings: how the cache is read (the rollout engine's :class:`DecodeSettings`).
 
     Returns:
       ``(logits or hidden states, new cache)``.
     """
     s_len = cache.v.shape[3]
-    if positions_bt.shape[1] == 1 and resolve_attention_impl(cfg) == "pallas":
+    if positions_bt.shape[1] == 1 and resolve_attention_impl(settings) == "pallas":
         # One token per row: the cached slots it sees are exactly 0 .. position - 1.
         lengths_b = jnp.clip(positions_bt[:, 0], 0, s_len).astype(jnp.int32)
 
         def attend(q, k_c, v_c, k, v, n):
-            return attention_with_cache_kernel(q, k_c, v_c, k, v, lengths_b, interpret=cfg.pallas_interpret)
+            return attention_with_cache_kernel(q, k_c, v_c, k, v, lengths_b, interpret=settings.pallas_interpret)
         reads = (s_len,)
     else:
         def attend(q, k_c, v_c, k, v, n):
             return attention_with_cache(q, k_c, v_c, k, v, mask_cache_bts[..., :n], mask_new_btt)
-        reads = cache_read_lengths(cfg, s_len)
+        reads = cache_read_lengths(settings, s_len)
     slots = jnp.arange(s_len)
     written_bs = jnp.any(slots[None, None, :] == positions_bt[:, :, None], axis=1)
     mask_cache_bts = (slots[None, None, :] <= positions_bt[:, :, None]) & ~written_bs[:, None, :]
@@ -313,10 +339,10 @@ def fuse_layer_params(p: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return p
 
 
-def resolve_decode_weights(cfg: ModelConfig) -> str:
-    """``cfg.decode_weights`` with ``"auto"`` resolved: ``"out_in"`` on CPU, ``"in_out"`` elsewhere."""
-    if cfg.decode_weights != "auto":
-        return cfg.decode_weights
+def resolve_decode_weights(settings: DecodeSettings | RolloutConfig) -> str:
+    """``settings.decode_weights`` with ``"auto"`` resolved: ``"out_in"`` on CPU, ``"in_out"`` elsewhere."""
+    if settings.decode_weights != "auto":
+        return settings.decode_weights
     return "out_in" if jax.default_backend() == "cpu" else "in_out"
 
 
@@ -572,7 +598,7 @@ class Decoder(nnx.Module):
             decode step runs two larger matmuls instead of five smaller ones. Do it once per set of weights
             (``Engine.prepare_params``), not inside a step.
           transpose: also store each projection output axes first (:func:`transpose_decode_params`, the
-            ``out_in`` layout of ``model.decode_weights``; needs ``fuse``).
+            ``out_in`` layout of ``rollout.decode_weights``; needs ``fuse``).
         """
         if transpose and not fuse:
             raise ValueError("decode_params: transpose=True needs fuse=True (the out_in layout is of fused weights)")

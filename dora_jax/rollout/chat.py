@@ -10,6 +10,7 @@ import time
 from typing import Any, Sequence
 
 from dora_jax.config import Config
+from dora_jax.models.decoder import DecodeSettings
 from dora_jax.models.hf_io import WeightsError
 from dora_jax.models.weights import load_model
 from dora_jax.rollout.engine import Engine, RequestSampling
@@ -50,8 +51,10 @@ def chat_prompts(tokenizer: Any, prompts: Sequence[str], cfg: Config) -> list[li
 
 
 def chat_engine(model: Any, tokenizer: Any, prompts: Sequence[str], cfg: Config) -> Engine:
-    """An engine sized for these prompts (reuse it to time a second, compiled call)."""
-    return engine_for(model, chat_prompts(tokenizer, prompts, cfg), cfg.generate.max_new_tokens)
+    """An engine sized for these prompts (reuse it to time a second, compiled call), decoding in
+    ``rollout.dtype`` with the rollout section's decode settings."""
+    return engine_for(model, chat_prompts(tokenizer, prompts, cfg), cfg.generate.max_new_tokens,
+                      dtype=cfg.rollout.dtype, settings=DecodeSettings.of(cfg.rollout))
 
 
 def chat(model: Any, tokenizer: Any, prompts: Sequence[str], cfg: Config,
@@ -59,6 +62,7 @@ def chat(model: Any, tokenizer: Any, prompts: Sequence[str], cfg: Config,
     """Answers each prompt as one user turn of a chat; returns results and timings."""
     g = cfg.generate
     sampling = RequestSampling(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, seed=g.seed)
+    engine = engine or chat_engine(model, tokenizer, prompts, cfg)
     trajs, timings = generate(model, chat_prompts(tokenizer, prompts, cfg), max_new_tokens=g.max_new_tokens,
                               eos_ids=tokenizer.eos_ids, sampling=sampling, engine=engine)
     results = [ChatResult(p, tokenizer.decode(t.tokens, skip_special_tokens=True).strip(), len(t.tokens),

@@ -9,9 +9,12 @@ Extensions: the log-prob of every sampled token, a policy version per slot, per-
 (greedy / temperature / top-k / top-p) and sampling randomness from ``(seed, sample_id, position)`` only.
 
 One engine serves one model architecture; ``params`` is passed to each call, so the same compiled functions
-run any policy version of that architecture. Pass params through :meth:`Engine.prepare_params` once per
-version (JetStream's ``load_params``): it fuses q|k|v and gate|up into one weight each so a step runs fewer,
-larger matmuls; a raw ``nnx.State`` is accepted too and prepared on every call. Every function is jitted
+run any policy version of that architecture. The engine is configured by its serving settings, not by the
+architecture's: the dtype it holds weights and computes in, and how decode reads the cache and lays out the
+weights (:class:`~dora_jax.models.decoder.DecodeSettings`; a config's ``rollout`` section). Pass params
+through :meth:`Engine.prepare_params` once per version (JetStream's ``load_params``): it casts them to the
+engine's dtype and fuses q|k|v and gate|up into one weight each so a step runs fewer, larger matmuls; a raw
+``nnx.State`` is accepted too and prepared on every call. Every function is jitted
 once per shape: prefill per power-of-two prompt bucket, insert per decode-state capacity, generate per
 capacity and sampling variant (with or without top-k / top-p filtering).
 
@@ -29,9 +32,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from dora_jax.models.decoder import (FUSED_INPUTS, Decoder, KVCache, decode_forward, fuse_layer_params,
-                                     head_logits, init_cache, resolve_decode_weights, transpose_decode_params,
-                                     transpose_weights)
+from dora_jax.config import ATTENTION_IMPLS, DECODE_WEIGHT_LAYOUTS, ROLLOUT_DTYPES
+from dora_jax.models.decoder import (FUSED_INPUTS, Decoder, DecodeSettings, KVCache, decode_forward,
+                                     fuse_layer_params, head_logits, init_cache, resolve_decode_weights,
+                                     transpose_decode_params, transpose_weights)
 from dora_jax.rollout.sampling import SamplingParams, needs_filter, row_keys, sample
 from dora_jax.sharding import settle
 
@@ -64,8 +68,9 @@ class RequestSampling:
 
 
 class PreparedParams(NamedTuple):
-    """One policy version's weights in the layout decode runs on (``Decoder.decode_params(fuse=True)``, with
-    each projection transposed where ``model.decode_weights`` resolves to ``out_in``)."""
+    """One policy version's weights in the engine's dtype and the layout decode runs on
+    (``Decoder.decode_params(fuse=True)``, with each projection transposed where ``decode_weights`` resolves to
+    ``out_in``)."""
 
     tree: dict
 
@@ -166,6 +171,17 @@ def _pack(tokens, valid, positions, logprobs, versions) -> jax.Array:
     return jnp.stack([tokens, valid.astype(jnp.int32), positions, bits, versions], axis=-1)
 
 
+def _check_settings(dtype: str, settings: DecodeSettings) -> None:
+    """Refuses serving settings the engine does not know, naming the setting, its value and what is allowed."""
+    for name, value, allowed in (("dtype", dtype, ROLLOUT_DTYPES),
+                                 ("attention_impl", settings.attention_impl, ATTENTION_IMPLS),
+                                 ("decode_weights", settings.decode_weights, DECODE_WEIGHT_LAYOUTS)):
+        if value not in allowed:
+            raise EngineError(f"{name} {value!r}: allowed {', '.join(map(repr, allowed))}")
+    if not 0 <= settings.cache_read_buckets <= 8:
+        raise EngineError(f"cache_read_buckets {settings.cache_read_buckets!r}: allowed 0 (auto) .. 8")
+
+
 class Engine:
     """JetStream-style engine over a :class:`~dora_jax.models.decoder.Decoder` architecture.
 
@@ -177,11 +193,22 @@ class Engine:
       max_prefill_length: the longest prompt accepted.
       max_target_length: cache length per slot: prompt + generated tokens.
       mesh: the mesh params live on (reported through ``self.mesh``).
+      dtype: the dtype the engine holds a version's weights in (:meth:`prepare_params` casts them once per
+        version) and computes decode in, its KV cache included: ``"float32"``, ``"bfloat16"``, ``"float16"``,
+        or ``"auto"``, the model's ``compute_dtype`` (``rollout.dtype``; why that default: its docstring in
+        :class:`~dora_jax.config.RolloutConfig`). Resolved in ``self.dtype``.
+      settings: how decode reads the cache and lays out the weights (``rollout.attention_impl``,
+        ``pallas_interpret``, ``cache_read_buckets``, ``decode_weights``).
     """
 
     def __init__(self, model: Decoder, *, max_concurrent_decodes: int = 8, max_prefill_length: int = 256,
-                 max_target_length: int = 512, mesh: Mesh | None = None):
-        cfg = model.cfg
+                 max_target_length: int = 512, mesh: Mesh | None = None, dtype: str = "auto",
+                 settings: DecodeSettings = DecodeSettings()):
+        _check_settings(dtype, settings)
+        self.dtype = model.cfg.compute_dtype if dtype == "auto" else dtype
+        # The architecture as the engine runs it: weights held and decode computed in the engine's dtype.
+        cfg = dataclasses.replace(model.cfg, param_dtype=self.dtype, compute_dtype=self.dtype)
+        self.settings = settings
         if max_prefill_length >= max_target_length:
             raise EngineError(f"max_prefill_length ({max_prefill_length}) must be < max_target_length "
                               f"({max_target_length})")
@@ -207,6 +234,7 @@ class Engine:
                                  donate_argnums=(0,))
         self._fuse_jit = jax.jit(fuse_layer_params)
         self._transpose_jit = jax.jit(transpose_weights)
+        self._cast_jit = jax.jit(lambda tree: jax.tree.map(lambda x: x.astype(self.dtype), tree))
 
     # -- JetStream API properties --------------------------------------------------------------------------
 
@@ -228,7 +256,7 @@ class Engine:
         t = tokens_t.shape[0]
         cache = init_cache(self.cfg, 1, self.max_target_length)
         x, cache = decode_forward(self.cfg, params.tree, tokens_t[None], jnp.arange(t, dtype=jnp.int32)[None], cache,
-                                  logits=False)
+                                  logits=False, settings=self.settings)
         # Only the last prompt token's logits are needed: the head runs on one row, not on the whole bucket.
         last_x = jax.lax.dynamic_index_in_dim(x[0], true_length - 1, keepdims=True)
         last = head_logits(self.cfg, params.tree, last_x[None])[0]
@@ -268,14 +296,15 @@ class Engine:
             cache = KVCache(jnp.concatenate([rows(prefix.k), cache.k], axis=4),
                             jnp.concatenate([rows(prefix.v), cache.v], axis=3))
         positions = jnp.broadcast_to(n + jnp.arange(t, dtype=jnp.int32), (p, t))
-        x, cache = decode_forward(self.cfg, params.tree, tokens_pt, positions, cache, logits=False)
+        x, cache = decode_forward(self.cfg, params.tree, tokens_pt, positions, cache, logits=False,
+                                  settings=self.settings)
         last_x = jnp.take_along_axis(x, (lengths_p - 1)[:, None, None], axis=1)  # [P, 1, D]
         return cache, head_logits(self.cfg, params.tree, last_x)[:, 0]  # the head on one row per prompt
 
     def _shared_prefix_impl(self, params: PreparedParams, tokens_n):
         n = tokens_n.shape[0]
         _, cache = decode_forward(self.cfg, params.tree, tokens_n[None], jnp.arange(n, dtype=jnp.int32)[None],
-                                  init_cache(self.cfg, 1, n), logits=False)
+                                  init_cache(self.cfg, 1, n), logits=False, settings=self.settings)
         return cache
 
     @staticmethod
@@ -309,7 +338,8 @@ class Engine:
     def _generate_impl(self, params: PreparedParams, state: DecodeState, filtered: bool | None):
         # Empty slots keep stale positions: only live rows decide how much of the cache is read.
         logits, cache = decode_forward(self.cfg, params.tree, state.tokens[:, None], state.positions[:, None],
-                                       state.cache, read_upto=jnp.max(jnp.where(state.active, state.positions, 0)))
+                                       state.cache, read_upto=jnp.max(jnp.where(state.active, state.positions, 0)),
+                                       settings=self.settings)
         nxt = state.positions + 1
         keys = jax.vmap(lambda s, i, p: row_keys(s, i[None], p[None])[0])(state.seeds, state.sample_ids, nxt)
         tokens, logprobs = sample(logits[:, 0], keys, state.sampling, filtered)
@@ -340,24 +370,27 @@ class Engine:
     # -- JetStream API ---------------------------------------------------------------------------------------
 
     def prepare_params(self, params: Any) -> PreparedParams:
-        """One policy version's weights in decode layout (q|k|v and gate|up fused), made once per version.
+        """One policy version's weights in the engine's dtype and decode layout (q|k|v and gate|up fused), made
+        once per version.
 
         Args:
           params: an ``nnx.State`` of this engine's architecture (or already prepared params, returned as is).
 
         Returns:
           :class:`PreparedParams` to pass to :meth:`prefill` and :meth:`generate` (the driver keeps one per
-          version). Unfused weights are shared with ``params``, not copied.
+          version). Unfused weights already in the engine's dtype are shared with ``params``, not copied.
         """
         if isinstance(params, PreparedParams):
             return params
         tree = nnx.merge(self.graphdef, params).decode_params(fuse=False)
+        if any(x.dtype != self.dtype for x in jax.tree.leaves(tree)):  # one program casts the whole version
+            tree = settle(self._cast_jit(tree))
         layers = dict(tree["layers"])
         # One program for the whole fusion (not one eager concatenate per weight), waited for on CPU meshes
         # like every other engine program (dora_jax.sharding.settle).
         fused = settle(self._fuse_jit({n: layers.pop(n) for n in FUSED_INPUTS if n in layers}))
         tree = {**tree, "layers": {**layers, **fused}}
-        if resolve_decode_weights(self.cfg) == "out_in":  # each projection transposed once per version
+        if resolve_decode_weights(self.settings) == "out_in":  # each projection transposed once per version
             tree = transpose_decode_params(tree, lambda ws: settle(self._transpose_jit(ws)))
         return PreparedParams(tree)
 

@@ -9,17 +9,19 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from dora_jax.models.decoder import Decoder
+from dora_jax.models.decoder import Decoder, DecodeSettings
 from dora_jax.rollout.driver import Request, RolloutDriver, Trajectory
 from dora_jax.rollout.engine import Engine, RequestSampling, bucket
 
 
-def engine_for(model: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Engine:
-    """An engine with one slot per prompt and room for the longest prompt plus ``max_new_tokens``."""
+def engine_for(model: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, dtype: str = "auto",
+               settings: DecodeSettings = DecodeSettings()) -> Engine:
+    """An engine with one slot per prompt and room for the longest prompt plus ``max_new_tokens``, decoding in
+    ``dtype`` with ``settings`` (the :class:`~dora_jax.rollout.engine.Engine` arguments of those names)."""
     longest = max(len(p) for p in prompts)
     target = min(bucket(longest + max_new_tokens), model.cfg.max_seq_len)
     return Engine(model, max_concurrent_decodes=len(prompts), max_prefill_length=min(bucket(longest), target - 1),
-                  max_target_length=target)
+                  max_target_length=target, dtype=dtype, settings=settings)
 
 
 def generate(model: Decoder, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_ids: Sequence[int] = (),
