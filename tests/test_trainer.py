@@ -294,7 +294,11 @@ def test_bad_train_config_is_named():
 TASK = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=8, init_std=0.02, max_seq_len=16)
 DIGITS = np.arange(2, 12)
-STEPS, LEARNING_RATE = 50, 1e-2
+STEPS, LEARNING_RATE = 80, 5e-3
+# The claim's thresholds, set with a margin below the worst of many seeds (benchmarks/learning_seeds.py; the
+# measurement is in docs/trainer.md): sampled rollouts turn a CPU's rounding into different runs, so a
+# threshold near the typical outcome would pass on one machine and fail on another.
+START_BELOW, REWARD_AT_LEAST, GREEDY_AT_LEAST = 0.3, 0.6, 0.7
 
 
 def _answer(d):
@@ -338,9 +342,8 @@ def test_grpo_learns_a_verifiable_task(seed):
     """Prompt [1, d] for a digit token d; reward 1 iff the one response token is the digit three places on
     (mod 10). Chance is 1/16."""
     rewards, greedy_acc = _learn(seed, STEPS, LEARNING_RATE)
-    assert np.mean(rewards[:3]) < 0.3, rewards[:3]  # starts near chance (1/16)
-    # Well above chance on every seed: 8x chance in reward, 6 of 10 prompts right greedily (chance: 1/16 each).
-    assert np.mean(rewards[-5:]) >= 0.5 and greedy_acc >= 0.6, (greedy_acc, rewards)
+    assert np.mean(rewards[:3]) < START_BELOW, rewards[:3]  # starts near chance (1/16)
+    assert np.mean(rewards[-5:]) >= REWARD_AT_LEAST and greedy_acc >= GREEDY_AT_LEAST, (greedy_acc, rewards)
 
 
 def test_optimizer_moments_are_sharded_like_their_parameters():
