@@ -107,49 +107,25 @@ def cmd_check(args) -> int:
     return check_in_subprocess(args.config, args.overrides, do_compile=not args.no_compile)
 
 
+def _benchmarks_main():
+    """``benchmarks.cli.main`` from the repository's ``benchmarks/`` folder beside this package's source.
+
+    The benchmarks are not part of the installed package: an editable install from a clone finds them beside
+    ``dora_jax/`` (whatever the current directory), a wheel has none.
+    """
+    import importlib
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isfile(os.path.join(repo, "benchmarks", "cli.py")):
+        raise CLIError("dora-jax bench: the benchmarks are not installed with the package; they run from a source "
+                       "checkout (git clone the repository, then pip install -e . in it)")
+    if repo not in sys.path:
+        sys.path.insert(0, repo)
+    return importlib.import_module("benchmarks.cli").main
+
+
 def cmd_bench(args) -> int:
-    if args.what == "modes" and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        from dora_jax.xla_flags import cpu_device_flags
-
-        # Two host devices (before JAX starts its CPU backend): trainer and rollout each get one.
-        os.environ["XLA_FLAGS"] = cpu_device_flags(2)
-    from dora_jax import benchmarks
-
-    ov = tuple(args.overrides)
-    if ov and args.what in ("modes", "kernel"):
-        raise SystemExit(f"dora-jax bench {args.what}: takes no key=value overrides (got {' '.join(ov)})")
-    if args.what == "load":
-        result = benchmarks.bench_load(args.config, repeats=args.repeats or 2, overrides=ov)
-    elif args.what == "prefill":
-        result = benchmarks.bench_prefill(args.config, repeats=max(args.repeats or 2, 3), overrides=ov)
-    elif args.what == "decode":
-        result = benchmarks.bench_decode(args.config, batch=args.batch or 32, overrides=ov)
-    elif args.what == "train":
-        result = benchmarks.bench_train(args.config, rows=args.batch or 8, overrides=ov)
-    elif args.what == "snapshot":
-        result = benchmarks.bench_snapshot(args.config, rows=args.batch or 8, overrides=ov)
-    elif args.what == "modes":
-        from dora_jax.bench_modes import bench_modes, plot_modes
-
-        config = "tiny_llama" if args.config == DEFAULT_CONFIG else args.config
-        result = bench_modes(config, steps=args.steps)
-        if args.plot:
-            print("plot:", plot_modes(result, args.plot))
-    elif args.what == "engine":
-        result = benchmarks.bench_engine(args.config, batch=args.batch or 32, new_tokens=args.new_tokens,
-                                         with_hf=not args.no_reference, overrides=ov,
-                                         rounds=args.repeats or 3)
-    elif args.what == "kernel":
-        from dora_jax.kernels.bench import bench_kernel
-
-        result = bench_kernel(batches=(args.batch,) if args.batch else (8, 32), repeats=args.repeats or 2)
-    else:  # argparse restricts the choices
-        raise AssertionError(args.what)
-    print(json.dumps(result, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0
+    return _benchmarks_main()(args.bench_args)
 
 
 def cmd_simulate(args) -> int:
@@ -170,16 +146,6 @@ def cmd_simulate(args) -> int:
         for path in plot(result, args.plot):
             print(f"wrote {path}")
     return 0
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
 
 
 def _check_out_file(path: str | None, flag: str) -> None:
@@ -260,18 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-compile", action="store_true", help="lower only: shardings and shapes, no activation sizes")
     c.set_defaults(fn=cmd_check)
 
-    b = sub.add_parser("bench", help="benchmarks; results as JSON")
-    b.add_argument("what", choices=["load", "engine", "prefill", "decode", "train", "snapshot", "modes", "kernel"])
-    b.add_argument("--steps", type=_positive_int, default=8, help="modes: updates per mode")
-    b.add_argument("--plot", help="modes: write the reward and throughput plot to this PNG")
-    b.add_argument("--repeats", type=_positive_int, help="load: repeats per side (default 2); kernel: timed calls "
-                   "per point (default 2); engine: alternated runs of the fixed batch, engine and transformers "
-                   "(default 3)")
-    b.add_argument("--batch", type=_positive_int, help="engine, decode: concurrent sequences (default 32); train, snapshot: rows per step "
-                   "(default 8); kernel: slots per call (default 8 and 32)")
-    b.add_argument("--new-tokens", type=_positive_int, default=128, help="engine: new tokens per sequence")
-    b.add_argument("--no-reference", action="store_true", help="engine: skip the transformers side")
-    common(b)
+    # The benchmarks parse their own arguments (benchmarks/cli.py, in a source checkout): everything after
+    # "bench" goes to them.
+    b = sub.add_parser("bench", help="benchmarks, from a source checkout; results as JSON (dora-jax bench --help)",
+                       add_help=False)
+    b.add_argument("bench_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     b.set_defaults(fn=cmd_bench)
     s = sub.add_parser("simulate", help="discrete-event cluster simulator of the rollout/trainer pipeline")
     s.add_argument("--config", default="sim_dora_paper", help="configs/sim_*.yaml file or preset name")
@@ -305,9 +264,12 @@ def main(argv: list[str] | None = None) -> int:
     from dora_jax.versions import VersionError
 
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     # Overrides may come after options too (``train --run-dir D a=1 --no-plot b=2``): argparse takes one run
     # of positionals, so the later ones come back unrecognized and join the overrides here.
     args, extra = parser.parse_known_args(argv)
+    if args.command == "bench":  # every argument after "bench" is the benchmarks' own, options included
+        args.bench_args, extra = argv[argv.index("bench") + 1:], []
     stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
@@ -315,7 +277,6 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + extra
     try:
         _check_out_file(getattr(args, "json", None), "--json")
-        _check_out_file(getattr(args, "plot", None) if args.command == "bench" else None, "--plot")
         _check_out_dir(getattr(args, "plot", None) if args.command == "simulate" else None, "--plot")
         _check_out_dir(getattr(args, "out", None), "--out")  # plot, export
         if args.command == "train":

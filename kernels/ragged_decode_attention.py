@@ -73,7 +73,7 @@ class BlockSizes:
     @classmethod
     def default(cls, implementation: str) -> "BlockSizes":
         """Defaults per implementation: 16 positions and 4 warps on GPU (the best of six tile settings on an
-        H100 over batch 8 and 32 and fills 0.1-1.0, docs/benchmarks.md: the per-program [Gp, d, block]
+        H100 over batch 8 and 32 and fills 0.1-1.0, docs/performance.md: the per-program [Gp, d, block]
         product stays small enough for registers), 128 lanes on TPU."""
         return cls(block_kv=16) if implementation == "gpu" else cls(block_kv=128)
 

@@ -3,17 +3,23 @@
 import os
 import resource
 import shutil
+import sys
 import tempfile
 import time
 
 from dora_jax.xla_flags import DEVICE_COUNT, cpu_device_flags  # noqa: E402 - imports no JAX
+
+# The benchmarks (benchmarks/ at the repository root) are not an installed package: tests import them from here.
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+    sys.path.append(_REPO)
 
 # Must happen before jax is imported anywhere: 8 fake CPU devices (unless XLA_FLAGS asks for another count), with
 # the flag that keeps their collectives in one order (dora_jax.xla_flags). LLVM's optimizations off (unless
 # XLA_FLAGS sets a level): the tests' programs are small, so compiling them costs far more than running them
 # (the suite takes about half the time). XLA's own HLO passes (fusion, layout, scheduling) still run and the
 # matmuls go to the same runtime libraries; results differ from the default level's by float32 rounding, inside
-# every test's tolerance (the suite passes at either level). docs/benchmarks.md ("Test suite") has the numbers.
+# every test's tolerance (the suite passes at either level). docs/performance.md ("Test suite") has the numbers.
 _FLAGS = os.environ.get("XLA_FLAGS", "")
 OPT_LEVEL = "--xla_backend_optimization_level"
 if OPT_LEVEL not in _FLAGS:

@@ -70,12 +70,12 @@ def test_overrides_may_follow_options(capsys, tmp_path):
 
 
 def test_bad_paths_are_refused_before_any_work(capsys, tmp_path, monkeypatch):
-    from dora_jax import benchmarks
+    from benchmarks import decode
 
     def never(*a, **k):
         raise AssertionError("the benchmark ran although its --json file cannot be written")
 
-    monkeypatch.setattr(benchmarks, "bench_decode", never)
+    monkeypatch.setattr(decode, "bench_decode", never)
     assert main(["bench", "decode", "--json", str(tmp_path / "missing" / "out.json")]) == 2
     assert f"--json {tmp_path}/missing/out.json: the directory {tmp_path}/missing does not exist" in \
         capsys.readouterr().err

@@ -701,7 +701,7 @@ def test_overlap_default_follows_the_backend(engine4):
 def test_bench_engine_reports_every_part():
     """`dora-jax bench engine` on a tiny random config (no tokenizer: random prompts sharing a 16-token head,
     no transformers side): the JSON holds every figure the benchmark promises, consistent with each other."""
-    from dora_jax.benchmarks import bench_engine
+    from benchmarks.engine import bench_engine
 
     out = bench_engine("tiny_llama", batch=4, new_tokens=8, tail_requests=8, tail_slots=4, group_size=2, rounds=2)
     for key in ("engine_tok_s", "roofline_tok_s", "continuous_tok_s", "static_tok_s", "group_prefill_tok_s",
@@ -736,7 +736,7 @@ def test_matmul_chain_covers_every_weight_matmul_of_a_step():
     """The matmul-only ceiling times exactly the step's weight matmuls: 2 FLOPs per row per parameter of the
     model less its norms and, when the head has its own weights, the embedding table (a lookup, not a matmul),
     whatever the config's shapes."""
-    from dora_jax.benchmarks import measure_matmul_chain
+    from benchmarks.rates import measure_matmul_chain
     from dora_jax.config import load_config
     from dora_jax.models.weights import load_model
 

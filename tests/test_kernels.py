@@ -244,7 +244,7 @@ def test_engine_greedy_identical(model):
 
 
 def test_bench_kernel_reports_both_sides():
-    from dora_jax.kernels.bench import bench_kernel
+    from benchmarks.kernel import bench_kernel
 
     out = bench_kernel(batches=(2,), fills=(0.5,), cache_length=32, kv_heads=1, group=2, head_dim=8,
                        dtype="float32", repeats=1)

@@ -111,10 +111,10 @@ def test_engine_greedy_with_staggered_inserts_matches_transformers(reference, ou
 
 
 def test_bench_engine_transformers_side_generates_exactly_the_asked_tokens():
-    """`bench engine`'s transformers runner (`benchmarks.hf_generate_run`): left-padded prompts of different
+    """`bench engine`'s transformers runner (`benchmarks.engine.hf_generate_run`): left-padded prompts of different
     lengths, sampled, each row exactly `new_tokens` long (no early stop, which would inflate the rate);
     repeated calls run again; it records where and on how many threads it ran."""
-    from dora_jax.benchmarks import hf_generate_run
+    from benchmarks.engine import hf_generate_run
 
     out = {}
     run = hf_generate_run([[1, 2, 3, 4], [5, 6]], 3, "float32", out)

@@ -172,7 +172,7 @@ def resolve_attention_impl(settings: DecodeSettings | RolloutConfig) -> str:
     """``settings.attention_impl`` with ``"auto"`` resolved: ``"pallas"`` on TPU, ``"xla"`` on CPU and GPU.
 
     GPU resolves to XLA because that is what measured faster there: on an H100 the Triton kernel read full
-    caches slower than XLA's masked attention, which reads every slot (docs/benchmarks.md, kernel section);
+    caches slower than XLA's masked attention, which reads every slot (docs/performance.md);
     it stays available as ``attention_impl="pallas"``.
     """
     if settings.attention_impl != "auto":
@@ -404,7 +404,7 @@ def split_layer_params(layers: dict) -> tuple[dict, dict]:
 
 # Above this many rows (B x T) an out_in product contracts both operands on their minor axis instead: the
 # two activation transposes of the W^T @ x^T form grow with the rows, and from ~96 rows XLA:CPU runs the
-# contraction as fast as x @ W (docs/benchmarks.md, "prefill rows").
+# contraction as fast as x @ W (benchmarks/experiments/out_in_rows.py measures both).
 OUT_IN_MAX_ROWS = 64
 
 

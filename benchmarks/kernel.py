@@ -1,4 +1,5 @@
-"""Timing of the ragged decode-attention kernel against the XLA path (``dora-jax bench kernel``).
+"""``dora-jax bench kernel``: the ragged decode-attention kernel against the XLA path; and ``dora-jax bench
+kernel-sweep``, the GPU kernel's tile settings against XLA (how ``BlockSizes.default`` was chosen).
 
 The XLA path is :func:`~dora_jax.kernels.ragged_decode_attention.reference_ragged_decode_attention` under
 ``jit``: the masked softmax over every cache slot, which is what the decoder's ``xla`` attention does. Achieved
@@ -12,33 +13,26 @@ interpreter, not the kernel; the output says so.
 from __future__ import annotations
 
 import functools
-import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.record import device
+from benchmarks.timing import median_of
 from dora_jax.kernels.ragged_decode_attention import (BlockSizes, default_implementation, ragged_decode_attention,
                                                       reference_ragged_decode_attention)
 
-
-def _time(fn, *args, repeats: int) -> float:
-    """Median seconds of ``fn(*args)`` after one warm-up (compilation) call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+# The sweep's (block_kv, num_warps, num_splits) settings.
+SWEEP_SETTINGS = ((64, 4, None), (32, 8, None), (32, 4, None), (32, 8, 16), (64, 8, None), (16, 4, None))
 
 
 def copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
-    """Measured device copy bandwidth in bytes/s (read + write of an ``nbytes`` buffer)."""
+    """Measured device copy bandwidth in bytes/s (read + write of an ``nbytes`` buffer, median of ``repeats``)."""
     x = jnp.ones((nbytes // 4,), jnp.float32)
     copy = jax.jit(lambda a: a + 1.0)  # not a no-op: XLA must read and write every element
-    return 2 * x.nbytes / _time(copy, x, repeats=repeats)
+    return 2 * x.nbytes / median_of(lambda: copy(x), repeats=repeats)
 
 
 def bench_kernel(*, batches: tuple[int, ...] = (8, 32), fills: tuple[float, ...] = (0.1, 0.5, 1.0),
@@ -83,8 +77,8 @@ def bench_kernel(*, batches: tuple[int, ...] = (8, 32), fills: tuple[float, ...]
         for fill in fills:
             lengths = np.clip(rng.integers(0, int(2 * fill * s_len) + 1, b), 0, s_len)
             lengths_j = jnp.asarray(lengths, jnp.int32)
-            t_kernel = _time(kernel, q, k, v, lengths_j, repeats=repeats)
-            t_xla = _time(xla, q, k, v, lengths_j, repeats=repeats)
+            t_kernel = median_of(lambda: kernel(q, k, v, lengths_j), repeats=repeats)
+            t_xla = median_of(lambda: xla(q, k, v, lengths_j), repeats=repeats)
             qo_bytes = 2 * q.size * item
             kernel_bytes = int(lengths.sum()) * kv_heads * head_dim * 2 * item + qo_bytes
             xla_bytes = k.nbytes + v.nbytes + qo_bytes
@@ -99,7 +93,50 @@ def bench_kernel(*, batches: tuple[int, ...] = (8, 32), fills: tuple[float, ...]
     note = (f"compiled {impl} kernel" if not interpret else
             "CPU: no compiled kernel; the kernel side ran in the Pallas interpreter (its times measure the "
             "interpreter, not the kernel), only the XLA side is a real measurement")
-    return {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "kernel": note,
+    return {"device": device(), "backend": jax.default_backend(), "kernel": note,
             "shape": {"cache_length": s_len, "kv_heads": kv_heads, "group": group, "head_dim": head_dim,
                       "dtype": dt.name},
             "copy_gbps": copy_bw / 1e9, "points": points}
+
+
+def sweep_kernel_tiles(repeats: int = 50, seed: int = 1) -> dict[str, Any]:
+    """The GPU kernel at each of :data:`SWEEP_SETTINGS` against XLA, printed as it goes.
+
+    bf16 cache of 4096 slots, 8 kv heads, 4 query heads per kv head, head dim 128; batch 32 and 8; fills 0.1,
+    0.5, 1.0 (lengths uniform in ``[0, 2 x fill x 4096]``); median of ``repeats`` calls each, XLA timed once per
+    point and again beside every setting (the smaller kept).
+
+    Args:
+      repeats: timed calls per measurement.
+      seed: lengths and data.
+
+    Returns:
+      ``rows``: per point and setting ``b``, ``fill``, ``block``, ``warps``, ``splits``, ``ms`` and ``xla_ms``.
+
+    Raises:
+      SystemExit: on a backend other than GPU (the Triton kernel compiles only there).
+    """
+    if jax.default_backend() != "gpu":
+        raise SystemExit("dora-jax bench kernel-sweep: needs a GPU backend (the Triton kernel does not compile on "
+                         "CPU)")
+    rng = np.random.default_rng(seed)
+    s_len, kv, g, d = 4096, 8, 4, 128
+    rows = []
+    xla = jax.jit(reference_ragged_decode_attention)
+    for b in (32, 8):
+        q = jnp.asarray(rng.normal(size=(b, kv, g, d)), jnp.bfloat16)
+        k = jnp.asarray(rng.normal(size=(b, kv, d, s_len)), jnp.bfloat16)
+        v = jnp.asarray(rng.normal(size=(b, kv, s_len, d)), jnp.bfloat16)
+        for fill in (0.1, 0.5, 1.0):
+            lengths = jnp.asarray(np.clip(rng.integers(0, int(2 * fill * s_len) + 1, b), 0, s_len), jnp.int32)
+            t_x = median_of(lambda: xla(q, k, v, lengths), repeats=repeats)
+            for block, warps, splits in SWEEP_SETTINGS:
+                bs = BlockSizes(block_kv=block, num_warps=warps, num_splits=splits)
+                f = jax.jit(functools.partial(ragged_decode_attention, implementation="gpu", block_sizes=bs))
+                t = median_of(lambda: f(q, k, v, lengths), repeats=repeats)
+                t_x = min(t_x, median_of(lambda: xla(q, k, v, lengths), repeats=repeats))
+                rows.append(dict(b=b, fill=fill, block=block, warps=warps, splits=splits, ms=1e3 * t,
+                                 xla_ms=1e3 * t_x))
+                print(f"B={b} fill={fill} block={block} warps={warps} splits={splits}  {1e3 * t:.3f} ms  "
+                      f"xla {1e3 * t_x:.3f} ms  x{t_x / t:.2f}", flush=True)
+    return {"backend": jax.default_backend(), "repeats": repeats, "rows": rows}

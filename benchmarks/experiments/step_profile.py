@@ -1,6 +1,6 @@
 """Where a decode step's time goes, op by op, from a ``jax.profiler`` trace of the engine's own step.
 
-Run from the repository root: ``.venv/bin/python docs/experiments/step_profile.py [POSITION] [STEPS]``
+Run from the repository root: ``.venv/bin/python -m benchmarks.experiments.step_profile [POSITION] [STEPS]``
 (SmolLM2-135M float32, batch 32, 256-slot cache, ``bench engine``'s chat prompts, sampling at temperature 1).
 Decodes until the rows reach POSITION (default 100), then traces STEPS steps (default 5) and prints the ops
 that took the most time per step, each with the source op XLA compiled it from (from the compiled program's
@@ -15,12 +15,13 @@ import json
 import re
 import sys
 import tempfile
-import time
 
 import jax
 import numpy as np
 from flax import nnx
 
+from benchmarks.engine import bench_prompts
+from benchmarks.timing import timed
 from dora_jax.config import load_config
 from dora_jax.models.weights import load_model
 from dora_jax.rollout.engine import Engine, RequestSampling
@@ -33,8 +34,7 @@ model, tok = load_model(load_config("smollm2_135m").model, progress=False)
 engine = Engine(model, max_concurrent_decodes=B, max_prefill_length=64, max_target_length=256)
 params = engine.prepare_params(nnx.state(model))
 rng = np.random.default_rng(0)
-prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}?"}]))
-           for a, b in rng.integers(10, 1000, (B, 2))]
+prompts = bench_prompts(tok, B, rng)
 batch, _ = engine.prefill_batch(params=params, prompts=prompts, sample_ids=list(range(B)), version=0,
                                 samplings=[RequestSampling(1.0)] * B)
 state = engine.insert_batch(batch, engine.init_decode_state(), list(range(B)))
@@ -47,13 +47,18 @@ hlo = engine._generate_jit.lower(params, state, False).compile().as_text()
 ops = {m.group(1): (m.group(2), m.group(3))
        for m in re.finditer(r'^\s*%(\S+) = (\S+) .*?op_name="([^"]*)"', hlo, re.M)}
 
+
+def run_steps(state):
+    for _ in range(STEPS):
+        state, _ = engine.generate(params, state, filtered=False)
+        jax.block_until_ready(state)
+    return state
+
+
 with tempfile.TemporaryDirectory() as out:
     with jax.profiler.trace(out, create_perfetto_trace=True):
-        t0 = time.perf_counter()
-        for _ in range(STEPS):
-            state, _ = engine.generate(params, state, filtered=False)
-            jax.block_until_ready(state)
-        wall = (time.perf_counter() - t0) / STEPS
+        state, seconds = timed(lambda: run_steps(state))
+        wall = seconds / STEPS
     trace = json.load(gzip.open(glob.glob(f"{out}/**/perfetto_trace.json.gz", recursive=True)[0]))
 events = trace["traceEvents"] if isinstance(trace, dict) else trace
 total, calls = collections.defaultdict(float), collections.Counter()

@@ -1,17 +1,15 @@
-"""The decode step with its layer scan unrolled, against the loop as shipped (docs/benchmarks.md, "where the
-CPU step stands").
+"""The decode step with its layer scan unrolled, against the loop as shipped.
 
-Run from the repository root: ``.venv/bin/python docs/experiments/layer_unroll.py [ROUNDS] [UNROLLS]``
-(defaults 4 and ``1,2,30``). SmolLM2-135M float32, ``model.decode_weights=out_in``, the weights as
+Run from the repository root: ``.venv/bin/python -m benchmarks.experiments.layer_unroll [ROUNDS] [UNROLLS]``
+(defaults 4 and ``1,2,30``). SmolLM2-135M float32, ``rollout.decode_weights=out_in``, the weights as
 ``Engine.prepare_params`` makes them, batch 32, 256-slot cache, every row at one position. Each unroll factor
 is ``jax.lax.scan(..., unroll=u)`` for the step's layer scan (``1`` is the shipped loop; ``30`` is every layer
 in line, the form a python loop over the layers compiles to). Prints each step's compile time, then best and
-median of ROUNDS alternated rounds (``benchmarks.time_decode_steps``), and the largest logit difference
+median of ROUNDS alternated rounds (``benchmarks.decode.time_decode_steps``), and the largest logit difference
 against the first factor.
 """
 
 import sys
-import time
 from functools import partial
 from unittest import mock
 
@@ -20,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dora_jax.benchmarks import time_decode_steps
+from benchmarks.decode import time_decode_steps
+from benchmarks.timing import timed
 from dora_jax.config import load_config
 from dora_jax.models import decoder
 from dora_jax.models.weights import load_model
@@ -29,10 +28,10 @@ from dora_jax.rollout.engine import Engine
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 UNROLLS = [int(u) for u in (sys.argv[2] if len(sys.argv) > 2 else "1,2,30").split(",")]
 B, S = 32, 256
-model, _ = load_model(load_config("smollm2_135m", ["model.decode_weights=out_in"]).model, progress=False)
+model, _ = load_model(load_config("smollm2_135m").model, progress=False)
 cfg = model.cfg
-params = Engine(model, max_concurrent_decodes=B, max_prefill_length=64,
-                max_target_length=S).prepare_params(nnx.state(model))
+params = Engine(model, max_concurrent_decodes=B, max_prefill_length=64, max_target_length=S,
+                settings=decoder.DecodeSettings(decode_weights="out_in")).prepare_params(nnx.state(model))
 scan = jax.lax.scan
 
 
@@ -45,11 +44,10 @@ def step_with(unroll):
 
 
 variants = {u: (step_with(u), params) for u in UNROLLS}
-t0 = time.perf_counter()
 for u, (step, _) in variants.items():
-    step.lower(params, *(jax.ShapeDtypeStruct((B, 1), jnp.int32),) * 2, decoder.init_cache(cfg, B, S)).compile()
-    print(f"unroll {u}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
-    t0 = time.perf_counter()
+    seconds = timed(lambda: step.lower(params, *(jax.ShapeDtypeStruct((B, 1), jnp.int32),) * 2,
+                                       decoder.init_cache(cfg, B, S)).compile())[1]
+    print(f"unroll {u}: compiled in {seconds:.1f} s", flush=True)
 base = UNROLLS[0]
 for pos in (64, 200):
     times, logits = time_decode_steps(variants, cfg, B, S, pos, ROUNDS)

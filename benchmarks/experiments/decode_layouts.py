@@ -1,10 +1,10 @@
-"""Decode-step layouts measured against the scanned step (docs/benchmarks.md, "Three more layouts").
+"""Decode-step layouts measured against the scanned step.
 
-Run from the repository root: ``.venv/bin/python docs/experiments/decode_layouts.py`` (SmolLM2-135M float32,
+Run from the repository root: ``.venv/bin/python -m benchmarks.experiments.decode_layouts`` (SmolLM2-135M float32,
 batch 32, 256-slot cache; minutes on a 2-core CPU). Prints the best step time of each variant at each
 position, alternated round by round, and checks that every variant gives the scanned step's logits.
 
-- ``scan read N``: ``decode_forward`` as shipped, its cache read cut to N slots (``model.cache_read_buckets``).
+- ``scan read N``: ``decode_forward`` as shipped, its cache read cut to N slots (``rollout.cache_read_buckets``).
 - ``scan reduce read N``: the same with attention over the cache as a fused multiply-reduce instead of dots.
 - ``unrolled buffers read N``: one weight and one cache buffer per layer, the layers unrolled, the cache only
   read by the step and written by a second donated program.
@@ -12,16 +12,15 @@ position, alternated round by round, and checks that every variant gives the sca
   slices and written by one scatter after all layers, as the scanned step does.
 """
 
-import dataclasses
 import functools
 import math
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 import dora_jax.models.decoder as dec
+from benchmarks.timing import alternated_times, timed
 from dora_jax.config import load_config
 from dora_jax.models.weights import load_model
 
@@ -54,12 +53,12 @@ def reduce_attention(q_bthd, k_bkds, v_bksd, k_new_btkd, v_new_btkd, mask_cache_
 
 # Every step takes the weights as arguments (closed over, XLA would fold them as constants).
 def scanned(buckets, attention):
-    cfg = dataclasses.replace(mc, cache_read_buckets=buckets)
+    settings = dec.DecodeSettings(cache_read_buckets=buckets)
 
     def step(params, pos, cache):
         dec.attention_with_cache = attention  # read while tracing only
         try:
-            return dec.decode_forward(cfg, params, tokens, pos, cache)
+            return dec.decode_forward(mc, params, tokens, pos, cache, settings=settings)
         finally:
             dec.attention_with_cache = dot_attention
     return functools.partial(jax.jit(step, donate_argnums=(2,)), prepared), lambda: dec.init_cache(mc, B, S)
@@ -97,7 +96,7 @@ def unrolled_buffers(n):
 
 
 def unrolled_weights():
-    reads = dec.cache_read_lengths(mc, S)
+    reads = dec.cache_read_lengths(dec.DecodeSettings(), S)
 
     def step(rest, layers, pos, cache):
         branch = jnp.sum(jnp.asarray(reads[:-1]) < jnp.max(pos))
@@ -119,25 +118,21 @@ variants = {"scan read 128": scanned(2, dot_attention), "scan read 256": scanned
             "scan reduce read 128": scanned(2, reduce_attention), "scan reduce read 256": scanned(1, reduce_attention),
             "unrolled buffers read 128": unrolled_buffers(128), "unrolled buffers read 256": unrolled_buffers(S),
             "unrolled weights": unrolled_weights()}
-caches = {}
-for name, (step, fresh) in variants.items():
-    t0 = time.perf_counter()
-    logits, caches[name] = step(jnp.full((B, 1), 100, jnp.int32), fresh())
-    jax.block_until_ready(logits)
-    print(f"{name}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
+caches = {name: fresh() for name, (_, fresh) in variants.items()}
+
+
+def call(name, pos):  # waits on the cache too: the unrolled buffers' second program writes it
+    logits, caches[name] = variants[name][0](pos, caches[name])
+    return logits, caches[name]
+
+
+for name in variants:
+    print(f"{name}: compiled in {timed(lambda: call(name, jnp.full((B, 1), 100, jnp.int32)))[1]:.1f} s", flush=True)
 for position in POSITIONS:
     pos = jnp.full((B, 1), position, jnp.int32)
-    best = dict.fromkeys(variants, math.inf)
-    for _ in range(ROUNDS):
-        for name, (step, _) in variants.items():
-            if name == "unrolled buffers read 128" and position > 128:
-                continue
-            t0 = time.perf_counter()
-            logits, caches[name] = step(pos, caches[name])
-            jax.block_until_ready((logits, caches[name]))
-            best[name] = min(best[name], time.perf_counter() - t0)
-    print(f"position {position}: " + ", ".join(f"{n} {1e3 * t:.1f} ms" for n, t in best.items() if t < math.inf),
-          flush=True)
+    names = [n for n in variants if not (n == "unrolled buffers read 128" and position > 128)]
+    times = alternated_times({name: lambda name=name: call(name, pos) for name in names}, ROUNDS)
+    print(f"position {position}: " + ", ".join(f"{n} {1e3 * min(t):.1f} ms" for n, t in times.items()), flush=True)
 
 # Same logits as the scanned step, from the same random cache (the read must cover the position).
 pos = jnp.full((B, 1), 120, jnp.int32)

@@ -1,6 +1,6 @@
-"""Decode attention over the cache in several forms, alone (docs/benchmarks.md, "one buffer per layer").
+"""Decode attention over the cache in several forms, alone.
 
-Run from the repository root: ``.venv/bin/python docs/experiments/attention_forms.py [ROUNDS]``. SmolLM2's
+Run from the repository root: ``.venv/bin/python -m benchmarks.experiments.attention_forms [ROUNDS]``. SmolLM2's
 attention shapes (30 layers, batch 32, 3 KV heads of 3 queries each, head dim 64, 256-slot cache), float32,
 random values; one jitted scan over the layers per form, alternated, best and median of ROUNDS. Checks that
 every form gives the first one's result.
@@ -17,11 +17,12 @@ every form gives the first one's result.
 """
 
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from benchmarks.timing import alternated_times
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 8
 L, B, K, G, D, S, N = 30, 32, 3, 3, 64, 256, 128
@@ -87,11 +88,7 @@ for name, (fn, cache) in forms.items():
     ref.setdefault(S if "256" in name else N, out)
     err = float(jnp.max(jnp.abs(out - ref[S if "256" in name else N])))
     print(f"{name}: max |difference| from the first form of its length {err:.1e}")
-times = {name: [] for name in forms}
-for _ in range(ROUNDS):
-    for name, (fn, cache) in forms.items():
-        t0 = time.perf_counter()
-        fn(q0, *cache).block_until_ready()
-        times[name].append(time.perf_counter() - t0)
+times = alternated_times({name: lambda fn=fn, cache=cache: fn(q0, *cache) for name, (fn, cache) in forms.items()},
+                         ROUNDS)
 for name, t in times.items():
     print(f"{name}: best {1e3 * min(t):.1f} ms, median {1e3 * float(np.median(t)):.1f} ms (30 layers)")

@@ -1,8 +1,7 @@
-"""Transposed decode weights as one buffer per layer against one stacked array (docs/benchmarks.md, "one
-buffer per layer").
+"""Transposed decode weights as one buffer per layer against one stacked array.
 
-Run from the repository root: ``.venv/bin/python docs/experiments/layer_buffers.py [ROUNDS]``. SmolLM2-135M
-float32, ``model.decode_weights=out_in``. ``per_layer`` is what ``Engine.prepare_params`` makes: each layer's
+Run from the repository root: ``.venv/bin/python -m benchmarks.experiments.layer_buffers [ROUNDS]``. SmolLM2-135M
+float32, ``rollout.decode_weights=out_in``. ``per_layer`` is what ``Engine.prepare_params`` makes: each layer's
 projections its own buffer, read in the scan through ``decoder.LayerWeights``. ``stacked`` is the same
 weights stacked on a leading layer axis, as before: the scan slices (copies) each layer's weights out of them.
 Part 1: one decode step (batch 32, 256-slot cache, every row at one position), best and median of ROUNDS
@@ -17,21 +16,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dora_jax.benchmarks import chat_prompts, compare_fixed_batches, run_fixed_batch, time_decode_steps
+from benchmarks.decode import time_decode_steps
+from benchmarks.engine import bench_prompts, compare_fixed_batches, run_fixed_batch
 from dora_jax.config import load_config
-from dora_jax.models.decoder import decode_forward
+from dora_jax.models.decoder import DecodeSettings, decode_forward
 from dora_jax.models.weights import load_model
 from dora_jax.rollout.engine import Engine, PreparedParams
 from dora_jax.tokenizer import chat_template_head
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 B, S = 32, 256
-model, tok = load_model(load_config("smollm2_135m", ["model.decode_weights=out_in"]).model, progress=False)
+model, tok = load_model(load_config("smollm2_135m").model, progress=False)
 cfg = model.cfg
-prompts = chat_prompts(tok, B, np.random.default_rng(0))
+prompts = bench_prompts(tok, B, np.random.default_rng(0))
 plen = max(map(len, prompts))
 engine = Engine(model, max_concurrent_decodes=B, max_prefill_length=plen,
-                max_target_length=1 << (plen + 127).bit_length())
+                max_target_length=1 << (plen + 127).bit_length(), settings=DecodeSettings(decode_weights="out_in"))
 per_layer = engine.prepare_params(nnx.state(model))
 stacked = PreparedParams({**per_layer.tree, "layers": {k: jnp.stack(v) if isinstance(v, tuple) else v
                                                        for k, v in per_layer.tree["layers"].items()}})

@@ -1,7 +1,7 @@
-"""The decode weight layouts side by side (``model.decode_weights``: ``in_out``, ``x @ W``, against ``out_in``,
-``W^T @ x^T``; docs/benchmarks.md, "decode weights transposed").
+"""The decode weight layouts side by side (``rollout.decode_weights``: ``in_out``, ``x @ W``, against ``out_in``,
+``W^T @ x^T``).
 
-Run from the repository root: ``.venv/bin/python docs/experiments/decode_weights_layout.py [ROUNDS]``.
+Run from the repository root: ``.venv/bin/python -m benchmarks.experiments.decode_weights_layout [ROUNDS]``.
 SmolLM2-135M float32. Part 1: one decode step (batch 32, 256-slot cache, every row at one position), best of
 ROUNDS alternated rounds. Part 2: the fixed batch of ``dora-jax bench engine`` (32 chat prompts x 128 sampled
 tokens through ``RolloutDriver``), the two layouts alternated ROUNDS times, with how many of the 32
@@ -14,9 +14,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dora_jax.benchmarks import chat_prompts, compare_fixed_batches, run_fixed_batch, time_decode_steps
+from benchmarks.decode import time_decode_steps
+from benchmarks.engine import bench_prompts, compare_fixed_batches, run_fixed_batch
 from dora_jax.config import load_config
-from dora_jax.models.decoder import decode_forward
+from dora_jax.models.decoder import DecodeSettings, decode_forward
 from dora_jax.models.weights import load_model
 from dora_jax.rollout.engine import Engine
 from dora_jax.tokenizer import chat_template_head
@@ -24,15 +25,12 @@ from dora_jax.tokenizer import chat_template_head
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 LAYOUTS = ("in_out", "out_in")
 B, S = 32, 256
-models = {}
-for layout in LAYOUTS:
-    models[layout], tok = load_model(load_config("smollm2_135m", [f"model.decode_weights={layout}"]).model,
-                                     progress=False)
-cfg = models["out_in"].cfg
+model, tok = load_model(load_config("smollm2_135m").model, progress=False)
+cfg = model.cfg
 
 # Part 1: the step alone.
 step = jax.jit(lambda p, t, pos, c: decode_forward(cfg, p, t, pos, c), donate_argnums=(3,))
-variants = {lay: (step, m.decode_params(fuse=True, transpose=lay == "out_in")) for lay, m in models.items()}
+variants = {lay: (step, model.decode_params(fuse=True, transpose=lay == "out_in")) for lay in LAYOUTS}
 for pos in (64, 128, 200):
     times, _ = time_decode_steps(variants, cfg, B, S, pos, ROUNDS)
     best = {lay: min(t) for lay, t in times.items()}
@@ -40,10 +38,11 @@ for pos in (64, 128, 200):
           f"out_in / in_out {best['out_in'] / best['in_out']:.2f}", flush=True)
 
 # Part 2: the fixed batch end to end.
-prompts = chat_prompts(tok, B, np.random.default_rng(0))
+prompts = bench_prompts(tok, B, np.random.default_rng(0))
 plen = max(map(len, prompts))
-engines = {lay: (Engine(m, max_concurrent_decodes=B, max_prefill_length=plen,
-                        max_target_length=1 << (plen + 127).bit_length()), nnx.state(m)) for lay, m in models.items()}
+engines = {lay: (Engine(model, max_concurrent_decodes=B, max_prefill_length=plen,
+                        max_target_length=1 << (plen + 127).bit_length(), settings=DecodeSettings(decode_weights=lay)),
+                 nnx.state(model)) for lay in LAYOUTS}
 
 
 def run(lay):

@@ -1,0 +1,162 @@
+"""The ``bench`` command: ``dora-jax bench WHAT [options] [key=value ...]``. Parses the arguments, runs one
+benchmark, prints its result as JSON and writes it with ``--json``; every result carries the command line that
+produced it, the device and the date."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+DEFAULT_CONFIG = "smollm2_135m"
+WHAT = ("load", "engine", "prefill", "decode", "train", "snapshot", "modes", "kernel", "kernel-sweep")
+NO_OVERRIDES = ("modes", "kernel", "kernel-sweep")  # built from fixed workloads, not from a config
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def build_parser(prog: str = "dora-jax bench") -> argparse.ArgumentParser:
+    """The ``bench`` command's arguments.
+
+    Args:
+      prog: the command's name in usage and error messages.
+
+    Returns:
+      The parser.
+    """
+    b = argparse.ArgumentParser(prog=prog, description="Benchmarks; each prints its result as JSON. "
+                                "docs/performance.md has the current numbers and the commands behind them.")
+    b.add_argument("what", choices=WHAT)
+    b.add_argument("--config", default=DEFAULT_CONFIG, help="YAML file or shipped preset name (modes: default "
+                   "tiny_llama)")
+    b.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.decode_weights=in_out")
+    b.add_argument("--json", help="also write the result to this JSON file")
+    b.add_argument("--steps", type=_positive_int, default=8, help="modes: updates per mode")
+    b.add_argument("--plot", help="modes: write the reward and throughput plot to this PNG")
+    b.add_argument("--repeats", type=_positive_int, help="load: repeats per side (default 2); kernel: timed calls "
+                   "per point (default 2); kernel-sweep: timed calls per setting (default 50); engine: "
+                   "alternated runs of the fixed batch, engine and transformers (default 3)")
+    b.add_argument("--batch", type=_positive_int, help="engine, decode: concurrent sequences (default 32); train, "
+                   "snapshot: rows per step (default 8); kernel: slots per call (default 8 and 32)")
+    b.add_argument("--new-tokens", type=_positive_int, default=128, help="engine: new tokens per sequence")
+    b.add_argument("--no-reference", action="store_true", help="engine: skip the transformers side")
+    return b
+
+
+def _unwritable(path: str | None, flag: str) -> str | None:
+    """Why ``path`` cannot be written as an output file, or None when it can (or is not given)."""
+    if not path:
+        return None
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{flag} {path}: is a directory; name a file"
+    if not os.path.isdir(parent):
+        return f"{flag} {path}: the directory {parent} does not exist"
+    if not os.access(parent, os.W_OK):
+        return f"{flag} {path}: the directory {parent} is not writable"
+    return None
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Runs the benchmark ``args`` names.
+
+    Args:
+      args: parsed by :func:`build_parser`.
+
+    Returns:
+      The benchmark's result.
+    """
+    ov = tuple(args.overrides)
+    if args.what == "load":
+        from benchmarks import load
+
+        return load.bench_load(args.config, repeats=args.repeats or 2, overrides=ov)
+    if args.what == "prefill":
+        from benchmarks import prefill
+
+        return prefill.bench_prefill(args.config, repeats=max(args.repeats or 2, 3), overrides=ov)
+    if args.what == "decode":
+        from benchmarks import decode
+
+        return decode.bench_decode(args.config, batch=args.batch or 32, overrides=ov)
+    if args.what == "train":
+        from benchmarks import train
+
+        return train.bench_train(args.config, rows=args.batch or 8, overrides=ov)
+    if args.what == "snapshot":
+        from benchmarks import snapshot
+
+        return snapshot.bench_snapshot(args.config, rows=args.batch or 8, overrides=ov)
+    if args.what == "engine":
+        from benchmarks import engine
+
+        return engine.bench_engine(args.config, batch=args.batch or 32, new_tokens=args.new_tokens,
+                                   with_hf=not args.no_reference, overrides=ov, rounds=args.repeats or 3)
+    if args.what == "modes":
+        from benchmarks import modes
+
+        result = modes.bench_modes("tiny_llama" if args.config == DEFAULT_CONFIG else args.config, steps=args.steps)
+        if args.plot:
+            print("plot:", modes.plot_modes(result, args.plot))
+        return result
+    if args.what == "kernel":
+        from benchmarks import kernel
+
+        return kernel.bench_kernel(batches=(args.batch,) if args.batch else (8, 32), repeats=args.repeats or 2)
+    if args.what == "kernel-sweep":
+        from benchmarks import kernel
+
+        return kernel.sweep_kernel_tiles(repeats=args.repeats or 50)
+    raise AssertionError(args.what)  # argparse restricts the choices
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "dora-jax bench") -> int:
+    """Parses ``argv``, runs the benchmark and prints (and with ``--json`` writes) its stamped result.
+
+    Output paths are checked before any work. ``key=value`` overrides may also follow options.
+
+    Args:
+      argv: the arguments after ``bench``; default ``sys.argv[1:]``.
+      prog: the command as typed, recorded in the result's ``command``.
+
+    Returns:
+      The exit status: 0, or 2 for an output path that cannot be written or overrides the benchmark does not
+      take (argparse exits with 2 itself on other bad arguments).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(prog)
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    args.overrides = list(args.overrides) + extra
+    problems = [p for p in (_unwritable(args.json, "--json"), _unwritable(args.plot, "--plot")) if p]
+    if args.overrides and args.what in NO_OVERRIDES:
+        problems.append(f"{prog} {args.what}: takes no key=value overrides (got {' '.join(args.overrides)})")
+    if problems:
+        print(f"error: {problems[0]}", file=sys.stderr)
+        return 2
+    if args.what == "modes" and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        from dora_jax.xla_flags import cpu_device_flags
+
+        # Two host devices (before JAX starts its CPU backend): trainer and rollout each get one.
+        os.environ["XLA_FLAGS"] = cpu_device_flags(2)
+
+    from benchmarks.record import command_line, stamp, write_json
+
+    result = stamp(run(args), command_line(prog, argv))
+    print(json.dumps(result, indent=1))
+    if args.json:
+        write_json(result, args.json)
+    return 0

@@ -1,0 +1,372 @@
+"""``dora-jax bench engine``: the rollout engine against transformers, the roofline and its own forms.
+
+Also the pieces the experiments in ``benchmarks/experiments`` share with it: the benchmark's prompts, one fixed
+batch through a ``RolloutDriver``, two forms of it side by side, and transformers' ``generate`` timed the same
+way.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+
+from benchmarks.rates import measure_machine, measure_matmul, measure_matmul_chain
+from benchmarks.record import machine
+from benchmarks.timing import alternated, best_alternated, timed
+
+
+def _lengths(n: int, rng, p50: int, tail: int, max_len: int):
+    """Long-tailed output lengths: most near p50, a few ~tail; p99/p50 >= 8 for tail >= 8 * p50."""
+    import numpy as np
+
+    base = rng.integers(max(1, p50 // 2), p50 * 3 // 2 + 1, n)
+    heavy = rng.random(n) < 0.08
+    return np.minimum(np.where(heavy, rng.integers(tail // 2, tail + 1, n), base), max_len).tolist()
+
+
+def hf_generate_run(prompts: list[list[int]], new_tokens: int, dtype: str, out: dict[str, Any]):
+    """A callable that times transformers ``generate`` on SmolLM2's GGUF and returns tokens/s.
+
+    ``prompts`` run as one left-padded batch, exactly ``new_tokens`` tokens each sampled at temperature 1
+    without top-k, with transformers' own KV cache. On a GPU backend it runs on the GPU (torch's CUDA build)
+    with TF32 matmuls allowed, as XLA's default float32 dot precision does there.
+
+    Args:
+      prompts: token ids, one list per row.
+      new_tokens: tokens each row generates.
+      dtype: torch dtype name of the model (the engine's compute dtype).
+      out: receives ``torch_threads`` and ``hf_device`` (and ``hf_allow_tf32``).
+
+    Returns:
+      The callable, or None when torch or transformers is not installed.
+    """
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    from dora_jax.models.gguf import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                                           gguf_file=os.path.basename(path)).eval()
+    width = max(len(p) for p in prompts)
+    dev = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+    hf = hf.to(device=dev, dtype=getattr(torch, dtype))
+    inp = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=dev)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
+    torch.set_num_threads(os.cpu_count() or 1)  # every core, as XLA uses
+    out["torch_threads"], out["hf_device"] = torch.get_num_threads(), dev
+    if dev == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        out["hf_allow_tf32"] = True
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    with torch.inference_mode():  # warm-up
+        hf.generate(inp[:2], attention_mask=mask[:2], max_new_tokens=4, do_sample=True, pad_token_id=0)
+        sync()
+
+    def generate():
+        seqs = hf.generate(inp, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=True, temperature=1.0, top_k=0, pad_token_id=0, eos_token_id=None)
+        sync()
+        return seqs
+
+    def run() -> float:
+        with torch.inference_mode():
+            seqs, seconds = timed(generate)
+        if tuple(seqs.shape) != (len(prompts), width + new_tokens):  # the rate counts exactly new_tokens a row
+            raise RuntimeError(f"transformers generate returned {tuple(seqs.shape)} tokens, expected "
+                               f"{(len(prompts), width + new_tokens)} ({new_tokens} new after {width})")
+        return len(prompts) * new_tokens / seconds
+    return run
+
+
+def bench_prompts(tok, n: int, rng) -> list[list[int]]:
+    """The engine benchmark's prompts: chat-templated "What is a + b?" questions.
+
+    Args:
+      tok: the model's tokenizer (with its chat template).
+      n: prompts.
+      rng: the numpy generator a and b are drawn from (the benchmark's is ``np.random.default_rng(0)``).
+
+    Returns:
+      Each prompt's token ids.
+    """
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}?"}]))
+            for a, b in rng.integers(10, 1000, (n, 2))]
+
+
+def run_fixed_batch(engine, params, prompts, new_tokens: int = 128, shared_prefix=(), overlap=None, seed: int = 0):
+    """Every prompt through a fresh ``RolloutDriver`` for exactly ``new_tokens`` sampled tokens (temperature
+    1, no stop), timed until nothing dispatched is left running.
+
+    Args:
+      engine: the ``Engine``.
+      params: the policy's parameters (version 0).
+      prompts: token ids, one list per request.
+      new_tokens: tokens each request generates.
+      shared_prefix: tokens every prompt starts with, prefilled once (``RolloutDriver(shared_prefix=...)``).
+      overlap: ``RolloutDriver(overlap=...)``; None: the engine's default.
+      seed: the sampling seed.
+
+    Returns:
+      ``(tokens/s, driver, trajectories by sample id)``.
+    """
+    from dora_jax.rollout.driver import Request, RolloutDriver
+    from dora_jax.rollout.engine import RequestSampling
+
+    d = RolloutDriver(engine, overlap=overlap, shared_prefix=shared_prefix)
+    d.add_version(0, params)
+    sampling = RequestSampling(temperature=1.0, seed=seed)
+
+    def rollout():
+        trajs = d.run([Request(i, tuple(p), max_new_tokens=new_tokens, sampling=sampling)
+                       for i, p in enumerate(prompts)])
+        d.block_until_ready()
+        return trajs
+
+    trajs, seconds = timed(rollout)
+    return sum(len(t.tokens) for t in trajs) / seconds, d, sorted(trajs, key=lambda t: t.sample_id)
+
+
+def compare_fixed_batches(runs: dict[str, Any], rounds: int) -> None:
+    """Two forms of the engine side by side, printed round by round.
+
+    Each is called once (compiling), then the two alternate ``rounds`` times; every round prints both rates,
+    the second / the first, and how many trajectories have the same tokens in both.
+
+    Args:
+      runs: two names -> callables returning ``(tokens/s, trajectories by sample id)``, as
+        :func:`run_fixed_batch` does.
+      rounds: alternated rounds.
+    """
+    (name_a, run_a), (name_b, run_b) = runs.items()
+    run_a(), run_b()
+    for _ in range(rounds):
+        (a, ta), (b, tb) = run_a(), run_b()
+        same = sum(x.tokens == y.tokens for x, y in zip(ta, tb))
+        print(f"fixed batch: {name_a} {a:.1f}, {name_b} {b:.1f} tokens/s, {name_b} / {name_a} {b / a:.2f}x, "
+              f"same tokens in {same} of {len(ta)} trajectories", flush=True)
+
+
+def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int = 128, tail_requests: int = 64,
+                 tail_slots: int = 16, group_size: int = 4, seed: int = 0, with_hf: bool = True,
+                 overrides: tuple[str, ...] = (), rounds: int = 3) -> dict[str, Any]:
+    """The engine benchmark, side by side in one run: throughput at a fixed batch vs transformers (the two
+    alternated ``rounds`` times: ``engine_tok_s`` and ``hf_tok_s`` are each one's best, every run is in
+    ``fixed_batch_runs``, ``engine_vs_hf_median`` is the ratio of the medians) and vs the roofline;
+    continuous batching vs a static batch on a long-tailed workload (alternated the same way,
+    ``long_tail_runs``); on the same lengths in GRPO groups of ``group_size`` samples per prompt, one prefill
+    per distinct prompt vs one per sample; and the fixed batch and the long tail's continuous run with and
+    without host/device overlap (``RolloutDriver(overlap=...)``); and the long tail with and without the
+    shared prefix.
+
+    Every run prefills the chat template's head once per driver and each prompt after it, as a training run
+    does with ``rollout.shared_prefix`` (the default; ``rollout.shared_prefix=false`` turns it off here too);
+    the roofline counts that work: the head once, each prompt's tokens after it.
+
+    Args:
+      config: a shipped preset or YAML file; one without a tokenizer runs random prompts sharing a 16-token
+        head and no transformers side.
+      batch: sequences of the fixed batch.
+      new_tokens: tokens each sequence of the fixed batch generates (the long tail's cap).
+      tail_requests: requests of the long-tailed workload.
+      tail_slots: decode slots of the long-tail, group and shared-prefix parts.
+      group_size: samples per prompt in the GRPO-groups part.
+      seed: prompts, lengths and sampling.
+      with_hf: time transformers' ``generate`` beside the fixed batch (when installed).
+      overrides: ``key=value`` config overrides.
+      rounds: alternated runs of the fixed batch and of the long tail.
+
+    Returns:
+      The JSON-able figures of every part (``engine_tok_s``, ``hf_tok_s``, ``roofline_tok_s``,
+      ``continuous_vs_static``, ...) and ``machine``.
+    """
+    import numpy as np
+    from flax import nnx
+
+    from dora_jax.config import load_config
+    from dora_jax.models.decoder import DecodeSettings, resolve_attention_impl
+    from dora_jax.models.weights import load_model
+    from dora_jax.rollout.driver import Request, RolloutDriver
+    from dora_jax.rollout.engine import Engine, RequestSampling
+    from dora_jax.tokenizer import chat_template_head
+    from tqdm.auto import tqdm
+
+    cfg = load_config(config, overrides)
+    model, tok = load_model(cfg.model, progress=False)
+    params = nnx.state(model)
+    rng = np.random.default_rng(seed)
+    if tok is not None:
+        prompts = bench_prompts(tok, max(batch, tail_requests), rng)
+    else:  # a random-weight config without a tokenizer: random prompts of 32-48 tokens whose first 16 are the
+        # same (standing in for a chat template's head), no transformers side
+        common = rng.integers(3, cfg.model.vocab_size, 16).tolist()
+        prompts = [common + rng.integers(3, cfg.model.vocab_size, int(rng.integers(16, 33))).tolist()
+                   for _ in range(max(batch, tail_requests))]
+        with_hf = False
+    # The head every prompt starts with, prefilled once per driver (rollout.shared_prefix).
+    head: tuple[int, ...] = ()
+    if cfg.rollout.shared_prefix:
+        head = tuple(chat_template_head(tok)) if tok is not None else tuple(common)
+    plen = max(len(p) for p in prompts)
+    target = 1 << (plen + new_tokens - 1).bit_length()
+    sampling = RequestSampling(temperature=1.0, seed=seed)
+    # The engine as a run of this config builds it: the rollout section's dtype and decode settings.
+    serving = dict(dtype=cfg.rollout.dtype, settings=DecodeSettings.of(cfg.rollout))
+    eng = Engine(model, max_concurrent_decodes=batch, max_prefill_length=plen, max_target_length=target, **serving)
+    c = eng.cfg  # the architecture in the engine's dtype
+    out: dict[str, Any] = {"config": config, "overrides": list(overrides), "batch": batch, "new_tokens": new_tokens,
+                           "prompt_tokens": plen, "attention_impl": resolve_attention_impl(eng.settings),
+                           "dtype": eng.dtype, "shared_prefix_tokens": len(head)}
+
+    bar = tqdm(total=5, desc="bench engine", unit="part")  # five parts, minutes each on a CPU
+    # 1. Fixed batch: `batch` sequences, `new_tokens` each (no early stop), sampling.
+
+    def fixed_run(overlap=None):
+        rate, d, _ = run_fixed_batch(eng, params, prompts[:batch], new_tokens, head, overlap, seed)
+        return rate, d
+
+    # transformers `generate` at the same batch and sampling, timed alternately with the engine's run.
+    hf_run = hf_generate_run(prompts[:batch], new_tokens, c.compute_dtype, out) if with_hf else None
+    out["overlap"] = fixed_run()[1].overlap  # compiles
+    runs = {"engine_tok_s": lambda: fixed_run()[0]}
+    if hf_run is not None:
+        runs["hf_tok_s"] = hf_run
+    seen = alternated(runs, rounds)
+    out.update({k: max(v) for k, v in seen.items()}, fixed_batch_runs=seen)
+    if hf_run is not None:
+        out["engine_vs_hf"] = out["engine_tok_s"] / out["hf_tok_s"]
+        out["engine_vs_hf_median"] = float(np.median(seen["engine_tok_s"]) / np.median(seen["hf_tok_s"]))
+    elif with_hf:
+        out["hf_tok_s"] = None
+
+    # Roofline of the whole measured run (prefill included: the timed run does it), from the matmul rate and
+    # read bandwidth measured now. Prefill of each prompt: 2 FLOPs per layer param per prompt token plus the
+    # head on its last token, weights read once. Each decode step: 2 FLOPs per param per row (the tied head
+    # counted once) plus attention over the row's context; weights read once plus every row's cache.
+    m = measure_machine()
+    m["matmul_flop_s_at_batch"] = measure_matmul(batch, cfg.model.hidden_size, 2 * cfg.model.intermediate_size)
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    n_head = c.vocab_size * c.hidden_size
+    n_layers = n_params - n_head * (1 if c.tie_embeddings else 2) - c.hidden_size
+    weight_bytes = n_params * jax.numpy.dtype(c.compute_dtype).itemsize  # as the engine holds them
+    cache_item = jax.numpy.dtype(c.compute_dtype).itemsize
+    attn = 4 * c.num_layers * c.num_heads * c.head_dim  # FLOPs per (query, key) pair
+    def prefill_cost(start, end, head_rows=1):  # tokens start..end - 1 of a prompt, attending to 0..end - 1
+        flops = (2 * n_layers * (end - start) + attn * (end * (end + 1) - start * (start + 1)) / 2
+                 + 2 * n_head * head_rows)
+        return max(flops / m["matmul_flop_s"], weight_bytes / m["read_bytes_s"])
+
+    prefill_s = sum(prefill_cost(len(head), len(p)) for p in prompts[:batch]) + (prefill_cost(0, len(head), 0)
+                                                                                  if head else 0.0)
+    decode_s = 0.0
+    for i in range(1, new_tokens):  # the first token of each row comes from prefill
+        ctx = sum(len(p) + i for p in prompts[:batch])
+        kv_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * cache_item * ctx
+        decode_s += max((2 * n_params * batch + attn * ctx) / m["matmul_flop_s"],
+                        (weight_bytes + kv_bytes) / m["read_bytes_s"])
+    step_s = decode_s / (new_tokens - 1)
+    out.update(m, roofline_tok_s=batch * new_tokens / (prefill_s + decode_s),
+               roofline_prefill_s=prefill_s, roofline_decode_step_ms=1e3 * step_s,
+               decode_only_roofline_tok_s=batch / step_s)
+    out["roofline_fraction"] = out["engine_tok_s"] / out["roofline_tok_s"]
+
+    # The ceiling of both ratios above: a decode step built from these products (in the faster of the two
+    # weight layouts) cannot beat its weight matmuls, so with every other part of the step free the engine
+    # would reach `matmul_only_tok_s`. Its ratio to transformers and to the decode roofline bounds
+    # `engine_vs_hf` and `roofline_fraction` (prefill only lowers them further).
+    out.update(measure_matmul_chain(c, batch, torch_device=out.get("hf_device") if out.get("hf_tok_s") else None))
+    out["engine_vs_matmul_only"] = out["engine_tok_s"] / out["matmul_only_tok_s"]
+    out["matmul_only_vs_decode_roofline"] = out["matmul_only_tok_s"] / out["decode_only_roofline_tok_s"]
+    if out.get("hf_tok_s"):
+        out["matmul_only_vs_hf"] = out["matmul_only_tok_s"] / out["hf_tok_s"]
+
+    bar.update()
+    bar.set_postfix_str("long tail")
+    # 2. Long tail: continuous batching vs static batches that wait for their longest member; alternated,
+    # best of `rounds` each.
+    lengths = _lengths(tail_requests, rng, p50=8, tail=96, max_len=new_tokens)
+    out["tail_lengths"] = {"p50": float(np.percentile(lengths, 50)), "p99": float(np.percentile(lengths, 99)),
+                           "max": int(max(lengths)), "total": int(sum(lengths))}
+    reqs = [Request(i, tuple(prompts[i]), max_new_tokens=int(n), sampling=sampling) for i, n in enumerate(lengths)]
+    eng2 = eng if tail_slots == batch else Engine(model, max_concurrent_decodes=tail_slots, max_prefill_length=plen,
+                                                  max_target_length=target, **serving)  # same slots: its programs
+
+    def continuous(overlap=None, prefix=head):
+        d = RolloutDriver(eng2, overlap=overlap, shared_prefix=prefix)
+        d.add_version(0, params)
+        _, seconds = timed(lambda: (d.run(reqs), d.block_until_ready()))
+        return sum(lengths) / seconds, d.slot_utilization
+
+    def static(prefix=head):
+        d = RolloutDriver(eng2, compact=False, shared_prefix=prefix)
+        d.add_version(0, params)
+        _, seconds = timed(lambda: [d.run(reqs[i:i + tail_slots]) for i in range(0, len(reqs), tail_slots)])
+        return sum(lengths) / seconds, d.slot_utilization
+
+    continuous(), static()  # compile every capacity both use
+    util: dict[str, float] = {}  # the same schedule every run: the utilization does not vary
+
+    def recording(name, fn):
+        def run():
+            rate, util[name] = fn()
+            return rate
+        return run
+
+    seen = alternated({"continuous_tok_s": recording("continuous", continuous),
+                       "static_tok_s": recording("static", static)}, rounds)
+    out.update({k: max(v) for k, v in seen.items()}, long_tail_runs=seen, slot_utilization=util)
+    out["continuous_vs_static"] = out["continuous_tok_s"] / out["static_tok_s"]
+
+    bar.update()
+    bar.set_postfix_str("GRPO groups")
+    # 3. GRPO groups: the same long-tailed lengths, but every `group_size` consecutive samples share a prompt.
+    # Continuous batching with each distinct prompt prefilled once per admission vs every sample prefilled
+    # on its own (one prompt per prefill program, as a JetStream engine does).
+    grouped = [Request(i, tuple(prompts[i // group_size]), max_new_tokens=int(n), sampling=sampling)
+               for i, n in enumerate(lengths)]
+
+    def groups(batch_prefill):
+        d = RolloutDriver(eng2, batch_prefill=batch_prefill, shared_prefix=head)
+        d.add_version(0, params)
+        return sum(lengths) / timed(lambda: d.run(grouped))[1]
+
+    groups(True), groups(False)  # compile
+    out["group_size"] = group_size
+    out["group_prefill_tok_s"], out["single_prefill_tok_s"] = groups(True), groups(False)
+    out["group_vs_single_prefill"] = out["group_prefill_tok_s"] / out["single_prefill_tok_s"]
+
+    bar.update()
+    bar.set_postfix_str("overlap")
+    # 4. Host/device overlap: the fixed batch of part 1 and the long tail's continuous run (admissions while
+    # a step is in flight) with step t + 1 dispatched before step t is read back, against reading each step
+    # before dispatching the next; alternated, best of two each (of five when a run is shorter than two
+    # seconds, as on a small model, where one run is noisy).
+    continuous(True)  # compile the capacities its timing reaches
+    for name, fn, secs in (("", lambda o: fixed_run(o)[0], batch * new_tokens / out["engine_tok_s"]),
+                           ("tail_", lambda o: continuous(o)[0], sum(lengths) / out["continuous_tok_s"])):
+        best = best_alternated({f"no_overlap_{name}tok_s": lambda: fn(False),
+                                f"overlap_{name}tok_s": lambda: fn(True)}, rounds=2 if secs > 2 else 5)
+        out.update(best)
+        out[f"overlap_{name}vs_none"] = best[f"overlap_{name}tok_s"] / best[f"no_overlap_{name}tok_s"]
+
+    bar.update()
+    bar.set_postfix_str("shared prefix")
+    # 5. The shared prefix: the long tail's continuous and static runs with the template head prefilled once
+    # (as above) and with every prompt prefilled whole; alternated, best of two each.
+    if head:
+        continuous(prefix=()), static(prefix=())  # compile the whole-prompt buckets
+        out.update(best_alternated({"no_prefix_continuous_tok_s": lambda: continuous(prefix=())[0],
+                                    "no_prefix_static_tok_s": lambda: static(prefix=())[0],
+                                    "prefix_continuous_tok_s": lambda: continuous(prefix=head)[0],
+                                    "prefix_static_tok_s": lambda: static(prefix=head)[0]}, rounds=2))
+        for name in ("prefix", "no_prefix"):
+            out[f"{name}_continuous_vs_static"] = out[f"{name}_continuous_tok_s"] / out[f"{name}_static_tok_s"]
+        out["prefix_vs_none_continuous"] = out["prefix_continuous_tok_s"] / out["no_prefix_continuous_tok_s"]
+    bar.update()
+    bar.close()
+    out["machine"] = machine()
+    return out
