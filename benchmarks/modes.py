@@ -19,7 +19,6 @@ import tempfile
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.record import machine
@@ -54,30 +53,25 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, noise_seeds: int = 3
       out_dir: keep the run directories here (default: a temporary directory).
     """
     from dora_jax.models.weights import load_model
-    from dora_jax.runner import Runner, make_engine, make_parts
+    from dora_jax.run import Placement, Runner
     from dora_jax.sharding import create_mesh
-    from dora_jax.trainer import Trainer
 
     devices = jax.devices()
     placement = SPLIT if len(devices) >= 2 else []
     base = load_config(config, OVERRIDES + [f"dora.steps={steps}"])
     one = create_mesh(base.mesh, devices[:1])
     model, _ = load_model(base.model, one, base.mesh.logical_axis_rules, seed=base.run.seed, progress=False)
-    trainer, state0 = Trainer.create(base, model=model, mesh=one)
-    shared_parts = (trainer, make_engine(base, model, one))
-    split_parts = None
-    if placement:
-        s_trainer, _, s_engine = make_parts(load_config(config, OVERRIDES + placement), model)
-        split_parts = (s_trainer, s_engine)
+    # One placement per layout, reused by every mode (compiled once); each run starts from the same weights.
+    shared = Placement.build(base, model, devices[:1], keep_initial=True)
+    split_placement = (Placement.build(load_config(config, OVERRIDES + placement), model, keep_initial=True)
+                       if placement else None)
     tmp = out_dir or tempfile.mkdtemp(prefix="dora_bench_modes_")
 
     def run(name: str, mode: str, k: int, extra: list[str], n_steps: int, split: bool) -> dict[str, Any]:
         cfg = load_config(config, OVERRIDES + [f"dora.steps={n_steps}"] + _mode_overrides(mode, k, TBS) + extra
                           + (placement if split else []))
-        t, engine = split_parts if split else shared_parts
-        state = jax.tree.map(jnp.copy, state0)  # every mode starts from the same weights
         run_dir = os.path.join(tmp, name)
-        summary = Runner(cfg, run_dir, model=model, parts=(t, state, engine), progress=False).run()
+        summary = Runner(cfg, run_dir, placement=split_placement if split else shared, progress=False).run()
         rows = read_metrics(run_dir)
         return {"summary": summary, "rows": rows}
 

@@ -43,7 +43,7 @@ def bench_snapshot(config: str = "smollm2_135m", rows: int = 8, prompt_len: int 
     from tqdm.auto import tqdm
 
     from dora_jax.config import load_config
-    from dora_jax.versions import Snapshots, VersionStore
+    from dora_jax.run.versions import Snapshots, VersionStore
 
     cfg = load_config(config, overrides)
     rng = np.random.default_rng(seed)

@@ -61,7 +61,7 @@ def cmd_demo(args) -> int:
 def cmd_train(args) -> int:
     import os
 
-    from dora_jax.runner import Runner
+    from dora_jax.run import Runner
 
     cfg = _load(args)
     run_dir = args.run_dir or os.path.join(cfg.run.out_dir, cfg.run.name)
@@ -254,14 +254,14 @@ def main(argv: list[str] | None = None) -> int:
     from dora_jax.models.hf_io import WeightsError
     from dora_jax.tokenizer import TokenizerError
 
-    from dora_jax.checkpoint import CheckpointError
+    from dora_jax.run.checkpoint import CheckpointError
     from dora_jax.metrics import MetricsError
-    from dora_jax.resume import ResumeError
-    from dora_jax.runner import RunError
-    from dora_jax.scheduler import ScheduleError
+    from dora_jax.run.resume import ResumeError
+    from dora_jax.run import RunError
+    from dora_jax.dora.scheduler import ScheduleError
     from dora_jax.tasks.gsm8k import TaskDataError
     from dora_jax.trainer.batch import BatchError
-    from dora_jax.versions import VersionError
+    from dora_jax.run.versions import VersionError
 
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)

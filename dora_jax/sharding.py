@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -213,10 +214,9 @@ def settle(tree: Any) -> Any:
     """Waits for ``tree`` when it lives on several CPU devices of this process; returns it unchanged.
 
     XLA:CPU's in-process collectives hold a thread of the shared pool per participant while they wait for the
-    others. The engine and the trainer pass every multi-device result through here, so on CPU one such
-    program runs at a time and a stuck collective is the one the host waits for (its stack names it). The
-    aborts our tests used to hit had another cause (collectives in different orders within one program,
-    :mod:`dora_jax.xla_flags`). On accelerators, and for single-device arrays, nothing waits.
+    others, so on CPU one multi-device program runs at a time and a stuck collective is the one the host waits
+    for (its stack names it). Single-device arrays are not waited for. Programs get this through
+    :func:`serial_jit`.
     """
     for leaf in jax.tree.leaves(tree):
         if isinstance(leaf, jax.Array):
@@ -228,6 +228,24 @@ def settle(tree: Any) -> Any:
                 jax.block_until_ready(tree)
             break
     return tree
+
+
+def serial_jit(fun: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
+    """``jax.jit(fun, **jit_kwargs)``, whose calls on the CPU backend also :func:`settle` their results.
+
+    On accelerators this is ``jax.jit`` itself: nothing waits and calls stay asynchronous. The returned
+    function keeps ``lower`` for inspecting the compiled program.
+    """
+    jitted = jax.jit(fun, **jit_kwargs)
+    if jax.default_backend() != "cpu":
+        return jitted
+
+    @functools.wraps(fun)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return settle(jitted(*args, **kwargs))
+
+    call.lower = jitted.lower
+    return call
 
 
 def reshard(tree: Any, shardings: Any) -> tuple[Any, float]:

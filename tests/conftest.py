@@ -55,6 +55,24 @@ def rel_err(actual, expected) -> float:
     return float(np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-30))
 
 
+@pytest.fixture
+def published(monkeypatch):
+    """``published(store)``: every version published through that :class:`~dora_jax.run.versions.VersionStore`
+    during the test, ``{version: params}`` (a copy each), so a test can recompute a trajectory's log-probs on the
+    version that generated it after the store let the version go."""
+    from dora_jax.run.versions import VersionStore
+
+    seen: dict[int, dict[int, object]] = {}
+    publish = VersionStore.publish
+
+    def recording(self, version, params, **kw):
+        seen.setdefault(id(self), {})[int(version)] = jax.tree.map(lambda x: x.copy(), params)
+        return publish(self, version, params, **kw)
+
+    monkeypatch.setattr(VersionStore, "publish", recording)
+    return lambda store: seen.get(id(store), {})
+
+
 @pytest.fixture(scope="session")
 def torch_threads():
     import torch

@@ -23,7 +23,7 @@ import time
 _RUN = """
 import sys
 from dora_jax.config import load_config
-from dora_jax.runner import Runner
+from dora_jax.run import Runner
 steps, out = int(sys.argv[1]), sys.argv[2]
 cfg = load_config("tiny_llama", [f"dora.steps={steps}", "dora.mode=sync", "dora.train_batch=8",
     "dora.rollout_batch=16", "train.max_staleness=0", "train.group_size=4", "rollout.slots=8",

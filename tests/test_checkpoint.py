@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from dora_jax.checkpoint import MARKER, CheckpointError, RunCheckpoints, check_json
+from dora_jax.run.checkpoint import MARKER, CheckpointError, RunCheckpoints, check_json
 from dora_jax.config import MeshConfig, load_config
 from dora_jax.sharding import create_mesh
 from dora_jax.trainer import Trainer
@@ -121,7 +121,7 @@ def test_damaged_newest_falls_back_to_previous(setup, ckpts, damage, message, ca
         (newest / "meta.json").unlink()
     else:
         (newest / MARKER).unlink()
-    with caplog.at_level(logging.WARNING, logger="dora_jax.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="dora_jax.run.checkpoint"):
         found = ckpts.restore_latest(target=state)
     assert found.step == 2 and equal_trees(found.train_state, bumped(state, 2))
     assert found.run_state == run_state(2)
@@ -147,7 +147,7 @@ def test_other_config_fingerprint_falls_back(setup, ckpts):
 
 def test_crash_before_commit_leaves_previous_usable(setup, ckpts, monkeypatch):
     _, state = setup
-    import dora_jax.checkpoint as ck
+    import dora_jax.run.checkpoint as ck
 
     def crash(root):
         raise KeyboardInterrupt("killed while hashing")

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from dora_jax.ledger import Ledger
+from dora_jax.dora.ledger import Ledger
 from dora_jax.xla_flags import cpu_device_flags
 
 STEPS, TBS, K = 3, 8, 2
@@ -39,7 +39,7 @@ _WORKER = textwrap.dedent("""
     from jax.experimental import multihost_utils
     from dora_jax.config import MeshConfig, load_config
     from dora_jax.models.build import abstract_model, state_shardings
-    from dora_jax.runner import Runner
+    from dora_jax.run import Runner
     from dora_jax.sharding import ProcessLocalCopy, process_meshes
 
     run_dir, out, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -48,21 +48,21 @@ _WORKER = textwrap.dedent("""
     summary = runner.run()
     # This process's rollout copy of the newest version against the trainer's (global) params.
     v = runner.sched.version
-    local = jax.tree.leaves(runner._rollout_params[v])
-    full = [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in jax.tree.leaves(runner._params[v])]
+    local = jax.tree.leaves(runner.versions.rollout_params(v)[0])
+    full = [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in jax.tree.leaves(runner.versions.params(v))]
     # The same move onto a tensor-sharded mesh of each process's devices: every shard is the right slice.
     cfg = runner.cfg
     meshes = process_meshes(MeshConfig(data=1, fsdp=1, tensor=4))
     to_tp = ProcessLocalCopy(state_shardings(abstract_model(cfg.model)[1], meshes[jax.process_index()],
                                              cfg.mesh.logical_axis_rules), meshes)
-    tp = jax.tree.leaves(to_tp(runner._params[v])[0])
+    tp = jax.tree.leaves(to_tp(runner.versions.params(v))[0])
     tp_ok = all(x.is_fully_addressable and {d.process_index for d in x.sharding.device_set} == {jax.process_index()}
                 and np.array_equal(np.asarray(x), b) for x, b in zip(tp, full))
     tp_sharded = sum(not x.sharding.is_fully_replicated for x in tp)
     rec = {"pid": jax.process_index(), "processes": jax.process_count(), "devices": jax.device_count(),
-           "resumed_at": resumed_at, "generated": runner.generated,
+           "resumed_at": resumed_at, "generated": runner.rollout.generated,
            "trainer_devices": int(runner.trainer.mesh.devices.size),
-           "rollout_devices": sorted(d.id for d in runner.engine.mesh.devices.flat),
+           "rollout_devices": sorted(d.id for d in runner.placement.engine.mesh.devices.flat),
            "local_devices": sorted(d.id for d in jax.local_devices()),
            "updates": runner.updates, "ledger": runner.sched.state_dict(),
            "copy_max_diff": max(float(np.max(np.abs(np.asarray(a) - b))) for a, b in zip(local, full)),

@@ -32,9 +32,9 @@ import numpy as np
 import pytest
 
 from dora_jax.config import load_config
-from dora_jax.ledger import Ledger, LedgerError
-from dora_jax.resume import ResumeError, RunStore, truncate_lines
-from dora_jax.runner import Runner, RunError
+from dora_jax.dora.ledger import Ledger, LedgerError
+from dora_jax.run.resume import ResumeError, RunStore, truncate_lines
+from dora_jax.run import Runner, RunError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["dora.steps=4", "dora.train_batch=8", "train.group_size=4", "train.learning_rate=0.003", "rollout.slots=8",
@@ -47,7 +47,7 @@ CHILD = """
 import json, os, signal, sys
 run_dir, overrides, kill_after = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 sys.modules["tensorboardX"] = None  # optional; its import (torch) would cost each child seconds
-from dora_jax import runner
+from dora_jax.run import loop as runner
 from dora_jax.config import load_config
 if kill_after:
     write = runner.MetricsWriter.write
@@ -328,8 +328,8 @@ def test_a_cut_off_first_checkpoint_starts_afresh_and_corrupt_ones_only_stop(tmp
 def test_run_states_and_metadata_the_runner_did_not_write_are_named(tmp_path, monkeypatch):
     """A run state whose metrics lack a counter (another version wrote it) and a checkpoint whose meta.json is
     not a mapping: a ResumeError naming the file, and the config check passes over what restore reports."""
-    from dora_jax.resume import RUN_METRICS, pack_run_state, unpack_run_state
-    from dora_jax.scheduler import SchedulePolicy, Scheduler
+    from dora_jax.run.resume import RUN_METRICS, pack_run_state, unpack_run_state
+    from dora_jax.dora.scheduler import SchedulePolicy, Scheduler
 
     cfg = load_config("tiny_llama", SYNC)
     policy = SchedulePolicy("sync", 0, 8, 8, 4, 32)

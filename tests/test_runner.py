@@ -17,8 +17,8 @@ import pytest
 
 from conftest import rel_err
 from dora_jax.config import ConfigError, load_config
-from dora_jax.ledger import Ledger
-from dora_jax.runner import Runner, RunError
+from dora_jax.dora.ledger import Ledger
+from dora_jax.run import Placement, Runner, RunError
 from dora_jax.tasks import load_task
 from dora_jax.trainer import make_batch, Sample
 
@@ -34,23 +34,11 @@ def tiny(*overrides):
 
 @pytest.fixture(scope="module")
 def shared():
-    """One model, trainer and engine for every run of this module, so their compiled functions are shared;
-    each run starts from a copy of the same initial state. Trainer settings (K = 2 for its staleness mask,
-    the learning rate) are the same in every run here; the schedule's own bound is set per run."""
-    import jax
-    import jax.numpy as jnp
-
-    from dora_jax.models.weights import load_model
-    from dora_jax.runner import make_engine
-    from dora_jax.sharding import create_mesh
-    from dora_jax.trainer import Trainer
-
-    cfg = tiny()
-    mesh = create_mesh(cfg.mesh)
-    model, _ = load_model(cfg.model, mesh, cfg.mesh.logical_axis_rules, seed=cfg.run.seed, progress=False)
-    trainer, state = Trainer.create(cfg, model=model, mesh=mesh)
-    engine = make_engine(cfg, model, mesh)
-    return lambda: dict(model=model, parts=(trainer, jax.tree.map(jnp.copy, state), engine), progress=False)
+    """One placement (model, trainer and engine) for every run of this module, so their compiled functions are
+    shared; each run starts from a copy of the same initial state. Trainer settings (K = 2 for its staleness
+    mask, the learning rate) are the same in every run here; the schedule's own bound is set per run."""
+    placement = Placement.build(tiny(), keep_initial=True, progress=False)
+    return lambda: dict(placement=placement, progress=False)
 
 
 SPLIT = ["roles.placement=split", "roles.trainer_devices=4", "target.num_devices=8", "mesh.data=1", "mesh.fsdp=2",
@@ -97,14 +85,14 @@ def raise_on_even_prompt(prompt, response, answer):
 @pytest.mark.parametrize("mode,k,rbs,placement,overlap", [
     ("sync", 0, 8, "shared", False), ("one_step_off", 1, 8, "shared", False), ("dora", 2, 24, "shared", False),
     ("dora", 2, 24, "shared", True), ("dora", 2, 24, "split", False), ("dora", 2, 24, "split2", False)])
-def test_each_mode_keeps_the_promises(tmp_path, request, mode, k, rbs, placement, overlap):
+def test_each_mode_keeps_the_promises(tmp_path, request, published, mode, k, rbs, placement, overlap):
     # split: the trainer on devices 0-3, the engine on 4-7 (tensor 2); split2: two rollout groups, one engine on
     # devices 4-5 and one on 6-7. Both built by the runner from the config; shared: the module's parts.
     cfg = tiny(f"dora.mode={mode}", f"dora.rollout_batch={rbs}", f"rollout.overlap={str(overlap).lower()}",
                *(SPLIT if placement.startswith("split") else []),
                *(["roles.rollout_groups=2"] if placement == "split2" else []))
     parts = request.getfixturevalue("shared")() if placement == "shared" else dict(progress=False)
-    runner = Runner(cfg, str(tmp_path), keep_versions=True, **parts)
+    runner = Runner(cfg, str(tmp_path), **parts)
     assert runner.driver.overlap is overlap  # the rollout driver dispatches ahead only when asked
     summary = runner.run()
     assert summary["placement"] == {"split2": "split"}.get(placement, placement)
@@ -116,8 +104,9 @@ def test_each_mode_keeps_the_promises(tmp_path, request, mode, k, rbs, placement
         rollout_devices = set().union(*group_devices)
         assert len(trainer_devices) == len(rollout_devices) == 4 and not trainer_devices & rollout_devices
         assert sum(map(len, group_devices)) == 4  # the groups are disjoint
-        for params in runner._rollout_params.values():
-            assert all(set(x.sharding.device_set) <= group_devices[0] for x in jax.tree.leaves(params))
+        for v in runner.versions.resident():
+            for params, devices in zip(runner.versions.rollout_params(v), group_devices):
+                assert all(set(x.sharding.device_set) <= devices for x in jax.tree.leaves(params))
         assert summary["sync_s"] > 0
     if placement == "split2":  # two engines, both decoded: the work was shared
         assert len(runner.engines) == 2 and all(d.rows_live > 0 for d in runner.driver.drivers)
@@ -152,10 +141,11 @@ def test_each_mode_keeps_the_promises(tmp_path, request, mode, k, rbs, placement
     batch = trainer.put(make_batch(samples, group_size=4, length_buckets=(64,), row_multiple=trainer.row_multiple))
     mask = np.asarray(batch.loss_mask) > 0
     recorded = np.asarray(batch.behaviour_logprobs)
-    own = np.asarray(trainer.with_recomputed_behaviour(batch, runner.versions_seen).recomputed_logprobs)
+    seen = published(runner.versions.store)
+    own = np.asarray(trainer.with_recomputed_behaviour(batch, seen).recomputed_logprobs)
     assert rel_err(own[mask], recorded[mask]) <= 1e-4
-    versions = sorted(runner.versions_seen)
-    other = {v: runner.versions_seen[versions[-1] if v != versions[-1] else versions[0]] for v in versions}
+    versions = sorted(seen)
+    other = {v: seen[versions[-1] if v != versions[-1] else versions[0]] for v in versions}
     wrong = np.asarray(trainer.with_recomputed_behaviour(batch, other).recomputed_logprobs)
     assert rel_err(wrong[mask], recorded[mask]) > 1e-3  # another version's log-probs are detectably different
 

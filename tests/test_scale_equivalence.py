@@ -18,7 +18,7 @@ from conftest import rel_err
 from dora_jax.config import load_config
 from dora_jax.metrics import read_metrics
 from dora_jax.models.weights import load_model
-from dora_jax.runner import Runner, RunError
+from dora_jax.run import Runner, RunError
 from dora_jax.sharding import create_mesh
 
 STEPS = 3
@@ -45,22 +45,23 @@ def mean_char_code(prompt, response, answer):
     return float(np.mean([min(ord(c), 255) for c in response]) / 255) if response else 0.0
 
 
-def _run(run_dir, cfg, model, devices):
+def _run(run_dir, cfg, model, devices, published):
     graphdef, params = nnx.split(model)
     model = nnx.merge(graphdef, jax.tree.map(jnp.copy, params))  # the run's train steps donate its params
-    runner = Runner(cfg, str(run_dir), model=model, devices=devices, keep_versions=True, progress=False)
-    assert set(runner.trainer.mesh.devices.flat) == set(runner.engine.mesh.devices.flat) == set(devices)
+    runner = Runner(cfg, str(run_dir), model=model, devices=devices, progress=False)
+    assert set(runner.trainer.mesh.devices.flat) == set(runner.placement.engine.mesh.devices.flat) == set(devices)
     runner.run()
+    versions = published(runner.versions.store)
     with open(os.path.join(run_dir, "samples.jsonl"), encoding="utf-8") as f:
         samples = [json.loads(line) for line in f]
-    return runner, read_metrics(str(run_dir)), samples
+    return versions, read_metrics(str(run_dir)), samples
 
 
 def _flat(params):
     return np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(params)])
 
 
-def test_one_device_and_eight_devices_give_the_same_sync_run(tmp_path):
+def test_one_device_and_eight_devices_give_the_same_sync_run(tmp_path, published):
     devices = jax.devices()
     assert len(devices) >= 8, "tests run with 8 fake CPU devices (see conftest.py)"
     cfg1 = load_config("tiny_llama", RUN + ONE_DEVICE)
@@ -70,9 +71,9 @@ def test_one_device_and_eight_devices_give_the_same_sync_run(tmp_path):
     # trainer places its params on that run's own mesh.
     model, _ = load_model(cfg1.model, create_mesh(cfg1.mesh, devices[:1]), cfg1.mesh.logical_axis_rules,
                           seed=cfg1.run.seed, progress=False)
-    one, m1, s1 = _run(tmp_path / "one", cfg1, model, devices[:1])
-    eight, m8, s8 = _run(tmp_path / "eight", cfg8, model, devices[:8])
-    np.testing.assert_array_equal(_flat(eight.versions_seen[0]), _flat(one.versions_seen[0]))
+    one, m1, s1 = _run(tmp_path / "one", cfg1, model, devices[:1], published)
+    eight, m8, s8 = _run(tmp_path / "eight", cfg8, model, devices[:8], published)
+    np.testing.assert_array_equal(_flat(eight[0]), _flat(one[0]))
 
     # The same trajectories. Sampling draws from per-row keys of the seed, so tokens could only differ where a
     # rounding-level logit difference flips a draw; that would show here, before any loss is compared.
@@ -108,14 +109,14 @@ def test_one_device_and_eight_devices_give_the_same_sync_run(tmp_path):
     # terms, ~0.1 after clipping) that is 1e-2 of the learning rate per update (measured: <= 6e-3).
     lr = cfg1.train.learning_rate
     for v in range(1, STEPS + 1):
-        moved = np.abs(_flat(one.versions_seen[v]) - _flat(one.versions_seen[0])).max()
+        moved = np.abs(_flat(one[v]) - _flat(one[0])).max()
         assert moved >= 0.5 * lr  # Adam moves weights by ~lr per update
-        diff = np.abs(_flat(eight.versions_seen[v]) - _flat(one.versions_seen[v])).max()
+        diff = np.abs(_flat(eight[v]) - _flat(one[v])).max()
         assert diff <= 2e-2 * v * lr, (v, diff)
 
 
-def test_devices_and_parts_together_are_refused(tmp_path):
+def test_devices_and_a_placement_together_are_refused(tmp_path):
     cfg = load_config("tiny_llama", RUN)
-    with pytest.raises(RunError, match="devices or parts, not both"):
-        Runner(cfg, str(tmp_path), parts=(None, None, None), devices=jax.devices()[:1], progress=False)
+    with pytest.raises(RunError, match="devices or a placement, not both"):
+        Runner(cfg, str(tmp_path), placement=object(), devices=jax.devices()[:1], progress=False)
     assert not os.path.exists(tmp_path / "metrics.jsonl")

@@ -10,8 +10,8 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dora_jax.ledger import Ledger, LedgerError
-from dora_jax.scheduler import SchedulePolicy, ScheduleError, Scheduler
+from dora_jax.dora.ledger import Ledger, LedgerError
+from dora_jax.dora.scheduler import SchedulePolicy, ScheduleError, Scheduler
 
 
 def simulate(policy: SchedulePolicy, slots: int, seed: int, filter_p: float = 0.0, max_len: int = 40):

@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from dora_jax.ledger import Ledger
+from dora_jax.dora.ledger import Ledger
 from dora_jax.sim.config import Costs, SimConfigError, load_sim_config, parse_config
 from dora_jax.sim.engine import Instance, Placement, Row, SimLedger
 from dora_jax.sim.lengths import length_dist

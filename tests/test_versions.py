@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dora_jax.checkpoint import CheckpointError
+from dora_jax.run.checkpoint import CheckpointError
 from dora_jax.config import LoraConfig, MeshConfig, load_config
 from dora_jax.models.build import abstract_model, init_model, state_shardings
 from dora_jax.sharding import create_mesh
 from dora_jax.trainer import lora as lora_lib
-from dora_jax.versions import Snapshots, VersionError, VersionStore, retained
+from dora_jax.run.versions import Snapshots, VersionError, VersionStore, retained
 from flax import nnx
 
 
@@ -304,7 +304,7 @@ def test_truncated_or_missing_snapshot_files_are_named_before_orbax_reads(tmp_pa
     import json
     import os
 
-    from dora_jax.versions import SIZES
+    from dora_jax.run.versions import SIZES
 
     snaps = Snapshots(tmp_path, fingerprint="aaaa")
     many = {f"w{i}": jnp.full((64, 64), float(i)) for i in range(8)}

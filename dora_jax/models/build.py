@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from dora_jax.config import ModelConfig
 from dora_jax.models.decoder import Decoder, param_axes
-from dora_jax.sharding import Rules, settle, tree_shardings
+from dora_jax.sharding import Rules, serial_jit, tree_shardings
 
 
 def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
@@ -38,8 +38,8 @@ def init_model(cfg: ModelConfig, mesh: Mesh | None = None, rules: Rules = (), *,
         return nnx.state(Decoder(cfg, rngs=nnx.Rngs(seed)))
 
     if mesh is None:
-        state = jax.jit(init)()
+        state = serial_jit(init)()
     else:
         shardings = state_shardings(abstract_state, mesh, rules)
-        state = settle(jax.jit(init, out_shardings=shardings)())
+        state = serial_jit(init, out_shardings=shardings)()
     return nnx.merge(graphdef, state)

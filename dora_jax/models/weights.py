@@ -32,7 +32,7 @@ from dora_jax.models.build import abstract_model, state_shardings
 from dora_jax.models.decoder import Decoder
 from dora_jax.models.hf_io import (REQUIRED, HFCheckpoint, WeightsError, hf_config_from_model,
                                    model_fields_from_hf_config, typed_field, write_safetensors)
-from dora_jax.sharding import Rules, create_mesh, settle
+from dora_jax.sharding import Rules, create_mesh, serial_jit
 
 # ----------------------------------------------------------------------------------------------------------
 # Sources
@@ -342,7 +342,7 @@ def load_model(cfg: ModelConfig, mesh: Mesh | None = None, rules: Rules = (), *,
             layer_sharding = NamedSharding(mesh, P(*tuple(target.spec)[1:]))
             pieces = [jax.device_put(read(spec.hf.format(i=i), want[1:]), layer_sharding)
                       for i in range(cfg.num_layers)]
-            flat[spec.name] = settle(jax.jit(lambda *xs: jnp.stack(xs), out_shardings=target)(*pieces))
+            flat[spec.name] = serial_jit(lambda *xs: jnp.stack(xs), out_shardings=target)(*pieces)
             del pieces
         else:
             flat[spec.name] = jax.device_put(read(spec.hf, want), target)

@@ -37,7 +37,7 @@ from dora_jax.models.decoder import (FUSED_INPUTS, Decoder, DecodeSettings, KVCa
                                      fuse_layer_params, head_logits, init_cache, resolve_decode_weights,
                                      transpose_decode_params, transpose_weights)
 from dora_jax.rollout.sampling import SamplingParams, needs_filter, row_keys, sample
-from dora_jax.sharding import settle
+from dora_jax.sharding import serial_jit
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -221,20 +221,20 @@ class Engine:
         self.max_target_length = max_target_length
         self._mesh = mesh
         self._prepared: PreparedParams | None = None
-        self._prefill_jit = jax.jit(self._prefill_impl)
-        self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(1,))
-        self._prefill_rows_jit = jax.jit(self._prefill_rows_impl)
-        self._shared_prefix_jit = jax.jit(self._shared_prefix_impl)
-        self._first_tokens_jit = jax.jit(self._first_tokens_impl)
-        self._insert_batch_jit = jax.jit(self._insert_batch_impl, donate_argnums=(1,))
-        self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,), static_argnums=(2,))
-        self._generate_many_jit = jax.jit(self._generate_many_impl, donate_argnums=(1,), static_argnums=(2,))
-        self._resize_jit = jax.jit(self._resize_impl, static_argnums=(2,))
-        self._free_jit = jax.jit(lambda state, slot: state._replace(active=state.active.at[slot].set(False)),
+        self._prefill_jit = serial_jit(self._prefill_impl)
+        self._insert_jit = serial_jit(self._insert_impl, donate_argnums=(1,))
+        self._prefill_rows_jit = serial_jit(self._prefill_rows_impl)
+        self._shared_prefix_jit = serial_jit(self._shared_prefix_impl)
+        self._first_tokens_jit = serial_jit(self._first_tokens_impl)
+        self._insert_batch_jit = serial_jit(self._insert_batch_impl, donate_argnums=(1,))
+        self._generate_jit = serial_jit(self._generate_impl, donate_argnums=(1,), static_argnums=(2,))
+        self._generate_many_jit = serial_jit(self._generate_many_impl, donate_argnums=(1,), static_argnums=(2,))
+        self._resize_jit = serial_jit(self._resize_impl, static_argnums=(2,))
+        self._free_jit = serial_jit(lambda state, slot: state._replace(active=state.active.at[slot].set(False)),
                                  donate_argnums=(0,))
-        self._fuse_jit = jax.jit(fuse_layer_params)
-        self._transpose_jit = jax.jit(transpose_weights)
-        self._cast_jit = jax.jit(lambda tree: jax.tree.map(lambda x: x.astype(self.dtype), tree))
+        self._fuse_jit = serial_jit(fuse_layer_params)
+        self._transpose_jit = serial_jit(transpose_weights)
+        self._cast_jit = serial_jit(lambda tree: jax.tree.map(lambda x: x.astype(self.dtype), tree))
 
     # -- JetStream API properties --------------------------------------------------------------------------
 
@@ -384,14 +384,13 @@ class Engine:
             return params
         tree = nnx.merge(self.graphdef, params).decode_params(fuse=False)
         if any(x.dtype != self.dtype for x in jax.tree.leaves(tree)):  # one program casts the whole version
-            tree = settle(self._cast_jit(tree))
+            tree = self._cast_jit(tree)
         layers = dict(tree["layers"])
-        # One program for the whole fusion (not one eager concatenate per weight), waited for on CPU meshes
-        # like every other engine program (dora_jax.sharding.settle).
-        fused = settle(self._fuse_jit({n: layers.pop(n) for n in FUSED_INPUTS if n in layers}))
+        # One program for the whole fusion, not one eager concatenate per weight.
+        fused = self._fuse_jit({n: layers.pop(n) for n in FUSED_INPUTS if n in layers})
         tree = {**tree, "layers": {**layers, **fused}}
         if resolve_decode_weights(self.settings) == "out_in":  # each projection transposed once per version
-            tree = transpose_decode_params(tree, lambda ws: settle(self._transpose_jit(ws)))
+            tree = transpose_decode_params(tree, self._transpose_jit)
         return PreparedParams(tree)
 
     def load_params(self, params: Any) -> PreparedParams:
@@ -438,9 +437,9 @@ class Engine:
         # Host (numpy) arguments: jit moves them with the call, with no eager dispatch per argument.
         sp = SamplingParams(np.full((1,), sampling.temperature, np.float32), np.full((1,), sampling.top_k, np.int32),
                             np.full((1,), sampling.top_p, np.float32))
-        prefix, packed = settle(self._prefill_jit(self._prepared_params(params), tokens, np.int32(true_length),
+        prefix, packed = self._prefill_jit(self._prepared_params(params), tokens, np.int32(true_length),
                                                   np.int32(sample_id), np.int32(version), np.int32(sampling.seed),
-                                                  sp))
+                                                  sp)
         return prefix, ResultTokens(packed)
 
     def _prefill_after(self, params, shared: SharedPrefix, tokens: np.ndarray, sample_id, version,
@@ -461,7 +460,7 @@ class Engine:
         b = decode_state.tokens.shape[0]
         if not (isinstance(slot, (int, np.integer)) and 0 <= slot < b):
             raise EngineError(f"slot {slot!r} does not exist (decode state has slots 0..{b - 1})")
-        return settle(self._insert_jit(prefix, decode_state, np.int32(slot)))
+        return self._insert_jit(prefix, decode_state, np.int32(slot))
 
     def prefill_shared_prefix(self, *, params: Any = None, tokens: Sequence[int], version: int = 0) -> SharedPrefix:
         """Prefills ``tokens`` once for the policy version of ``params``, for :meth:`prefill_batch` to continue
@@ -476,7 +475,7 @@ class Engine:
         if not 0 < len(key) < self._max_prefill_length:
             raise EngineError(f"shared prefix of {len(key)} tokens; allowed 1..{self._max_prefill_length - 1} "
                               f"(max_prefill_length {self._max_prefill_length}, and a prompt must continue it)")
-        cache = settle(self._shared_prefix_jit(self._prepared_params(params), np.asarray(key, np.int32)))
+        cache = self._shared_prefix_jit(self._prepared_params(params), np.asarray(key, np.int32))
         return SharedPrefix(key, cache, int(version))
 
     def prefill_batch(self, *, params: Any = None, prompts: Sequence[Sequence[int]], sample_ids: Sequence[int],
@@ -539,11 +538,11 @@ class Engine:
         sp = SamplingParams(col([s.temperature for s in samplings], np.float32, 0.0),
                             col([s.top_k for s in samplings], np.int32, 0),
                             col([s.top_p for s in samplings], np.float32, 1.0))
-        cache, logits = settle(self._prefill_rows_jit(self._prepared_params(params), tokens, lengths,
-                                                      None if shared_prefix is None else shared_prefix.cache))
+        cache, logits = self._prefill_rows_jit(self._prepared_params(params), tokens, lengths,
+                                                      None if shared_prefix is None else shared_prefix.cache)
         ids, seeds = col(sample_ids, np.int32, 0), col([s.seed for s in samplings], np.int32, 0)
-        rest, packed = settle(self._first_tokens_jit(logits, lengths + skip, rows, valid, ids, np.int32(version),
-                                                     seeds, sp))
+        rest, packed = self._first_tokens_jit(logits, lengths + skip, rows, valid, ids, np.int32(version),
+                                                     seeds, sp)
         return PrefixBatch(cache, *rest), ResultTokens(packed)
 
     def insert_batch(self, batch: PrefixBatch, decode_state: DecodeState, slots: Sequence[int | None]
@@ -564,7 +563,7 @@ class Engine:
         taken = [s for s in slots if s is not None]
         if len(set(taken)) != len(taken):
             raise EngineError(f"insert_batch: slots {list(slots)} repeat a slot")
-        return settle(self._insert_batch_jit(batch, decode_state, idx))
+        return self._insert_batch_jit(batch, decode_state, idx)
 
     def generate(self, params: Any, decode_state: DecodeState, *, filtered: bool | None = None
                  ) -> tuple[DecodeState, ResultTokens]:
@@ -579,7 +578,7 @@ class Engine:
             choice that keeps the promise (see :func:`~dora_jax.rollout.sampling.sample`); the driver picks
             from its requests' settings with :func:`~dora_jax.rollout.sampling.needs_filter`.
         """
-        state, data = settle(self._generate_jit(self._prepared_params(params), decode_state, filtered))
+        state, data = self._generate_jit(self._prepared_params(params), decode_state, filtered)
         return state, ResultTokens(data)
 
     def generate_many(self, params_seq: Sequence[Any], states_seq: Sequence[DecodeState], *,
@@ -593,16 +592,16 @@ class Engine:
         """
         if len(params_seq) != len(states_seq) or not states_seq:
             raise EngineError(f"generate_many: {len(params_seq)} params for {len(states_seq)} decode states")
-        states, data = settle(self._generate_many_jit(tuple(self._prepared_params(p) for p in params_seq),
-                                                      tuple(states_seq), filtered))
+        states, data = self._generate_many_jit(tuple(self._prepared_params(p) for p in params_seq),
+                                                      tuple(states_seq), filtered)
         return states, ResultTokens(data)
 
     def free_slot(self, decode_state: DecodeState, slot: int) -> DecodeState:
         """Marks ``slot`` empty (the decode state is donated); its row is computed but never reported."""
-        return settle(self._free_jit(decode_state, np.int32(slot)))
+        return self._free_jit(decode_state, np.int32(slot))
 
     def resize(self, decode_state: DecodeState, rows: list[int], capacity: int) -> DecodeState:
         """Compacts or grows a decode state: new slot ``i`` holds old slot ``rows[i]`` (-1 or missing: empty)."""
         idx = np.full((capacity,), -1, np.int32)
         idx[:len(rows)] = rows
-        return settle(self._resize_jit(decode_state, idx, capacity))
+        return self._resize_jit(decode_state, idx, capacity)

@@ -1,5 +1,5 @@
 """Cluster simulator: a discrete-event model of the rollout/trainer pipeline driven by the real scheduler
-(:mod:`dora_jax.scheduler`, :mod:`dora_jax.ledger`), to reproduce and project DORA's effects on clusters we
+(:mod:`dora_jax.dora.scheduler`, :mod:`dora_jax.dora.ledger`), to reproduce and project DORA's effects on clusters we
 cannot book. See docs/simulator.md."""
 
 from dora_jax.sim.config import Costs, SimConfig, SimConfigError, load_sim_config, parse_config

@@ -3,7 +3,7 @@
 Events are sample completions, admissions and updates, not decode steps: between two events an instance's
 batch is fixed, so the time of ``k`` decode steps is a closed-form sum (contexts grow by one token per row per
 step) and a run over tens of thousands of samples takes seconds. Decisions come from
-:class:`dora_jax.scheduler.Scheduler` (``sync``, ``one_step_off``, ``dora``: ``dispatch``, ``assign_slots``,
+:class:`dora_jax.dora.scheduler.Scheduler` (``sync``, ``one_step_off``, ``dora``: ``dispatch``, ``assign_slots``,
 ``next_batch``, ``trained``) or from :class:`PartialRollout`; the ledger records every transition and is
 checked with :meth:`Ledger.check` when the run ends.
 
@@ -27,8 +27,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from dora_jax.ledger import Group, Ledger
-from dora_jax.scheduler import SchedulePolicy, Scheduler
+from dora_jax.dora.ledger import Group, Ledger
+from dora_jax.dora.scheduler import SchedulePolicy, Scheduler
 from dora_jax.sim.config import Costs
 
 _LIVE = ("pending", "in_flight", "finished")

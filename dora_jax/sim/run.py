@@ -50,7 +50,7 @@ def simulate(mode: str, costs: Costs, placement: Placement, lengths: LengthDist,
     """Simulates ``steps`` measured updates (plus the drain needed to finish every dispatched sample).
 
     Args:
-        mode: ``sync``, ``one_step_off``, ``dora`` (the real :class:`~dora_jax.scheduler.Scheduler`) or
+        mode: ``sync``, ``one_step_off``, ``dora`` (the real :class:`~dora_jax.dora.scheduler.Scheduler`) or
             ``partial`` (:class:`~dora_jax.sim.engine.PartialRollout`).
         costs: the cost model.
         placement: rollout instances, slots per instance, trainer GPUs, colocated or not.

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dora_jax.config import Config, TrainConfig
-from dora_jax.sharding import Rules, activate, constrain, logical_to_spec, settle
+from dora_jax.sharding import Rules, activate, constrain, logical_to_spec, serial_jit
 from dora_jax.trainer import lora as lora_lib
 from dora_jax.trainer.batch import BatchError, TrainBatch, bucket_rows, check_batch
 from dora_jax.trainer.losses import (LossTerms, group_advantages, normalizers, policy_loss, staleness,
@@ -168,11 +168,11 @@ class Trainer:
             versions=self._row, group_ids=self._row, rewards=self._row, valid=self._row)
         replicated = NamedSharding(mesh, P())
         step = make_train_step(graphdef, cfg.train, self.tx)
-        self._step = jax.jit(step, in_shardings=(state_shardings, self.batch_shardings),
+        self._step = serial_jit(step, in_shardings=(state_shardings, self.batch_shardings),
                              out_shardings=(state_shardings, replicated), donate_argnums=(0,))
-        self._logprobs = jax.jit(lambda p, tokens, seg: sequence_logprobs(graphdef, p, tokens, seg),
+        self._logprobs = serial_jit(lambda p, tokens, seg: sequence_logprobs(graphdef, p, tokens, seg),
                                  out_shardings=self._row_tok)
-        self._policy = jax.jit(lambda s: policy_params(s, cfg.train))
+        self._policy = serial_jit(lambda s: policy_params(s, cfg.train))
 
     # -- construction ---------------------------------------------------------------------------------------
 
@@ -207,8 +207,8 @@ class Trainer:
         tx = tx if tx is not None else make_optimizer(tcfg)
         if tcfg.lora.rank > 0:
             replicated = NamedSharding(mesh, P())
-            trainable = settle(jax.jit(lambda k: lora_lib.init_lora(params, tcfg.lora, k),
-                                       out_shardings=replicated)(jax.random.fold_in(key, 1)))
+            trainable = serial_jit(lambda k: lora_lib.init_lora(params, tcfg.lora, k),
+                                       out_shardings=replicated)(jax.random.fold_in(key, 1))
             frozen, reference = params, None  # the base weights are the reference policy
         else:
             trainable, frozen = params, None
@@ -219,7 +219,7 @@ class Trainer:
         param_shardings = jax.tree.map(lambda x: x.sharding, trainable)
         opt_shardings = optax.tree_map_params(tx, lambda _, sh: sh, jax.eval_shape(tx.init, trainable),
                                               param_shardings, transform_non_params=lambda _: scalar)
-        opt_state = settle(jax.jit(tx.init, out_shardings=opt_shardings)(trainable))
+        opt_state = serial_jit(tx.init, out_shardings=opt_shardings)(trainable)
         state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), scalar),
                            version=jax.device_put(jnp.zeros((), jnp.int32), scalar),
                            params=trainable, frozen=frozen, opt_state=opt_state,
@@ -251,17 +251,17 @@ class Trainer:
     def train_step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, jax.Array]]:
         """One update. ``state`` is donated: use the returned one."""
         with activate(self.mesh, self.rules):
-            return settle(self._step(state, batch))
+            return self._step(state, batch)
 
     # -- forwards around the step ------------------------------------------------------------------------------
 
     def policy_params(self, state: TrainState) -> nnx.State:
         """The full parameters of the state's policy, for the rollout engine and the version store."""
-        return settle(self._policy(state))
+        return self._policy(state)
 
     def logprobs(self, params: nnx.State, batch: TrainBatch) -> jax.Array:
         with activate(self.mesh, self.rules):
-            return settle(self._logprobs(params, batch.tokens, batch.segment_ids))
+            return self._logprobs(params, batch.tokens, batch.segment_ids)
 
     def with_recomputed_behaviour(self, batch: TrainBatch, params_of: Callable[[int], nnx.State] | Mapping[int, nnx.State]
                                   ) -> TrainBatch:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from dora_jax.ledger import Group, Ledger
+from dora_jax.dora.ledger import Group, Ledger
 
 MODES = ("sync", "one_step_off", "dora")
 

@@ -46,9 +46,9 @@ from typing import Any, Iterable
 
 import jax
 
-from dora_jax.checkpoint import CheckpointError, abstract_tree, leaf_shardings, tree_bytes
+from dora_jax.run.checkpoint import CheckpointError, abstract_tree, leaf_shardings, tree_bytes
 from dora_jax.config import Config, LoraConfig
-from dora_jax.sharding import settle
+from dora_jax.sharding import serial_jit
 
 _SNAP = re.compile(r"^v_(\d{8,})$")
 _SNAP_TMP = re.compile(r"^v_(\d{8,})\.orbax-checkpoint-tmp")
@@ -123,7 +123,7 @@ class VersionStore:
             from dora_jax.trainer import lora as lora_lib
 
             cfg = self.lora
-            self._merge = jax.jit(lambda b, a: lora_lib.merge(b, a, cfg))
+            self._merge = serial_jit(lambda b, a: lora_lib.merge(b, a, cfg))
             if snapshots is not None:
                 snapshots.save_base(self._base)
 
@@ -167,19 +167,21 @@ class VersionStore:
                                "versions already stored" + (" (under LoRA, publish the adapters, TrainState.params)"
                                                             if self.lora else ""))
 
-    def _admit(self, version: int, params: Any, *, drop: set[int], step: int | None, parent: int | None) -> None:
+    def _admit(self, version: int, params: Any, *, drop: set[int], step: int | None, parent: int | None,
+               copy: bool = True) -> None:
         remaining = self.resident() - drop
         if len(remaining) + 1 > self.max_resident:
             raise VersionError(f"adding version {version} would make {len(remaining) + 1} versions resident, above "
                                f"the cap of {self.max_resident}; resident: {self._describe()} (only versions with "
                                "refcount 0 that are not the newest can be evicted)")
         self._check(params, version)
-        stored = _own(params, self.shardings)
+        stored = _own(params, self.shardings) if copy or self.shardings is not None else params
         for v in drop:
             self._evict(v)
         self._versions[version] = _Version(stored, 0, step, parent)
 
-    def publish(self, version: int, params: Any, *, step: int | None = None, parent: int | None = None) -> list[int]:
+    def publish(self, version: int, params: Any, *, step: int | None = None, parent: int | None = None,
+                copy: bool = True) -> list[int]:
         """Adds ``version`` as the newest, evicting every drained version first, and snapshots it.
 
         Args:
@@ -187,6 +189,8 @@ class VersionStore:
           params: the full parameters, or under LoRA the adapters (``TrainState.params``); copied.
           step: the train step that produced it (snapshot metadata).
           parent: the version it was trained from; default: the previous newest.
+          copy: False when the caller hands ``params`` over (arrays no one else holds or donates, such as a
+            jitted function's fresh output): they are stored as they are, saving a copy of the weights.
 
         Returns:
           The versions evicted to make room.
@@ -200,15 +204,16 @@ class VersionStore:
             raise VersionError(f"publish of version {version}: versions must increase (newest is {self._newest})")
         drained = {v for v, e in self._versions.items() if e.refs == 0}
         parent = self._newest if parent is None else parent
-        self._admit(version, params, drop=drained, step=step, parent=parent)
+        self._admit(version, params, drop=drained, step=step, parent=parent, copy=copy)
         self._newest = version
         if self.snapshots is not None:
             self.snapshots.save(version, self._versions[version].params, step=step, parent=parent,
                                 kind="lora" if self.lora else "full", protect=self.resident() | self._pinned)
         return sorted(drained)
 
-    def reinstate(self, version: int, params: Any) -> None:
+    def reinstate(self, version: int, params: Any, *, copy: bool = True) -> None:
         """Brings back an older version (from a snapshot, on resume) with refcount 0; no snapshot is written.
+        ``copy`` as in :meth:`publish`.
 
         Raises:
           VersionError: ``version`` is resident already, is not older than the newest, or the cap is full.
@@ -219,7 +224,7 @@ class VersionStore:
         if self._newest is None or version >= self._newest:
             raise VersionError(f"reinstate of version {version}: only versions older than the newest "
                                f"({self._newest}) are reinstated; publish the newest first")
-        self._admit(version, params, drop=set(), step=None, parent=None)
+        self._admit(version, params, drop=set(), step=None, parent=None, copy=copy)
         self._evicted.discard(version)
 
     def acquire(self, version: int, n: int = 1) -> None:
@@ -280,7 +285,7 @@ class VersionStore:
         """The full parameters of ``version``, as the rollout engine takes them (under LoRA a merged copy the
         caller owns; call once per version and keep it while the version decodes)."""
         p = self._get(version).params
-        return settle(self._merge(self._base, p)) if self._merge is not None else p
+        return self._merge(self._base, p) if self._merge is not None else p
 
     def resident_bytes(self) -> dict[int, int]:
         """Bytes each resident version holds (global, unsharded size), the shared base not counted."""

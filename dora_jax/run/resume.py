@@ -34,11 +34,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dora_jax.checkpoint import CheckpointError, Restored, RunCheckpoints
+from dora_jax.run.checkpoint import CheckpointError, Restored, RunCheckpoints
 from dora_jax.config import Config
-from dora_jax.ledger import LedgerError
+from dora_jax.dora.ledger import LedgerError
 from dora_jax.rollout.driver import Trajectory
-from dora_jax.scheduler import SchedulePolicy, Scheduler
+from dora_jax.dora.scheduler import SchedulePolicy, Scheduler
 from dora_jax.tasks import Item
 
 log = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ class RunStore:
     def snapshots(self):
         """The version snapshots (created on first use: a run that never checkpoints never writes one)."""
         if self._snaps is None:
-            from dora_jax.versions import Snapshots
+            from dora_jax.run.versions import Snapshots
 
             self._snaps = Snapshots(self.run_dir / "versions", fingerprint=self.fingerprint,
                                     keep_last=self._bound + 2)

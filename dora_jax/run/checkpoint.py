@@ -1,7 +1,7 @@
 """Run checkpoints: the trainer state and the run state, written atomically, restored with fallback.
 
 A run checkpoint is everything a resumed run needs besides the weights of older policy versions (those come
-from the version snapshots, :mod:`dora_jax.versions`): the :class:`~dora_jax.trainer.state.TrainState`
+from the version snapshots, :mod:`dora_jax.run.versions`): the :class:`~dora_jax.trainer.state.TrainState`
 pytree and a JSON-able dict of run state (the scheduler's ``state_dict()`` with its ledger, the data
 position, host RNG state, the metrics position: whatever the runner puts in it).
 

@@ -1,0 +1,89 @@
+"""Accuracy of one policy version on a task's held-out questions, decoded by the run's own rollout engine."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from dora_jax.config import Config
+from dora_jax.rewards import RewardPool
+from dora_jax.rollout.driver import Request, RolloutDriver
+from dora_jax.rollout.engine import Engine, RequestSampling
+from dora_jax.tasks import Score, Task
+
+log = logging.getLogger(__name__)
+
+
+class RunError(RuntimeError):
+    """A run that cannot continue: the message names what and where."""
+
+
+def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """The token ids of ``prompt`` as a one-turn chat, ready for the assistant's answer."""
+    messages = [{"role": "user", "content": prompt}]
+    return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def score(task: Task, item: Any, text: str) -> tuple[float, bool]:
+    """``(reward, correct)`` of one answer (run in the reward pool's worker threads)."""
+    s = task.score(item, text)
+    return s.reward, s.correct
+
+
+def evaluate(cfg: Config, task: Task, engine: Engine, tokenizer: Any, params: Any, version: int,
+             shared_prefix: tuple[int, ...] = ()) -> dict[str, float]:
+    """Accuracy on ``task``'s held-out set with ``params`` (version ``version``, on ``engine``'s devices).
+
+    ``task.eval_samples`` answers per question at ``task.eval_temperature`` (0: greedy). The sampling stream
+    is a function of the question's position only, so evaluations of two versions see the same random
+    numbers and their difference is not blurred by sampling noise. Answers are scored as in training: in
+    worker threads under ``task.reward_timeout_s``, a failure named and counted as wrong.
+
+    Raises:
+      RunError: a held-out question does not fit the engine, or every answer failed to score.
+    """
+    items = task.eval_items()
+    if not items:
+        return {"accuracy": float("nan"), "reward": float("nan"), "n": 0, "len_mean": float("nan"), "score_errors": 0}
+    tc = cfg.task
+    n_new = tc.eval_max_new_tokens
+    prompts = [tuple(prompt_ids(tokenizer, it.prompt)) for it in items]
+    budgets = [min(it.max_new_tokens or n_new, n_new) for it in items]
+    for i, (p, n) in enumerate(zip(prompts, budgets)):  # named by the settings, before any decoding
+        if len(p) > engine.max_prefill_length or len(p) + n > engine.max_target_length:
+            raise RunError(
+                f"task {task.name!r}: held-out question {i} has {len(p)} prompt tokens and may generate {n} "
+                f"(task.eval_max_new_tokens = {n_new}), but the rollout engine takes prompts of at most "
+                f"{engine.max_prefill_length} tokens (rollout.max_prompt_len) and {engine.max_target_length} "
+                "positions in all (rollout.max_prompt_len + rollout.max_new_tokens, rounded up to a power of two)")
+    driver = RolloutDriver(engine, eos_ids=tokenizer.eos_ids, overlap=cfg.rollout.overlap, shared_prefix=shared_prefix)
+    driver.add_version(version, params)
+    sampling = RequestSampling(temperature=tc.eval_temperature, seed=cfg.rollout.seed + 7919)
+    reqs = [Request(k * len(items) + i, p, version=version, max_new_tokens=n, sampling=sampling)
+            for k in range(tc.eval_samples) for i, (p, n) in enumerate(zip(prompts, budgets))]
+    trajs = sorted(driver.run(reqs), key=lambda t: t.sample_id)
+    pool, results = RewardPool(tc.reward_workers, tc.reward_timeout_s), {}
+    try:
+        for k, t in enumerate(trajs):
+            pool.submit(k, score, task, items[t.sample_id % len(items)],
+                        tokenizer.decode(t.tokens, skip_special_tokens=True))
+        while pool.outstanding:
+            results.update((r.key, r) for r in pool.poll(0.05))
+    finally:
+        pool.close()
+    scores, failed = [], []
+    for k, t in enumerate(trajs):
+        r = results[k]
+        if r.error:
+            failed.append(f"held-out question {t.sample_id % len(items)}: {r.error}")
+        scores.append(Score(0.0, False) if r.error else Score(r.reward, r.correct))
+    if failed:
+        what = f"task {task.name!r}: scoring failed on {len(failed)} of {len(trajs)} held-out answers"
+        if len(failed) == len(trajs):
+            raise RunError(f"{what} (version {version}); the first: {failed[0]}")
+        log.warning("%s (version %d, counted as wrong with reward 0); the first: %s", what, version, failed[0])
+    return {"accuracy": float(np.mean([s.correct for s in scores])),
+            "reward": float(np.mean([s.reward for s in scores])), "n": len(scores),
+            "len_mean": float(np.mean([len(t.tokens) for t in trajs])), "score_errors": len(failed)}

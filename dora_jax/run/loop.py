@@ -1,0 +1,248 @@
+"""The training run: DORA's scheduler, the rollout side, the trainer and the resident versions in one loop.
+
+One iteration per decode step: dispatch new groups (newest version); admit waiting requests to free slots,
+shared between versions by the scheduler; one decode step; scores in; refcounts updated and drained versions
+evicted; a train step when the scheduler hands out a batch (whole groups, staleness within K), its version
+published when it completes. What to run is the scheduler's decision (:mod:`dora_jax.dora.scheduler`); where it
+runs, the :class:`~dora_jax.run.placement.Placement`'s; which versions are resident, the
+:class:`~dora_jax.run.residency.Residency`'s (at most K + 1). Under ``split`` placement decoding goes on while
+a train step runs. Every ``run.checkpoint_every`` updates a checkpoint is written; a runner created on a
+directory with a good one (and ``run.resume``) continues from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import jax
+from tqdm.auto import tqdm
+
+from dora_jax.config import Config
+from dora_jax.distributed import gather_decisions
+from dora_jax.metrics import MetricsWriter
+from dora_jax.run.resume import RunStore, fsync_file, pack_run_state, unpack_run_state
+from dora_jax.run.evaluation import RunError, evaluate
+from dora_jax.run.meter import Meter
+from dora_jax.run.placement import Placement
+from dora_jax.run.residency import Residency
+from dora_jax.run.rollout import RolloutSide
+from dora_jax.run.setup import (agree, byte_tokenizer, check_multiprocess, check_rollout_groups, check_run_dir,
+                                save_ledger, summarize, truncate_outputs)
+from dora_jax.run.training import TrainInFlight, batch_row, build_batch, write_samples
+from dora_jax.dora.scheduler import SchedulePolicy, Scheduler
+from dora_jax.tasks import Task, load_task
+from dora_jax.tokenizer import chat_template_head
+
+
+class Runner:
+    """One training run in ``cfg.dora.mode`` on ``cfg.task``, writing into ``run_dir``.
+
+    Args:
+      cfg: the whole config (validated here).
+      run_dir: where ``metrics.jsonl``, ``samples.jsonl``, ``ledger.json``, ``summary.json``, ``checkpoints/``
+        and ``versions/`` go. If it holds a run checkpoint (and ``cfg.run.resume``), the run continues from the
+        newest good one; a checkpoint of another configuration is refused, naming the fields that differ,
+        before anything is built.
+      model, tokenizer: an already built model (default: ``cfg.model``'s weights or random init) and its
+        tokenizer (default: the weights' own; byte tokens for models without one).
+      task: default ``load_task(cfg.task)``.
+      placement: a :class:`Placement` built earlier (runs that share one share its compiled programs);
+        default: built from ``cfg`` over ``devices`` (default: all).
+      progress: show a progress bar.
+
+    Under several processes (``jax.distributed``) every process runs the same run, checked to agree; only
+    process 0 writes the run directory (docs/scale.md).
+    """
+
+    def __init__(self, cfg: Config, run_dir: str, *, model: Any = None, tokenizer: Any = None,
+                 task: Task | None = None, placement: Placement | None = None,
+                 devices: list[jax.Device] | None = None, progress: bool = True):
+        cfg.validate()
+        if placement is not None and devices is not None:
+            raise RunError("Runner: give devices or a placement, not both (the placement's meshes fix its devices)")
+        self.cfg, self.run_dir, self.progress = cfg, run_dir, progress
+        d, t = cfg.dora, cfg.train
+        self.policy = SchedulePolicy(mode=d.mode, max_staleness=t.max_staleness, rollout_batch=d.rollout_batch,
+                                     train_batch=d.train_batch, group_size=t.group_size,
+                                     total_samples=d.train_batch * d.steps)
+        self.store = RunStore(run_dir, cfg, self.policy.bound)
+        check_run_dir(cfg, run_dir, self.store)  # before anything is built or written
+        self.multi, self.writes = jax.process_count() > 1, jax.process_index() == 0
+        if self.multi:
+            check_multiprocess(cfg, placement)
+            # Also a barrier: no process writes to the run directory before every process has checked it.
+            agree(self.multi, "config fingerprint", cfg.fingerprint(), "at startup")
+        os.makedirs(run_dir, exist_ok=True)
+        check_rollout_groups(cfg, self.multi, placement)
+        self.task = task if task is not None else load_task(cfg.task)
+        self.placement = placement or Placement.build(cfg, model, devices, progress=progress)
+        tokenizer = tokenizer or self.placement.tokenizer or byte_tokenizer(cfg)
+        self.tokenizer, self.trainer, self.engines = tokenizer, self.placement.trainer, self.placement.engines
+        self.state = self.placement.take_state()
+        head = chat_template_head(tokenizer) if cfg.rollout.shared_prefix else []  # prefilled once per version
+        self.shared_prefix = tuple(head) if 0 < len(head) < self.placement.engine.max_prefill_length else ()
+        self.driver = self.placement.drivers(tokenizer.eos_ids, cfg.rollout.overlap, self.shared_prefix)
+        self.sched = Scheduler(self.policy)
+        self.rollout = RolloutSide(cfg, self.sched, self.task, tokenizer, self.driver,
+                                   cfg.rollout.slots * len(self.engines))
+        self.versions = Residency(self.policy.bound + 1, self.placement, self.driver)
+        self.updates: list[dict[str, Any]] = []  # per update: step, trained groups and samples, train metrics
+        self._in_flight: TrainInFlight | None = None
+        self._resumed, self._lines = None, {"metrics.jsonl": 0, "samples.jsonl": 0}
+        found = self.store.restore(self.state) if cfg.run.resume else None
+        if found is not None:
+            self._restore(found)
+        else:
+            self._publish(0, self.trainer.policy_params(self.state))
+
+    def _publish(self, version: int, params: Any) -> None:
+        self.versions.count(self.sched.ledger.outstanding())  # versions the batch just trained drained make room
+        self.versions.load(version, params, newest=True)
+        self.store.snapshot(version, params, self.versions.resident())
+
+    def _train(self, group_ids: list[int]) -> None:
+        """Dispatches one train step on ``group_ids`` (whole groups); :meth:`_complete` publishes its version."""
+        led, version = self.sched.ledger, self.sched.version
+        in_flight = {str(v): n for v, n in sorted(led.outstanding().items())}
+        done = self.rollout.take(group_ids)
+        batch = build_batch(self.trainer, done, self.versions.params, self.state)
+        if not self.placement.split:
+            # Time-sharing: the rollout's device work finishes before the train step takes the devices (on
+            # multi-device CPU meshes, overlapping sharded programs have aborted the XLA runtime).
+            self.driver.block_until_ready()
+        dispatched = time.perf_counter()
+        self.state, metrics = self.trainer.train_step(self.state, batch)  # asynchronous: futures until done
+        self.sched.trained(group_ids)
+        self._lines["samples.jsonl"] += len(done)
+        if self.writes:
+            write_samples(os.path.join(self.run_dir, "samples.jsonl"), done, version)
+        self._in_flight = TrainInFlight(self.sched.version, group_ids, done, metrics,
+                                        batch_row(done, version, in_flight), dispatched)
+
+    def _complete(self, wait: bool) -> tuple[dict[str, Any], float] | None:
+        """Publishes the in-flight train step's version once the step has finished (``wait``: blocks for it);
+        returns its metrics row and its time from dispatch, or None when nothing finished."""
+        f = self._in_flight
+        if f is None or (not wait and not f.ready()):
+            return None
+        metrics = {k: float(v) for k, v in jax.device_get(f.metrics).items()}
+        train_s, self._in_flight, sync_before = time.perf_counter() - f.dispatched, None, self.versions.sync_s
+        self._publish(f.version, self.trainer.policy_params(self.state))
+        self.updates.append({"step": f.version, "group_ids": list(f.group_ids),
+                             "samples": [[d.traj.sample_id, d.traj.version] for d in f.done], "train": metrics})
+        return {**f.row, "train": metrics, "sync_s": self.versions.sync_s - sync_before}, train_s
+
+    def _checkpoint(self, meter: Meter, eval_before: dict[str, Any], eval_s: float) -> None:
+        """Saves the run at the current version; records the versions a resume from it needs."""
+        for name in self._lines:
+            fsync_file(os.path.join(self.run_dir, name))
+        counters = meter.counters(eval_before=eval_before, eval_s=eval_s, lines=self._lines["metrics.jsonl"],
+                                  samples_lines=self._lines["samples.jsonl"], rows_computed=self.driver.rows_computed,
+                                  rows_live=self.driver.rows_live, max_resident=self.versions.max_resident)
+        self.store.save(self.sched.version, self.state, pack_run_state(self.sched, self.rollout.done, counters, self.cfg),
+                        set(self.sched.live_versions()))
+
+    def _restore(self, found: Any) -> None:
+        """Continues from a checkpoint: state, scheduler, finished samples as they were; pending and in-flight
+        samples queued again on their own versions (restored from their snapshots)."""
+        sched, finished, counters = unpack_run_state(self.policy, found.run_state, found.path, self.cfg)
+        self.state, self.sched = found.train_state, sched
+        params = self.trainer.policy_params(self.state)
+        self._publish(sched.version, params)
+        for v in sched.live_versions():
+            if v != sched.version:
+                self.versions.load(v, self.store.restore_version(v, params), newest=False)
+        self.rollout.resume(sched, finished)
+        self.driver.rows_computed, self.driver.rows_live = counters["rows_computed"], counters["rows_live"]
+        self.versions.max_resident = max(counters["max_resident"], self.versions.max_resident)
+        self._resumed = counters
+
+    def evaluate(self, version: int | None = None) -> dict[str, float]:
+        """Accuracy on the task's held-out set with one resident version (default: the newest)."""
+        version = self.sched.version if version is None else version
+        return evaluate(self.cfg, self.task, self.placement.engine, self.tokenizer,
+                        self.versions.rollout_params(version)[0], version, self.shared_prefix)
+
+    def run(self) -> dict[str, Any]:
+        """Trains ``cfg.dora.steps`` updates (the rest of them when resuming), evaluating before and after;
+        returns (and writes) the summary."""
+        try:
+            return self._run()
+        finally:
+            self.rollout.close()
+            self.store.close()  # snapshot writes in progress finish before the runner lets go
+
+    def _run(self) -> dict[str, Any]:
+        cfg, m = self.cfg, self._resumed
+        if m is None:
+            if self.writes:
+                with open(os.path.join(self.run_dir, "config.json"), "w") as f:
+                    json.dump(cfg.to_dict(), f, indent=1)
+            t_eval = time.perf_counter()
+            before = self.evaluate(0)
+            m = {"eval_before": before, "eval_s": time.perf_counter() - t_eval, "wall_s": 0.0, "train_s": 0.0,
+                 "gen_tokens": 0, "checkpoint_s": 0.0, "lines": 0, "samples_lines": 0}
+        before, eval_s = m["eval_before"], m["eval_s"]
+        self._lines = {"metrics.jsonl": m["lines"], "samples.jsonl": m["samples_lines"]}
+        if self.writes:
+            truncate_outputs(self.run_dir, self._lines, resumed=self._resumed is not None)
+        writer = MetricsWriter(self.run_dir) if self.writes else None
+        bar = tqdm(total=cfg.dora.steps, initial=self.sched.version, desc=f"{cfg.dora.mode} K={self.policy.bound}",
+                   unit="update", disable=not self.progress or not self.writes)
+        meter, led, rollout = Meter(m), self.sched.ledger, self.rollout
+        loaded = self.versions.__contains__  # a version whose train step is still running is not: its prompts wait
+        while agree(self.multi, "going on", not self.sched.done() or self._in_flight is not None,
+                    f"before update {self.sched.version + 1}"):
+            rollout.dispatch()
+            stepped, step_s, step_rows = rollout.step(rollout.admit(loaded))
+            if stepped:
+                meter.decoded(step_s, step_rows, rollout.slots)
+            rollout.collect_rewards()
+            rollout.dispatch()
+            self.versions.evict_drained(led.outstanding())
+            if self._in_flight is None and not self.sched.done():
+                batch = agree(self.multi, "the batch to train", self.sched.next_batch(),
+                              f"before update {self.sched.version + 1}")
+                if batch is not None:
+                    self._train(batch)
+            # Shared placement completes the step now; split placement only when it has finished, or when the
+            # rollout has nothing left to do without it.
+            nothing_to_decode = self.driver.idle and not rollout.has_waiting(loaded)
+            if self.multi:  # the branches below take decisions: every process must take the same one
+                nothing_to_decode = all(gather_decisions(nothing_to_decode))
+            if (done_step := self._complete(wait=not self.placement.split or nothing_to_decode)) is not None:
+                row, train_s = done_step
+                row = meter.update(row, train_s)
+                row.update(step=self.sched.version, version=self.sched.version, filtered=led.count("filtered"),
+                           resident_versions=len(self.versions.resident()),
+                           slot_utilization=self.driver.slot_utilization)
+                if writer is not None:
+                    writer.write(row)
+                self._lines["metrics.jsonl"] += 1
+                if self.store.due(self.sched.version):
+                    tc = time.perf_counter()
+                    self._checkpoint(meter, before, eval_s)
+                    meter.checkpointed(time.perf_counter() - tc)
+                bar.set_postfix(reward=f"{row['reward']:.2f}", acc=f"{row['accuracy']:.2f}",
+                                lag=f"{row['staleness_mean']:.1f}", gen=f"{row['gen_tok_s']:.0f}tok/s")
+                bar.update(1)
+            elif nothing_to_decode and self._in_flight is None:
+                if rollout.rewards.outstanding:
+                    rollout.collect_rewards(wait_s=0.05)
+                elif not rollout.dispatch() and not led.count("finished") and not self.sched.done():
+                    raise RunError(f"no progress possible at version {self.sched.version}: ledger {led.counts()}")
+        bar.close()
+        wall = time.perf_counter() - meter.t0
+        if writer is not None:
+            writer.close()
+        save_ledger(self.sched, self.policy.bound, self.run_dir, self.multi, self.writes)
+        t_eval = time.perf_counter()
+        after = self.evaluate()
+        summary = summarize(self, before, after, wall, eval_s + time.perf_counter() - t_eval, meter)
+        if self.writes:
+            with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=1)
+        return summary

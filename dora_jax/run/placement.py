@@ -1,0 +1,138 @@
+"""Where a run's work lives: the trainer's mesh, the rollout engines' meshes, and how a version moves between.
+
+``roles.placement`` decides it. Under ``shared`` the trainer and the one rollout engine time-share one device
+set, and a version's weights are used where the trainer left them. Under ``split`` the trainer has its own
+devices and each of ``roles.rollout_groups`` engines its own; a new version's weights move to every group
+device to device (:func:`~dora_jax.sharding.reshard`), never through the host. Under several processes
+(``jax.distributed``) the trainer spans every process's devices and each process decodes on its own: a
+version reaches each process's engine through :class:`~dora_jax.sharding.ProcessLocalCopy`.
+
+The learner side (:mod:`dora_jax.run.loop`) never looks at meshes: it asks the placement for the trainer,
+the drivers and :meth:`Placement.to_rollout`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+
+from dora_jax.config import Config
+from dora_jax.rollout.driver import DriverGroups, RolloutDriver
+from dora_jax.rollout.engine import Engine, bucket
+from dora_jax.sharding import reshard
+from dora_jax.trainer import Trainer
+
+
+def make_engine(cfg: Config, model: Any, mesh: Any = None) -> Engine:
+    """The rollout engine a run of ``cfg`` uses: ``rollout.slots`` slots, room for the longest prompt plus
+    ``rollout.max_new_tokens``, decoding in ``rollout.dtype`` with the rollout section's decode settings."""
+    from dora_jax.models.decoder import DecodeSettings
+
+    r = cfg.rollout
+    target = min(bucket(r.max_prompt_len + r.max_new_tokens), cfg.model.max_seq_len)
+    return Engine(model, max_concurrent_decodes=r.slots, max_prefill_length=r.max_prompt_len,
+                  max_target_length=target, mesh=mesh, dtype=r.dtype, settings=DecodeSettings.of(r))
+
+
+def _device_set(mesh: Any) -> frozenset[Any] | None:
+    return None if mesh is None else frozenset(mesh.devices.flat)
+
+
+class Placement:
+    """The trainer, its initial state and the rollout engines of a run, on the devices ``cfg.roles`` gives
+    each, with the transfer of a version from the trainer to the engines.
+
+    Build one with :meth:`build`. A placement can serve several runs of configs with the same model and
+    trainer settings (their compiled programs are shared): with ``keep_initial`` every run starts from a
+    copy of the same initial state.
+
+    Attributes:
+      trainer: the :class:`~dora_jax.trainer.Trainer` (its mesh spans every process's devices).
+      engines: one rollout engine per rollout group (under several processes: this process's own).
+      split: whether the engines' devices are not the trainer's (a version is copied to them).
+      multi: whether the run spans several processes.
+    """
+
+    def __init__(self, cfg: Config, trainer: Trainer, state: Any, engines: Sequence[Engine], *,
+                 local_meshes: Sequence[Any] | None = None, keep_initial: bool = False):
+        from dora_jax.models.build import abstract_model, state_shardings
+        from dora_jax.sharding import ProcessLocalCopy
+
+        self.cfg, self.trainer, self.engines = cfg, trainer, list(engines)
+        self.tokenizer = None  # the weights' own tokenizer, when build loaded them
+        self.multi = jax.process_count() > 1
+        self.split = (not self.multi and _device_set(self.engines[0].mesh) is not None
+                      and _device_set(self.engines[0].mesh) != _device_set(trainer.mesh))
+        self._state = state
+        # A pristine copy, only when several runs start from it (the first train step donates the state).
+        self._initial = jax.tree.map(lambda x: x.copy(), state) if keep_initial else None
+        self._shardings = ([state_shardings(abstract_model(cfg.model)[1], e.mesh, cfg.mesh.logical_axis_rules)
+                            for e in self.engines] if self.split or self.multi else None)
+        self._to_local = ProcessLocalCopy(self._shardings[0], local_meshes) if self.multi else None
+
+    @classmethod
+    def build(cls, cfg: Config, model: Any = None, devices: list[jax.Device] | None = None, *,
+              keep_initial: bool = False, progress: bool = True) -> "Placement":
+        """Lays ``cfg.mesh`` and ``cfg.roles`` over ``devices`` (default: all), creates the trainer and one
+        engine per rollout group.
+
+        Args:
+          model: the policy (default: ``cfg.model``'s weights, or a random init, loaded onto the trainer's
+            mesh; their tokenizer is then :attr:`tokenizer`).
+        """
+        from dora_jax.models.weights import load_model
+        from dora_jax.sharding import process_meshes, role_meshes, rollout_mesh_config
+
+        meshes = role_meshes(cfg.mesh, cfg.roles, devices)
+        tokenizer = None
+        if model is None:
+            model, tokenizer = load_model(cfg.model, meshes.trainer, cfg.mesh.logical_axis_rules, seed=cfg.run.seed,
+                                          progress=progress)
+        trainer, state = Trainer.create(cfg, model=model, mesh=meshes.trainer)
+        if jax.process_count() > 1:  # each process decodes on its own devices (no decode program spans processes)
+            local = process_meshes(rollout_mesh_config(cfg.roles), devices)
+            placement = cls(cfg, trainer, state, [make_engine(cfg, model, local[jax.process_index()])],
+                            local_meshes=local, keep_initial=keep_initial)
+        else:
+            placement = cls(cfg, trainer, state, [make_engine(cfg, model, m) for m in meshes.rollout],
+                            keep_initial=keep_initial)
+        placement.tokenizer = tokenizer
+        return placement
+
+    @property
+    def engine(self) -> Engine:
+        """The first rollout group's engine (evaluation decodes there)."""
+        return self.engines[0]
+
+    def take_state(self) -> Any:
+        """The initial train state for a run: the built one, or with ``keep_initial`` a fresh copy of it."""
+        if self._initial is not None:
+            return jax.tree.map(lambda x: x.copy(), self._initial)
+        state, self._state = self._state, None
+        if state is None:
+            raise RuntimeError("this placement's initial state was taken by an earlier run (its first train step "
+                               "donated it): build the placement with keep_initial=True to run it again")
+        return state
+
+    def drivers(self, eos_ids: Sequence[int], overlap: bool, shared_prefix: tuple[int, ...]
+                ) -> RolloutDriver | DriverGroups:
+        """A rollout driver per engine (one :class:`DriverGroups` over several)."""
+        drivers = [RolloutDriver(e, eos_ids=eos_ids, overlap=overlap, shared_prefix=shared_prefix)
+                   for e in self.engines]
+        return drivers[0] if len(drivers) == 1 else DriverGroups(drivers)
+
+    def to_rollout(self, params: Any) -> tuple[list[Any], float]:
+        """A version's params (on the trainer's mesh) as each rollout group takes them, and the seconds spent
+        moving them (0 when the engines share the trainer's devices)."""
+        if self.split:  # device to device, never through the host; one copy per rollout group
+            copies, secs = [], 0.0
+            for shardings in self._shardings:
+                copy, s = reshard(params, shardings)
+                copies.append(copy)
+                secs += s
+            return copies, secs
+        if self._to_local is not None:  # several processes: this process's copy, device to device
+            copy, secs = self._to_local(params)
+            return [copy], secs
+        return [params], 0.0

@@ -1,0 +1,174 @@
+"""The rollout side of a run: the scheduler's groups become requests, decode steps, and scored samples.
+
+:class:`RolloutSide` takes what the scheduler dispatched, tokenizes it into a waiting queue per version,
+admits waiting requests to free decode slots as the scheduler shares them between versions, runs one decode
+step at a time, and hands finished trajectories to the reward pool; scored samples are recorded in the
+scheduler's ledger. Under several processes each process generates every ``nproc``-th group and the
+started and finished samples are shared after every decode step, so every process's ledger stays the same.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections import deque
+from typing import Any, Callable
+
+from dora_jax.config import Config
+from dora_jax.distributed import gather_decisions
+from dora_jax.run.resume import Finished
+from dora_jax.rewards import RewardPool
+from dora_jax.rollout.driver import Request, Trajectory
+from dora_jax.rollout.engine import RequestSampling
+from dora_jax.run.evaluation import RunError, prompt_ids, score
+from dora_jax.dora.scheduler import Scheduler
+from dora_jax.tasks import Item, Task
+
+
+class RolloutSide:
+    """Requests, decode steps and rewards of one run (this process's share of them).
+
+    Args:
+      cfg: the run's config (``rollout`` and ``task`` sections).
+      sched: the run's scheduler; its ledger records every sample's state.
+      task: the task the prompts come from and answers are scored by.
+      tokenizer: the policy's tokenizer.
+      driver: the rollout driver (or driver groups) that decodes.
+      slots: decode slots of every rollout group together.
+    """
+
+    def __init__(self, cfg: Config, sched: Scheduler, task: Task, tokenizer: Any, driver: Any, slots: int):
+        import jax
+
+        self.cfg, self.sched, self.task, self.tokenizer, self.driver, self.slots = cfg, sched, task, tokenizer, driver, slots
+        self.rank, self.nproc = jax.process_index(), jax.process_count()
+        r = cfg.rollout
+        self.sampling = RequestSampling(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=r.seed)
+        self.rewards = RewardPool(cfg.task.reward_workers, cfg.task.reward_timeout_s)
+        self.waiting: dict[int, deque[Request]] = {}
+        self.items: dict[int, tuple[int, Item]] = {}  # sample id -> (group id, item)
+        self.done: dict[int, Finished] = {}  # finished samples not yet trained
+        self.generated = 0  # trajectories this process's engine generated
+
+    def generates(self, group_id: int) -> bool:
+        """Whether this process generates the group: each generates every ``nproc``-th group (strided, so
+        long-tailed prompts spread evenly)."""
+        return group_id % self.nproc == self.rank
+
+    def enqueue(self, sample_id: int, group_id: int, version: int, item: Item, ids: list[int]) -> None:
+        """Queues one sample on its version (when this process generates its group)."""
+        self.items[sample_id] = (group_id, item)
+        if self.generates(group_id):
+            budget = min(item.max_new_tokens or self.cfg.rollout.max_new_tokens, self.cfg.rollout.max_new_tokens)
+            self.waiting.setdefault(version, deque()).append(
+                Request(sample_id, tuple(ids), version=version, max_new_tokens=budget, sampling=self.sampling))
+
+    def dispatch(self) -> int:
+        """Tokenizes newly dispatched groups into per-version waiting queues; returns how many groups."""
+        led, limit = self.sched.ledger, self.cfg.rollout.max_prompt_len
+        groups = self.sched.dispatch()
+        for g in groups:
+            item = self.task.train_item(g.prompt_index)
+            ids = prompt_ids(self.tokenizer, item.prompt)
+            if len(ids) > limit:
+                led.filter(g.sample_ids[0], f"prompt {g.prompt_index} has {len(ids)} tokens > "
+                                            f"rollout.max_prompt_len {limit}")
+                for sid in g.sample_ids[1:]:
+                    led.filter(sid, f"group member {g.sample_ids[0]} filtered")
+                continue
+            for sid in g.sample_ids:
+                self.enqueue(sid, g.group_id, g.version, item, ids)
+        return len(groups)
+
+    def resume(self, sched: Scheduler, finished: list[Finished]) -> None:
+        """Continues a checkpoint's ledger: its finished samples as they were, every pending one queued again on
+        its own version (the generation in flight was lost with the process)."""
+        self.sched, led, prompts = sched, sched.ledger, {}
+        for f in finished:
+            self.done[f.traj.sample_id] = f
+            self.items[f.traj.sample_id] = (f.group_id, f.item)
+        for sid in sorted(s for s, e in led.entries.items() if e.state == "pending"):
+            e = led.entries[sid]
+            if e.group_id not in prompts:
+                item = self.task.train_item(e.prompt_index)
+                prompts[e.group_id] = (item, prompt_ids(self.tokenizer, item.prompt))
+            self.enqueue(sid, e.group_id, e.version, *prompts[e.group_id])
+
+    def has_waiting(self, loaded: Callable[[int], bool]) -> bool:
+        """Whether requests wait on a version the engines have loaded."""
+        return any(q for v, q in self.waiting.items() if loaded(v))
+
+    def admit(self, loaded: Callable[[int], bool]) -> list[int]:
+        """Submits waiting requests of loaded versions to free slots, shared between versions by the scheduler;
+        returns their sample ids (the ledger records them as started in :meth:`step`)."""
+        free = self.slots - sum(self.driver.in_flight().values())
+        waiting = {v: len(q) for v, q in self.waiting.items() if q and loaded(v)}
+        started = []
+        for v, n in self.sched.assign_slots(free, waiting).items():
+            for _ in range(n):
+                req = self.waiting[v].popleft()
+                self.driver.submit(req)
+                started.append(req.sample_id)
+        return started
+
+    def step(self, started: list[int]) -> tuple[bool, float, int]:
+        """One decode step of this process's engine (if it has work); then the ledger and the reward pool take
+        the started and finished samples: this process's, or under several processes every process's, shared
+        with one all-gather and applied in sample-id order. Returns whether this process decoded, the seconds
+        it took and the rows it decoded."""
+        finished: list[Trajectory] = []
+        secs = rows = 0
+        stepped = not self.driver.idle
+        if stepped:
+            ts, before_rows = time.perf_counter(), self.driver.rows_live
+            finished = self.driver.step()
+            secs, rows = time.perf_counter() - ts, self.driver.rows_live - before_rows
+            self.generated += len(finished)
+        if self.nproc > 1:
+            everyone = gather_decisions({"started": started, "finished": [dataclasses.asdict(t) for t in finished]})
+            started = sorted(sid for e in everyone for sid in e["started"])
+            finished = sorted((Trajectory(**d) for e in everyone for d in e["finished"]), key=lambda t: t.sample_id)
+        for sid in started:
+            self.sched.ledger.start(sid)
+        for traj in finished:
+            group_id, item = self.items[traj.sample_id]
+            text = self.tokenizer.decode(traj.tokens, skip_special_tokens=True)
+            self.done[traj.sample_id] = Finished(traj, group_id, item, text)
+            self.rewards.submit(traj.sample_id, score, self.task, item, text)
+        return stepped, secs, rows
+
+    def collect_rewards(self, wait_s: float = 0.0) -> None:
+        """Records the scores that are in: a sample is finished, or filtered with the reward's error."""
+        led = self.sched.ledger
+        results = self.rewards.poll(wait_s)
+        if self.nproc > 1:
+            # Every process takes the scheduler's next decision on the same ledger: no result may still be on its
+            # way on one process and in on another.
+            while self.rewards.outstanding:
+                results += self.rewards.poll(0.05)
+            results.sort(key=lambda res: res.key)
+        for res in results:
+            if res.error:
+                led.filter(res.key, res.error)
+                if led.count("filtered") > 4 * self.sched.policy.total_samples + 64:
+                    reasons = collections.Counter(led.filtered_reasons().values()).most_common(3)
+                    raise RunError(f"{led.count('filtered')} samples filtered and {led.count('consumed')} "
+                                   f"trained: the reward function fails on nearly everything. Most common "
+                                   f"reasons: {reasons}")
+            else:
+                d = self.done[res.key]
+                d.reward, d.correct = res.reward, res.correct
+                led.finish(res.key)
+            group = led.groups[led.entries[res.key].group_id]
+            for sid in group.sample_ids:  # a filtered group's trajectories are never trained: let them go
+                if led.entries[sid].state == "filtered":
+                    self.done.pop(sid, None)
+
+    def take(self, group_ids: list[int]) -> list[Finished]:
+        """The finished samples of whole groups, handed to the trainer (they leave this side)."""
+        led = self.sched.ledger
+        return [self.done.pop(s) for g in group_ids for s in led.groups[g].sample_ids]
+
+    def close(self) -> None:
+        self.rewards.close()

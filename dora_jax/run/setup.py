@@ -1,0 +1,171 @@
+"""What a run checks before it builds anything, and the summary it ends with."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from typing import Any
+
+import jax
+
+from dora_jax.config import Config
+from dora_jax.distributed import gather_decisions
+from dora_jax.run.resume import RunStore, truncate_lines
+from dora_jax.run.evaluation import RunError
+
+log = logging.getLogger(__name__)
+
+
+def _refuse_foreign_config(run_dir: str) -> None:
+    """A run writes ``config.json`` into its directory: one that is not a run's (a Hugging Face model's, say)
+    would be overwritten, so such a directory is refused."""
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.exists(path):
+        return
+    try:
+        with open(path, "rb") as f:
+            saved = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        saved = e
+    sections = {f.name for f in dataclasses.fields(Config)}
+    if not (isinstance(saved, dict) and "model" in saved and "dora" in saved and set(saved) <= sections):
+        what = ("a Hugging Face model's" if isinstance(saved, dict) and "architectures" in saved else
+                "not a dora-jax run's")
+        raise RunError(f"{path} is {what} config.json, which a run would overwrite; choose another --run-dir, "
+                       "run.name or run.out_dir")
+
+
+def check_run_dir(cfg: Config, run_dir: str, store: RunStore) -> None:
+    """Refuses, before anything is built or written, a run directory that is a file, holds another program's
+    ``config.json``, a finished run, or an unfinished one that this config may not continue.
+
+    Raises:
+      RunError: naming the directory, what is there and what to do.
+      ResumeError: its checkpoints were written by another configuration (naming the fields that differ).
+    """
+    existing = os.path.abspath(run_dir)  # the run directory, or the nearest ancestor that exists
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise RunError(f"run directory {run_dir}: {existing} is a file, not a directory; choose another "
+                       "--run-dir, run.name or run.out_dir")
+    _refuse_foreign_config(run_dir)
+    if os.path.exists(os.path.join(run_dir, "summary.json")):
+        raise RunError(f"{run_dir} already holds a finished run (summary.json); choose another run.name or "
+                       "run.out_dir")
+    if not cfg.run.resume and (left := store.leftovers()):
+        raise RunError(f"{run_dir} holds an unfinished run ({', '.join(left)}) and run.resume is false: "
+                       + ("set run.resume=true to continue it" if store.has_checkpoints() else
+                          "it has no checkpoint to continue from (run.resume=true starts it over, with the "
+                          "configuration it was started with only)")
+                       + ", or choose another run.name or run.out_dir")
+    if cfg.run.resume:
+        store.check_config()
+        store.check_restart()
+
+
+def check_multiprocess(cfg: Config, placement: Any) -> None:
+    """Refuses what a run under several processes does not support yet, naming the setting."""
+    where = f"with {jax.process_count()} processes (jax.process_count())"
+    if cfg.roles.placement != "shared":
+        raise RunError(f"roles.placement = {cfg.roles.placement!r}: {where} the trainer uses every process's "
+                       "devices and each process decodes on its own (time-sharing); use roles.placement=shared")
+    t = cfg.train
+    if t.behaviour_logprobs == "recompute" or t.correction == "decoupled":
+        raise RunError(f"train.behaviour_logprobs = {t.behaviour_logprobs!r}, train.correction = {t.correction!r}: "
+                       f"recomputed behaviour log-probs are not supported {where} yet; use "
+                       "train.behaviour_logprobs=engine and a correction other than decoupled")
+    if placement is not None:
+        raise RunError(f"Runner(placement=...) {where}: build the run from the config (each process's rollout "
+                       "engine must be on its own devices)")
+
+
+def check_rollout_groups(cfg: Config, multi: bool, placement: Any) -> None:
+    """Rollout groups are disjoint device sets of a split placement, in one process."""
+    if cfg.roles.rollout_groups > 1 and (cfg.roles.placement != "split" or multi or placement is not None):
+        why = ("several processes (each decodes its own share on its own devices)" if multi else
+               "Runner(placement=...) (the run is built on that placement's engines)" if placement is not None else
+               f"roles.placement={cfg.roles.placement!r} (every group would be the same devices)")
+        raise RunError(f"roles.rollout_groups = {cfg.roles.rollout_groups}: rollout groups are disjoint device "
+                       f"sets of a split placement, not with {why}; use roles.placement=split, or "
+                       "roles.rollout_groups=1")
+
+
+def summarize(runner: Any, before: dict[str, Any], after: dict[str, Any], wall: float, eval_s: float,
+              meter: Any) -> dict[str, Any]:
+    """The run's ``summary.json``: accuracy before and after, what was trained and filtered, time, residency."""
+    cfg, led = runner.cfg, runner.sched.ledger
+    counts = led.counts()
+    return {
+        "mode": cfg.dora.mode, "max_staleness": runner.policy.bound, "task": runner.task.name,
+        "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
+        "reward_before": before["reward"], "reward_after": after["reward"], "eval_n": before["n"],
+        "steps": runner.sched.version, "samples": counts["consumed"], "filtered": counts["filtered"],
+        "filtered_reasons": sorted(set(led.filtered_reasons().values()))[:20],
+        "wall_s": wall, "eval_s": eval_s, "train_s": meter.train_total, "checkpoint_s": meter.checkpoint_s,
+        "samples_per_s": counts["consumed"] / wall, "gen_tok_s": meter.total_gen / wall,
+        "trainer_idle_fraction": 1 - meter.train_total / wall,
+        "max_resident_versions": runner.versions.max_resident,
+        "placement": "split" if runner.placement.split else "shared", "rollout_groups": len(runner.engines),
+        "sync_s": runner.versions.sync_s, "slot_utilization": runner.driver.slot_utilization,
+        "config_fingerprint": cfg.fingerprint(), "resumed": runner._resumed is not None,
+        "processes": jax.process_count(),
+    }
+
+
+def agree(multi: bool, what: str, local: Any, where: str) -> Any:
+    """``local``, a decision this process took on its own, checked to be every process's (one process: returned
+    as is).
+
+    Raises:
+      RunError: on every process when some process decided otherwise, naming the decision, where, and process
+        0's and the other process's values.
+    """
+    if not multi:
+        return local
+    values = gather_decisions(local)
+    for p, v in enumerate(values):
+        if v != values[0]:
+            raise RunError(f"{where}: {what} differs between processes: process 0 has {values[0]!r}, process {p} "
+                           f"has {v!r}: the processes' runs diverged (every process must run the same config and "
+                           "get the same rewards)")
+    return local
+
+
+def truncate_outputs(run_dir: str, lines: dict[str, int], resumed: bool) -> None:
+    """Cuts each output file (``metrics.jsonl``, ``samples.jsonl``) back to the lines the run continues from:
+    those written after the checkpoint are redone, and an attempt without a checkpoint starts over."""
+    for name, keep in lines.items():
+        if dropped := truncate_lines(os.path.join(run_dir, name), keep):
+            log.warning("%s: dropped %d lines written after the checkpoint (their updates are redone)" if resumed
+                        else "%s: no checkpoint to continue from: the run starts over with the same configuration, "
+                        "replacing the %d lines of its earlier attempt", os.path.join(run_dir, name), dropped)
+
+
+def byte_tokenizer(cfg: Config) -> Any:
+    """Byte tokens, for a model whose weights bring no tokenizer (a random init).
+
+    Raises:
+      RunError: the vocabulary is too small for byte tokens.
+    """
+    from dora_jax.tokenizer import ByteTokenizer
+
+    if cfg.model.vocab_size < 256:
+        raise RunError(f"model.weights={cfg.model.weights!r} has no tokenizer and vocab_size "
+                       f"{cfg.model.vocab_size} < 256 is too small for byte tokens")
+    return ByteTokenizer()
+
+
+def save_ledger(sched: Any, bound: int, run_dir: str, multi: bool, writes: bool) -> None:
+    """Checks the finished run's ledger (one state a sample, groups whole, staleness within ``bound``), checks
+    that every process holds the same one, and writes ``ledger.json``."""
+    sched.ledger.check(bound)
+    if multi:
+        state = json.dumps(sched.state_dict(), sort_keys=True).encode()
+        agree(multi, "the ledger's digest", hashlib.sha256(state).hexdigest(), "at the end of the run")
+    if writes:
+        with open(os.path.join(run_dir, "ledger.json"), "w") as f:
+            json.dump(sched.state_dict(), f)
