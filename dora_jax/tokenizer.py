@@ -23,6 +23,11 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
            "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+# Values whose split is GPT-2's own (the byte-level pre-tokenizer's regex); a GGUF without the key means it too.
+_GPT2_SPLIT = ("default", "gpt-2", "phi-2", "roberta-bpe")
+# Each other value names a split this reader does not know: guessing one would tokenize text differently from
+# the model's training, so such a file is refused.
+KNOWN_PRE = tuple(sorted((*_SPLITS, *_GPT2_SPLIT, "smollm")))
 # End-of-turn markers that stop chat generation when the template uses them.
 _TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>")
 
@@ -104,8 +109,12 @@ class Tokenizer:
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         elif pre == "smollm":  # SmolLM's own tokenizer splits digits individually before byte-level BPE
             tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        else:
+        elif pre is None or pre in _GPT2_SPLIT:
             tok.pre_tokenizer = byte_level
+        else:
+            raise TokenizerError(f"{where}: tokenizer.ggml.pre = {pre!r} names a pre-tokenizer split this reader "
+                                 f"does not know (known: {', '.join(KNOWN_PRE)}); load the model from a Hugging "
+                                 "Face directory, whose tokenizer.json spells its split out")
         tok.decoder = decoders.ByteLevel()
         types = md.get("tokenizer.ggml.token_type") or [0] * len(tokens)
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False)

@@ -107,6 +107,8 @@ def _tiny_gguf_metadata(**changes):
     ({"tokenizer.ggml.bos_token_id": 9}, r"tokenizer.ggml.bos_token_id = 9 must be a token id in 0 .. 3"),
     ({"tokenizer.chat_template": "{% if %}"}, r"GGUF metadata \(tokenizer.chat_template\): the chat template does "
                                               r"not compile \(line 1: "),
+    ({"tokenizer.ggml.pre": "tekken"}, r"GGUF metadata: tokenizer.ggml.pre = 'tekken' names a pre-tokenizer split "
+                                       r"this reader does not know \(known: .*, gpt-2, .*, qwen2, "),
 ])
 def test_bad_gguf_tokenizer_metadata_is_named(changes, message):
     md = _tiny_gguf_metadata(**changes)
@@ -116,6 +118,13 @@ def test_bad_gguf_tokenizer_metadata_is_named(changes, message):
         return
     with pytest.raises(TokenizerError, match=message):
         Tokenizer.from_gguf(md)
+
+
+def test_every_known_pre_tokenizer_split_loads():
+    from dora_jax.tokenizer import KNOWN_PRE
+
+    for pre in (None, *KNOWN_PRE):
+        assert Tokenizer.from_gguf(_tiny_gguf_metadata(**{"tokenizer.ggml.pre": pre})).encode("ab") == [2], pre
 
 
 def test_bad_hf_tokenizer_files_are_named(tmp_path):
