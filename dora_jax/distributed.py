@@ -1,17 +1,23 @@
 """Multi-host runtime: one process per host (or per GPU) under ``jax.distributed``.
 
 Every process runs the same program (multi-controller SPMD). :func:`initialize` connects the processes before
-JAX touches a device, reading the cluster from the environment, in this order:
+JAX touches a device. Finding the cluster is ``jax.distributed.initialize()``'s own work: it reads SLURM
+(processes started by ``srun``), Open MPI, Cloud TPU VMs (a pod slice's workers) and Kubernetes jobs, and
+JAX's variables ``JAX_COORDINATOR_ADDRESS``, ``JAX_COORDINATOR_PORT`` and ``JAX_LOCAL_DEVICE_IDS``. On top of
+that, explicit settings, checked before anything connects:
 
-* ``DORA_CLUSTER`` forces one of ``single``, ``tpu``, ``slurm``, ``env`` (default ``auto``: the first that
-  applies below).
-* ``env``: ``DORA_COORDINATOR`` (``host:port`` of process 0), ``DORA_NUM_PROCESSES``, ``DORA_PROCESS_ID``; set
-  by ``launch/multinode_gpu.sh`` and ``launch/local_cpu.sh``. Chosen when any of them is set.
-* ``slurm``: ``SLURM_JOB_ID``, ``SLURM_NTASKS``, ``SLURM_PROCID`` and the node list; the coordinator is the
-  first node of the step (or ``DORA_COORDINATOR``). Set by ``srun`` in ``launch/slurm_gpu.sbatch``.
-* ``tpu``: a Cloud TPU VM (``TPU_WORKER_HOSTNAMES``, ``TPU_WORKER_ID`` or ``TPU_ACCELERATOR_TYPE``, or a
-  ``/dev/accel0`` device): JAX finds the pod's workers itself, so no arguments are passed.
-* ``single``: nothing to connect; :func:`initialize` is a no-op.
+* ``DORA_COORDINATOR`` (``host:port`` of process 0), ``DORA_NUM_PROCESSES``, ``DORA_PROCESS_ID``: with all
+  three set JAX detects nothing; with some of them, JAX fills in the rest from the cluster it finds (e.g.
+  ``DORA_COORDINATOR`` alone under ``srun`` moves the coordinator). ``launch/multinode_gpu.sh`` and
+  ``launch/local_cpu.sh`` set all three.
+* ``DORA_LOCAL_DEVICE_IDS`` (``0,1``): the local devices this process drives. Without it JAX gives each process
+  under SLURM or Open MPI the one device of its local rank (one process per GPU), and every local device
+  otherwise.
+* ``DORA_CLUSTER``: ``auto`` (default: whatever JAX finds), ``single`` (one process; connect nothing), or one
+  of JAX's detection methods (``slurm``, ``ompi``, ``mpi4py``, ``gce_tpu``, ``gke_tpu``, ``k8s``) to use that
+  one only (``mpi4py`` is used only when named).
+
+When nothing is set and JAX finds no cluster, the process runs alone and :func:`initialize` connects nothing.
 
 Control decisions that every host must take identically (which batch trains next, when to stop) are made by
 process 0 and sent to all with :func:`broadcast_decision`, or taken on every host and checked to agree with
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 from typing import Any, Mapping, Sequence, TypeVar
@@ -29,9 +36,7 @@ from typing import Any, Mapping, Sequence, TypeVar
 import numpy as np
 
 T = TypeVar("T")
-CLUSTERS = ("auto", "single", "tpu", "slurm", "env")
-_ENV_VARS = ("DORA_COORDINATOR", "DORA_NUM_PROCESSES", "DORA_PROCESS_ID")
-_TPU_VARS = ("TPU_WORKER_HOSTNAMES", "TPU_WORKER_ID", "TPU_ACCELERATOR_TYPE")
+log = logging.getLogger(__name__)
 DEFAULT_PORT = 8476
 
 
@@ -41,26 +46,30 @@ class DistributedError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class ClusterSpec:
-    """How this process joins the cluster. ``None`` fields are left to JAX's own detection (TPU)."""
+    """How this process joins the cluster. ``None`` fields are left to JAX's own detection.
 
-    kind: str  # single | tpu | slurm | env
+    ``kind``: ``single`` (one process, nothing to connect), ``env`` (every ``DORA_*`` setting given: no
+    detection), ``auto`` (JAX detects what is not given; ``method`` names the one detection method to use,
+    ``None`` for all). After :func:`initialize`, ``num_processes`` and ``process_id`` are JAX's.
+    """
+
+    kind: str
     coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
     local_device_ids: tuple[int, ...] | None = None
+    method: str | None = None
 
 
-def _int(env: Mapping[str, str], name: str, *, minimum: int = 0, maximum: int | None = None) -> int:
-    if name not in env or env[name] == "":
-        raise DistributedError(f"environment variable {name} is not set")
+def _int(env: Mapping[str, str], name: str, *, minimum: int = 0) -> int | None:
+    if env.get(name, "") == "":
+        return None
     try:
         value = int(env[name])
     except ValueError:
         raise DistributedError(f"environment variable {name}={env[name]!r} is not an integer") from None
     if value < minimum:
         raise DistributedError(f"environment variable {name}={value} must be >= {minimum}")
-    if maximum is not None and value > maximum:
-        raise DistributedError(f"environment variable {name}={value} must be <= {maximum}")
     return value
 
 
@@ -72,39 +81,19 @@ def _address(value: str, name: str) -> str:
     return value
 
 
-def first_slurm_host(nodelist: str) -> str:
-    """The first host of a SLURM host list: ``node[03-05,9],gpu1`` -> ``node03``."""
-    head = re.match(r"([^,\[]*)(\[([^\]]*)\])?", nodelist.strip())
-    if not head or not head.group(1):
-        raise DistributedError(f"cannot read a host name from the SLURM node list {nodelist!r}")
-    if head.group(3) is None:
-        return head.group(1)
-    return head.group(1) + re.split(r"[,-]", head.group(3))[0]
-
-
-def _on_tpu_vm(env: Mapping[str, str]) -> bool:
-    return any(v in env for v in _TPU_VARS) or os.path.exists("/dev/accel0")
-
-
 def detect(env: Mapping[str, str] | None = None) -> ClusterSpec:
-    """Reads the cluster this process belongs to from ``env`` (default ``os.environ``), without side effects.
+    """The explicit settings of ``env`` (default ``os.environ``), checked, without side effects; what they
+    leave out is JAX's to detect when :func:`initialize` connects.
 
     Raises:
-      DistributedError: naming the missing or malformed variable, e.g. ``DORA_PROCESS_ID is not set``.
+      DistributedError: naming the malformed or inconsistent variable, e.g.
+        ``DORA_PROCESS_ID=2 must be < DORA_NUM_PROCESSES=2``.
     """
     env = os.environ if env is None else env
-    kind = env.get("DORA_CLUSTER", "auto") or "auto"
-    if kind not in CLUSTERS:
-        raise DistributedError(f"environment variable DORA_CLUSTER={kind!r}: allowed {', '.join(CLUSTERS)}")
-    if kind == "auto":
-        if any(v in env for v in _ENV_VARS):
-            kind = "env"
-        elif "SLURM_JOB_ID" in env and "SLURM_NTASKS" in env:
-            kind = "slurm"
-        elif _on_tpu_vm(env):
-            kind = "tpu"
-        else:
-            kind = "single"
+    method = env.get("DORA_CLUSTER", "auto") or "auto"
+    if not re.fullmatch(r"[a-z0-9_]+", method):
+        raise DistributedError(f"environment variable DORA_CLUSTER={method!r}: allowed auto, single, or a JAX "
+                               "cluster detection method (slurm, ompi, mpi4py, gce_tpu, gke_tpu, k8s)")
     local = None
     if env.get("DORA_LOCAL_DEVICE_IDS"):
         try:
@@ -114,58 +103,57 @@ def detect(env: Mapping[str, str] | None = None) -> ClusterSpec:
         except ValueError:
             raise DistributedError(f"environment variable DORA_LOCAL_DEVICE_IDS={env['DORA_LOCAL_DEVICE_IDS']!r} "
                                    "must be comma-separated integers >= 0, e.g. 0,1") from None
-    if kind == "single":
+    n = _int(env, "DORA_NUM_PROCESSES", minimum=1)
+    pid = _int(env, "DORA_PROCESS_ID")
+    coordinator = _address(env["DORA_COORDINATOR"], "DORA_COORDINATOR") if env.get("DORA_COORDINATOR") else None
+    if n is not None and pid is not None and pid >= n:
+        raise DistributedError(f"environment variable DORA_PROCESS_ID={pid} must be < DORA_NUM_PROCESSES={n}")
+    if method == "single" or n == 1:
         return ClusterSpec("single", num_processes=1, process_id=0)
-    if kind == "tpu":
-        return ClusterSpec("tpu", local_device_ids=local)
-    if kind == "env":
-        n = _int(env, "DORA_NUM_PROCESSES", minimum=1)
-        pid = _int(env, "DORA_PROCESS_ID")
-        if pid >= n:
-            raise DistributedError(f"environment variable DORA_PROCESS_ID={pid} must be < DORA_NUM_PROCESSES={n}")
-        if n == 1:
-            return ClusterSpec("single", num_processes=1, process_id=0)
-        if not env.get("DORA_COORDINATOR"):
-            raise DistributedError("environment variable DORA_COORDINATOR is not set (host:port of process 0)")
-        return ClusterSpec("env", _address(env["DORA_COORDINATOR"], "DORA_COORDINATOR"), n, pid, local)
-    # slurm
-    n = _int(env, "SLURM_NTASKS", minimum=1)
-    pid = _int(env, "SLURM_PROCID")
-    if pid >= n:
-        raise DistributedError(f"environment variable SLURM_PROCID={pid} must be < SLURM_NTASKS={n}")
-    if n == 1:
-        return ClusterSpec("single", num_processes=1, process_id=0)
-    if env.get("DORA_COORDINATOR"):
-        coordinator = _address(env["DORA_COORDINATOR"], "DORA_COORDINATOR")
-    else:
-        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-        if not nodes:
-            raise DistributedError("environment variable SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST) is not set; "
-                                   "run under srun or set DORA_COORDINATOR")
-        port = _int(env, "DORA_COORDINATOR_PORT", minimum=1, maximum=65535) if env.get("DORA_COORDINATOR_PORT") \
-            else DEFAULT_PORT
-        coordinator = f"{first_slurm_host(nodes)}:{port}"
-    return ClusterSpec("slurm", coordinator, n, pid, local)
+    if None not in (coordinator, n, pid):
+        if method != "auto":
+            raise DistributedError(f"environment variable DORA_CLUSTER={method!r} with DORA_COORDINATOR, "
+                                   "DORA_NUM_PROCESSES and DORA_PROCESS_ID all set: nothing is left to detect; "
+                                   "unset DORA_CLUSTER or some of them")
+        return ClusterSpec("env", coordinator, n, pid, local)
+    return ClusterSpec("auto", coordinator, n, pid, local, None if method == "auto" else method)
 
 
 _INITIALIZED: ClusterSpec | None = None
 
 
+def _connect(jax: Any, spec: ClusterSpec) -> None:
+    """``jax.distributed.initialize`` with the given settings; JAX detects the others."""
+    kwargs: dict[str, Any] = {"coordinator_address": spec.coordinator, "num_processes": spec.num_processes,
+                              "process_id": spec.process_id}
+    if spec.local_device_ids is not None:
+        kwargs["local_device_ids"] = list(spec.local_device_ids)
+    if spec.kind == "env":
+        # Everything is given. JAX would still detect the local devices under SLURM or Open MPI (one per
+        # process); a process started by the launch scripts drives every device it sees.
+        kwargs["cluster_detection_method"] = "deactivate"
+    elif spec.method is not None:
+        kwargs["cluster_detection_method"] = spec.method
+    jax.distributed.initialize(**kwargs)
+
+
 def initialize(env: Mapping[str, str] | None = None) -> ClusterSpec:
     """Connects this process to the others (``jax.distributed.initialize``); call before any JAX work.
 
-    A single process returns at once. On CPU (``JAX_PLATFORMS`` unset or naming ``cpu``) cross-process
-    collectives go through gloo, so that ``jax.distributed`` works on plain hosts and in tests. Calling it
-    again returns the first call's result.
+    Returns at once for a single process: when ``DORA_CLUSTER=single`` or ``DORA_NUM_PROCESSES=1``, when
+    nothing is set and JAX finds no cluster, and when nothing is set and JAX's backend is already running
+    (joining a cluster is no longer possible then, so the process runs alone). Cross-process collectives on
+    CPU go through gloo. Calling it again returns the first call's result.
 
     Args:
       env: the environment to read (default ``os.environ``); see the module docstring for the variables.
 
     Returns:
-      The :class:`ClusterSpec` that was used.
+      The :class:`ClusterSpec` that was used, with JAX's process count and index.
 
     Raises:
-      DistributedError: naming the missing or malformed variable, before anything is connected.
+      DistributedError: a malformed variable, or a cluster that cannot be joined as set, naming what is
+        wrong, before anything is connected.
     """
     global _INITIALIZED
     if _INITIALIZED is not None:
@@ -176,19 +164,32 @@ def initialize(env: Mapping[str, str] | None = None) -> ClusterSpec:
         return spec
     import jax
 
+    if jax.distributed.is_initialized():  # connected by the caller: take it as it is
+        _INITIALIZED = dataclasses.replace(spec, num_processes=jax.process_count(), process_id=jax.process_index())
+        return _INITIALIZED
     platforms = (env if env is not None else os.environ).get("JAX_PLATFORMS", "")
-    if spec.kind != "tpu" and (not platforms or "cpu" in platforms.split(",")):
+    if not platforms or "cpu" in platforms.split(","):
         try:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         except (AttributeError, KeyError, ValueError):  # a JAX that has gloo by default or names it otherwise
             pass
-    kwargs: dict[str, Any] = {}
-    if spec.kind != "tpu":
-        kwargs = dict(coordinator_address=spec.coordinator, num_processes=spec.num_processes,
-                      process_id=spec.process_id)
-    if spec.local_device_ids is not None:
-        kwargs["local_device_ids"] = list(spec.local_device_ids)
-    jax.distributed.initialize(**kwargs)
+    given = [f"{k}={v}" for k, v in (("DORA_COORDINATOR", spec.coordinator), ("DORA_NUM_PROCESSES",
+             spec.num_processes), ("DORA_PROCESS_ID", spec.process_id)) if v is not None]
+    try:
+        _connect(jax, spec)
+    except (ValueError, RuntimeError) as e:
+        started = "before any JAX calls" in str(e)  # JAX's backend runs already: too late to join a cluster
+        if isinstance(e, RuntimeError) and not started:
+            raise
+        if spec.kind == "auto" and not given and spec.method is None:  # no cluster found, or too late to join
+            log.debug("jax.distributed.initialize: %s; running as one process", e)
+            _INITIALIZED = ClusterSpec("single", num_processes=1, process_id=0)
+            return _INITIALIZED
+        asked = ", ".join(given + ([f"DORA_CLUSTER={spec.method}"] if spec.method else []))
+        why = ("call dora_jax.distributed.initialize() before any JAX work" if started else
+               "set the DORA_* variables missing here, or start the processes where JAX detects the cluster "
+               "(srun, mpirun, a Cloud TPU VM)")
+        raise DistributedError(f"{asked}: jax.distributed.initialize failed ({e}); {why}") from None
     _INITIALIZED = dataclasses.replace(spec, num_processes=jax.process_count(), process_id=jax.process_index())
     return _INITIALIZED
 

@@ -52,7 +52,7 @@ total=$((DORA_NUM_NODES * DORA_PROCS_PER_NODE))
 pids=()
 for ((local_rank = 0; local_rank < DORA_PROCS_PER_NODE; local_rank++)); do
   id=$((DORA_NODE_RANK * DORA_PROCS_PER_NODE + local_rank))
-  cmd=(env DORA_CLUSTER=env "DORA_COORDINATOR=$DORA_COORDINATOR" "DORA_NUM_PROCESSES=$total" "DORA_PROCESS_ID=$id")
+  cmd=(env "DORA_COORDINATOR=$DORA_COORDINATOR" "DORA_NUM_PROCESSES=$total" "DORA_PROCESS_ID=$id")
   if [[ "$DORA_PROCS_PER_NODE" -gt 1 ]]; then
     cmd+=("CUDA_VISIBLE_DEVICES=$local_rank")
   fi

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Runs a dora-jax command on every worker of a Cloud TPU VM slice (a pod slice is one program per host; JAX
-# finds the other workers itself): creates the TPU VM unless it exists, copies this checkout, installs it,
-# runs the command on --worker=all, and gathers each worker's log into runs/logs/TPU_NAME/.
+# Runs a dora-jax command on every worker of a Cloud TPU VM slice (a pod slice is one program per host;
+# jax.distributed.initialize() finds the other workers itself): creates the TPU VM unless it exists, copies
+# this checkout, installs it, runs the command on --worker=all, and gathers each worker's log into
+# runs/logs/TPU_NAME/.
 #
 #   TPU_NAME=dora-v5p ZONE=us-east5-a ACCELERATOR_TYPE=v5p-64 RUNTIME_VERSION=v2-alpha-tpuv5 \
 #     launch/tpu_pod.sh train --config llama3_1_8b_v5p64
 #   launch/tpu_pod.sh --dry-run train ...   (print the gcloud commands only)
-# Optional: PROJECT (gcloud's default otherwise), SPOT=1 (a preemptible slice), SKIP_CREATE=1.
+# Optional: PROJECT (gcloud's default otherwise), SPOT=1 (a preemptible slice), SKIP_CREATE=1, DORA_PYTHON (the
+# Python version of the workers' environment, default 3.11; dora-jax needs 3.11 or newer).
+# TPU VM images ship an older Python (3.10), so each worker builds its environment with uv, which uses a
+# Python of that version when the VM has one and installs a standalone build of it otherwise.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source-path=SCRIPTDIR source=_lib.sh
@@ -25,6 +29,11 @@ if [[ $# -eq 0 ]]; then
   exit 2
 fi
 need_vars TPU_NAME ZONE ACCELERATOR_TYPE RUNTIME_VERSION
+python="${DORA_PYTHON:-3.11}"
+if ! [[ "$python" =~ ^3\.([0-9]+)(\.[0-9]+)?$ ]] || (( BASH_REMATCH[1] < 11 )); then
+  echo "error: DORA_PYTHON must be a Python version 3.11 or newer (e.g. 3.12), got '$python'" >&2
+  exit 2
+fi
 if [[ -z "$DRY_RUN" ]] && ! command -v gcloud >/dev/null; then
   echo "error: gcloud not found; install the Google Cloud SDK" >&2
   exit 2
@@ -57,11 +66,15 @@ run tar -czf "$archive" -C "$repo" --exclude=.venv --exclude=.git --exclude=runs
 run "${tpu[@]}" scp "$archive" "$TPU_NAME:dora_jax.tar.gz" --worker=all "${where[@]}"
 
 install="rm -rf $remote_dir && mkdir -p $remote_dir && tar -xzf dora_jax.tar.gz -C $remote_dir && cd $remote_dir"
-install+=" && python3 -m venv .venv && .venv/bin/pip install --quiet -e . 'jax[tpu]'"
+# uv from PyPI with the VM's pip, or its standalone installer where pip refuses user installs; both put it in
+# ~/.local/bin.
+uv="\$HOME/.local/bin/uv"  # expanded on the worker
+install+=" && { python3 -m pip install --user --quiet uv || curl -LsSf https://astral.sh/uv/install.sh | sh; }"
+install+=" && $uv venv --seed --python $python .venv && $uv pip install --python .venv/bin/python --quiet -e '.[tpu]'"
 run "${tpu[@]}" ssh "$TPU_NAME" --worker=all "${where[@]}" --command="$install"
 
 args="$(printf '%q ' "$@")"
-train="cd $remote_dir && mkdir -p logs && DORA_CLUSTER=tpu .venv/bin/dora-jax $args> logs/\$(hostname).log 2>&1"
+train="cd $remote_dir && mkdir -p logs && .venv/bin/dora-jax $args> logs/\$(hostname).log 2>&1"
 run "${tpu[@]}" ssh "$TPU_NAME" --worker=all "${where[@]}" --command="$train"
 
 if [[ -z "$DRY_RUN" ]]; then mkdir -p "$log_dir"; fi

@@ -1,5 +1,6 @@
-"""Multi-host runtime: cluster detection from the environment, data shards, and a real two-process run of
-``jax.distributed`` on localhost (gloo CPU collectives) where process 0's decision reaches process 1."""
+"""Multi-host runtime: the explicit settings read from the environment, data shards, and real two-process runs
+of ``jax.distributed`` on localhost (gloo CPU collectives) where process 0's decision reaches process 1: joined
+by explicit settings, and by JAX's own detection of a SLURM step."""
 
 import json
 import os
@@ -10,41 +11,40 @@ import textwrap
 
 import pytest
 
-from dora_jax.distributed import DistributedError, detect, first_slurm_host, process_shard
+from dora_jax.distributed import ClusterSpec, DistributedError, detect, process_shard
 from dora_jax.xla_flags import cpu_device_flags
 
 
-def test_single_process_when_nothing_is_set():
-    spec = detect({})
-    assert (spec.kind, spec.num_processes, spec.process_id) == ("single", 1, 0)
+def test_nothing_set_leaves_the_cluster_to_jax():
+    assert detect({}) == ClusterSpec("auto")
 
 
 def test_explicit_env():
     spec = detect({"DORA_COORDINATOR": "10.0.0.1:1234", "DORA_NUM_PROCESSES": "4", "DORA_PROCESS_ID": "3",
                    "DORA_LOCAL_DEVICE_IDS": "0,1"})
-    assert spec == type(spec)("env", "10.0.0.1:1234", 4, 3, (0, 1))
-    # One process is a no-op even with the variables set.
+    assert spec == ClusterSpec("env", "10.0.0.1:1234", 4, 3, (0, 1))
+    # One process is a no-op even with the variables set, and DORA_CLUSTER=single forces one.
     assert detect({"DORA_COORDINATOR": "h:1", "DORA_NUM_PROCESSES": "1", "DORA_PROCESS_ID": "0"}).kind == "single"
+    assert detect({"DORA_CLUSTER": "single", "SLURM_JOB_ID": "7"}).kind == "single"
+
+
+def test_partial_settings_and_a_named_method_go_to_jax():
+    assert detect({"DORA_COORDINATOR": "gpu003:99"}) == ClusterSpec("auto", "gpu003:99")
+    assert detect({"DORA_CLUSTER": "slurm", "DORA_LOCAL_DEVICE_IDS": "0"}) == ClusterSpec(
+        "auto", local_device_ids=(0,), method="slurm")
 
 
 @pytest.mark.parametrize("env, missing", [
-    ({"DORA_NUM_PROCESSES": "2", "DORA_PROCESS_ID": "0"}, "DORA_COORDINATOR"),
-    ({"DORA_COORDINATOR": "h:1", "DORA_PROCESS_ID": "0"}, "DORA_NUM_PROCESSES"),
-    ({"DORA_COORDINATOR": "h:1", "DORA_NUM_PROCESSES": "2"}, "DORA_PROCESS_ID"),
     ({"DORA_COORDINATOR": "h:1", "DORA_NUM_PROCESSES": "2", "DORA_PROCESS_ID": "2"}, "DORA_PROCESS_ID=2"),
     ({"DORA_COORDINATOR": "h:1", "DORA_NUM_PROCESSES": "two", "DORA_PROCESS_ID": "0"}, "DORA_NUM_PROCESSES"),
+    ({"DORA_NUM_PROCESSES": "0"}, "DORA_NUM_PROCESSES=0 must be >= 1"),
+    ({"DORA_PROCESS_ID": "-1"}, "DORA_PROCESS_ID=-1 must be >= 0"),
     ({"DORA_COORDINATOR": "nohostport", "DORA_NUM_PROCESSES": "2", "DORA_PROCESS_ID": "0"}, "DORA_COORDINATOR"),
-    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2"}, "SLURM_PROCID"),
-    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "1"}, "SLURM_STEP_NODELIST"),
-    ({"DORA_CLUSTER": "mpi"}, "DORA_CLUSTER"),
+    ({"DORA_CLUSTER": "mpi!"}, "DORA_CLUSTER"),
+    ({"DORA_CLUSTER": "slurm", "DORA_COORDINATOR": "h:1", "DORA_NUM_PROCESSES": "2", "DORA_PROCESS_ID": "0"},
+     "nothing is left to detect"),
     ({"DORA_COORDINATOR": "h:70000", "DORA_NUM_PROCESSES": "2", "DORA_PROCESS_ID": "0"},
      r"DORA_COORDINATOR='h:70000': the port must be in 1..65535"),
-    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_STEP_NODELIST": "n1",
-      "DORA_COORDINATOR_PORT": "abc"}, r"DORA_COORDINATOR_PORT='abc' is not an integer"),
-    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_STEP_NODELIST": "n1",
-      "DORA_COORDINATOR_PORT": "0"}, r"DORA_COORDINATOR_PORT=0 must be >= 1"),
-    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_STEP_NODELIST": "n1",
-      "DORA_COORDINATOR_PORT": "65536"}, r"DORA_COORDINATOR_PORT=65536 must be <= 65535"),
     ({"DORA_LOCAL_DEVICE_IDS": "0,-1"}, r"DORA_LOCAL_DEVICE_IDS='0,-1' must be comma-separated integers >= 0"),
 ])
 def test_fails_fast_naming_the_variable(env, missing):
@@ -52,17 +52,34 @@ def test_fails_fast_naming_the_variable(env, missing):
         detect(env)
 
 
-def test_slurm():
-    env = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16", "SLURM_PROCID": "5", "SLURM_STEP_NODELIST": "gpu[003-004,9]"}
-    spec = detect(env)
-    assert (spec.kind, spec.coordinator, spec.num_processes, spec.process_id) == ("slurm", "gpu003:8476", 16, 5)
-    assert detect({**env, "DORA_CLUSTER": "slurm", "DORA_COORDINATOR_PORT": "99"}).coordinator == "gpu003:99"
-    assert first_slurm_host("a1,b2") == "a1" and first_slurm_host("n[7]") == "n7"
+_ALONE = textwrap.dedent("""
+    import json
+    from dora_jax.distributed import initialize
+    spec = initialize()
+    import jax
+    print("RESULT " + json.dumps({"kind": spec.kind, "count": jax.process_count()}))
+""")
 
 
-def test_tpu_leaves_detection_to_jax():
-    spec = detect({"TPU_WORKER_HOSTNAMES": "t0,t1", "TPU_WORKER_ID": "1"})
-    assert spec.kind == "tpu" and spec.coordinator is None and spec.num_processes is None
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DORA_", "SLURM_", "OMPI_", "JAX_COORDINATOR"))}
+    return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_device_flags(2, ""), **extra}
+
+
+def _result(out: str) -> dict:
+    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+
+
+def test_no_cluster_runs_alone_and_a_partial_one_is_named():
+    proc = subprocess.run([sys.executable, "-c", _ALONE], env=_clean_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert _result(proc.stdout) == {"kind": "single", "count": 1}
+    # A coordinator alone, where JAX finds no cluster to supply the rest: refused, naming what was set.
+    proc = subprocess.run([sys.executable, "-c", _ALONE], env=_clean_env(DORA_COORDINATOR="127.0.0.1:1"),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "DistributedError: DORA_COORDINATOR=127.0.0.1:1: jax.distributed.initialize failed" in proc.stderr
 
 
 def test_process_shard():
@@ -101,21 +118,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_agree_on_process_zeros_decision(tmp_path):
+@pytest.mark.parametrize("launcher", ["dora_env", "slurm"])
+def test_two_processes_agree_on_process_zeros_decision(launcher):
     port = _free_port()
     procs = []
     for pid in range(2):
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_device_flags(2, ""),
-               "DORA_COORDINATOR": f"127.0.0.1:{port}", "DORA_NUM_PROCESSES": "2", "DORA_PROCESS_ID": str(pid)}
+        if launcher == "dora_env":
+            env = _clean_env(DORA_COORDINATOR=f"127.0.0.1:{port}", DORA_NUM_PROCESSES="2", DORA_PROCESS_ID=str(pid))
+        else:  # the variables srun sets for a two-task step on one node; JAX's own detection reads them
+            env = _clean_env(SLURM_JOB_ID="7", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
+                             SLURM_PROCID=str(pid), SLURM_LOCALID=str(pid), JAX_COORDINATOR_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, "-c", _WORKER], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     results = []
     for p in procs:
         out, _ = p.communicate(timeout=120)
         assert p.returncode == 0, out
-        results.append(json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:]))
+        results.append(_result(out))
+    kind = "env" if launcher == "dora_env" else "auto"
     for pid, r in enumerate(results):
-        assert (r["pid"], r["count"], r["devices"], r["kind"]) == (pid, 2, 4, "env")
+        assert (r["pid"], r["count"], r["devices"], r["kind"]) == (pid, 2, 4, kind)
         assert r["decision"] == {"train": [0, 10], "stop": True}  # process 0's, on both
         assert r["gathered"] == [{"pid": 0, "text": ""}, {"pid": 1, "text": "x" * 100}]  # every process's, in order
         assert r["shard"] == list(range(pid, 8, 2))

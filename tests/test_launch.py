@@ -93,7 +93,7 @@ def test_multinode_gpu():
     cmds = _dry("multinode_gpu.sh", ["train", "--config", "qwen2_5_7b_8gpu"], env)
     assert len(cmds) == 4
     for local, c in enumerate(cmds):
-        assert c == ["env", "DORA_CLUSTER=env", "DORA_COORDINATOR=10.0.0.1:8476", "DORA_NUM_PROCESSES=8",
+        assert c == ["env", "DORA_COORDINATOR=10.0.0.1:8476", "DORA_NUM_PROCESSES=8",
                      f"DORA_PROCESS_ID={4 + local}", f"CUDA_VISIBLE_DEVICES={local}", BIN, "train", "--config",
                      "qwen2_5_7b_8gpu"]
     (one,) = _dry("multinode_gpu.sh", ["train"], {**env, "DORA_PROCS_PER_NODE": "1"})
@@ -104,13 +104,19 @@ def test_multinode_gpu():
 
 
 def test_slurm_gpu():
+    """jax.distributed.initialize() reads srun's variables; the script only says which GPUs a process drives."""
     env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "4", "SLURM_JOB_NODELIST": "gpu[01-04]"}
     (cmd,) = _dry("slurm_gpu.sbatch", ["train", "--config", "qwen2_5_7b_8gpu"], env)
-    assert cmd == ["srun", "--nodes=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "env", "DORA_CLUSTER=slurm",
-                   "DORA_COORDINATOR_PORT=8476", BIN, "train", "--config", "qwen2_5_7b_8gpu"]
+    assert cmd == ["srun", "--nodes=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "env",
+                   "DORA_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7", BIN, "train", "--config", "qwen2_5_7b_8gpu"]
+    (four,) = _dry("slurm_gpu.sbatch", ["train"], {**env, "SLURM_GPUS_ON_NODE": "4", "DORA_COORDINATOR_PORT": "9000"})
+    assert four[4:7] == ["env", "DORA_LOCAL_DEVICE_IDS=0,1,2,3", "JAX_COORDINATOR_PORT=9000"]
+    # One process per GPU: JAX gives each task the GPU of its local rank, so every task must see them all.
     (per_gpu,) = _dry("slurm_gpu.sbatch", ["train"], {**env, "DORA_PROCS_PER_NODE": "8"})
-    assert "--ntasks-per-node=8" in per_gpu and "--gpus-per-task=1" in per_gpu
+    assert per_gpu[:5] == ["srun", "--nodes=4", "--ntasks-per-node=8", "--kill-on-bad-exit=1", "env"]
+    assert per_gpu[5:] == [BIN, "train"]
     _fails("slurm_gpu.sbatch", ["train"], {"SLURM_JOB_ID": "1"}, "not set: SLURM_JOB_NUM_NODES SLURM_JOB_NODELIST")
+    _fails("slurm_gpu.sbatch", ["train"], {**env, "DORA_COORDINATOR_PORT": "x"}, "DORA_COORDINATOR_PORT must be")
     with open(os.path.join(REPO, "launch", "slurm_gpu.sbatch")) as f:
         assert "#SBATCH --gpus-per-node=" in f.read()
 
@@ -130,7 +136,34 @@ def test_tpu_pod():
         if c[4] != "create":
             assert "--worker=all" in c
     train = next(a for a in gcloud[3] if a.startswith("--command="))
-    assert "DORA_CLUSTER=tpu .venv/bin/dora-jax train --config llama3_1_8b_v5p64" in train
+    assert "&& .venv/bin/dora-jax train --config llama3_1_8b_v5p64 >" in train  # JAX finds the slice's workers
     assert gcloud[4][-3:-1] == ["runs/logs/dora-v5p/", "--worker=all"] or "runs/logs/dora-v5p/" in gcloud[4]
     assert not any(c[4] == "create" for c in _dry("tpu_pod.sh", ["train"], {**env, "SKIP_CREATE": "1"}) if c[0] == "gcloud")
     _fails("tpu_pod.sh", ["train"], {"TPU_NAME": "x"}, "not set: ZONE ACCELERATOR_TYPE RUNTIME_VERSION")
+
+
+def _worker_python(cmds: list[list[str]]) -> tuple[int, ...]:
+    """The Python version the workers' environment is built with: ``uv venv --python X`` in the install step."""
+    (install,) = [a[len("--command="):] for c in cmds if c[0] == "gcloud" and c[4] == "ssh" for a in c
+                  if a.startswith("--command=") and "uv venv" in a]
+    words = shlex.split(install)
+    venv = words.index("venv")
+    version = words.index("--python", venv) + 1
+    assert words[venv - 1].endswith("/.local/bin/uv") and words[version + 1] == ".venv"
+    # the packages go into that environment, not the VM's Python
+    assert words[words.index("install", venv) + 1:words.index("install", venv) + 3] == ["--python", ".venv/bin/python"]
+    return tuple(int(x) for x in words[version].split("."))
+
+
+def test_tpu_pod_builds_its_environment_with_a_new_enough_python():
+    """TPU VM images ship Python 3.10; the workers' environment is made by uv with the Python dora-jax needs
+    (pyproject's requires-python), not with the VM's python3."""
+    import tomllib
+
+    env = {"TPU_NAME": "t", "ZONE": "z", "ACCELERATOR_TYPE": "v5p-8", "RUNTIME_VERSION": "r"}
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        needed = tuple(int(x) for x in tomllib.load(f)["project"]["requires-python"].removeprefix(">=").split("."))
+    assert _worker_python(_dry("tpu_pod.sh", ["train"], env)) == (3, 11) >= needed
+    assert _worker_python(_dry("tpu_pod.sh", ["train"], {**env, "DORA_PYTHON": "3.12"})) == (3, 12)
+    for bad in ("3.10", "3", "python3"):
+        _fails("tpu_pod.sh", ["train"], {**env, "DORA_PYTHON": bad}, "DORA_PYTHON must be a Python version 3.11")
