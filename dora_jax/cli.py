@@ -62,13 +62,15 @@ def cmd_train(args) -> int:
     import os
 
     from dora_jax.run import Runner
+    from dora_jax.run.setup import no_empty_run_dir
 
     cfg = _load(args)
     run_dir = args.run_dir or os.path.join(cfg.run.out_dir, cfg.run.name)
     print(f"dora-jax train: {cfg.dora.mode} (K={cfg.train.max_staleness}, RBS={cfg.dora.rollout_batch}, "
           f"TBS={cfg.dora.train_batch}, G={cfg.train.group_size}), {cfg.dora.steps} updates on {cfg.task.name}; "
           f"writing {run_dir}")
-    summary = Runner(cfg, run_dir).run()
+    with no_empty_run_dir(run_dir):
+        summary = Runner(cfg, run_dir).run()
     print(json.dumps({k: v for k, v in summary.items() if k != "filtered_reasons"}, indent=1))
     print(f"accuracy on {summary['eval_n']} held-out questions: {summary['accuracy_before']:.3f} before, "
           f"{summary['accuracy_after']:.3f} after {summary['steps']} updates ({summary['wall_s']:.0f}s of training)")

@@ -116,3 +116,18 @@ def test_bad_paths_are_refused_before_any_work(capsys, tmp_path, monkeypatch):
     assert "for another config run 'dora-jax generate --config tiny_llama'" in capsys.readouterr().err
     assert main(["plot", str(tmp_path / "nowhere")]) == 2
     assert "nowhere: no such run directory" in capsys.readouterr().err
+
+
+def test_a_run_that_fails_at_start_up_leaves_no_empty_run_directory(capsys, tmp_path):
+    """The run directory is made before the task is loaded: a task file that is not there fails after it, and
+    the directories made for the run go again; one that existed before stays."""
+    one_device = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "task.name=gsm8k",
+                  f"task.path={tmp_path}/missing.jsonl"]
+    run_dir = tmp_path / "runs" / "a" / "run"
+    assert main(["train", "--config", "tiny_llama", "--run-dir", str(run_dir), "--no-plot", *one_device]) == 2
+    assert "missing.jsonl' does not exist" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    assert main(["train", "--config", "tiny_llama", "--run-dir", str(kept), "--no-plot", *one_device]) == 2
+    assert os.listdir(tmp_path) == ["kept"] and os.listdir(kept) == []

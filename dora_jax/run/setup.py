@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import os
-from typing import Any
+import shutil
+from typing import Any, Iterator
 
 import jax
 
@@ -65,6 +67,25 @@ def check_run_dir(cfg: Config, run_dir: str, store: RunStore) -> None:
     if cfg.run.resume:
         store.check_config()
         store.check_restart()
+
+
+@contextlib.contextmanager
+def no_empty_run_dir(run_dir: str) -> Iterator[None]:
+    """Around a run: when it fails, the directories it made for ``run_dir`` (the run directory, and the parents
+    made with it) are removed again if no file was written into them, so a run that fails at start-up (a bad
+    task file, a setting refused after the directory was made) leaves no empty run directory behind. A directory
+    that existed before, or that holds any file, is kept as it is."""
+    made, path = [], os.path.abspath(run_dir)
+    while not os.path.exists(path):  # deepest first
+        made.append(path)
+        path = os.path.dirname(path)
+    try:
+        yield
+    except BaseException:
+        for path in made:
+            if os.path.isdir(path) and not any(files for _, _, files in os.walk(path)):
+                shutil.rmtree(path, ignore_errors=True)  # other processes of the run may remove it too
+        raise
 
 
 def check_multiprocess(cfg: Config, placement: Any) -> None:
