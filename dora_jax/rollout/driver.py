@@ -133,6 +133,7 @@ class RolloutDriver:
         self.steps = 0  # decode steps dispatched and read back
         self.prefill_rows = 0  # distinct prompts prefilled (a GRPO group's members count once)
         self.prefilled_tokens = 0  # prompt tokens run through prefill (shared prefixes once per version)
+        self.max_held = 0  # the most versions held at once (held()), counted at every load and step dispatched
 
     # -- versions -------------------------------------------------------------------------------------------
 
@@ -141,14 +142,31 @@ class RolloutDriver:
         if version in self._groups:
             raise EngineError(f"policy version {version} is already loaded")
         self._groups[version] = _Group(version, self.engine.prepare_params(params))
+        self._count_held()
 
     def remove_version(self, version: int) -> None:
+        """Unloads a policy version with no trajectory left. When it returns, nothing of the driver holds the
+        version's weights: a decode step dispatched with it and not yet read back (its rows belong to
+        trajectories that ended, with ``overlap``) is waited for, and the group's params, decode state and
+        shared prefix are dropped, so a version loaded next is never on the devices beside it."""
         g = self._groups.get(version)
         if g is None:
             raise EngineError(f"policy version {version} is not loaded")
         if g.live or any(r.version == version for r, _ in self._pending):
             raise EngineError(f"policy version {version} still has trajectories in flight")
+        computing = [x for x in self._launched if any(a is g for a in x.active)]
+        jax.block_until_ready([r.data for x in computing for r in x.results])
         del self._groups[version]
+        g.params = g.state = g.prefix = None  # the launched step keeps the group for its bookkeeping only
+
+    def held(self) -> list[int]:
+        """The policy versions whose weights this driver holds now: the loaded ones, and any other whose group a
+        dispatched step not yet read back still refers to with its weights (none: removal drops them)."""
+        groups = list(self._groups.values()) + [g for x in self._launched for g in x.active]
+        return sorted({g.version for g in groups if g.params is not None})
+
+    def _count_held(self) -> None:
+        self.max_held = max(self.max_held, len(self.held()))
 
     @property
     def versions(self) -> list[int]:
@@ -317,6 +335,7 @@ class RolloutDriver:
         """The first half of :meth:`step`: admits and dispatches a decode step (:meth:`launch`), queued for
         :meth:`harvest`. Drivers on other devices can dispatch theirs before any result is read."""
         self._launched.append(self.launch())
+        self._count_held()
 
     def harvest(self) -> list[Trajectory]:
         """The second half of :meth:`step`: reads back the oldest dispatched step (without ``overlap``: the one
@@ -485,6 +504,15 @@ class DriverGroups:
     def remove_version(self, version: int) -> None:
         for d in self.drivers:
             d.remove_version(version)
+
+    def held(self) -> list[int]:
+        """The versions held by any group (each group holds its own copy of each, on its own devices)."""
+        return sorted({v for d in self.drivers for v in d.held()})
+
+    @property
+    def max_held(self) -> int:
+        """The most versions one group held at once (:attr:`RolloutDriver.max_held`)."""
+        return max(d.max_held for d in self.drivers)
 
     @property
     def versions(self) -> list[int]:

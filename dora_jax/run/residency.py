@@ -3,8 +3,16 @@ engines kept in step with it.
 
 A version's refcount is its samples not yet trained (the ledger's outstanding ones: pending, decoding, or
 finished and waiting for the trainer). A version that is not the newest and has none is drained: it leaves
-the store and the engines. The store's cap, K + 1 versions for staleness bound K, is a hard limit: a publish
-that would exceed it raises instead of holding one more copy of the weights.
+the store and the engines. The cap, K + 1 versions for staleness bound K, is a hard limit on both sides: a
+publish that would exceed it in the store, or a load into rollout engines that already hold K + 1 versions,
+raises instead of holding one more copy of the weights.
+
+The drained versions leave before the new one arrives: the store evicts them as it publishes, the driver
+unloads them (waiting for a decode step still computing with one), and only then is the new version moved
+to the rollout devices and loaded. The cap counts the new version. :attr:`Residency.max_resident` reports
+the most versions either side held, measured where the weights are: the store's after every publish, and
+the rollout driver's own count (:meth:`~dora_jax.rollout.driver.RolloutDriver.held`) after every load and
+every decode step it dispatches.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from dora_jax.run.placement import Placement
-from dora_jax.run.versions import VersionStore
+from dora_jax.run.versions import VersionError, VersionStore
 
 
 class Residency:
@@ -29,7 +37,23 @@ class Residency:
         self.store = VersionStore(max_resident)
         self.placement, self.driver = placement, driver
         self.sync_s = 0.0  # trainer -> rollout weight transfers, in total
-        self.max_resident = 1
+        self.store_max_resident = 0  # the most versions the store held at once
+        self._restored = 0  # the figure a resumed run had reached before its checkpoint
+
+    @property
+    def rollout_max_resident(self) -> int:
+        """The most versions one rollout group held at once (the driver's own count)."""
+        return self.driver.max_held
+
+    @property
+    def max_resident(self) -> int:
+        """The most versions held at once on either side (the store; each rollout group), and at least the
+        figure a resumed run had reached before its checkpoint."""
+        return max(self.store_max_resident, self.rollout_max_resident, self._restored)
+
+    @max_resident.setter
+    def max_resident(self, value: int) -> None:  # a resume restores the figure the run had reached
+        self._restored = int(value)
 
     def resident(self) -> set[int]:
         return self.store.resident()
@@ -54,10 +78,15 @@ class Residency:
                 self.driver.remove_version(v)
         else:
             self.store.reinstate(version, params, copy=False)
+        self.store_max_resident = max(self.store_max_resident, len(self.store.resident()))
+        held = self.driver.held()
+        if len(held) + 1 > self.store.max_resident:
+            raise VersionError(f"loading version {version} into the rollout engines would make {len(held) + 1} "
+                               f"versions resident there, above the cap of {self.store.max_resident}; they hold "
+                               f"versions {held}, the store {sorted(self.store.resident())}")
         copies, secs = self.placement.to_rollout(params)
         self.sync_s += secs
         self.driver.add_version(version, copies if len(self.placement.engines) > 1 else copies[0])
-        self.max_resident = max(self.max_resident, len(self.store.resident()))
 
     def count(self, outstanding: dict[int, int]) -> None:
         """Every resident version's refcount becomes its outstanding samples (``Ledger.outstanding()``)."""
