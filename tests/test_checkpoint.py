@@ -6,6 +6,7 @@ import json
 import logging
 import shutil
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -29,10 +30,10 @@ def run_state(step: int) -> dict:
             "metrics": {"line": step, "loss": 0.5}}
 
 
-def equal_trees(a, b) -> bool:
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return len(la) == len(lb) and all(x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y))
-                                      for x, y in zip(la, lb))
+def assert_same_tree(a, b) -> None:
+    """The same structure, dtypes and values (chex names the first leaf that differs)."""
+    chex.assert_trees_all_equal_dtypes(a, b)
+    chex.assert_trees_all_equal(a, b)
 
 
 def bumped(state, k: int):
@@ -69,7 +70,7 @@ def test_round_trip_is_bit_exact(setup, ckpts):
     assert found.step == 3 and found.skipped == [] and found.path.name == "step_00000003"
     assert found.run_state == run_state(3)
     assert found.meta["version"] == 3 and found.meta["fingerprint"] == ckpts.fingerprint
-    assert equal_trees(found.train_state, bumped(state, 3))
+    assert_same_tree(found.train_state, bumped(state, 3))
     assert jax.tree.structure(found.train_state) == jax.tree.structure(state)
     assert all(x.sharding == y.sharding for x, y in zip(jax.tree.leaves(found.train_state), jax.tree.leaves(state)))
 
@@ -83,7 +84,8 @@ def test_relative_directory(setup, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path.parent)
     assert (tmp_path / "runs/x/checkpoints/step_00000001" / MARKER).is_file()
     found = ckpts.restore_latest(target=state)
-    assert found.step == 1 and equal_trees(found.train_state, bumped(state, 1))
+    assert found.step == 1
+    assert_same_tree(found.train_state, bumped(state, 1))
 
 
 def test_restore_onto_a_smaller_mesh(setup, ckpts):
@@ -91,7 +93,7 @@ def test_restore_onto_a_smaller_mesh(setup, ckpts):
     mesh = create_mesh(MeshConfig(data=1, fsdp=-1, tensor=1), jax.devices()[:4])
     target = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     found = ckpts.restore_latest(target=state, shardings=target)
-    assert equal_trees(found.train_state, bumped(state, 3))
+    assert_same_tree(found.train_state, bumped(state, 3))
     assert all(x.sharding == target for x in jax.tree.leaves(found.train_state))
 
 
@@ -123,7 +125,8 @@ def test_damaged_newest_falls_back_to_previous(setup, ckpts, damage, message, ca
         (newest / MARKER).unlink()
     with caplog.at_level(logging.WARNING, logger="dora_jax.run.checkpoint"):
         found = ckpts.restore_latest(target=state)
-    assert found.step == 2 and equal_trees(found.train_state, bumped(state, 2))
+    assert found.step == 2
+    assert_same_tree(found.train_state, bumped(state, 2))
     assert found.run_state == run_state(2)
     assert len(found.skipped) == 1 and "step_00000003" in found.skipped[0]
     assert __import__("re").search(message, found.skipped[0]), found.skipped[0]
@@ -158,7 +161,8 @@ def test_crash_before_commit_leaves_previous_usable(setup, ckpts, monkeypatch):
     monkeypatch.undo()
     assert (ckpts.directory / ".tmp-step_00000004").is_dir() and not ckpts.path(4).exists()
     found = ckpts.restore_latest(target=state)
-    assert found.step == 3 and equal_trees(found.train_state, bumped(state, 3))
+    assert found.step == 3
+    assert_same_tree(found.train_state, bumped(state, 3))
     assert any(".tmp-step_00000004" in s and "crashed before commit" in s for s in found.skipped)
     # the next save of that step replaces the leftover and commits
     ckpts.save(4, bumped(state, 4), run_state(4))

@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import weakref
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +34,20 @@ def models():
 
 def _engine(model, slots=4, **serving):
     return Engine(model, max_concurrent_decodes=slots, max_prefill_length=32, max_target_length=64, **serving)
+
+
+def _trace_limit(monkeypatch, method: str):
+    """Puts ``Engine.<method>`` (a pure function the engine jits) behind chex's trace counter, for engines made
+    after this call; each trace is one compiled program. Returns ``limit(n)``: at most ``n`` traces from then on."""
+    original, current = getattr(Engine, method), {}
+
+    def limit(n: int) -> None:
+        chex.clear_trace_counter()
+        current["fn"] = chex.assert_max_traces(original, n)
+
+    limit(0)
+    monkeypatch.setattr(Engine, method, lambda self, *args: current["fn"](self, *args))
+    return limit
 
 
 @pytest.fixture(scope="module")
@@ -88,22 +103,26 @@ def test_two_versions_in_flight(models):
     assert differs >= 6  # the versions really are different policies
 
 
-def test_fused_step_equals_one_call_per_version(models):
+def test_fused_step_equals_one_call_per_version(models, monkeypatch):
     """Stepping every version in one program gives the tokens and log-probs of one call per version, and
     compiles one program per multiset of group capacities."""
     m0, m1 = models
     reqs = _requests(12, seed=4, versions=(0, 1, 2), sampling=RequestSampling(temperature=1.0, top_k=20, seed=5))
     runs = {}
+    limit = _trace_limit(monkeypatch, "_generate_many_impl")
+    fused = collections.Counter()
+    generate_many = Engine.generate_many
+    monkeypatch.setattr(Engine, "generate_many", lambda self, *a, **k: fused.update(["steps"]) or
+                        generate_many(self, *a, **k))
     eng = _engine(m0, slots=8)  # one engine: both drivers share its compiled prefill, insert and resize
     for fuse in (False, True):
+        # One program per (versions stepping together, shared capacity): 2 or 3 versions x capacities 1..8.
+        limit(0 if not fuse else 8)
         driver = RolloutDriver(eng, fuse=fuse)
         for v, m in enumerate((m0, m1, m0)):
             driver.add_version(v, nnx.state(m))
         runs[fuse] = {t.sample_id: t for t in driver.run(reqs)}
-        if fuse:
-            assert eng._generate_many_jit._cache_size() >= 1  # several versions did step together
-            # One program per (versions stepping together, shared capacity): 2 or 3 versions x capacities 1..8.
-            assert eng._generate_many_jit._cache_size() <= 8
+        assert (fused["steps"] > 0) == fuse  # several versions did step together, only when fused
     assert sorted(runs[True]) == list(range(12))
     for i, t in runs[False].items():
         f = runs[True][i]
@@ -202,17 +221,17 @@ def test_stop_and_eos_reasons(models):
     assert b.finish_reason == "stop" and b.tokens == free.tokens[:free.tokens.index(stop) + 1]
 
 
-def test_compaction_utilization_and_bounded_compilation(models):
+def test_compaction_utilization_and_bounded_compilation(models, monkeypatch):
     m0, _ = models
+    limit = _trace_limit(monkeypatch, "_generate_impl")
+    limit(4)  # capacities 1, 2, 4, 8
     eng = _engine(m0, slots=8)
     d = RolloutDriver(eng)
     d.add_version(0, nnx.state(m0))
     d.run(_requests(24, seed=9))
     assert d.slot_utilization > 0.75
-    compiled = eng._generate_jit._cache_size()
-    assert compiled <= 4  # capacities 1, 2, 4, 8
+    limit(0)
     d.run(_requests(24, seed=10))  # steady state: nothing new to compile
-    assert eng._generate_jit._cache_size() == compiled
 
 
 def test_bad_input(models):

@@ -3,6 +3,7 @@ trip, restore onto other meshes, metadata, retention, bad snapshots."""
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,10 +24,10 @@ def tiny(v: float) -> dict:
     return {"w": jnp.full((2, 3), v, jnp.float32)}
 
 
-def equal_trees(a, b) -> bool:
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return len(la) == len(lb) and all(x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y))
-                                      for x, y in zip(la, lb))
+def assert_same_tree(a, b) -> None:
+    """The same structure, dtypes and values (chex names the first leaf that differs)."""
+    chex.assert_trees_all_equal_dtypes(a, b)
+    chex.assert_trees_all_equal(a, b)
 
 
 @pytest.fixture(scope="module")
@@ -222,10 +223,10 @@ def test_snapshot_round_trip_is_bit_exact_with_metadata(tmp_path, cfg, params8):
         {"version": 1, "step": 7, "parent": 0, "fingerprint": cfg.fingerprint(), "kind": "full"}
     assert meta["time"] > 0
     back = snaps.restore(1, target=params8)
-    assert equal_trees(back, bumped)
+    assert_same_tree(back, bumped)
     assert all(x.sharding == y.sharding for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(params8)))
     assert snaps.save(1, params8) is False  # an existing snapshot is never overwritten
-    assert equal_trees(snaps.restore(1, target=params8), bumped)
+    assert_same_tree(snaps.restore(1, target=params8), bumped)
     snaps.close()
 
 
@@ -237,7 +238,7 @@ def test_snapshot_restores_onto_another_mesh(tmp_path, cfg, params8, devices):
     _, abstract = abstract_model(cfg.model)
     target = state_shardings(abstract, mesh, cfg.mesh.logical_axis_rules)
     back = snaps.restore(2, target=params8, shardings=target)
-    assert equal_trees(back, params8)
+    assert_same_tree(back, params8)
     for x, s in zip(jax.tree.leaves(back), jax.tree.leaves(target)):
         assert x.sharding == s and len(x.sharding.device_set) == devices
     snaps.close()
@@ -315,7 +316,7 @@ def test_truncated_or_missing_snapshot_files_are_named_before_orbax_reads(tmp_pa
         record = json.loads((snaps.path(v) / SIZES).read_text())
         files = sorted(f.relative_to(snaps.path(v)).as_posix() for f in snaps.path(v).rglob("*") if f.is_file())
         assert sorted(record) == [f for f in files if f != SIZES] and any(f.startswith("params/") for f in record)
-    assert equal_trees(snaps.restore(1, target=many), many)  # the record does not disturb Orbax
+    assert_same_tree(snaps.restore(1, target=many), many)  # the record does not disturb Orbax
 
     data = max((f for f in snaps.path(2).rglob("*") if f.is_file() and "params/d/" in f.as_posix()),
                key=lambda f: f.stat().st_size)
@@ -331,7 +332,7 @@ def test_truncated_or_missing_snapshot_files_are_named_before_orbax_reads(tmp_pa
     with pytest.raises(CheckpointError, match=rf"v_00000004/{SIZES}: unreadable size record"):
         snaps.restore(4, target=many)
     (snaps.path(4) / SIZES).unlink()  # as if the writer died between Orbax's commit and the record
-    assert equal_trees(snaps.restore(4, target=many), many)
+    assert_same_tree(snaps.restore(4, target=many), many)
     snaps.close()
 
 
@@ -345,11 +346,11 @@ def test_lora_snapshots_hold_adapters_and_base_once(tmp_path, cfg, params1):
     store.publish(6, adapters, step=6)
     snaps.wait()
     assert snaps.metadata(6)["kind"] == "lora"
-    assert equal_trees(snaps.restore(6, target=adapters), adapters)
-    assert equal_trees(snaps.restore_base(target=params1), params1)
+    assert_same_tree(snaps.restore(6, target=adapters), adapters)
+    assert_same_tree(snaps.restore_base(target=params1), params1)
     # resume: a fresh store over the restored base brings the version back with the same merged params
     again = VersionStore.from_config(run_cfg, base=snaps.restore_base(target=params1), snapshots=snaps)
     again.publish(7, adapters)
     again.reinstate(6, snaps.restore(6, target=adapters))
-    assert equal_trees(again.params(6), store.params(6))
+    assert_same_tree(again.params(6), store.params(6))
     snaps.close()
