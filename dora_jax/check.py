@@ -121,10 +121,11 @@ def trainer_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
 
     r = cfg.rollout
     t = bucket_length(r.max_prompt_len + r.max_new_tokens, tcfg.length_buckets)
-    b = bucket_rows(cfg.dora.train_batch, trainer.row_multiple)
+    b = bucket_rows(cfg.dora.train_batch // tcfg.minibatches, trainer.row_multiple)  # one optimizer update's rows
     f32, i32 = jnp.float32, jnp.int32
     shapes = dict(tokens=((b, t), i32), segment_ids=((b, t), i32), loss_mask=((b, t), f32),
                   behaviour_logprobs=((b, t), f32), recomputed_logprobs=((b, t), f32), ref_logprobs=((b, t), f32),
+                  prox_logprobs=((b, t), f32),
                   versions=((b,), i32), group_ids=((b,), i32), rewards=((b,), f32), valid=((b,), jnp.bool_))
     batch = TrainBatch(**{k: jax.ShapeDtypeStruct(s, d, sharding=getattr(trainer.batch_shardings, k))
                           for k, (s, d) in shapes.items()})

@@ -267,6 +267,12 @@ class TrainConfig:
 
     ``max_staleness`` is the bound K: a sample produced by policy version ``v`` is trained at trainer version
     ``u`` only if ``u - v <= K``; any other sample gets exactly zero weight and is counted.
+
+    One policy version is one RL iteration: ``epochs`` passes over the iteration's batch, each split into
+    ``minibatches`` optimizer updates of whole groups (shuffled per epoch from ``run.seed`` and the version),
+    as verl's ``ppo_mini_batch_size``/``ppo_epochs`` and TRL's ``num_iterations``. Decoupled PPO's proximal
+    log-probs are taken once, with the weights at the iteration's start. ``micro_batches`` only splits each
+    update's gradient for memory.
     """
 
     loss: str = "grpo"
@@ -282,6 +288,8 @@ class TrainConfig:
     behaviour_logprobs: str = "engine"
     max_response_tokens: int = 256
     group_size: int = 4
+    minibatches: int = 1
+    epochs: int = 1
     micro_batches: int = 1
     length_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048)
     optimizer: str = "adamw"
@@ -318,7 +326,7 @@ class TrainConfig:
             _fail(f"{path}.is_cap", self.is_cap, "must be > 0")
         if not 0 <= self.is_low < 1 < self.is_high:
             _fail(f"{path}.is_low/is_high", (self.is_low, self.is_high), "need 0 <= is_low < 1 < is_high")
-        for name in ("max_response_tokens", "group_size", "micro_batches", "total_steps"):
+        for name in ("max_response_tokens", "group_size", "minibatches", "epochs", "micro_batches", "total_steps"):
             if getattr(self, name) <= 0:
                 _fail(f"{path}.{name}", getattr(self, name), "must be a positive integer")
         if not self.length_buckets or any(b <= 0 for b in self.length_buckets) or \
@@ -580,6 +588,17 @@ class Config:
         if self.rollout.max_prompt_len + self.rollout.max_new_tokens > self.model.max_seq_len:
             _fail("rollout.max_new_tokens", self.rollout.max_new_tokens,
                   f"rollout.max_prompt_len + max_new_tokens must fit model.max_seq_len ({self.model.max_seq_len})")
+        groups = d.train_batch // t.group_size
+        if groups % t.minibatches:
+            _fail("train.minibatches", t.minibatches, f"must divide the iteration's {groups} groups "
+                  f"(dora.train_batch {d.train_batch} / train.group_size {t.group_size}): updates take whole groups")
+        r = self.rollout
+        if r.top_k > 0 or r.top_p < 1.0:
+            # The trainer's log-probs (current, proximal, recomputed) are those of the temperature-scaled full
+            # distribution; a truncated behaviour distribution would bias every ratio and importance weight.
+            _fail("rollout.top_k/top_p", (r.top_k, r.top_p), "training rollouts sample the temperature-scaled "
+                  "full distribution (top_k 0, top_p 1.0), the one the trainer computes its log-probs under; "
+                  "truncated sampling is for `dora-jax generate` (generate.top_k/top_p)")
         if self.rollout.max_new_tokens > t.max_response_tokens:
             _fail("rollout.max_new_tokens", self.rollout.max_new_tokens,
                   f"must be <= train.max_response_tokens ({t.max_response_tokens})")

@@ -234,7 +234,7 @@ def serial_jit(fun: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]
     """``jax.jit(fun, **jit_kwargs)``, whose calls on the CPU backend also :func:`settle` their results.
 
     On accelerators this is ``jax.jit`` itself: nothing waits and calls stay asynchronous. The returned
-    function keeps ``lower`` for inspecting the compiled program.
+    function keeps ``lower`` and ``_cache_size`` for inspecting the compiled programs.
     """
     jitted = jax.jit(fun, **jit_kwargs)
     if jax.default_backend() != "cpu":
@@ -244,7 +244,7 @@ def serial_jit(fun: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]
     def call(*args: Any, **kwargs: Any) -> Any:
         return settle(jitted(*args, **kwargs))
 
-    call.lower = jitted.lower
+    call.lower, call._cache_size = jitted.lower, jitted._cache_size  # inspection of the compiled programs
     return call
 
 

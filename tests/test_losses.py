@@ -230,3 +230,45 @@ def test_gspo_rejects_token_masking():
 
     with pytest.raises(ConfigError, match="train.correction.*mis_seq"):
         load_config(None, ["train.loss=gspo", "train.correction=mis_token"])
+
+
+@pytest.mark.parametrize("loss,correction", [("grpo", "decoupled"), ("dapo", "tis"), ("grpo", "mis_token"),
+                                             ("gspo", "decoupled"), ("dr_grpo", "mis_seq")])
+def test_a_proximal_policy_apart_from_the_current_one_matches_the_reference(loss, correction):
+    """Later updates of an iteration: the proximal log-probs (the weights at the iteration's start) differ from
+    the current ones, so the ratio is no longer 1. Value and gradient against the float64 reference with that
+    proximal policy held fixed."""
+    x = _inputs(3)
+    cfg = _cfg(loss, correction)
+    version = 5
+    rng = np.random.default_rng(7)
+    logp64 = x["logp"]
+    prox64 = logp64 + rng.normal(0, 0.3, logp64.shape) * x["mask"]  # the policy moved since the start
+    f64 = lambda a: jnp.asarray(a, jnp.float64)  # noqa: E731
+    with jax.enable_x64(True):
+        valid = jnp.asarray(x["valid"])
+        keep, _ = staleness(jnp.asarray(x["versions"]), valid, jnp.int32(version), cfg.max_staleness)
+        adv = group_advantages(f64(x["rewards"]), jnp.asarray(x["groups"]), valid, cfg.advantage, cfg.std_eps)
+        norms = normalizers(f64(x["mask"]), keep, valid, cfg.max_response_tokens)
+
+        def objective(logp):
+            return policy_loss(logp, f64(x["behaviour"]), f64(x["ref"]), f64(x["mask"]), adv, keep, norms, cfg,
+                               prox_bt=f64(prox64)).loss
+
+        value, grad = jax.value_and_grad(objective)(f64(logp64))
+        terms = policy_loss(f64(logp64), f64(x["behaviour"]), f64(x["ref"]), f64(x["mask"]), adv, keep, norms, cfg,
+                            prox_bt=f64(prox64))
+        value, grad = float(value), np.asarray(grad)
+    expected = ref_loss(logp64, prox64, x, cfg, version)
+    assert abs(value - expected) <= 1e-5 * abs(expected)
+    assert abs(expected - ref_loss(logp64, logp64, x, cfg, version)) > 1e-3  # the proximal policy matters here
+    if loss != "gspo":
+        assert float(terms.clipped_tokens) > 0  # ratios moved past the clip
+    h = 1e-6
+    num = np.zeros((B, T))
+    for i, j in zip(*np.nonzero(x["mask"])):
+        up, dn = logp64.copy(), logp64.copy()
+        up[i, j] += h
+        dn[i, j] -= h
+        num[i, j] = (ref_loss(up, prox64, x, cfg, version) - ref_loss(dn, prox64, x, cfg, version)) / (2 * h)
+    assert rel_err(grad, num) <= 1e-5, (loss, correction)

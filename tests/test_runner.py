@@ -269,3 +269,33 @@ def test_bad_run_configs_are_named(tmp_path):
         Runner(tiny("task.reward=test_runner:missing"), str(tmp_path / "r2"), progress=False)
     with pytest.raises(RunError, match=r"roles.rollout_groups = 2: .* not with roles.placement='shared'"):
         Runner(tiny("roles.rollout_groups=2"), str(tmp_path / "r3"), progress=False)
+
+
+def test_an_iteration_with_no_applied_update_publishes_nothing_and_loses_nothing(tmp_path, shared, monkeypatch):
+    """Every update of the second iteration is non-finite (its behaviour log-probs are NaN): no version comes of
+    it anywhere, the groups already dispatched for it move back to the version before, every sample is still
+    trained exactly once, and no later sample is masked as stale (the trainer and the schedule agree)."""
+    import jax.numpy as jnp
+
+    from dora_jax.trainer import Trainer
+
+    real, calls = Trainer.train_step, []
+
+    def poisoned(self, state, batch, iteration=0):
+        calls.append(iteration)
+        if len(calls) == 2:
+            batch = batch.replace(behaviour_logprobs=batch.behaviour_logprobs * jnp.nan)
+        return real(self, state, batch, iteration)
+
+    monkeypatch.setattr(Trainer, "train_step", poisoned)
+    runner = Runner(tiny("dora.mode=dora", "dora.rollout_batch=16"), str(tmp_path), **shared())
+    summary = runner.run()
+    assert summary["samples"] == 32 and summary["steps"] == 3  # four iterations, three versions
+    assert calls == [0, 1, 1, 2]  # the retracted iteration's number is the next one's
+    metrics = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [m["train"]["applied"] for m in metrics] == [1, 0, 1, 1]
+    assert all(m["train"]["kept_samples"] == m["train"]["samples"] for m in metrics)  # nothing masked
+    ledger = Ledger.from_dict(json.load(open(tmp_path / "ledger.json"))["ledger"])
+    ledger.check(2)
+    assert ledger.counts()["consumed"] == 32
+    assert max(e.version for e in ledger.entries.values()) <= 3  # nothing on a version that never existed

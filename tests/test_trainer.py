@@ -5,6 +5,8 @@ References: the one-batch gradient (for micro-batches), the single-device step (
 Gradients are read off a plain SGD step with learning rate 1 (``params - new_params``).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -362,3 +364,101 @@ def test_optimizer_moments_are_sharded_like_their_parameters():
             assert leaf.sharding.is_fully_replicated, keys
     assert checked == 2 * len(params)
     assert any(not leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(state.opt_state))
+
+
+# -- the RL iteration: minibatches x epochs updates, one version ---------------------------------------------
+
+
+def test_an_iteration_is_its_minibatch_updates_in_order():
+    """``minibatches=2, epochs=2``: four updates of two whole groups each, every epoch a fresh shuffle, the
+    version advanced once. Equal to four single-update iterations on the same minibatches (the version held at
+    the iteration's), and the plan itself partitions the groups."""
+    from dora_jax.trainer.step import _minibatch_rows
+
+    samples = _samples(seed=4)
+    cfg = _config(minibatches=2, epochs=2)
+    trainer, state = _trainer(cfg, tx=optax.sgd(0.05))
+    host = make_batch(samples, group_size=4, length_buckets=cfg.train.length_buckets, row_multiple=1)
+    plan = _minibatch_rows(host.group_ids, host.valid, 2, 2, np.random.default_rng([cfg.run.seed, 9]), 1)
+    assert len(plan) == 4
+    for epoch in (plan[:2], plan[2:]):  # each epoch: every group exactly once, whole, two per update
+        seen = [tuple(sorted(set(host.group_ids[idx[real]].tolist()))) for idx, real, _ in epoch]
+        assert sorted(g for s in seen for g in s) == [0, 1, 2, 3] and all(len(s) == 2 for s in seen)
+        for idx, real, _ in epoch:
+            assert sorted(np.bincount(host.group_ids[idx[real]]).tolist())[-2:] == [4, 4]
+    orders = {tuple(host.group_ids[plan[i][0][plan[i][1]]].tolist()) for i in range(4)}
+    assert len(orders) > 2  # shuffled, not the same split every epoch
+
+    new, metrics = trainer.train_step(state, trainer.put(host), iteration=9)
+    assert int(new.version) == 4 and int(new.step) == 4
+    assert float(metrics["updates"]) == 4 and float(metrics["applied"]) == 4 and float(metrics["skipped"]) == 0
+
+    one, ref = _trainer(_config(), tx=optax.sgd(0.05))
+    for idx, real, gid in plan:
+        mb = jax.tree.map(lambda x: np.asarray(x)[idx], host)
+        mb = mb.replace(valid=mb.valid & real, group_ids=gid)
+        ref, _ = one.train_step(ref, one.put(mb))
+        ref = ref.replace(version=jnp.asarray(3, jnp.int32))  # the iteration's version for all four
+    assert rel_err(_flat(new.params), _flat(ref.params)) <= 1e-6
+
+
+def test_decoupled_ppo_ratio_is_one_on_the_first_update_and_moves_after():
+    """Decoupled PPO over four updates: the proximal log-probs are taken once, at the iteration's start, so the
+    first update's ratio is exactly 1 (nothing clipped) and the later ones clip once the policy moved."""
+    cfg = _config(minibatches=4, correction="decoupled", learning_rate=0.05)
+    trainer, state = _trainer(cfg, tx=optax.adam(0.05))
+    batch = _batch(trainer, _samples(seed=5), cfg)
+    new, metrics = trainer.train_step(state, batch)
+    assert float(metrics["clip_frac_min"]) == 0.0  # the first update: pi == pi_prox
+    assert float(metrics["clip_frac_max"]) > 0.0 and float(metrics["clip_frac"]) > 0.0
+    assert float(metrics["applied"]) == 4 and int(new.version) == 4
+
+
+def test_a_non_finite_update_is_skipped_and_the_iteration_goes_on():
+    """One of two updates sees a NaN: it is skipped and counted, the other applies and the version advances;
+    when every update is non-finite the version stays where it was."""
+    samples = _samples(seed=6)
+    for minibatches, applied, version in ((2, 1, 4), (1, 0, 3)):
+        cfg = _config(minibatches=minibatches, correction="tis")
+        trainer, state = _trainer(cfg, tx=optax.sgd(0.05))
+        host = make_batch(samples, group_size=4, length_buckets=cfg.train.length_buckets, row_multiple=1)
+        poisoned = np.asarray(host.behaviour_logprobs).copy()
+        poisoned[host.group_ids == 0] = np.nan  # one group's behaviour log-probs
+        batch = trainer.put(host).replace(behaviour_logprobs=jnp.asarray(poisoned))
+        before = _flat(state.params)
+        new, metrics = trainer.train_step(state, batch, iteration=1)
+        assert float(metrics["skipped"]) == minibatches - applied and float(metrics["applied"]) == applied
+        assert int(new.version) == version
+        assert np.all(np.isfinite(_flat(new.params)))
+        assert (np.abs(_flat(new.params) - before).max() > 0) == bool(applied)
+
+
+def test_log_probs_are_the_rollouts_at_its_temperature():
+    """At rollout.temperature 0.6 the engine records log-probs of softmax(logits / 0.6), and the trainer's
+    recompute on the same version gives the same numbers (it was T = 1 before, silently biasing IS weights)."""
+    cfg = _config(behaviour_logprobs="recompute")
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, temperature=0.6))
+    trainer, state = _trainer(cfg, version=0)
+    driver = RolloutDriver(Engine(nnx.merge(trainer.graphdef, state.params), max_concurrent_decodes=8,
+                                  max_prefill_length=8, max_target_length=32))
+    driver.add_version(0, trainer.policy_params(state))
+    rng = np.random.default_rng(2)
+    reqs = [Request(i, tuple(rng.integers(1, 64, 4).tolist()), version=0, max_new_tokens=10,
+                    sampling=RequestSampling(temperature=0.6, seed=1)) for i in range(8)]
+    samples = [Sample.from_trajectory(t, t.sample_id // 4, 0.0) for t in driver.run(reqs)]
+    batch = _batch(trainer, samples, cfg)
+    recomputed = trainer.with_recomputed_behaviour(batch, {0: trainer.policy_params(state)})
+    mask = np.asarray(batch.loss_mask) > 0
+    assert rel_err(np.asarray(recomputed.recomputed_logprobs)[mask], np.asarray(batch.behaviour_logprobs)[mask]) <= 1e-4
+    at_one = np.asarray(Trainer.create(_config(), model=nnx.merge(trainer.graphdef, state.params), mesh=_mesh(1))[0]
+                        .with_recomputed_behaviour(batch, {0: trainer.policy_params(state)}).recomputed_logprobs)
+    assert rel_err(at_one[mask], np.asarray(batch.behaviour_logprobs)[mask]) > 1e-2  # T = 1 would be detectably off
+
+
+def test_iteration_settings_that_cannot_work_are_refused():
+    with pytest.raises(ConfigError, match=r"train.minibatches.*must divide the iteration's 4 groups"):
+        load_config("tiny_llama", ["train.minibatches=3", "dora.train_batch=16", "train.group_size=4"])
+    with pytest.raises(ConfigError, match="train.epochs"):
+        load_config("tiny_llama", ["train.epochs=0"])
+    with pytest.raises(ConfigError, match=r"rollout.top_k/top_p.*temperature-scaled full distribution"):
+        load_config("tiny_llama", ["rollout.top_p=0.9"])

@@ -82,6 +82,18 @@ class Ledger:
         e.state = to
         return e
 
+    def move_version(self, group_id: int, version: int) -> None:
+        """Re-tags a group none of whose samples has started to ``version`` (the version it was dispatched on is
+        never published, so nothing of it was generated)."""
+        g = self.groups[group_id]
+        states = [self.entries[s].state for s in g.sample_ids]
+        if any(st != "pending" for st in states):
+            raise LedgerError(f"group {group_id} cannot move from version {g.version} to {version}: its samples "
+                              f"are {states}, and only groups that have not started can")
+        g.version = version
+        for s in g.sample_ids:
+            self.entries[s].version = version
+
     def start(self, sample_id: int) -> None:
         self._move(sample_id, ("pending",), "in_flight")
 

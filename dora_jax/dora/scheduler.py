@@ -188,6 +188,17 @@ class Scheduler:
             self.batches.pop(0)
         self.version += 1
 
+    def retract(self) -> list[int]:
+        """Takes back the version the last update was to produce: none of its optimizer updates applied (every
+        one was non-finite), so it is never published. The trained groups stay consumed; the groups already
+        dispatched on the retracted version (none has started: its weights never reached the rollout side) move
+        to the version before. Returns their ids."""
+        gone, self.version = self.version, self.version - 1
+        moved = [g.group_id for g in self.ledger.groups.values() if g.version == gone]
+        for gid in moved:
+            self.ledger.move_version(gid, self.version)
+        return moved
+
     # -- versions -------------------------------------------------------------------------------------------
 
     def live_versions(self) -> list[int]:

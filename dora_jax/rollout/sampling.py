@@ -3,9 +3,10 @@
 Every row carries its own temperature, top-k and top-p, and its randomness is a pure function of
 ``(seed, sample_id, position)``: a sample's tokens never depend on which slot or batch it landed in.
 
-Recorded log-probs are those of the policy's distribution at the row's temperature, ``log_softmax(logits / T)``
-(``T = 1`` for greedy rows), before top-k / top-p truncation: the quantity a trainer recomputes from the same
-parameters.
+A sampled token's recorded log-prob is its log-probability under the distribution that drew it: the logits
+divided by the row's temperature, truncated to the row's top-k set and top-p nucleus, renormalized. Without
+truncation that is ``log_softmax(logits / T)``, what the trainer computes from the same parameters at the
+same temperature. Greedy rows record ``log_softmax(logits)`` of the argmax.
 """
 
 from __future__ import annotations
@@ -107,5 +108,6 @@ def sample(logits_bv: jax.Array, keys_b: jax.Array, params: SamplingParams,
         kept = scaled
     drawn = _inverse_cdf(keys_b, kept)
     tokens = jnp.where(greedy_b, jnp.argmax(logits_bv, axis=-1), drawn).astype(jnp.int32)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    drew = jnp.where(greedy_b[:, None], scaled, kept)  # greedy rows: T = 1 and no truncation
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(drew, axis=-1), tokens[:, None], axis=-1)[:, 0]
     return tokens, logprobs

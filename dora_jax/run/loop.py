@@ -114,7 +114,7 @@ class Runner:
             # multi-device CPU meshes, overlapping sharded programs have aborted the XLA runtime).
             self.driver.block_until_ready()
         dispatched = time.perf_counter()
-        self.state, metrics = self.trainer.train_step(self.state, batch)  # asynchronous: futures until done
+        self.state, metrics = self.trainer.train_step(self.state, batch, version)  # asynchronous: futures
         self.sched.trained(group_ids)
         self._lines["samples.jsonl"] += len(done)
         if self.writes:
@@ -130,7 +130,11 @@ class Runner:
             return None
         metrics = {k: float(v) for k, v in jax.device_get(f.metrics).items()}
         train_s, self._in_flight, sync_before = time.perf_counter() - f.dispatched, None, self.versions.sync_s
-        self._publish(f.version, self.trainer.policy_params(self.state))
+        if metrics["applied"]:
+            self._publish(f.version, self.trainer.policy_params(self.state))
+        else:  # every update was non-finite: the trainer kept its version, and so does everything else
+            self.sched.retract()
+            self.rollout.move_waiting(f.version, self.sched.version)
         self.updates.append({"step": f.version, "group_ids": list(f.group_ids),
                              "samples": [[d.traj.sample_id, d.traj.version] for d in f.done], "train": metrics})
         return {**f.row, "train": metrics, "sync_s": self.versions.sync_s - sync_before}, train_s
@@ -222,7 +226,7 @@ class Runner:
                 if writer is not None:
                     writer.write(row)
                 self._lines["metrics.jsonl"] += 1
-                if self.store.due(self.sched.version):
+                if self.store.due(self.sched.version) and row["train"]["applied"]:
                     tc = time.perf_counter()
                     self._checkpoint(meter, before, eval_s)
                     meter.checkpointed(time.perf_counter() - tc)

@@ -95,6 +95,11 @@ class RolloutSide:
                 prompts[e.group_id] = (item, prompt_ids(self.tokenizer, item.prompt))
             self.enqueue(sid, e.group_id, e.version, *prompts[e.group_id])
 
+    def move_waiting(self, frm: int, to: int) -> None:
+        """Requests waiting on version ``frm`` (never published) wait on ``to`` instead."""
+        for req in self.waiting.pop(frm, ()):
+            self.waiting.setdefault(to, deque()).append(dataclasses.replace(req, version=to))
+
     def has_waiting(self, loaded: Callable[[int], bool]) -> bool:
         """Whether requests wait on a version the engines have loaded."""
         return any(q for v, q in self.waiting.items() if loaded(v))

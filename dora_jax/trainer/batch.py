@@ -53,6 +53,7 @@ class TrainBatch:
     behaviour_logprobs: jax.Array  # [B, T] float32: the engine's, 0 off the response
     recomputed_logprobs: jax.Array  # [B, T] float32: training forward on the behaviour version (or zeros)
     ref_logprobs: jax.Array  # [B, T] float32: reference policy for the KL term (or zeros)
+    prox_logprobs: jax.Array  # [B, T] float32: the policy at the iteration's start (decoupled PPO), or zeros
     versions: jax.Array  # [B] int32
     group_ids: jax.Array  # [B] int32 in [0, B)
     rewards: jax.Array  # [B] float32
@@ -130,7 +131,7 @@ def make_batch(samples: Sequence[Sample], *, group_size: int, length_buckets: Se
         versions[i], group_ids[i], rewards[i], valid[i] = s.version, group_index[s.group_id], s.reward, True
     zeros = np.zeros((b, t), np.float32)
     return TrainBatch(tokens=tokens, segment_ids=seg, loss_mask=mask, behaviour_logprobs=blp,
-                      recomputed_logprobs=zeros, ref_logprobs=zeros.copy(), versions=versions,
+                      recomputed_logprobs=zeros, ref_logprobs=zeros.copy(), prox_logprobs=zeros.copy(), versions=versions,
                       group_ids=group_ids, rewards=rewards, valid=valid)
 
 
@@ -141,7 +142,8 @@ def check_batch(batch: TrainBatch) -> None:
       BatchError: naming the field whose shape or values are wrong.
     """
     b, t = np.shape(batch.tokens)
-    for name in ("segment_ids", "loss_mask", "behaviour_logprobs", "recomputed_logprobs", "ref_logprobs"):
+    for name in ("segment_ids", "loss_mask", "behaviour_logprobs", "recomputed_logprobs", "ref_logprobs",
+                 "prox_logprobs"):
         if np.shape(getattr(batch, name)) != (b, t):
             raise BatchError(f"batch.{name} has shape {np.shape(getattr(batch, name))}, expected {(b, t)} "
                              f"like batch.tokens")

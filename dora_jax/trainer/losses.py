@@ -11,7 +11,7 @@ the one-batch gradient.
 
 Definitions (``m`` response mask, ``k_b`` = 1 for a sample kept by the staleness bound, ``n_b`` its response
 length, ``A_b`` its advantage, ``pi`` current, ``mu`` behaviour, ``pi_prox`` the trainer's params at the start
-of the step, held fixed):
+of the iteration, held fixed over its ``minibatches x epochs`` updates):
 
 * old log-probs: ``mu`` with correction ``none``; ``pi_prox`` otherwise (decoupled PPO: clip against the
   proximal policy, reweight by ``pi_prox / mu``).
@@ -37,9 +37,12 @@ import jax.numpy as jnp
 from dora_jax.config import TrainConfig
 
 
-def token_logprobs(logits_btv: jax.Array, tokens_bt: jax.Array) -> jax.Array:
-    """log p(tokens[b, t] | tokens[b, :t]) in float32, aligned with ``tokens_bt`` (column 0 is 0)."""
+def token_logprobs(logits_btv: jax.Array, tokens_bt: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """log p(tokens[b, t] | tokens[b, :t]) in float32 under ``softmax(logits / temperature)`` (the rollout's
+    sampling distribution), aligned with ``tokens_bt`` (column 0 is 0)."""
     logits = logits_btv[:, :-1].astype(jnp.float32)
+    if temperature != 1.0:
+        logits = logits / temperature
     targets = tokens_bt[:, 1:]
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     lp = picked - jax.nn.logsumexp(logits, axis=-1)
@@ -125,16 +128,21 @@ class LossTerms(NamedTuple):
 
 
 def policy_loss(logp_bt: jax.Array, behaviour_bt: jax.Array, ref_bt: jax.Array, mask_bt: jax.Array,
-                advantages_b: jax.Array, keep_b: jax.Array, norms: Normalizers, cfg: TrainConfig) -> LossTerms:
+                advantages_b: jax.Array, keep_b: jax.Array, norms: Normalizers, cfg: TrainConfig,
+                prox_bt: jax.Array | None = None) -> LossTerms:
     """The objective of ``cfg.loss`` with ``cfg.correction`` (see the module docstring). Differentiable in
-    ``logp_bt``; everything else is data. Computes in ``logp_bt``'s dtype."""
+    ``logp_bt``; everything else is data. Computes in ``logp_bt``'s dtype.
+
+    ``prox_bt`` are the proximal policy's log-probs, taken with the weights at the start of the iteration (the
+    first update of an iteration may leave it None: then the proximal policy is the current one, exactly).
+    """
     dt = logp_bt.dtype
     keep = keep_b.astype(dt)
     # Dropped (stale) rows are masked before any arithmetic, so even extreme or non-finite values there
     # cannot leak into the loss or the gradient: their contribution is exactly zero.
     m = mask_bt.astype(dt) * keep[:, None]
     logp = logp_bt * m
-    prox = jax.lax.stop_gradient(logp)
+    prox = jax.lax.stop_gradient(logp) if prox_bt is None else prox_bt * m
     behaviour = behaviour_bt * m
     old = behaviour if cfg.correction == "none" else prox
     delta = (prox - behaviour) * m if cfg.correction != "none" else jnp.zeros_like(logp)

@@ -29,15 +29,16 @@ from dora_jax.trainer.state import TrainState, learning_rate_schedule, make_opti
 
 def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, tokens_bt: jax.Array,
                       segment_ids_bt: jax.Array, lora: lora_lib.LoraParams | None = None,
-                      lora_scale: float = 1.0) -> jax.Array:
-    """The training forward's log-prob of every token given its prefix, [B, T] float32 (column 0 is 0).
+                      lora_scale: float = 1.0, temperature: float = 1.0) -> jax.Array:
+    """The training forward's log-prob of every token given its prefix at the rollout's ``temperature``,
+    [B, T] float32 (column 0 is 0).
 
     With ``lora`` the adapters are applied on the activations (the same function as the merged weights, but
     the backward pass never forms the base weights' gradients)."""
     b, t = tokens_bt.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     logits = nnx.merge(graphdef, params)(tokens_bt, positions, segment_ids_bt, lora=lora, lora_scale=lora_scale)
-    return token_logprobs(logits, tokens_bt)
+    return token_logprobs(logits, tokens_bt, temperature)
 
 
 def policy_params(state: TrainState, cfg: TrainConfig) -> nnx.State:
@@ -51,14 +52,17 @@ def _tree_add(a: Any, b: Any) -> Any:
     return jax.tree.map(jnp.add, a, b)
 
 
-def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig,
-                    tx: optax.GradientTransformation) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict]]:
-    """The pure train step for ``cfg``: advantages, staleness mask, micro-batched gradient, guarded update.
+def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig, tx: optax.GradientTransformation,
+                    temperature: float = 1.0, use_prox: bool = False
+                    ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict]]:
+    """One pure optimizer update for ``cfg``: advantages, staleness mask, micro-batched gradient, guarded update.
 
     The batch's rows are split into ``cfg.micro_batches`` equal micro-batches whose gradients are summed in a
     ``lax.scan``; the loss normalizers come from the whole batch, so the result equals the one-batch
     gradient. A non-finite loss or gradient leaves params and optimizer state as they were (metric
-    ``skipped`` = 1) and does not advance the version.
+    ``skipped`` = 1). The version is the iteration's to advance (:meth:`Trainer.train_step`), not an update's.
+    ``use_prox``: the proximal log-probs are the batch's ``prox_logprobs`` (several updates an iteration);
+    otherwise the current policy's, exactly.
     """
     schedule = learning_rate_schedule(cfg)
     n_micro = cfg.micro_batches
@@ -75,15 +79,16 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig,
             return constrain(x, (None, "batch") + (None,) * (x.ndim - 2))
 
         micro = jax.tree.map(split, (batch.tokens, batch.segment_ids, batch.loss_mask, behaviour,
-                                     batch.ref_logprobs, adv, keep))
+                                     batch.ref_logprobs, batch.prox_logprobs, adv, keep))
 
         def loss_fn(trainable, mb):
-            tokens, seg, mask, beh, ref, a, k = mb
+            tokens, seg, mask, beh, ref, prox, a, k = mb
             if cfg.lora.rank > 0:
-                logp = sequence_logprobs(graphdef, state.frozen, tokens, seg, trainable, cfg.lora.alpha / cfg.lora.rank)
+                logp = sequence_logprobs(graphdef, state.frozen, tokens, seg, trainable, cfg.lora.alpha / cfg.lora.rank,
+                                         temperature)
             else:
-                logp = sequence_logprobs(graphdef, trainable, tokens, seg)
-            terms = policy_loss(logp, beh, ref, mask, a, k, norms, cfg)
+                logp = sequence_logprobs(graphdef, trainable, tokens, seg, temperature=temperature)
+            terms = policy_loss(logp, beh, ref, mask, a, k, norms, cfg, prox if use_prox else None)
             return terms.loss, terms
 
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -107,7 +112,6 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig,
 
         new_state = state.replace(
             step=state.step + 1,
-            version=state.version + finite.astype(jnp.int32),
             params=pick(new_params, state.params),
             opt_state=pick(new_opt, state.opt_state),
             rng=jax.random.split(state.rng)[0],
@@ -134,6 +138,58 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig,
         return new_state, metrics
 
     return step
+
+
+def _minibatch_rows(group_ids: np.ndarray, valid: np.ndarray, minibatches: int, epochs: int,
+                    rng: np.random.Generator, row_multiple: int) -> list[Any]:
+    """Each update's rows: None for the whole batch (one minibatch), else ``(rows, real, group_ids)`` index
+    arrays of whole groups, ``minibatches`` to an epoch, the groups shuffled per epoch. A minibatch's row count
+    is bucketed like a batch's (padding rows repeat row 0 with ``real`` False and weigh nothing)."""
+    if minibatches == 1:
+        return [None] * epochs
+    groups = sorted(set(group_ids[valid].tolist()))
+    if len(groups) % minibatches:
+        raise BatchError(f"the batch has {len(groups)} groups, which train.minibatches = {minibatches} does not "
+                         "divide: every update takes whole groups")
+    members = {g: np.flatnonzero(valid & (group_ids == g)) for g in groups}
+    per = len(groups) // minibatches
+    n = bucket_rows(sum(len(members[g]) for g in groups[:per]), row_multiple)
+    plan = []
+    for _ in range(epochs):
+        order = rng.permutation(len(groups))
+        for j in range(minibatches):
+            chosen = [groups[i] for i in order[j * per:(j + 1) * per]]
+            rows = np.concatenate([members[g] for g in chosen])
+            if len(rows) > n:
+                raise BatchError(f"a minibatch of {len(rows)} rows exceeds {n}: groups differ in size")
+            idx, real, gid = np.zeros(n, np.int32), np.zeros(n, bool), np.zeros(n, np.int32)
+            idx[:len(rows)], real[:len(rows)] = rows, True
+            gid[:len(rows)] = np.concatenate([np.full(len(members[g]), k) for k, g in enumerate(chosen)])
+            plan.append((idx, real, gid))
+    return plan
+
+
+def _take_rows(batch: TrainBatch, rows: jax.Array, real: jax.Array, group_ids: jax.Array) -> TrainBatch:
+    """The minibatch of ``batch``'s ``rows``, group ids renumbered from 0 and padding rows made invalid."""
+    picked = jax.tree.map(lambda x: x[rows], batch)
+    return picked.replace(group_ids=group_ids, valid=picked.valid & real)
+
+
+_SPREAD = ("clip_frac", "is_weight_mean")
+
+
+def _finish_iteration(state: TrainState, history: list[dict[str, jax.Array]]
+                      ) -> tuple[TrainState, dict[str, jax.Array]]:
+    """Advances the version once if any update applied; the iteration's metrics from its updates'."""
+    stacked = {k: jnp.stack([m[k] for m in history]) for k in history[0]}
+    skipped = stacked["skipped"].sum()
+    applied = len(history) - skipped
+    metrics = {k: v.mean() for k, v in stacked.items()}
+    metrics.update(skipped=skipped, applied=applied, updates=jnp.asarray(len(history), jnp.float32),
+                   learning_rate=stacked["learning_rate"][-1], version=stacked["version"][0])
+    for k in _SPREAD:
+        metrics[f"{k}_min"], metrics[f"{k}_max"] = stacked[k].min(), stacked[k].max()
+    return state.replace(version=state.version + (applied > 0).astype(jnp.int32)), metrics
 
 
 class Trainer:
@@ -165,14 +221,26 @@ class Trainer:
         self.batch_shardings = TrainBatch(
             tokens=self._row_tok, segment_ids=self._row_tok, loss_mask=self._row_tok,
             behaviour_logprobs=self._row_tok, recomputed_logprobs=self._row_tok, ref_logprobs=self._row_tok,
-            versions=self._row, group_ids=self._row, rewards=self._row, valid=self._row)
+            prox_logprobs=self._row_tok, versions=self._row, group_ids=self._row, rewards=self._row, valid=self._row)
         replicated = NamedSharding(mesh, P())
-        step = make_train_step(graphdef, cfg.train, self.tx)
+        t = cfg.train
+        # Every log-prob the trainer takes is under the distribution the rollout samples: logits / T.
+        self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        self.updates_per_iteration = t.minibatches * t.epochs
+        # Proximal log-probs are data only when an iteration has several updates; with one, the current policy
+        # is the proximal one exactly (no second forward, no rounding between two programs).
+        self._use_prox = t.correction != "none" and self.updates_per_iteration > 1
+        step = make_train_step(graphdef, t, self.tx, self.temperature, self._use_prox)
         self._step = serial_jit(step, in_shardings=(state_shardings, self.batch_shardings),
-                             out_shardings=(state_shardings, replicated), donate_argnums=(0,))
-        self._logprobs = serial_jit(lambda p, tokens, seg: sequence_logprobs(graphdef, p, tokens, seg),
-                                 out_shardings=self._row_tok)
-        self._policy = serial_jit(lambda s: policy_params(s, cfg.train))
+                                out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+        temperature = self.temperature
+        self._logprobs = serial_jit(lambda p, tokens, seg: sequence_logprobs(graphdef, p, tokens, seg,
+                                                                             temperature=temperature),
+                                    out_shardings=self._row_tok)
+        self._policy = serial_jit(lambda s: policy_params(s, t))
+        self._take = serial_jit(_take_rows, out_shardings=self.batch_shardings)
+        self._finish = serial_jit(_finish_iteration, out_shardings=(state_shardings, replicated),
+                                  donate_argnums=(0,))
 
     # -- construction ---------------------------------------------------------------------------------------
 
@@ -248,10 +316,31 @@ class Trainer:
                              f"{self.data_parallel}); build it with make_batch(row_multiple=trainer.row_multiple)")
         return jax.device_put(batch, self.batch_shardings)
 
-    def train_step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, jax.Array]]:
-        """One update. ``state`` is donated: use the returned one."""
+    def train_step(self, state: TrainState, batch: TrainBatch, iteration: int = 0
+                   ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One RL iteration on ``batch`` (whole groups): ``train.epochs`` passes, each split into
+        ``train.minibatches`` optimizer updates of whole groups, shuffled per epoch from ``run.seed`` and
+        ``iteration``; the version advances by one if at least one update applied. ``state`` is donated: use
+        the returned one. Asynchronous: nothing here waits for the device.
+
+        Returns:
+          ``(state, metrics)``: every update's metric averaged over the iteration's updates, with ``updates``,
+          ``skipped`` (non-finite updates left out), ``applied`` and the spread of ``clip_frac`` and
+          ``is_weight_mean`` over the updates (``*_min``, ``*_max``).
+        """
+        t = self.cfg.train
         with activate(self.mesh, self.rules):
-            return self._step(state, batch)
+            if self._use_prox:  # the proximal policy: the weights at the iteration's start, for every update
+                prox = self._logprobs(self._policy(state), batch.tokens, batch.segment_ids) * batch.loss_mask
+                batch = batch.replace(prox_logprobs=prox)
+            plan = _minibatch_rows(np.asarray(batch.group_ids), np.asarray(batch.valid), t.minibatches, t.epochs,
+                                   np.random.default_rng([self.cfg.run.seed, iteration]), self.row_multiple)
+            history = []
+            for rows in plan:
+                mb = batch if rows is None else self._take(batch, *rows)
+                state, metrics = self._step(state, mb)
+                history.append(metrics)
+            return self._finish(state, history)
 
     # -- forwards around the step ------------------------------------------------------------------------------
 
