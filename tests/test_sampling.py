@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from scipy.stats import chi2
 
 from dora_jax.rollout.sampling import SamplingParams, row_keys, sample
 
@@ -95,3 +96,100 @@ def test_unfiltered_variant_equals_general_on_rows_without_filters():
     np.testing.assert_allclose(np.asarray(outs[0][1]), ref[np.arange(n), tok], rtol=1e-5, atol=1e-5)
     greedy = np.asarray(temps) == 0
     assert np.array_equal(tok[greedy], np.asarray(logits).argmax(-1)[greedy])
+
+
+# -- the token distribution against a float64 reference ------------------------------------------------------
+
+V = 48
+DRAWS = 20_000  # per setting: a wrong distribution below is rejected at p < 1e-70, the right one passes
+ALPHA = 1e-6  # a correct sampler fails a setting with this probability (the draws are fixed by their seeds)
+# (temperature, top_k, top_p): temperature alone, top-k alone, top-p alone, and top-p and top-k at T != 1, where a
+# nucleus taken before the temperature or before the top-k cut is another set.
+SETTINGS = [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 6, 1.0), (1.0, 0, 0.8), (0.6, 0, 0.9), (1.8, 0, 0.7),
+            (1.5, 10, 0.85), (0.5, 12, 0.95)]
+
+
+def processed_distribution(logits, temperature, top_k, top_p, *, nucleus_after_temperature=True, top_k_first=True):
+    """The distribution a row's token is drawn from, in float64: softmax(logits / T) restricted to the top-k
+    tokens, then to the nucleus (the fewest most likely tokens whose mass, renormalized over the top-k set,
+    reaches top_p), renormalized. The keyword arguments give two wrong orders: the nucleus of softmax(logits)
+    (before the temperature), and the nucleus of the whole distribution (before the top-k cut)."""
+    z = np.asarray(logits, np.float64) / temperature
+    order = np.argsort(-z, kind="stable")
+    k = top_k if 0 < top_k < len(z) else len(z)
+    ranked = (np.asarray(logits, np.float64) if not nucleus_after_temperature else z)[order[:k] if top_k_first else order]
+    q = np.exp(ranked - ranked.max())
+    q /= q.sum()
+    n = max(1, int(np.sum(np.cumsum(q) - q < top_p)))
+    keep = order[:min(n, k)]
+    w = np.zeros(len(z))
+    w[keep] = np.exp(z[keep] - z[keep].max())
+    return w / w.sum()
+
+
+def multinomial_pvalue(tokens, probs):
+    """Pearson's chi-square p-value of the draws ``tokens`` against ``probs`` (bins expecting fewer than 5 draws
+    pooled into one); 0 when a draw has probability 0."""
+    counts = np.bincount(tokens, minlength=len(probs)).astype(np.float64)
+    if counts[probs == 0].sum():
+        return 0.0
+    expected = probs * counts.sum()
+    big, small = expected >= 5, (probs > 0) & (expected < 5)
+    observed, wanted = list(counts[big]), list(expected[big])
+    if small.any():
+        observed.append(counts[small].sum())
+        wanted.append(expected[small].sum())
+    observed, wanted = np.asarray(observed), np.asarray(wanted)
+    if len(observed) == 1:
+        return 1.0
+    return float(chi2.sf(np.sum((observed - wanted) ** 2 / wanted), len(observed) - 1))
+
+
+def _logits_v():
+    return np.random.default_rng(0).normal(size=V) * 1.5
+
+
+def wrong_distributions(logits, t, k, p):
+    """The distributions of samplers with one mistake each, where they differ from the right one."""
+    right = processed_distribution(logits, t, k, p)
+    wrong = {"uniform over the kept set": (right > 0) / np.sum(right > 0),
+             "nucleus before the temperature": processed_distribution(logits, t, k, p, nucleus_after_temperature=False),
+             "nucleus before the top-k cut": processed_distribution(logits, t, k, p, top_k_first=False),
+             "temperature left out": processed_distribution(logits, 1.0, k, p)}
+    return {name: d for name, d in wrong.items() if not np.allclose(d, right)}
+
+
+def test_token_distribution_follows_temperature_top_k_and_top_p():
+    """DRAWS rows per setting, all settings in one batch (each row its own): the tokens of each setting follow
+    the float64 reference distribution (chi-square, no token outside the kept set)."""
+    logits = _logits_v()
+    for t, k, p in SETTINGS:  # no nucleus boundary within float32 rounding of top_p
+        z = np.sort(logits / t)[::-1][: k or V]
+        q = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+        assert p == 1.0 or np.min(np.abs(np.cumsum(q) - q - p)) > 1e-3
+    n = len(SETTINGS) * DRAWS
+    column = lambda i, dtype: jnp.asarray(np.repeat([s[i] for s in SETTINGS], DRAWS), dtype)  # noqa: E731
+    params = SamplingParams(column(0, jnp.float32), column(1, jnp.int32), column(2, jnp.float32))
+    keys = row_keys(11, jnp.arange(n), jnp.zeros(n, jnp.int32))
+    tokens = np.asarray(jax.jit(sample)(jnp.tile(jnp.asarray(logits, jnp.float32), (n, 1)), keys, params)[0])
+    for i, (t, k, p) in enumerate(SETTINGS):
+        drawn = tokens[i * DRAWS:(i + 1) * DRAWS]
+        pvalue = multinomial_pvalue(drawn, processed_distribution(logits, t, k, p))
+        assert pvalue >= ALPHA, ((t, k, p), pvalue, np.bincount(drawn, minlength=V))
+
+
+def test_the_distribution_check_rejects_samplers_with_one_mistake():
+    """The check above, fed DRAWS tokens from the right distribution (passes) and from each wrong one (fails):
+    with this many draws it tells them apart. The settings make every mistake visible somewhere, the wrong
+    orders at T != 1 included."""
+    logits = _logits_v()
+    rng = np.random.default_rng(1)
+    caught = set()
+    for t, k, p in SETTINGS:
+        right = processed_distribution(logits, t, k, p)
+        assert multinomial_pvalue(rng.choice(V, DRAWS, p=right), right) >= ALPHA
+        for name, wrong in wrong_distributions(logits, t, k, p).items():
+            assert multinomial_pvalue(rng.choice(V, DRAWS, p=wrong), right) < ALPHA, ((t, k, p), name)
+            caught.add(name)
+    assert caught == {"uniform over the kept set", "nucleus before the temperature", "nucleus before the top-k cut",
+                      "temperature left out"}
