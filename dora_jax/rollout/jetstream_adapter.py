@@ -1,37 +1,75 @@
-"""Optional adapter: the rollout :class:`~dora_jax.rollout.engine.Engine` as a JetStream engine.
+"""Optional adapter: the rollout :class:`~dora_jax.rollout.engine.Engine` behind JetStream's engine API.
 
-When google-jetstream is installed, :func:`as_jetstream_engine` wraps an engine in a subclass of
-``jetstream.engine.engine_api.Engine`` (the 0.2.2 abstract API), so JetStream's orchestrator and tools can
-drive it. dora_jax never needs JetStream: its engine implements the same calls natively, and JetStream pulls
-TensorFlow, so it stays an optional extra. Without it, :func:`as_jetstream_engine` raises
-:class:`JetStreamUnavailable` naming the missing package.
+:func:`as_jetstream_engine` wraps an engine in a subclass of ``jetstream.engine.engine_api.Engine``
+(google-jetstream 0.2.2) that keeps that class's contract:
 
-Mapping: ``prefill`` / ``insert`` / ``generate`` / ``init_decode_state`` and the capacity properties delegate
-one to one; ``load_params`` is :meth:`Engine.prepare_params` (weights in decode layout, once per version);
-``samples_per_slot`` is 1; ``colocated_cpus`` is ``None``; ``get_prefix_destination_sharding`` gives the
-sharding of every leaf of a prefix. The RL extensions (``sample_id``, ``version``, ``sampling`` keywords of
-``prefill``, ``filtered`` of ``generate``) pass through; other attributes fall through to the wrapped engine.
+- ``prefill(*, params, existing_prefix=None, padded_tokens, true_length) -> Prefix``: the prompt's cache, a
+  pytree of arrays (``jax.device_put`` onto :meth:`get_prefix_destination_sharding` moves it). JetStream reads
+  generated tokens from ``generate`` only, so prefill samples none: the prefix holds the prompt's last token,
+  which the first ``generate`` after ``insert`` feeds to sample the first token, at the position and from the
+  random stream ``(seed, sample_id, position)`` that the engine's own prefill samples it from.
+- ``insert(prefix, decode_state, slot) -> DecodeState`` (the decode state is donated).
+- ``generate(params, decode_state) -> (DecodeState, ResultTokens)``: one decode step of every slot. The result
+  is ``engine_api.ResultTokens`` with ``data`` int32 [slots, 5]: the token (``tokens_idx`` (0, 1)), whether it
+  is valid (``valid_idx`` (1, 2)), the number of tokens the slot has generated (``length_idx`` (2, 3)), then
+  the token's log-prob as float32 bits and the slot's policy version (read them with :func:`logprobs` and
+  :func:`versions`); ``samples_per_slot`` 1. An empty slot is not valid, nor is a step past the end of the
+  slot's cache (``max_target_length``): JetStream ends a slot at its first invalid token.
+- ``load_params(params=None)`` prepares a version's weights (:meth:`Engine.prepare_params`; ``None``: the
+  engine's own); ``init_decode_state(capacity=None)``; ``max_concurrent_decodes``, ``max_prefill_length``;
+  ``samples_per_slot`` 1; ``mesh`` the engine's (a one-device mesh when it has none); ``colocated_cpus``
+  ``None``; ``get_tokenizer`` / ``build_tokenizer`` return what :func:`as_jetstream_engine` was given.
+
+RL extensions, keyword-only with defaults: ``prefill(..., sample_id=0, version=0, sampling=RequestSampling())``
+and ``generate(..., filtered=None)``; a wrapped engine stays reachable as ``.engine``.
+
+JetStream is never needed: the engine has the same calls natively, and google-jetstream pulls TensorFlow (its
+``engine_api`` imports ``token_utils``, which imports seqio). Without it, :func:`as_jetstream_engine` raises
+:class:`JetStreamUnavailable` naming the package.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from dora_jax.rollout.engine import Engine, EngineError
+from dora_jax.models.decoder import KVCache
+from dora_jax.rollout.engine import DecodeState, Engine, EngineError, Prefix, RequestSampling, SharedPrefix
 from dora_jax.rollout.sampling import SamplingParams
+from dora_jax.sharding import serial_jit
 
 _PACKAGE = "google-jetstream"
 _MODULE = "jetstream.engine.engine_api"
 _CLASSES: dict[int, type] = {}  # one adapter class per imported engine_api module
+# Columns of ResultTokens.data.
+TOKEN, VALID, LENGTH, LOGPROB, VERSION = range(5)
 
 
 class JetStreamUnavailable(ImportError):
     """google-jetstream is not importable, so no JetStream engine can be made."""
+
+
+class JetStreamDecodeState(NamedTuple):
+    """The engine's decode state with what JetStream's results report per slot."""
+
+    engine: DecodeState
+    starts: jax.Array  # [B] int32: position of each slot's first generated token
+    lengths: jax.Array  # [B] int32: tokens each slot has generated
+
+
+def logprobs(result: Any) -> np.ndarray:
+    """Each slot's log-prob of its token in a ``ResultTokens`` of the adapter, float32 [slots]."""
+    return np.ascontiguousarray(np.asarray(result.data)[:, LOGPROB]).view(np.float32)
+
+
+def versions(result: Any) -> np.ndarray:
+    """Each slot's policy version in a ``ResultTokens`` of the adapter, int32 [slots]."""
+    return np.asarray(result.data)[:, VERSION]
 
 
 def _engine_api():
@@ -44,6 +82,12 @@ def _engine_api():
             "directly: it has the same calls without JetStream.") from e
 
 
+def _rewind(prefix: Prefix, last_token) -> Prefix:
+    """The prefix with its last prompt token to feed (at its own position) instead of a sampled first token."""
+    return prefix._replace(token=last_token.astype(prefix.token.dtype), logprob=jnp.zeros_like(prefix.logprob),
+                           length=prefix.length - 1)
+
+
 def _make_class(engine_api) -> type:
     class DoraJetStreamEngine(engine_api.Engine):
         """A dora_jax rollout engine behind JetStream's abstract ``Engine`` interface."""
@@ -52,51 +96,70 @@ def _make_class(engine_api) -> type:
             self.engine = engine
             self._tokenizer = tokenizer
             self._tokenizer_params = tokenizer_params
+            self._rewind_jit = serial_jit(_rewind)
+            self._insert_jit = serial_jit(self._insert_impl, donate_argnums=(1,))
+            self._generate_jit = serial_jit(self._generate_impl, donate_argnums=(1,), static_argnums=(2,))
+
+        # -- pure implementations ----------------------------------------------------------------------------
+
+        def _insert_impl(self, prefix: Prefix, state: JetStreamDecodeState, slot) -> JetStreamDecodeState:
+            return JetStreamDecodeState(self.engine._insert_impl(prefix, state.engine, slot),
+                                        state.starts.at[slot].set(prefix.length + 1),
+                                        state.lengths.at[slot].set(0))
+
+        def _generate_impl(self, params, state: JetStreamDecodeState, filtered):
+            new, packed = self.engine._generate_impl(params, state.engine, filtered)
+            active = packed[:, 1] == 1
+            lengths = state.lengths + active.astype(jnp.int32)
+            # The token of this step sits at position starts + lengths - 1; the cache holds positions up to
+            # max_target_length - 1, and a step past them (the engine holds the row there) reports nothing.
+            valid = active & (state.starts + lengths <= self.engine.max_target_length)
+            data = jnp.stack([packed[:, 0], valid.astype(jnp.int32), lengths, packed[:, 3], packed[:, 4]], axis=-1)
+            return JetStreamDecodeState(new, state.starts, lengths), data
 
         # -- computation -------------------------------------------------------------------------------------
 
-        def prefill(self, *, params: Any, existing_prefix: Any = None, padded_tokens: Any, true_length: int,
-                    sampler: Any = None, **extensions: Any):
-            if sampler is not None:
-                raise EngineError("prefill: custom `sampler` callables are not supported; pass per-request "
-                                  "settings as sampling=RequestSampling(...)")
-            return self.engine.prefill(params=params, existing_prefix=existing_prefix, padded_tokens=padded_tokens,
-                                       true_length=true_length, **extensions)
+        def prefill(self, *, params: Any, existing_prefix: SharedPrefix | None = None, padded_tokens: Any,
+                    true_length: int, sample_id: int = 0, version: int = 0,
+                    sampling: RequestSampling = RequestSampling()) -> Prefix:
+            padded = np.asarray(padded_tokens, np.int32).reshape(-1)
+            prefix, _ = self.engine.prefill(params=params, existing_prefix=existing_prefix, padded_tokens=padded,
+                                            true_length=true_length, sample_id=sample_id, version=version,
+                                            sampling=sampling)
+            return self._rewind_jit(prefix, padded[true_length - 1])
 
-        def insert(self, prefix: Any, decode_state: Any, slot: int):
-            return self.engine.insert(prefix, decode_state, slot)
+        def insert(self, prefix: Prefix, decode_state: JetStreamDecodeState, slot: int) -> JetStreamDecodeState:
+            b = decode_state.starts.shape[0]
+            if not (isinstance(slot, (int, np.integer)) and 0 <= slot < b):
+                raise EngineError(f"slot {slot!r} does not exist (decode state has slots 0..{b - 1})")
+            return self._insert_jit(prefix, decode_state, np.int32(slot))
 
-        def generate(self, params: Any, decode_state: Any, sampler: Any = None, **extensions: Any):
-            if sampler is not None:
-                raise EngineError("generate: custom `sampler` callables are not supported; sampling settings "
-                                  "live in each slot (set at prefill)")
-            return self.engine.generate(params, decode_state, **extensions)
+        def generate(self, params: Any, decode_state: JetStreamDecodeState, *, filtered: bool | None = None
+                     ) -> tuple[JetStreamDecodeState, Any]:
+            state, data = self._generate_jit(self.engine._prepared_params(params), decode_state, filtered)
+            return state, engine_api.ResultTokens(data=data, tokens_idx=(TOKEN, TOKEN + 1),
+                                                  valid_idx=(VALID, VALID + 1), length_idx=(LENGTH, LENGTH + 1),
+                                                  samples_per_slot=1)
 
-        def free_resource(self, slot: int) -> Any:
-            return None  # a contiguous cache: a finished slot is simply overwritten by the next insert
-
-        def load_params(self, params: Any = None, *args: Any, **kwargs: Any):
+        def load_params(self, params: Any = None) -> Any:
             return self.engine.prepare_params(self.engine.params if params is None else params)
 
-        def init_decode_state(self, *args: Any, **kwargs: Any):
-            return self.engine.init_decode_state(*args, **kwargs)
+        def init_decode_state(self, capacity: int | None = None) -> JetStreamDecodeState:
+            state = self.engine.init_decode_state(capacity)
+            b = state.tokens.shape[0]
+            return JetStreamDecodeState(state, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32))
 
         def get_prefix_destination_sharding(self) -> Any:
-            mesh = self.engine.mesh
-            sharding = (NamedSharding(mesh, PartitionSpec()) if mesh is not None
-                        else SingleDeviceSharding(jax.devices()[0]))
-            eng = self.engine
-            params = jax.eval_shape(lambda: eng.prepare_params(eng.params))
-            i32 = jax.ShapeDtypeStruct((), np.int32)
-            shapes = jax.eval_shape(eng._prefill_impl, params, jax.ShapeDtypeStruct((16,), np.int32), i32, i32, i32,
-                                    i32, SamplingParams.make(1))[0]  # (prefix, first result): the prefix
-            return jax.tree.map(lambda _: sharding, shapes)
+            """Where a prefix goes for :meth:`insert`: every leaf replicated over the engine's mesh (one device
+            without a mesh), in the structure of :class:`~dora_jax.rollout.engine.Prefix`."""
+            s = NamedSharding(self.mesh, PartitionSpec())
+            if self.engine.mesh is None:
+                s = SingleDeviceSharding(self.mesh.devices.flat[0])
+            return Prefix(KVCache(s, s), s, s, s, s, s, SamplingParams(s, s, s), s)
 
         # -- tokenizer -----------------------------------------------------------------------------------------
 
         def get_tokenizer(self) -> Any:
-            if self._tokenizer_params is None:
-                raise EngineError("get_tokenizer: no tokenizer_params were given to as_jetstream_engine")
             return self._tokenizer_params
 
         def build_tokenizer(self, metadata: Any) -> Any:
@@ -119,18 +182,15 @@ def _make_class(engine_api) -> type:
             return self.engine.max_prefill_length
 
         @property
-        def mesh(self) -> Any:
-            return self.engine.mesh
+        def mesh(self) -> Mesh:
+            if self.engine.mesh is not None:
+                return self.engine.mesh
+            device = next(iter(jax.tree.leaves(self.engine.params)[0].devices()))
+            return Mesh(np.array([device]), ("data",))
 
         @property
-        def colocated_cpus(self) -> Any:
+        def colocated_cpus(self) -> None:
             return None
-
-        def __getattr__(self, name: str) -> Any:
-            # Only reached for names the adapter lacks: the engine's extensions (resize, free_slot, ...).
-            if name == "engine":
-                raise AttributeError(name)
-            return getattr(self.engine, name)
 
     return DoraJetStreamEngine
 
@@ -139,7 +199,7 @@ def jetstream_engine_class() -> type:
     """The adapter class, a subclass of ``jetstream.engine.engine_api.Engine``.
 
     Raises:
-      JetStreamUnavailable: google-jetstream is not installed.
+      JetStreamUnavailable: google-jetstream is not importable.
     """
     api = _engine_api()
     if id(api) not in _CLASSES:
@@ -159,7 +219,7 @@ def as_jetstream_engine(engine: Engine, *, tokenizer: Any = None, tokenizer_para
       An instance of :func:`jetstream_engine_class`.
 
     Raises:
-      JetStreamUnavailable: google-jetstream is not installed.
+      JetStreamUnavailable: google-jetstream is not importable.
     """
     if not isinstance(engine, Engine):
         raise TypeError(f"as_jetstream_engine: expected a dora_jax.rollout.engine.Engine, got {type(engine).__name__}")
