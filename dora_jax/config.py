@@ -279,6 +279,13 @@ class TrainConfig:
     advantage: str = "grpo"
     clip_low: float = 0.2
     clip_high: float = 0.2
+    clip_mode: str = "standard"  # "triple": LongCat's clips (clip_neg_low, clip_neg_high, clip_pos_high)
+    clip_neg_low: float = 0.2
+    clip_neg_high: float = 3.0  # the ratio a negative-advantage token counts for at most (dual clip)
+    clip_pos_high: float = 0.28
+    overlong_buffer: int = 0  # DAPO's soft overlong punishment: the last this many tokens of the budget (0: off)
+    overlong_penalty: float = 1.0  # the penalty at the budget's end (linear from 0 over the buffer)
+    dynamic_sampling: bool = False  # DAPO: groups whose rewards are all equal are filtered and replaced
     kl_coef: float = 0.0
     max_staleness: int = 1
     correction: str = "none"
@@ -314,6 +321,18 @@ class TrainConfig:
         for name in ("clip_low", "clip_high"):
             if not 0 <= getattr(self, name) < 10:
                 _fail(f"{path}.{name}", getattr(self, name), "must be in [0, 10)")
+        if self.clip_mode not in ("standard", "triple"):
+            _fail(f"{path}.clip_mode", self.clip_mode, "allowed: standard, triple")
+        if not 0 <= self.clip_neg_low < 1:
+            _fail(f"{path}.clip_neg_low", self.clip_neg_low, "must be in [0, 1)")
+        if not 0 <= self.clip_pos_high < 10:
+            _fail(f"{path}.clip_pos_high", self.clip_pos_high, "must be in [0, 10)")
+        if self.clip_neg_high <= 1 + self.clip_high:
+            _fail(f"{path}.clip_neg_high", self.clip_neg_high, f"must exceed 1 + clip_high = {1 + self.clip_high} "
+                  "(the dual clip bounds ratios above the ordinary clip)")
+        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
+            _fail(f"{path}.overlong_buffer/overlong_penalty", (self.overlong_buffer, self.overlong_penalty),
+                  "must be >= 0")
         if self.loss != "gspo" and self.clip_low >= 1:
             _fail(f"{path}.clip_low", self.clip_low, "must be < 1 (the ratio's lower clip is 1 - clip_low)")
         if self.loss == "gspo" and self.correction == "mis_token":
@@ -599,6 +618,11 @@ class Config:
             _fail("rollout.top_k/top_p", (r.top_k, r.top_p), "training rollouts sample the temperature-scaled "
                   "full distribution (top_k 0, top_p 1.0), the one the trainer computes its log-probs under; "
                   "truncated sampling is for `dora-jax generate` (generate.top_k/top_p)")
+        if t.dynamic_sampling and t.group_size < 2:
+            _fail("train.dynamic_sampling", True, "needs train.group_size >= 2 (a group of one always agrees)")
+        if t.overlong_buffer >= self.rollout.max_new_tokens:
+            _fail("train.overlong_buffer", t.overlong_buffer,
+                  f"must be < rollout.max_new_tokens ({self.rollout.max_new_tokens}), the budget it ends")
         if self.rollout.max_new_tokens > t.max_response_tokens:
             _fail("rollout.max_new_tokens", self.rollout.max_new_tokens,
                   f"must be <= train.max_response_tokens ({t.max_response_tokens})")

@@ -53,12 +53,22 @@ def ref_advantages(rewards, groups, valid, kind, eps):
     return adv
 
 
+def ref_surrogate(r, a, cfg: TrainConfig):
+    """The clipped surrogate of one ratio, written out case by case."""
+    if cfg.clip_mode == "standard":
+        lo, hi = 1 - cfg.clip_low, 1 + cfg.clip_high
+        return -min(r * a, min(max(r, lo), hi) * a)
+    if a >= 0:
+        return -min(r * a, min(max(r, 1 - cfg.clip_low), 1 + cfg.clip_pos_high) * a)
+    ppo = min(r * a, min(max(r, 1 - cfg.clip_neg_low), 1 + cfg.clip_high) * a)
+    return -max(ppo, cfg.clip_neg_high * a)
+
+
 def ref_loss(logp, prox, x, cfg: TrainConfig, trainer_version: int):
     """The objective, one sample at a time, in float64. ``prox`` is a constant (the proximal policy)."""
     adv = ref_advantages(x["rewards"], x["groups"], x["valid"], cfg.advantage, cfg.std_eps)
     kept = [i for i in range(B) if x["valid"][i] and 0 <= trainer_version - x["versions"][i] <= cfg.max_staleness]
     n_valid = int(x["valid"].sum())
-    lo, hi = 1 - cfg.clip_low, 1 + cfg.clip_high
     total_tokens = sum(int(x["mask"][i].sum()) for i in kept)
     pg_terms, kl_terms = [], []
     for i in kept:
@@ -78,7 +88,7 @@ def ref_loss(logp, prox, x, cfg: TrainConfig, trainer_version: int):
         if cfg.loss == "gspo":
             s = math.exp(np.mean(lp - old))
             w = 1.0 if cfg.correction == "none" else weight(math.exp(np.mean(delta)))
-            per_tok = np.full(len(idx), -w * min(s * a, min(max(s, lo), hi) * a))
+            per_tok = np.full(len(idx), w * ref_surrogate(s, a, cfg))
         else:
             per_tok = []
             seq_w = weight(math.exp(np.mean(delta))) if cfg.correction == "mis_seq" else None
@@ -90,7 +100,7 @@ def ref_loss(logp, prox, x, cfg: TrainConfig, trainer_version: int):
                     w = seq_w
                 else:
                     w = weight(math.exp(delta[j]))
-                per_tok.append(-w * min(r * a, min(max(r, lo), hi) * a))
+                per_tok.append(w * ref_surrogate(r, a, cfg))
             per_tok = np.array(per_tok)
         kl_tok = np.exp(rf - lp) - (rf - lp) - 1
         pg_terms.append(per_tok)
@@ -272,3 +282,40 @@ def test_a_proximal_policy_apart_from_the_current_one_matches_the_reference(loss
         dn[i, j] -= h
         num[i, j] = (ref_loss(up, prox64, x, cfg, version) - ref_loss(dn, prox64, x, cfg, version)) / (2 * h)
     assert rel_err(grad, num) <= 1e-5, (loss, correction)
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dapo", "gspo"])
+def test_triple_clip_matches_the_reference(loss):
+    """LongCat's three clips against the case-by-case float64 reference, with the policy moved far enough from
+    the proximal one that every clip (and the dual clip of negative advantages) is active somewhere."""
+    import dataclasses
+
+    x = _inputs(5)
+    cfg = dataclasses.replace(_cfg(loss, "decoupled"), clip_mode="triple", clip_neg_low=0.1, clip_neg_high=1.6,
+                              clip_pos_high=0.4)
+    version = 5
+    rng = np.random.default_rng(11)
+    logp64 = x["logp"]
+    prox64 = logp64 + rng.normal(0, 0.6, logp64.shape) * x["mask"]
+    f64 = lambda a: jnp.asarray(a, jnp.float64)  # noqa: E731
+    with jax.enable_x64(True):
+        valid = jnp.asarray(x["valid"])
+        keep, _ = staleness(jnp.asarray(x["versions"]), valid, jnp.int32(version), cfg.max_staleness)
+        adv = group_advantages(f64(x["rewards"]), jnp.asarray(x["groups"]), valid, cfg.advantage, cfg.std_eps)
+        norms = normalizers(f64(x["mask"]), keep, valid, cfg.max_response_tokens)
+        value = float(policy_loss(f64(logp64), f64(x["behaviour"]), f64(x["ref"]), f64(x["mask"]), adv, keep, norms,
+                                  cfg, prox_bt=f64(prox64)).loss)
+    expected = ref_loss(logp64, prox64, x, cfg, version)
+    assert abs(value - expected) <= 1e-5 * abs(expected)
+    standard = ref_loss(logp64, prox64, x, dataclasses.replace(cfg, clip_mode="standard"), version)
+    assert abs(expected - standard) > 1e-4  # the three clips change the objective here
+
+
+def test_overlong_penalty_by_hand():
+    """DAPO's soft overlong punishment with a budget of 100 tokens and a buffer of 20: nothing up to 80 tokens,
+    then linear to the full penalty at 100."""
+    from dora_jax.trainer.losses import overlong_penalty
+
+    assert [overlong_penalty(n, 100, 20) for n in (10, 80, 81, 90, 100)] == [0.0, 0.0, -0.05, -0.5, -1.0]
+    assert overlong_penalty(95, 100, 20, penalty=0.5) == -0.375
+    assert overlong_penalty(100, 100, 0) == 0.0  # off

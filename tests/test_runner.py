@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import rel_err
+from invariants import check_trained_samples
 from dora_jax.config import ConfigError, load_config
 from dora_jax.dora.ledger import Ledger
 from dora_jax.run import Placement, Runner, RunError
@@ -130,12 +131,9 @@ def test_each_mode_keeps_the_promises(tmp_path, request, published, mode, k, rbs
     assert counts["consumed"] == 32 and counts["consumed"] + counts["filtered"] == len(ledger.entries)
 
     rows = read_samples(tmp_path)
-    assert len({r["sample_id"] for r in rows}) == len(rows) == 32  # consumed exactly once
+    assert len(rows) == 32
+    check_trained_samples(rows, ledger, bound)  # each consumed sample once, as the ledger has it, groups whole
     lags = [r["trained_at"] - r["version"] for r in rows]
-    assert all(0 <= lag <= bound for lag in lags)
-    for r in rows:
-        entry = ledger.entries[r["sample_id"]]
-        assert (entry.version, entry.trained_at, entry.state) == (r["version"], r["trained_at"], "consumed")
     if mode == "sync":
         assert set(lags) == {0}
     else:
@@ -299,3 +297,30 @@ def test_an_iteration_with_no_applied_update_publishes_nothing_and_loses_nothing
     ledger.check(2)
     assert ledger.counts()["consumed"] == 32
     assert max(e.version for e in ledger.entries.values()) <= 3  # nothing on a version that never existed
+
+
+def constant_on_even_prompt(prompt, response, answer):
+    """1 on the questions whose prompt's bytes have an even sum (a group there always agrees), else the dense
+    mean-character-code reward (its samples almost never tie)."""
+    if sum(prompt.encode()) % 2 == 0:
+        return 1.0
+    return float(np.mean([min(ord(c), 255) for c in response]) / 255) if response else 0.0
+
+
+@pytest.mark.parametrize("mode,rbs", [("sync", 8), ("dora", 16)])
+def test_dynamic_sampling_trains_only_groups_that_disagree(tmp_path, shared, mode, rbs):
+    """DAPO's dynamic sampling: a group whose rewards are all equal is filtered with the reason and another is
+    drawn, so every trained batch is full and every trained group has an advantage to learn from."""
+    cfg = tiny(f"dora.mode={mode}", f"dora.rollout_batch={rbs}", "train.dynamic_sampling=true",
+               "task.reward=test_runner:constant_on_even_prompt")
+    summary = Runner(cfg, str(tmp_path), **shared()).run()
+    assert summary["samples"] == 32 and summary["filtered"] > 0
+    assert any(r.startswith("dynamic sampling: all 4 rewards equal (1)") for r in summary["filtered_reasons"])
+    rows = read_samples(tmp_path)
+    by_group = {}
+    for r in rows:
+        by_group.setdefault(r["group_id"], []).append(r["reward"])
+    assert all(len(set(v)) > 1 for v in by_group.values())  # no trained group without an advantage
+    ledger = Ledger.from_dict(json.load(open(tmp_path / "ledger.json"))["ledger"])
+    ledger.check({"sync": 0}.get(mode, 2))
+    assert all(m["train"]["samples"] == 8 for m in map(json.loads, open(tmp_path / "metrics.jsonl")))  # full batches

@@ -44,6 +44,7 @@ class SchedulePolicy:
     train_batch: int  # TBS, samples (a multiple of group_size)
     group_size: int  # G
     total_samples: int  # samples to train on in the whole run (a multiple of train_batch)
+    refill: bool = False  # sync / one_step_off: a batch's filtered groups are replaced (DAPO's dynamic sampling)
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -118,6 +119,14 @@ class Scheduler:
                 outstanding += p.group_size
             return out
         limit = 1 if p.mode == "sync" else 2
+        if p.refill:  # every batch in flight gets back to TBS live samples, budget allowing
+            for batch in self.batches:
+                live = sum(not self.ledger.group_done(g) for g in batch)
+                while live * p.group_size < p.train_batch and self._budget() >= p.group_size:
+                    group = self._new_group()
+                    batch.append(group.group_id)
+                    out.append(group)
+                    live += 1
         generating = [b for b in self.batches if not all(self._generated(g) for g in b)]
         groups = min(p.train_batch, self._budget()) // p.group_size  # a short last batch after filtering
         if len(self.batches) < limit and not generating and groups > 0:

@@ -67,7 +67,7 @@ class Runner:
         d, t = cfg.dora, cfg.train
         self.policy = SchedulePolicy(mode=d.mode, max_staleness=t.max_staleness, rollout_batch=d.rollout_batch,
                                      train_batch=d.train_batch, group_size=t.group_size,
-                                     total_samples=d.train_batch * d.steps)
+                                     total_samples=d.train_batch * d.steps, refill=t.dynamic_sampling)
         self.store = RunStore(run_dir, cfg, self.policy.bound)
         check_run_dir(cfg, run_dir, self.store)  # before anything is built or written
         self.multi, self.writes = jax.process_count() > 1, jax.process_index() == 0

@@ -24,6 +24,7 @@ from dora_jax.rollout.engine import RequestSampling
 from dora_jax.run.evaluation import RunError, prompt_ids, score
 from dora_jax.dora.scheduler import Scheduler
 from dora_jax.tasks import Item, Task
+from dora_jax.trainer.losses import overlong_penalty
 
 
 class RolloutSide:
@@ -163,12 +164,23 @@ class RolloutSide:
                                    f"reasons: {reasons}")
             else:
                 d = self.done[res.key]
-                d.reward, d.correct = res.reward, res.correct
+                d.reward, d.correct = res.reward + self._overlong(d), res.correct
                 led.finish(res.key)
             group = led.groups[led.entries[res.key].group_id]
+            if self.cfg.train.dynamic_sampling and led.group_ready(group.group_id):
+                rewards = {self.done[s].reward for s in group.sample_ids}
+                if len(rewards) == 1:  # no advantage to learn from: filtered, and the scheduler draws another
+                    led.filter(group.sample_ids[0], f"dynamic sampling: all {len(group.sample_ids)} rewards "
+                                                    f"equal ({rewards.pop():g})")
             for sid in group.sample_ids:  # a filtered group's trajectories are never trained: let them go
                 if led.entries[sid].state == "filtered":
                     self.done.pop(sid, None)
+
+    def _overlong(self, d: Finished) -> float:
+        """The overlong penalty of a finished sample (``train.overlong_buffer``; 0 when off)."""
+        t, r = self.cfg.train, self.cfg.rollout
+        budget = min(d.item.max_new_tokens or r.max_new_tokens, r.max_new_tokens)
+        return overlong_penalty(len(d.traj.tokens), budget, t.overlong_buffer, t.overlong_penalty)
 
     def take(self, group_ids: list[int]) -> list[Finished]:
         """The finished samples of whole groups, handed to the trainer (they leave this side)."""

@@ -20,7 +20,9 @@ of the iteration, held fixed over its ``minibatches x epochs`` updates):
   exp(delta); ``mis_token`` exp(delta) where it lies in [lo, hi], else 0; ``mis_seq`` the length-normalized
   sequence weight exp(mean_t delta) where it lies in [lo, hi], else 0, applied to all the sequence's tokens.
   GSPO always uses the sequence weight exp(mean_t delta) (truncated or masked the same way).
-* clipped surrogate ``l = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``, times the weight.
+* clipped surrogate ``l = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``, times the weight. With
+  ``clip_mode = "triple"`` (LongCat's three clips): ``A >= 0`` clips at ``1 + clip_pos_high``; ``A < 0`` clips
+  below at ``1 - clip_neg_low`` and takes ``l = -max(min(r A, clip(r, ...) A), clip_neg_high A)`` (dual clip).
 * aggregation: ``grpo`` and ``gspo`` mean over kept samples of the per-sample token mean; ``dapo`` mean over
   all kept tokens; ``dr_grpo`` sum over kept tokens / (valid rows * max_response_tokens).
 * KL to a reference (k3): ``exp(ref - pi) - (ref - pi) - 1`` per token, aggregated like the loss (token mean
@@ -47,6 +49,14 @@ def token_logprobs(logits_btv: jax.Array, tokens_bt: jax.Array, temperature: flo
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     lp = picked - jax.nn.logsumexp(logits, axis=-1)
     return jnp.pad(lp, ((0, 0), (1, 0)))
+
+
+def overlong_penalty(length: int, budget: int, buffer: int, penalty: float = 1.0) -> float:
+    """DAPO's soft overlong punishment, added to a response's reward: 0 up to ``budget - buffer`` tokens, then
+    linear down to ``-penalty`` at ``budget`` (the generation budget, which a response never exceeds)."""
+    if buffer <= 0 or length <= budget - buffer:
+        return 0.0
+    return -penalty * min(length - (budget - buffer), buffer) / buffer
 
 
 def group_advantages(rewards_b: jax.Array, group_ids_b: jax.Array, valid_b: jax.Array, kind: str,
@@ -116,6 +126,22 @@ def _is_weight(delta: jax.Array, cfg: TrainConfig, masked_kind: str) -> tuple[ja
     return w, jnp.zeros_like(w)  # decoupled
 
 
+def _surrogate(r: jax.Array, adv: jax.Array, cfg: TrainConfig) -> tuple[jax.Array, jax.Array]:
+    """(clipped surrogate loss, clipped mask) of ratios ``r`` with advantages ``adv`` under ``cfg.clip_mode``."""
+    lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
+    if cfg.clip_mode == "standard":
+        return -jnp.minimum(r * adv, jnp.clip(r, lo, hi) * adv), ((r < lo) | (r > hi)).astype(r.dtype)
+    # Triple clip: positive advantages clip above at 1 + clip_pos_high (clip-higher); negative ones clip below at
+    # 1 - clip_neg_low, and their ratio counts for at most clip_neg_high (dual clip: the loss of a negative sample
+    # the policy made far likelier stays bounded).
+    neg = adv < 0
+    lo_t, hi_t = jnp.where(neg, 1.0 - cfg.clip_neg_low, lo), jnp.where(neg, hi, 1.0 + cfg.clip_pos_high)
+    ppo = jnp.minimum(r * adv, jnp.clip(r, lo_t, hi_t) * adv)
+    dual = jnp.where(neg, jnp.maximum(ppo, cfg.clip_neg_high * adv), ppo)
+    clipped = (r < lo_t) | (r > hi_t) | (neg & (r > cfg.clip_neg_high))
+    return -dual, clipped.astype(r.dtype)
+
+
 class LossTerms(NamedTuple):
     """A micro-batch's share of the loss and of each additive metric."""
 
@@ -148,7 +174,6 @@ def policy_loss(logp_bt: jax.Array, behaviour_bt: jax.Array, ref_bt: jax.Array, 
     delta = (prox - behaviour) * m if cfg.correction != "none" else jnp.zeros_like(logp)
     n_b = jnp.maximum(m.sum(-1), 1.0)
     adv = advantages_b[:, None].astype(dt)
-    lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
 
     if cfg.loss == "gspo":
         seq_log_ratio = ((logp - old) * m).sum(-1) / n_b
@@ -157,9 +182,9 @@ def policy_loss(logp_bt: jax.Array, behaviour_bt: jax.Array, ref_bt: jax.Array, 
             w, dropped = jnp.ones_like(s), jnp.zeros_like(s)
         else:
             w, dropped = _is_weight((delta.sum(-1) / n_b)[:, None], cfg, "mis_seq")
-        surrogate = -jnp.minimum(s * adv, jnp.clip(s, lo, hi) * adv)
+        surrogate, clipped = _surrogate(s, adv, cfg)
         per_token = jnp.broadcast_to(w * surrogate, m.shape)
-        clipped = jnp.broadcast_to(((s < lo) | (s > hi)).astype(dt), m.shape)
+        clipped = jnp.broadcast_to(clipped, m.shape)
         w_tok, dropped_tok = jnp.broadcast_to(w, m.shape), jnp.broadcast_to(dropped, m.shape)
     else:
         r = jnp.exp(logp - old)
@@ -170,9 +195,8 @@ def policy_loss(logp_bt: jax.Array, behaviour_bt: jax.Array, ref_bt: jax.Array, 
             w_tok, dropped_tok = jnp.broadcast_to(w_seq, m.shape), jnp.broadcast_to(d_seq, m.shape)
         else:
             w_tok, dropped_tok = _is_weight(delta, cfg, "mis_token")
-        surrogate = -jnp.minimum(r * adv, jnp.clip(r, lo, hi) * adv)
+        surrogate, clipped = _surrogate(r, adv, cfg)
         per_token = w_tok * surrogate
-        clipped = ((r < lo) | (r > hi)).astype(dt)
 
     pg = _aggregate(per_token, m, keep_b, norms, cfg.loss)
     if cfg.kl_coef > 0:
