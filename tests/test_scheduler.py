@@ -14,9 +14,10 @@ from dora_jax.dora.ledger import Ledger, LedgerError
 from dora_jax.dora.scheduler import SchedulePolicy, ScheduleError, Scheduler
 
 
-def simulate(policy: SchedulePolicy, slots: int, seed: int, filter_p: float = 0.0, max_len: int = 40):
+def simulate(policy: SchedulePolicy, slots: int, seed: int, filter_p: float = 0.0, max_len: int = 40,
+             scheduler: type = Scheduler):
     rng = random.Random(seed)
-    sched = Scheduler(policy)
+    sched = scheduler(policy)
     led = sched.ledger
     pending: dict[int, list[int]] = {}  # version -> sample ids waiting for a slot
     remaining: dict[int, int] = {}  # in-flight sample -> tokens left
@@ -26,7 +27,7 @@ def simulate(policy: SchedulePolicy, slots: int, seed: int, filter_p: float = 0.
             break
         free = slots - len(remaining)
         alloc = sched.assign_slots(free, {v: len(ids) for v, ids in pending.items()})
-        assert sum(alloc.values()) <= free
+        assert sum(alloc.values()) <= free, f"{sum(alloc.values())} slots handed out, {free} free"
         for v, n in alloc.items():
             for s in pending[v][:n]:
                 led.start(s)
@@ -43,11 +44,12 @@ def simulate(policy: SchedulePolicy, slots: int, seed: int, filter_p: float = 0.
                     led.finish(s)
         live = set(led.outstanding()) | {sched.version}
         max_live_versions = max(max_live_versions, len(live))
-        assert max(live) - min(live) <= policy.bound, (live, sched.version)
+        assert max(live) - min(live) <= policy.bound, f"live versions {sorted(live)} span more than K = {policy.bound}"
         # As in the runner: new work is dispatched before the trainer takes its batch, so in one_step_off
         # the next batch starts on the version the trainer is about to update.
         for g in sched.dispatch():
-            assert g.version == sched.version  # new prompts only on the newest version
+            assert g.version == sched.version, f"group {g.group_id} dispatched on version {g.version}, the newest " \
+                                               f"is {sched.version}"  # new prompts only on the newest version
             pending.setdefault(g.version, []).extend(g.sample_ids)
         batch = sched.next_batch()
         if batch:
@@ -212,3 +214,165 @@ def test_bad_policies_are_named():
         Scheduler(SchedulePolicy("dora", 0, 18, 12, 3, 60))
     with pytest.raises(ScheduleError, match="one_step_off .* max_staleness must be >= 1"):
         Scheduler(SchedulePolicy("one_step_off", 0, 8, 8, 4, 8))
+
+
+# -- every check the tests rely on is shown to fail on broken input ----------------------------------------------
+
+
+def _valid_ledger():
+    """Three groups of two: group 0 (version 0) trained at 1, group 1 (version 1) trained at 2, group 2
+    (version 1) filtered (a reward failure, then its other member). Valid for K = 1."""
+    led = Ledger()
+    led.add_group(0, [0, 1], version=0, prompt_index=0)
+    led.add_group(1, [2, 3], version=1, prompt_index=1)
+    led.add_group(2, [4, 5], version=1, prompt_index=2)
+    for s in range(6):
+        led.start(s)
+    for s in range(4):
+        led.finish(s)
+    led.consume([0], 1)
+    led.consume([1], 2)
+    led.filter(4, "reward function raised ValueError")
+    led.finish(5)
+    return led
+
+
+def _set_state(led, sample_id, state):
+    """Moves a sample to ``state`` keeping the counts right, past every transition rule."""
+    led._counts[led.entries[sample_id].state] -= 1
+    led._counts[state] += 1
+    led.entries[sample_id].state = state
+
+
+def _entry(**fields):
+    def brk(led, sample_id):
+        for k, v in fields.items():
+            setattr(led.entries[sample_id], k, v)
+    return brk
+
+
+BROKEN_LEDGERS = {
+    "split group": (lambda led: _set_state(led, 1, "finished"), r"group 0 was split: member states \['consumed', "
+                                                                  r"'finished'\]"),
+    "two versions in one group": (lambda led: _entry(version=0)(led, 5), r"group 2 mixes versions \[0, 1\]"),
+    "staleness above K": (lambda led: [_entry(trained_at=3)(led, s) for s in (2, 3)],
+                          r"sample 2 \(version 1\) was trained at version 3: lag 2 outside \[0, 1\]"),
+    "trained before its version": (lambda led: [_entry(trained_at=0)(led, s) for s in (2, 3)],
+                                   r"lag -1 outside \[0, 1\]"),
+    "group trained in two updates": (lambda led: _entry(trained_at=1)(led, 3),
+                                     "group 1 was trained in more than one update"),
+    "consumed without its version": (lambda led: _entry(trained_at=-1)(led, 0),
+                                     "sample 0 is consumed without the version it was trained at"),
+    "filtered without a reason": (lambda led: _entry(reason="")(led, 4), "sample 4 is filtered without a reason"),
+    "counts off": (lambda led: led._counts.update(consumed=5), "state counts .* do not match the entries"),
+    "unknown state": (lambda led: _entry(state="lost")(led, 5), "sample 5 has unknown state 'lost'"),
+    "a sample in two groups": (lambda led: led.groups[2].sample_ids.append(0),
+                               r"sample 0 names group 0 but is listed by groups \[0, 2\]"),
+    "a group listing an unknown sample": (lambda led: led.groups[2].sample_ids.append(99),
+                                          r"groups list samples that are not in the ledger: \[99\]"),
+}
+
+
+@pytest.mark.parametrize("defect", sorted(BROKEN_LEDGERS))
+def test_ledger_check_rejects_broken_ledgers(defect):
+    led = _valid_ledger()
+    led.check(1)
+    assert Ledger.from_dict(led.to_dict()).counts() == led.counts()
+    brk, message = BROKEN_LEDGERS[defect]
+    brk(led)
+    with pytest.raises(LedgerError, match=message):
+        led.check(1)
+
+
+def test_a_sample_is_consumed_once_and_saved_once():
+    led = _valid_ledger()
+    with pytest.raises(LedgerError, match=r"group 0 is not ready \(member states \['consumed', 'consumed'\]\)"):
+        led.consume([0], 2)
+    saved = led.to_dict()
+    for entries, message in [(saved["entries"] + [saved["entries"][0]], "saved ledger: sample 0 is listed twice"),
+                             (saved["entries"] + [[7, "consumed", "", 1]], "saved ledger: sample 7 belongs to no "
+                                                                            "group"),
+                             (saved["entries"][1:], r"saved ledger: samples \[0\] have no state")]:
+        with pytest.raises(LedgerError, match=message):
+            Ledger.from_dict({"groups": saved["groups"], "entries": entries})
+
+
+def _rows(led):
+    """samples.jsonl rows as the runner writes them, for the consumed samples of ``led``."""
+    return [{"sample_id": s, "group_id": e.group_id, "version": e.version, "trained_at": e.trained_at}
+            for s, e in led.entries.items() if e.state == "consumed"]
+
+
+def test_the_samples_file_check_rejects_broken_records():
+    from invariants import check_trained_samples
+
+    led = _valid_ledger()
+    check_trained_samples(_rows(led), led, 1)
+    rows = _rows(led)
+    with pytest.raises(AssertionError, match=r"samples trained more than once: \[2\]"):
+        check_trained_samples(rows + [rows[2]], led, 1)
+    with pytest.raises(AssertionError, match=r"consumed but never trained: \[3\]"):
+        check_trained_samples(rows[:3], led, 1)
+    with pytest.raises(AssertionError, match=r"trained but not consumed in the ledger: \[4\]"):
+        check_trained_samples(rows + [{**rows[0], "sample_id": 4, "group_id": 2}], led, 1)
+    with pytest.raises(AssertionError, match=r"sample 1: version, trained_at, group \(1, 1, 0\), the ledger has "
+                                             r"\(0, 1, 0\)"):
+        check_trained_samples([rows[0], {**rows[1], "version": 1}] + rows[2:], led, 1)
+    with pytest.raises(AssertionError, match=r"sample 0 \(version 0\) trained at 1: staleness 1 outside \[0, 0\]"):
+        check_trained_samples(rows, led, 0)
+    for s in (2, 3):  # the ledger and the file agree on a stale group: the bound still catches it
+        led.entries[s].trained_at = 3
+    with pytest.raises(AssertionError, match=r"sample 2 \(version 1\) trained at 3: staleness 2 outside"):
+        check_trained_samples(_rows(led), led, 1)
+    led = _valid_ledger()
+    led.entries[3].trained_at = 1  # one group, two updates
+    with pytest.raises(AssertionError, match=r"group 1 trained on several \(version, update\) pairs: "
+                                             r"\[\(1, 1\), \(1, 2\)\]"):
+        check_trained_samples(_rows(led), led, 1)
+    led = _valid_ledger()
+    _set_state(led, 1, "finished")  # one member trained, the other not
+    with pytest.raises(AssertionError, match=r"group 0 trained in part: \[1\] missing"):
+        check_trained_samples(_rows(led), led, 1)
+
+
+class _NoWindow(Scheduler):
+    """Trains the oldest ready groups without the check that what stays outstanding fits the bound."""
+
+    def next_batch(self):
+        p, led = self.policy, self.ledger
+        if self.trained_samples >= p.total_samples or p.mode != "dora":
+            return super().next_batch()
+        ready = sorted((led.groups[g].version, g) for g in led.ready_group_ids())
+        need = min(p.train_batch, p.total_samples - self.trained_samples) // p.group_size
+        return [g for _, g in ready[:need]] if len(ready) >= need else None
+
+
+class _StaleDispatch(Scheduler):
+    """Dispatches new groups on the version before the newest."""
+
+    def dispatch(self):
+        out = super().dispatch()
+        for g in out:
+            self.ledger.move_version(g.group_id, max(self.version - 1, 0))
+        return out
+
+
+class _Oversubscribed(Scheduler):
+    """Hands out every pending request, whatever the free slots."""
+
+    def assign_slots(self, free, pending):
+        return {v: n for v, n in pending.items() if n}
+
+
+@pytest.mark.parametrize("scheduler,raised,message", [
+    (_NoWindow, AssertionError, r"live versions \[0, 1, 2\] span more than K = 1"),
+    (_StaleDispatch, AssertionError, "group 4 dispatched on version 0, the newest is 1"),
+    (_Oversubscribed, AssertionError, "16 slots handed out, 8 free")])
+def test_the_simulation_checks_catch_a_broken_scheduler(scheduler, raised, message):
+    """The random-completion simulation's checks (window within K, new prompts on the newest version, no
+    more slots than free, the ledger's own check after every event) stop a scheduler with one mistake."""
+    policy = SchedulePolicy("dora", max_staleness=1, rollout_batch=16, train_batch=8, group_size=4,
+                            total_samples=96)
+    simulate(policy, slots=8, seed=3, scheduler=Scheduler)  # the real one passes
+    with pytest.raises(raised, match=message):
+        simulate(policy, slots=8, seed=3, scheduler=scheduler)

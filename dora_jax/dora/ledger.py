@@ -180,7 +180,12 @@ class Ledger:
         led = cls()
         for gid, version, prompt_index, ids in data["groups"]:
             led.add_group(gid, ids, version, prompt_index)
+        seen: set[int] = set()
         for sid, state, reason, trained_at in data["entries"]:
+            if sid not in led.entries or sid in seen:
+                raise LedgerError(f"saved ledger: sample {sid} " + ("is listed twice" if sid in seen
+                                                                    else "belongs to no group"))
+            seen.add(sid)
             e = led.entries[sid]
             if state not in STATES:
                 raise LedgerError(f"saved ledger: sample {sid} has unknown state {state!r}")
@@ -189,18 +194,32 @@ class Ledger:
             e.state, e.reason, e.trained_at = state, reason, trained_at
             if state == "filtered" and not reason.startswith("group member"):
                 led._causes.setdefault(e.group_id, set()).add(sid)
+        if len(seen) != len(led.entries):
+            raise LedgerError(f"saved ledger: samples {sorted(set(led.entries) - seen)} have no state")
         led.check()
         return led
 
     def check(self, max_staleness: int | None = None) -> None:
         """Raises :class:`LedgerError` unless every invariant holds: one state per sample, counts right,
-        groups whole (all members consumed together or the group filtered), filtered samples with a reason,
-        and (given ``max_staleness``) every consumed sample trained within the bound."""
+        every sample in exactly one group (the one it names), groups whole (all members consumed together or
+        the group filtered), filtered samples with a reason, consumed samples with the version they were
+        trained at, and (given ``max_staleness``) every consumed sample trained within the bound."""
         counts = dict.fromkeys(STATES, 0)
+        members: dict[int, list[int]] = {}
+        for g in self.groups.values():
+            for s in g.sample_ids:
+                members.setdefault(s, []).append(g.group_id)
         for e in self.entries.values():
+            if e.state not in counts:
+                raise LedgerError(f"sample {e.sample_id} has unknown state {e.state!r}")
             counts[e.state] += 1
+            if members.get(e.sample_id) != [e.group_id]:
+                raise LedgerError(f"sample {e.sample_id} names group {e.group_id} but is listed by groups "
+                                  f"{members.get(e.sample_id, [])}")
             if e.state == "filtered" and not e.reason:
                 raise LedgerError(f"sample {e.sample_id} is filtered without a reason")
+            if e.state == "consumed" and e.trained_at < 0:
+                raise LedgerError(f"sample {e.sample_id} is consumed without the version it was trained at")
             if e.state == "consumed" and max_staleness is not None:
                 lag = e.trained_at - e.version
                 if not 0 <= lag <= max_staleness:
@@ -208,6 +227,9 @@ class Ledger:
                                       f"{e.trained_at}: lag {lag} outside [0, {max_staleness}]")
         if counts != self._counts:
             raise LedgerError(f"state counts {self._counts} do not match the entries {counts}")
+        unknown = sorted(set(members) - set(self.entries))
+        if unknown:
+            raise LedgerError(f"groups list samples that are not in the ledger: {unknown}")
         for g in self.groups.values():
             states = {self.entries[s].state for s in g.sample_ids}
             versions = {self.entries[s].version for s in g.sample_ids}
