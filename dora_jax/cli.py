@@ -83,6 +83,28 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from dora_jax.run.heldout import evaluate_checkpoint, evaluate_weights
+
+    if args.checkpoint:
+        if args.config or args.weights:
+            raise CLIError(f"eval --checkpoint {args.checkpoint}: the run's own config.json and checkpoint give the "
+                           "model and its weights; drop --config/--weights (overrides such as task.eval_samples=4 "
+                           "still apply)")
+        result = evaluate_checkpoint(args.checkpoint, args.overrides)
+    else:
+        args.config = args.config or "smollm2_arith"
+        result = evaluate_weights(_load(args))
+    print(json.dumps(result, indent=1))
+    k = result["k"]
+    print(f"{result['task']}: accuracy {result['accuracy']:.3f} over {result['n']} answers; pass@{k} "
+          f"{result['pass_at_k']:.3f} over {result['n'] // max(k, 1)} held-out questions")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
 def cmd_plot(args) -> int:
     from dora_jax.metrics import plot_run
 
@@ -209,6 +231,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--run-dir", help="default: run.out_dir/run.name")
     t.add_argument("--no-plot", action="store_true", help="skip the PNGs at the end")
     t.set_defaults(fn=cmd_train)
+
+    ev = sub.add_parser("eval", help="held-out accuracy (pass@k, k = task.eval_samples) of weights on a task, or of a "
+                        "run's newest checkpoint")
+    ev.add_argument("--config", help="YAML file or shipped preset name (default: smollm2_arith)")
+    ev.add_argument("overrides", nargs="*", help="key=value overrides, e.g. task.eval_size=200 task.eval_samples=4 "
+                    "task.eval_temperature=1")
+    ev.add_argument("--json", help="also write the result to this JSON file")
+    ev.add_argument("--weights", help="'smollm2', a .gguf file or a Hugging Face directory (default: the config's "
+                    "model.weights)")
+    ev.add_argument("--checkpoint", metavar="RUN_DIR", help="evaluate the newest checkpoint of a training run, with "
+                    "the run's config.json")
+    ev.set_defaults(fn=cmd_eval)
 
     pl = sub.add_parser("plot", help="reward, staleness and version-timeline PNGs of a run directory")
     pl.add_argument("run_dir")

@@ -41,12 +41,18 @@ def evaluate(cfg: Config, task: Task, engine: Engine, tokenizer: Any, params: An
     numbers and their difference is not blurred by sampling noise. Answers are scored as in training: in
     worker threads under ``task.reward_timeout_s``, a failure named and counted as wrong.
 
+    Returns:
+      ``accuracy`` (the fraction of all answers that are correct: pass@1), ``pass_at_k`` (the fraction of
+      questions with a correct answer among their ``k`` = ``task.eval_samples``), ``k``, ``reward`` (mean),
+      ``n`` (answers), ``len_mean`` (answer tokens) and ``score_errors``.
+
     Raises:
       RunError: a held-out question does not fit the engine, or every answer failed to score.
     """
     items = task.eval_items()
     if not items:
-        return {"accuracy": float("nan"), "reward": float("nan"), "n": 0, "len_mean": float("nan"), "score_errors": 0}
+        return {"accuracy": float("nan"), "pass_at_k": float("nan"), "k": cfg.task.eval_samples,
+                "reward": float("nan"), "n": 0, "len_mean": float("nan"), "score_errors": 0}
     tc = cfg.task
     n_new = tc.eval_max_new_tokens
     prompts = [tuple(prompt_ids(tokenizer, it.prompt)) for it in items]
@@ -84,6 +90,9 @@ def evaluate(cfg: Config, task: Task, engine: Engine, tokenizer: Any, params: An
         if len(failed) == len(trajs):
             raise RunError(f"{what} (version {version}); the first: {failed[0]}")
         log.warning("%s (version %d, counted as wrong with reward 0); the first: %s", what, version, failed[0])
-    return {"accuracy": float(np.mean([s.correct for s in scores])),
-            "reward": float(np.mean([s.reward for s in scores])), "n": len(scores),
+    solved = np.zeros((len(items),), bool)  # a question counts for pass@k when any of its k answers is correct
+    for t, s in zip(trajs, scores):
+        solved[t.sample_id % len(items)] |= s.correct
+    return {"accuracy": float(np.mean([s.correct for s in scores])), "pass_at_k": float(np.mean(solved)),
+            "k": tc.eval_samples, "reward": float(np.mean([s.reward for s in scores])), "n": len(scores),
             "len_mean": float(np.mean([len(t.tokens) for t in trajs])), "score_errors": len(failed)}
