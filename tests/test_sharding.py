@@ -14,8 +14,7 @@ from conftest import rel_err
 from dora_jax.config import DEFAULT_RULES, ConfigError, MeshConfig, ModelConfig, configs_dir, load_config
 from dora_jax.models.build import abstract_model, init_model, state_shardings
 from dora_jax.models.decoder import init_cache
-from dora_jax.sharding import (activate, create_mesh, describe_shardings, logical_to_spec, mesh_shape, named_sharding,
-                               settle)
+from dora_jax.sharding import activate, create_mesh, logical_to_spec, mesh_shape, named_sharding, settle
 from dora_jax.xla_flags import SAFE_COLLECTIVES, cpu_device_flags, fake_device_count
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
@@ -180,28 +179,86 @@ def test_sharded_forward_equals_unsharded(sizes, kv_heads):
     assert cache.k.sharding.shard_shape(cache.k.shape)[1] == 8 // (sizes[0] * sizes[1])
 
 
-def _golden_dump(name: str) -> dict:
-    cfg = load_config(os.path.join(configs_dir(), name))
-    mesh = create_mesh(cfg.mesh)
-    _, abstract = abstract_model(cfg.model)
-    specs = describe_shardings(state_shardings(abstract, mesh, cfg.mesh.logical_axis_rules))
-    return {"mesh": dict(zip(mesh.axis_names, mesh.devices.shape)), "params": specs}
+def _regenerate_module():
+    """tests/golden/regenerate.py, the script that writes the golden files (loaded by path: not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("golden_regenerate", os.path.join(GOLDEN, "regenerate.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
+REGENERATE = _regenerate_module()
 # Simulator presets have no model; presets sized for accelerators (target.device_kind) are built on their own
 # device count by `dora-jax check` (tests/test_check.py), not on this process's 8 fake devices.
-SHIPPED = sorted(f for f in os.listdir(configs_dir()) if f.endswith(".yaml") and not f.startswith("sim_"))
+SHIPPED = REGENERATE.presets()
+
+
+def decoder_param_axes(model: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """The decoder's parameters and their logical axes, written out from the architecture (docs/models.md)."""
+    attn = {"wq": ("layers", "embed", "q_heads", "head_dim"), "wk": ("layers", "embed", "kv_heads", "head_dim"),
+            "wv": ("layers", "embed", "kv_heads", "head_dim"), "wo": ("layers", "q_heads", "head_dim", "embed")}
+    mlp = {"w_gate": ("layers", "embed", "mlp"), "w_up": ("layers", "embed", "mlp"), "w_down": ("layers", "mlp", "embed")}
+    out = {"embed": ("vocab", "embed"), "attn_norm": ("layers", "norm"), "mlp_norm": ("layers", "norm"),
+           "final_norm": ("norm",), **attn, **mlp}
+    if model.qkv_bias:
+        out.update(bq=("layers", "q_heads", "head_dim"), bk=("layers", "kv_heads", "head_dim"),
+                   bv=("layers", "kv_heads", "head_dim"))
+    if model.o_bias:
+        out["bo"] = ("layers", "norm")
+    if model.qk_norm:
+        out.update(q_norm=("layers", "head_dim"), k_norm=("layers", "head_dim"))
+    if not model.tie_embeddings:
+        out["lm_head"] = ("embed", "vocab")
+    return out
+
+
+def expected_spec(axes, rules) -> list:
+    """A parameter's partition spec from the rules table: each dimension takes the mesh axes its logical axis
+    maps to, less those an earlier dimension took; one axis is written as its name, several as a list, none
+    as null (the dump's JSON form)."""
+    table, taken, out = dict(rules), set(), []
+    for name in axes:
+        free = [a for a in table[name] if a not in taken]
+        taken.update(free)
+        out.append(free[0] if len(free) == 1 else (free or None))
+    return out
+
+
+def expected_shardings(cfg, devices: int = 8) -> dict:
+    """The golden dump of ``cfg`` derived from its mesh sizes and rules table alone."""
+    sizes = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
+    fixed = int(np.prod([n for n in sizes.values() if n != -1]))
+    mesh = {axis: devices // fixed if n == -1 else n for axis, n in sizes.items()}
+    rules = cfg.mesh.logical_axis_rules
+    return {"mesh": mesh, "params": {p: expected_spec(a, rules) for p, a in decoder_param_axes(cfg.model).items()}}
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-def test_param_shardings_match_golden(name):
-    """Regenerate after an intended change with DORA_UPDATE_GOLDEN=1."""
-    if load_config(os.path.join(configs_dir(), name)).target.device_kind != "cpu":
-        pytest.skip(f"{name} is sized for accelerators: dora-jax check covers it (tests/test_check.py)")
-    dump = _golden_dump(name)
-    path = os.path.join(GOLDEN, f"shardings_{name.removesuffix('.yaml')}.json")
-    if os.environ.get("DORA_UPDATE_GOLDEN"):
-        with open(path, "w") as f:
-            json.dump(dump, f, indent=1, sort_keys=True)
-    with open(path) as f:
-        assert json.load(f) == json.loads(json.dumps(dump))
+def test_param_shardings_match_golden_and_the_rules(name):
+    """The golden file is what the preset's rules table says (derived here independently) and what the code
+    builds. After an intended change, regenerate the files with tests/golden/regenerate.py and review the diff."""
+    cfg = load_config(os.path.join(configs_dir(), name))
+    with open(REGENERATE.path(name)) as f:
+        golden = json.load(f)
+    assert golden == expected_shardings(cfg)
+    assert REGENERATE.dump(name) == golden
+
+
+def test_a_layout_the_rules_do_not_give_fails_even_when_regenerated(monkeypatch):
+    """Code that lays out one parameter against the rules table (w_down's axes swapped): the dump, as the
+    regeneration script would write it, differs from the derivation in that parameter only."""
+    from dora_jax.models import build
+
+    real = build.param_axes
+
+    def swapped(state):
+        axes = real(state)
+        axes["w_down"] = ("layers", "embed", "mlp")
+        return axes
+
+    monkeypatch.setattr(build, "param_axes", swapped)
+    cfg = load_config(os.path.join(configs_dir(), "tiny_llama.yaml"))
+    derived, dumped = expected_shardings(cfg), REGENERATE.dump("tiny_llama.yaml")
+    assert [p for p in derived["params"] if derived["params"][p] != dumped["params"][p]] == ["w_down"]
