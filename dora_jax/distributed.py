@@ -178,7 +178,7 @@ def initialize(env: Mapping[str, str] | None = None) -> ClusterSpec:
     try:
         _connect(jax, spec)
     except (ValueError, RuntimeError) as e:
-        started = "before any JAX calls" in str(e)  # JAX's backend runs already: too late to join a cluster
+        started = "must be called before any JAX" in str(e)  # the backend runs already: too late to join
         if isinstance(e, RuntimeError) and not started:
             raise
         if spec.kind == "auto" and not given and spec.method is None:  # no cluster found, or too late to join
