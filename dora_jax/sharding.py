@@ -248,17 +248,68 @@ def serial_jit(fun: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]
     return call
 
 
-def reshard(tree: Any, shardings: Any) -> tuple[Any, float]:
-    """Moves ``tree`` into ``shardings`` device to device (never through host memory) and waits for it.
+_RELAYOUTS: dict[Any, Callable[[jax.Array], jax.Array]] = {}
 
-    This is how a new policy version travels from the trainer's mesh to a rollout group's mesh: XLA copies
-    each shard to the devices that need it. Under ``shared`` placement with equal shardings nothing moves.
+
+def _relayout(sharding: Any) -> Callable[[jax.Array], jax.Array]:
+    """A compiled identity into ``sharding``: XLA's collectives over the input's devices, which must be
+    ``sharding``'s (one per target sharding, built once)."""
+    fn = _RELAYOUTS.get(sharding)
+    if fn is None:
+        fn = _RELAYOUTS[sharding] = serial_jit(lambda x: x, out_shardings=sharding)
+    return fn
+
+
+def _ordered_devices(sharding: Any) -> list[jax.Device]:
+    return list(sharding.mesh.devices.flat) if isinstance(sharding, NamedSharding) else \
+        sorted(sharding.device_set, key=lambda d: d.id)
+
+
+def _cut(devices: list[jax.Device], pieces: Sequence[int]) -> NamedSharding | None:
+    """A sharding over ``devices`` that cuts dimension i into ``pieces[i]`` equal blocks, each block on
+    len(devices) / prod(pieces) of them; None when that does not divide."""
+    n = math.prod(pieces)
+    if len(devices) % n:
+        return None
+    names = tuple(f"d{i}" for i in range(len(pieces))) + ("copies",)
+    mesh = Mesh(np.array(devices, dtype=object).reshape(*pieces, len(devices) // n), names)
+    return NamedSharding(mesh, P(*(names[i] if k > 1 else None for i, k in enumerate(pieces))))
+
+
+def _move(x: Any, target: Any) -> Any:
+    """``x`` in ``target`` without a host copy. ``jax.device_put`` copies shard to shard between device sets
+    only when every target shard is exactly one of the source's shards; any other layout it assembles on the
+    host. So the array is first laid out on its own devices in the target's blocks (a compiled program), and
+    then each block is copied to the devices that hold it. When the target's blocks do not fit the source's
+    device count, the whole array goes over instead (replicated on both sides) and is cut on the target."""
+    if not isinstance(x, jax.Array):
+        return jax.device_put(x, target)
+    if x.sharding.device_set == target.device_set:
+        return x if x.sharding.is_equivalent_to(target, x.ndim) else _relayout(target)(x)
+    pieces = [n // s if s else 1 for n, s in zip(x.shape, target.shard_shape(x.shape))]
+    staging = _cut(_ordered_devices(x.sharding), pieces)
+    if staging is not None:
+        return jax.device_put(_relayout(staging)(x), target)
+    whole = _relayout(_cut(_ordered_devices(x.sharding), [1] * x.ndim))(x)
+    return _relayout(target)(jax.device_put(whole, _cut(_ordered_devices(target), [1] * x.ndim)))
+
+
+def reshard(tree: Any, shardings: Any) -> tuple[Any, float]:
+    """Moves ``tree`` into ``shardings`` (one ``Sharding`` or a tree of them) device to device, never through
+    host memory, and waits for it.
+
+    This is how a new policy version travels from the trainer's mesh to a rollout group's mesh: each array is
+    laid out in the target's blocks on the trainer's devices and each block copied to the rollout devices
+    that hold it. Under ``shared`` placement with equal shardings nothing moves.
+    ``tests/test_weight_moves.py`` runs it under JAX's transfer guards.
 
     Returns:
       ``(moved tree, seconds)``, the time including the wait for the last copy.
     """
     t0 = time.perf_counter()
-    out = jax.block_until_ready(jax.device_put(tree, shardings))
+    # ``shardings`` may be a prefix of ``tree`` (as for jax.device_put): each sharding applies to its subtree.
+    out = jax.tree.map(lambda s, sub: jax.tree.map(lambda x: _move(x, s), sub), shardings, tree)
+    out = jax.block_until_ready(out)
     return out, time.perf_counter() - t0
 
 
