@@ -22,17 +22,17 @@ from tqdm.auto import tqdm
 
 from dora_jax.config import Config
 from dora_jax.distributed import gather_decisions
+from dora_jax.dora.scheduler import Scheduler
 from dora_jax.metrics import MetricsWriter
-from dora_jax.run.resume import RunStore, fsync_file, pack_run_state, unpack_run_state
 from dora_jax.run.evaluation import RunError, evaluate
 from dora_jax.run.meter import Meter
 from dora_jax.run.placement import Placement
 from dora_jax.run.residency import Residency
+from dora_jax.run.resume import RunStore, fsync_file, pack_run_state, unpack_run_state
 from dora_jax.run.rollout import RolloutSide
 from dora_jax.run.setup import (agree, byte_tokenizer, check_multiprocess, check_rollout_groups, check_run_dir,
-                                save_ledger, summarize, truncate_outputs)
+                                save_ledger, schedule_policy, summarize, truncate_outputs)
 from dora_jax.run.training import TrainInFlight, batch_row, build_batch, write_samples
-from dora_jax.dora.scheduler import SchedulePolicy, Scheduler
 from dora_jax.tasks import Task, load_task
 from dora_jax.tokenizer import chat_template_head
 
@@ -64,10 +64,7 @@ class Runner:
         if placement is not None and devices is not None:
             raise RunError("Runner: give devices or a placement, not both (the placement's meshes fix its devices)")
         self.cfg, self.run_dir, self.progress = cfg, run_dir, progress
-        d, t = cfg.dora, cfg.train
-        self.policy = SchedulePolicy(mode=d.mode, max_staleness=t.max_staleness, rollout_batch=d.rollout_batch,
-                                     train_batch=d.train_batch, group_size=t.group_size,
-                                     total_samples=d.train_batch * d.steps, refill=t.dynamic_sampling)
+        self.policy = schedule_policy(cfg)
         self.store = RunStore(run_dir, cfg, self.policy.bound)
         check_run_dir(cfg, run_dir, self.store)  # before anything is built or written
         self.multi, self.writes = jax.process_count() > 1, jax.process_index() == 0
@@ -75,7 +72,6 @@ class Runner:
             check_multiprocess(cfg, placement)
             # Also a barrier: no process writes to the run directory before every process has checked it.
             agree(self.multi, "config fingerprint", cfg.fingerprint(), "at startup")
-        os.makedirs(run_dir, exist_ok=True)
         check_rollout_groups(cfg, self.multi, placement)
         self.task = task if task is not None else load_task(cfg.task)
         self.placement = placement or Placement.build(cfg, model, devices, progress=progress)
@@ -92,6 +88,7 @@ class Runner:
         self.updates: list[dict[str, Any]] = []  # per update: step, trained groups and samples, train metrics
         self._in_flight: TrainInFlight | None = None
         self._resumed, self._lines = None, {"metrics.jsonl": 0, "samples.jsonl": 0}
+        os.makedirs(run_dir, exist_ok=True)  # only now: a start that fails leaves no empty directory
         found = self.store.restore(self.state) if cfg.run.resume else None
         if found is not None:
             self._restore(found)
@@ -109,7 +106,7 @@ class Runner:
         in_flight = {str(v): n for v, n in sorted(led.outstanding().items())}
         done = self.rollout.take(group_ids)
         batch = build_batch(self.trainer, done, self.versions.params, self.state)
-        if not self.placement.split:
+        if not self.placement.disjoint:
             # Time-sharing: the rollout's device work finishes before the train step takes the devices (on
             # multi-device CPU meshes, overlapping sharded programs have aborted the XLA runtime).
             self.driver.block_until_ready()
@@ -217,7 +214,7 @@ class Runner:
             nothing_to_decode = self.driver.idle and not rollout.has_waiting(loaded)
             if self.multi:  # the branches below take decisions: every process must take the same one
                 nothing_to_decode = all(gather_decisions(nothing_to_decode))
-            if (done_step := self._complete(wait=not self.placement.split or nothing_to_decode)) is not None:
+            if (done_step := self._complete(wait=not self.placement.disjoint or nothing_to_decode)) is not None:
                 row, train_s = done_step
                 row = meter.update(row, train_s)
                 row.update(step=self.sched.version, version=self.sched.version, filtered=led.count("filtered"),

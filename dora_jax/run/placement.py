@@ -50,7 +50,8 @@ class Placement:
     Attributes:
       trainer: the :class:`~dora_jax.trainer.Trainer` (its mesh spans every process's devices).
       engines: one rollout engine per rollout group (under several processes: this process's own).
-      split: whether the engines' devices are not the trainer's (a version is copied to them).
+      disjoint: whether the engines' devices are not the trainer's (``roles.placement = split``: a version is
+        copied to them).
       multi: whether the run spans several processes.
     """
 
@@ -62,13 +63,13 @@ class Placement:
         self.cfg, self.trainer, self.engines = cfg, trainer, list(engines)
         self.tokenizer = None  # the weights' own tokenizer, when build loaded them
         self.multi = jax.process_count() > 1
-        self.split = (not self.multi and _device_set(self.engines[0].mesh) is not None
+        self.disjoint = (not self.multi and _device_set(self.engines[0].mesh) is not None
                       and _device_set(self.engines[0].mesh) != _device_set(trainer.mesh))
         self._state = state
         # A pristine copy, only when several runs start from it (the first train step donates the state).
         self._initial = jax.tree.map(lambda x: x.copy(), state) if keep_initial else None
         self._shardings = ([state_shardings(abstract_model(cfg.model)[1], e.mesh, cfg.mesh.logical_axis_rules)
-                            for e in self.engines] if self.split or self.multi else None)
+                            for e in self.engines] if self.disjoint or self.multi else None)
         self._to_local = ProcessLocalCopy(self._shardings[0], local_meshes) if self.multi else None
 
     @classmethod
@@ -125,7 +126,7 @@ class Placement:
     def to_rollout(self, params: Any) -> tuple[list[Any], float]:
         """A version's params (on the trainer's mesh) as each rollout group takes them, and the seconds spent
         moving them (0 when the engines share the trainer's devices)."""
-        if self.split:  # device to device, never through the host; one copy per rollout group
+        if self.disjoint:  # device to device, never through the host; one copy per rollout group
             copies, secs = [], 0.0
             for shardings in self._shardings:
                 copy, s = reshard(params, shardings)

@@ -267,7 +267,7 @@ class RunStore:
             raise ResumeError(
                 f"{path} was written by another configuration; resuming would mix two runs. Differences:\n  "
                 + "\n  ".join(diff or ["(none in the fields compared; the fingerprint differs)"])
-                + f"\nRestore those settings to continue this run, or choose another run.name / run.out_dir."
+                + "\nRestore those settings to continue this run, or choose another run.name / run.out_dir."
                 + (" (dora.steps cannot change on resume: a run continues to the end it was started for.)"
                    if any(d.startswith("dora.steps") for d in diff) else ""))
 

@@ -15,6 +15,7 @@ import jax
 
 from dora_jax.config import Config
 from dora_jax.distributed import gather_decisions
+from dora_jax.dora.scheduler import SchedulePolicy
 from dora_jax.run.resume import RunStore, truncate_lines
 from dora_jax.run.evaluation import RunError
 
@@ -130,7 +131,7 @@ def summarize(runner: Any, before: dict[str, Any], after: dict[str, Any], wall: 
         "samples_per_s": counts["consumed"] / wall, "gen_tok_s": meter.total_gen / wall,
         "trainer_idle_fraction": 1 - meter.train_total / wall,
         "max_resident_versions": runner.versions.max_resident,
-        "placement": "split" if runner.placement.split else "shared", "rollout_groups": len(runner.engines),
+        "placement": "split" if runner.placement.disjoint else "shared", "rollout_groups": len(runner.engines),
         "sync_s": runner.versions.sync_s, "slot_utilization": runner.driver.slot_utilization,
         "config_fingerprint": cfg.fingerprint(), "resumed": runner._resumed is not None,
         "processes": jax.process_count(),
@@ -190,3 +191,11 @@ def save_ledger(sched: Any, bound: int, run_dir: str, multi: bool, writes: bool)
     if writes:
         with open(os.path.join(run_dir, "ledger.json"), "w") as f:
             json.dump(sched.state_dict(), f)
+
+
+def schedule_policy(cfg: Config) -> SchedulePolicy:
+    """The scheduler's settings of a run: mode, staleness bound, batch sizes, the whole run's samples."""
+    d, t = cfg.dora, cfg.train
+    return SchedulePolicy(mode=d.mode, max_staleness=t.max_staleness, rollout_batch=d.rollout_batch,
+                          train_batch=d.train_batch, group_size=t.group_size, total_samples=d.train_batch * d.steps,
+                          refill=t.dynamic_sampling)

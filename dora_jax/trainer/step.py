@@ -142,11 +142,9 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig, tx: optax.Gradient
 
 def _minibatch_rows(group_ids: np.ndarray, valid: np.ndarray, minibatches: int, epochs: int,
                     rng: np.random.Generator, row_multiple: int) -> list[Any]:
-    """Each update's rows: None for the whole batch (one minibatch), else ``(rows, real, group_ids)`` index
-    arrays of whole groups, ``minibatches`` to an epoch, the groups shuffled per epoch. A minibatch's row count
+    """Each update's rows, ``(rows, real, group_ids)`` index arrays of whole groups, ``minibatches`` to an epoch,
+    the groups shuffled per epoch. A minibatch's row count
     is bucketed like a batch's (padding rows repeat row 0 with ``real`` False and weigh nothing)."""
-    if minibatches == 1:
-        return [None] * epochs
     groups = sorted(set(group_ids[valid].tolist()))
     if len(groups) % minibatches:
         raise BatchError(f"the batch has {len(groups)} groups, which train.minibatches = {minibatches} does not "
@@ -167,6 +165,15 @@ def _minibatch_rows(group_ids: np.ndarray, valid: np.ndarray, minibatches: int, 
             gid[:len(rows)] = np.concatenate([np.full(len(members[g]), k) for k, g in enumerate(chosen)])
             plan.append((idx, real, gid))
     return plan
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    """A small per-row array on the host (gathered from every process when it spans several)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def _take_rows(batch: TrainBatch, rows: jax.Array, real: jax.Array, group_ids: jax.Array) -> TrainBatch:
@@ -333,8 +340,9 @@ class Trainer:
             if self._use_prox:  # the proximal policy: the weights at the iteration's start, for every update
                 prox = self._logprobs(self._policy(state), batch.tokens, batch.segment_ids) * batch.loss_mask
                 batch = batch.replace(prox_logprobs=prox)
-            plan = _minibatch_rows(np.asarray(batch.group_ids), np.asarray(batch.valid), t.minibatches, t.epochs,
-                                   np.random.default_rng([self.cfg.run.seed, iteration]), self.row_multiple)
+            plan = [None] * t.epochs if t.minibatches == 1 else _minibatch_rows(
+                _host(batch.group_ids), _host(batch.valid), t.minibatches, t.epochs,
+                np.random.default_rng([self.cfg.run.seed, iteration]), self.row_multiple)
             history = []
             for rows in plan:
                 mb = batch if rows is None else self._take(batch, *rows)
