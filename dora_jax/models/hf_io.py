@@ -1,7 +1,7 @@
-"""Hugging Face checkpoint files: safetensors (read lazily through mmap, written atomically) and
-``config.json`` <-> :class:`~dora_jax.config.ModelConfig`.
+"""Hugging Face checkpoint files: safetensors (through the ``safetensors`` library: headers checked by it, tensors
+memory-mapped, files written atomically) and ``config.json`` <-> :class:`~dora_jax.config.ModelConfig`.
 
-Plain numpy; bfloat16 comes from ``ml_dtypes``. Every error names the file and, where relevant, the tensor.
+bfloat16 and fp8 come from ``ml_dtypes``. Every error names the file and, where relevant, the tensor.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import ml_dtypes
 import numpy as np
+import safetensors
 
 from dora_jax.config import ModelConfig, RopeScaling
 
@@ -22,85 +23,109 @@ class WeightsError(ValueError):
     """Weight files are missing, corrupt, or do not match the model configuration."""
 
 
+# Safetensors dtype codes -> numpy dtypes (bfloat16 and the fp8 types from ml_dtypes). Weights must be floating
+# point; the integer and bool codes are read so that a tensor of the wrong kind is named, not misread.
 _ST_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "F8_E4M3FNUZ": ml_dtypes.float8_e4m3fnuz, "F8_E5M2FNUZ": ml_dtypes.float8_e5m2fnuz,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
-_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+FLOAT_CODES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
+# What ``safetensors.TensorSpec`` calls each dtype when writing.
+_SPEC_NAMES = {np.dtype(np.float64): "float64", np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+               np.dtype(ml_dtypes.bfloat16): "bfloat16", np.dtype(ml_dtypes.float8_e4m3fn): "float8_e4m3fn",
+               np.dtype(ml_dtypes.float8_e5m2): "float8_e5m2", np.dtype(np.int64): "int64",
+               np.dtype(np.int32): "int32", np.dtype(np.int16): "int16", np.dtype(np.int8): "int8",
+               np.dtype(np.uint8): "uint8", np.dtype(np.bool_): "bool"}
+
+
+def _diagnose(path: str, size: int, error: Exception) -> str:
+    """Why ``safetensors`` refused ``path``, naming the tensor where the header can still be read."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n)) if 8 + n <= size else None
+    except (OSError, struct.error, UnicodeDecodeError, json.JSONDecodeError, MemoryError, OverflowError):
+        header = None
+    if not isinstance(header, dict):
+        return f"{path}: corrupt safetensors header ({error})"
+    for name, info in header.items():
+        if name == "__metadata__" or not isinstance(info, dict):
+            continue
+        begin, end = (info.get("data_offsets") or (0, 0))[:2]
+        if isinstance(end, int) and 8 + n + end > size:
+            return (f"{path}: tensor {name!r} runs past the end of the file (needs bytes up to {8 + n + end}, the "
+                    f"file has {size}); the file is truncated")
+        dt = _ST_DTYPES.get(info.get("dtype"))
+        if dt is not None and isinstance(begin, int) and isinstance(end, int):
+            want = int(np.prod(info.get("shape", []), dtype=np.int64)) * np.dtype(dt).itemsize
+            if end - begin != want:
+                return (f"{path}: tensor {name!r} has {end - begin} bytes, expected {want} for shape "
+                        f"{info.get('shape')} {info.get('dtype')}")
+    return f"{path}: corrupt safetensors header ({error})"
 
 
 class SafetensorsFile:
-    """One ``.safetensors`` file, memory-mapped; tensors are read only when asked for."""
+    """One ``.safetensors`` file: its header checked by the ``safetensors`` library, tensors read lazily as
+    read-only numpy arrays over a memory map of the file (bfloat16 and fp8 through ``ml_dtypes``)."""
 
     def __init__(self, path: str):
         self.path = path
         try:
-            f = open(path, "rb")
+            size = os.path.getsize(path)
+            with safetensors.safe_open(path, framework="numpy") as f:
+                self.metadata = f.metadata() or {}
+                self._info = {name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape()))
+                              for name in f.keys()}
         except OSError as e:
             raise WeightsError(f"cannot open safetensors file {path}: {e.strerror}") from None
-        with f:
-            size = os.fstat(f.fileno()).st_size
-            if size < 8:
-                raise WeightsError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        except safetensors.SafetensorError as e:
+            raise WeightsError(_diagnose(path, size, e)) from None
+        for name, (code, _) in self._info.items():
+            if code not in _ST_DTYPES:
+                raise WeightsError(f"{path}: tensor {name!r} has dtype {code}, which dora-jax cannot read "
+                                   f"(weights: {', '.join(FLOAT_CODES)})")
+        # The library checked that every tensor's bytes lie inside the file and match its dtype and shape;
+        # their offsets come from the (now known good) JSON header.
+        with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
-            if n > size - 8:
-                raise WeightsError(f"{path}: corrupt safetensors header (claims {n} header bytes, file has "
-                                   f"{size - 8})")
-            try:
-                header = json.loads(f.read(n))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise WeightsError(f"{path}: corrupt safetensors header ({e})") from None
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size > 0 else None
-        self.metadata = header.pop("__metadata__", {}) or {}
-        self._base = 8 + n
-        self._info: dict[str, dict[str, Any]] = header
-        for name, info in header.items():
-            begin, end = info.get("data_offsets", (0, -1))
-            if info.get("dtype") not in _ST_DTYPES:
-                raise WeightsError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
-            if self._base + end > size:
-                raise WeightsError(f"{path}: tensor {name!r} runs past the end of the file (truncated file?)")
-            want = int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(_ST_DTYPES[info["dtype"]]).itemsize
-            if end - begin != want:
-                raise WeightsError(f"{path}: tensor {name!r} has {end - begin} bytes, expected {want} for shape "
-                                   f"{info['shape']} {info['dtype']}")
+            header = json.loads(f.read(n))
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._offsets = {name: 8 + n + header[name]["data_offsets"][0] for name in self._info}
 
     def keys(self) -> list[str]:
         return list(self._info)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._info[name]["shape"])
+        return self._info[name][1]
+
+    def dtype(self, name: str) -> str:
+        """The tensor's safetensors dtype code (``"BF16"``, ``"F8_E4M3"``, ...)."""
+        return self._info[name][0]
 
     def get(self, name: str) -> np.ndarray:
         """The tensor as a read-only numpy array backed by the file mapping."""
-        info = self._info[name]
-        begin, end = info["data_offsets"]
-        arr = np.frombuffer(self._mm, dtype=_ST_DTYPES[info["dtype"]], count=(end - begin) //
-                            np.dtype(_ST_DTYPES[info["dtype"]]).itemsize, offset=self._base + begin)
-        return arr.reshape(info["shape"])
+        code, shape = self._info[name]
+        dt = np.dtype(_ST_DTYPES[code])
+        count = int(np.prod(shape, dtype=np.int64))
+        return np.frombuffer(self._mm, dtype=dt, count=count, offset=self._offsets[name]).reshape(shape)
 
 
 def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
-    """Writes ``tensors`` to ``path`` (via a temporary file and rename, so a crash leaves no partial file)."""
-    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
-    offset = 0
-    arrays = []
+    """Writes ``tensors`` to ``path`` with the ``safetensors`` library (via a temporary file and rename, so a crash
+    leaves no partial file)."""
+    specs, keep = {}, []
     for name, arr in tensors.items():
         arr = np.ascontiguousarray(arr)
-        if arr.dtype not in _ST_NAMES:
+        if arr.dtype not in _SPEC_NAMES:
             raise WeightsError(f"cannot write tensor {name!r} of dtype {arr.dtype} to safetensors")
-        header[name] = {"dtype": _ST_NAMES[arr.dtype], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
-        arrays.append(arr)
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
+        keep.append(arr)  # the library reads through the pointer: the array must outlive the call
+        specs[name] = safetensors.TensorSpec(dtype=_SPEC_NAMES[arr.dtype], shape=list(arr.shape),
+                                             data_ptr=arr.ctypes.data, data_len=arr.nbytes)
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for arr in arrays:
-            f.write(arr.tobytes())
+    safetensors.serialize_file(specs, tmp, dict(metadata or {"format": "pt"}))
+    del keep
     os.replace(tmp, path)
 
 
@@ -152,6 +177,11 @@ class HFCheckpoint:
             for key, fname in weight_map.items():
                 if key not in self._where:
                     raise WeightsError(f"{index}: tensor {key!r} should be in {fname} but is not")
+        quant = self.config.get("quantization_config")
+        if quant is not None and (not isinstance(quant, dict) or quant.get("quant_method") != "fp8"):
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise WeightsError(f"{cfg_path}: quantization_config with quant_method {method!r} is not supported "
+                               "(supported: unquantized float weights, and 'fp8' with or without block scales)")
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -159,10 +189,47 @@ class HFCheckpoint:
     def keys(self) -> Iterator[str]:
         return iter(self._where)
 
-    def get(self, name: str) -> np.ndarray:
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape as the header records it (nothing is read)."""
         if name not in self._where:
             raise WeightsError(f"{self.directory}: tensor {name!r} not found in its safetensors files")
-        return self._where[name].get(name)
+        return self._where[name].shape(name)
+
+    def dtype(self, name: str) -> str:
+        """The tensor's safetensors dtype code (``"BF16"``, ``"F8_E4M3"``, ...)."""
+        if name not in self._where:
+            raise WeightsError(f"{self.directory}: tensor {name!r} not found in its safetensors files")
+        return self._where[name].dtype(name)
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor as stored, except that an fp8 weight with a ``<name>_scale_inv`` beside it (Hugging Face's
+        fine-grained FP8: one scale per block of ``quantization_config.weight_block_size``) comes back as float32
+        multiplied by its block scales."""
+        if name not in self._where:
+            raise WeightsError(f"{self.directory}: tensor {name!r} not found in its safetensors files")
+        sf = self._where[name]
+        w = sf.get(name)
+        scale_name = name + "_scale_inv"
+        if not sf.dtype(name).startswith("F8_") or scale_name not in self._where:
+            return w
+        scale = np.asarray(self._where[scale_name].get(scale_name), np.float32)
+        if scale.ndim == 0 or scale.size == 1:
+            return w.astype(np.float32) * scale.reshape(())
+        if scale.ndim != w.ndim:
+            raise WeightsError(f"{self.where(scale_name)}: tensor {scale_name!r} has shape {scale.shape}, which "
+                               f"does not give block scales for {name!r} of shape {w.shape}")
+        quant = self.config.get("quantization_config") or {}
+        blocks = quant.get("weight_block_size")  # the last block along an axis may be partial
+        if not (isinstance(blocks, list) and len(blocks) == w.ndim and all(isinstance(b, int) and b > 0
+                                                                           for b in blocks)):
+            blocks = [n // s if s and n % s == 0 else 0 for n, s in zip(w.shape, scale.shape)]
+        if any(b <= 0 or -(-n // b) != s for n, b, s in zip(w.shape, blocks, scale.shape)):
+            raise WeightsError(f"{self.where(scale_name)}: tensor {scale_name!r} has shape {scale.shape}, which "
+                               f"does not give block scales for {name!r} of shape {w.shape}")
+        full = scale
+        for axis, b in enumerate(blocks):
+            full = np.repeat(full, b, axis=axis)
+        return w.astype(np.float32) * full[tuple(slice(0, n) for n in w.shape)]
 
     def where(self, name: str) -> str:
         return self._where[name].path if name in self._where else self.directory

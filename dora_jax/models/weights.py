@@ -82,6 +82,13 @@ class GGUFSource:
     def where(self, hf_name: str) -> str:
         return f"{self.path} (tensor {self._gguf_name(hf_name)!r})"
 
+    def shape(self, hf_name: str) -> tuple[int, ...]:
+        """The tensor's shape in numpy order, which is the Hugging Face layout (nothing is read)."""
+        g = self._gguf_name(hf_name)
+        if g is None or g not in self.file.tensors:
+            raise WeightsError(f"{self.path}: tensor {g or hf_name!r} not found")
+        return self.file.tensors[g].shape
+
     def get(self, hf_name: str) -> np.ndarray:
         g = self._gguf_name(hf_name)
         if g is None or g not in self.file.tensors:
@@ -141,6 +148,17 @@ class HFSource:
     def where(self, name: str) -> str:
         return f"{self.ckpt.where(name)} (tensor {name!r})"
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape from its file's header (nothing is read); a tensor that is not floating point is
+        refused here, naming its dtype."""
+        from dora_jax.models.hf_io import FLOAT_CODES
+
+        shape, code = self.ckpt.shape(name), self.ckpt.dtype(name)
+        if code not in FLOAT_CODES:
+            raise WeightsError(f"{self.where(name)}: dtype {code}, but weights must be floating point "
+                               f"({', '.join(FLOAT_CODES)})")
+        return shape
+
     def get(self, name: str) -> np.ndarray:
         return self.ckpt.get(name)
 
@@ -197,6 +215,7 @@ class ParamSpec:
     to_ours: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
     fields: str                     # config fields that decide the shape, for error messages
+    hf_shape: tuple[int, ...]       # the shape of one (per-layer) Hugging Face tensor, checked before any change
 
     @property
     def stacked(self) -> bool:
@@ -205,6 +224,7 @@ class ParamSpec:
 
 def param_table(cfg: ModelConfig) -> list[ParamSpec]:
     D, H, K, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    V, F = cfg.vocab_size, cfg.intermediate_size
     ident = lambda w: w  # noqa: E731
     T = lambda w: w.T  # noqa: E731
 
@@ -216,31 +236,34 @@ def param_table(cfg: ModelConfig) -> list[ParamSpec]:
 
     lay = "model.layers.{i}."
     table = [
-        ParamSpec("embed", "model.embed_tokens.weight", ident, ident, "vocab_size, hidden_size"),
-        ParamSpec("final_norm", "model.norm.weight", ident, ident, "hidden_size"),
-        ParamSpec("attn_norm", lay + "input_layernorm.weight", ident, ident, "hidden_size"),
-        ParamSpec("wq", lay + "self_attn.q_proj.weight", proj_in(H), proj_in_inv(H), "hidden_size, num_heads, head_dim"),
-        ParamSpec("wk", lay + "self_attn.k_proj.weight", proj_in(K), proj_in_inv(K), "hidden_size, num_kv_heads, head_dim"),
-        ParamSpec("wv", lay + "self_attn.v_proj.weight", proj_in(K), proj_in_inv(K), "hidden_size, num_kv_heads, head_dim"),
+        ParamSpec("embed", "model.embed_tokens.weight", ident, ident, "vocab_size, hidden_size", (V, D)),
+        ParamSpec("final_norm", "model.norm.weight", ident, ident, "hidden_size", (D,)),
+        ParamSpec("attn_norm", lay + "input_layernorm.weight", ident, ident, "hidden_size", (D,)),
+        ParamSpec("wq", lay + "self_attn.q_proj.weight", proj_in(H), proj_in_inv(H), "hidden_size, num_heads, head_dim",
+                  (H * d, D)),
+        ParamSpec("wk", lay + "self_attn.k_proj.weight", proj_in(K), proj_in_inv(K),
+                  "hidden_size, num_kv_heads, head_dim", (K * d, D)),
+        ParamSpec("wv", lay + "self_attn.v_proj.weight", proj_in(K), proj_in_inv(K),
+                  "hidden_size, num_kv_heads, head_dim", (K * d, D)),
         ParamSpec("wo", lay + "self_attn.o_proj.weight", lambda w: w.T.reshape(H, d, D),
-                  lambda w: w.reshape(H * d, D).T, "num_heads, head_dim, hidden_size"),
-        ParamSpec("mlp_norm", lay + "post_attention_layernorm.weight", ident, ident, "hidden_size"),
-        ParamSpec("w_gate", lay + "mlp.gate_proj.weight", T, T, "hidden_size, intermediate_size"),
-        ParamSpec("w_up", lay + "mlp.up_proj.weight", T, T, "hidden_size, intermediate_size"),
-        ParamSpec("w_down", lay + "mlp.down_proj.weight", T, T, "intermediate_size, hidden_size"),
+                  lambda w: w.reshape(H * d, D).T, "num_heads, head_dim, hidden_size", (D, H * d)),
+        ParamSpec("mlp_norm", lay + "post_attention_layernorm.weight", ident, ident, "hidden_size", (D,)),
+        ParamSpec("w_gate", lay + "mlp.gate_proj.weight", T, T, "hidden_size, intermediate_size", (F, D)),
+        ParamSpec("w_up", lay + "mlp.up_proj.weight", T, T, "hidden_size, intermediate_size", (F, D)),
+        ParamSpec("w_down", lay + "mlp.down_proj.weight", T, T, "intermediate_size, hidden_size", (D, F)),
     ]
     if cfg.qkv_bias:
         for n, heads in (("q", H), ("k", K), ("v", K)):
             table.append(ParamSpec(f"b{n}", lay + f"self_attn.{n}_proj.bias",
                                    (lambda h: lambda w: w.reshape(h, d))(heads), lambda w: w.reshape(-1),
-                                   "num_heads/num_kv_heads, head_dim, qkv_bias"))
+                                   "num_heads/num_kv_heads, head_dim, qkv_bias", (heads * d,)))
     if cfg.o_bias:
-        table.append(ParamSpec("bo", lay + "self_attn.o_proj.bias", ident, ident, "hidden_size, o_bias"))
+        table.append(ParamSpec("bo", lay + "self_attn.o_proj.bias", ident, ident, "hidden_size, o_bias", (D,)))
     if cfg.qk_norm:
-        table += [ParamSpec("q_norm", lay + "self_attn.q_norm.weight", ident, ident, "head_dim, qk_norm"),
-                  ParamSpec("k_norm", lay + "self_attn.k_norm.weight", ident, ident, "head_dim, qk_norm")]
+        table += [ParamSpec("q_norm", lay + "self_attn.q_norm.weight", ident, ident, "head_dim, qk_norm", (d,)),
+                  ParamSpec("k_norm", lay + "self_attn.k_norm.weight", ident, ident, "head_dim, qk_norm", (d,))]
     if not cfg.tie_embeddings:
-        table.append(ParamSpec("lm_head", "lm_head.weight", T, T, "hidden_size, vocab_size, tie_embeddings"))
+        table.append(ParamSpec("lm_head", "lm_head.weight", T, T, "hidden_size, vocab_size, tie_embeddings", (V, D)))
     return table
 
 
@@ -316,6 +339,10 @@ def load_model(cfg: ModelConfig, mesh: Mesh | None = None, rules: Rules = (), *,
         for n in names:
             if n not in source:
                 raise WeightsError(f"{source.path}: tensor {n!r} is missing (needed for parameter {spec.name!r})")
+            found = tuple(source.shape(n))
+            if found != spec.hf_shape:  # in the file's own layout, before any transpose or reshape
+                raise WeightsError(f"{source.where(n)}: shape {found}, but the config expects {spec.hf_shape} "
+                                   f"(Hugging Face layout [out, in], from model.{spec.fields})")
     dtype = _np_dtype(cfg.param_dtype)
     flat = {}
     total = sum(cfg.num_layers if s.stacked else 1 for s in table)
@@ -326,15 +353,12 @@ def load_model(cfg: ModelConfig, mesh: Mesh | None = None, rules: Rules = (), *,
         want = tuple(abstract_state[spec.name].get_value().shape)
 
         def read(hf_name: str, shape: tuple[int, ...]) -> np.ndarray:
-            raw = source.get(hf_name)
-            try:
-                arr = spec.to_ours(np.asarray(raw))
-                ok = arr.shape == shape
-            except ValueError:
-                ok = False
-            if not ok:
-                raise WeightsError(f"{source.where(hf_name)}: shape {tuple(raw.shape)} does not match the config "
-                                   f"(parameter {spec.name!r} expects {shape} in our layout from model.{spec.fields})")
+            raw = np.asarray(source.get(hf_name))
+            if raw.shape != spec.hf_shape:  # a source whose data disagrees with its own header
+                raise WeightsError(f"{source.where(hf_name)}: read shape {raw.shape}, but the config expects "
+                                   f"{spec.hf_shape} (Hugging Face layout, from model.{spec.fields})")
+            arr = spec.to_ours(raw)
+            assert arr.shape == shape, (spec.name, arr.shape, shape)  # the table's two layouts agree
             bar.update(1)
             return arr.astype(dtype)
 
