@@ -11,8 +11,9 @@ point: the line is on disk, the checkpoint of that update is not). What each tes
   own check (every sample consumed once or filtered with a reason, groups whole, staleness <= K), metrics
   steps are 1..N once each, samples.jsonl holds each consumed sample once;
 * a crashed and resumed run regenerates the lost samples with the same tokens and log-probs: in ``sync`` mode
-  equal to an uninterrupted run; in ``one_step_off`` the checkpoint holds pending samples of an older
-  version, which come back from its snapshot and reproduce what the crashed run had generated;
+  equal to an uninterrupted run; in ``one_step_off`` and ``dora`` the checkpoint holds pending and decoding
+  samples of older versions, which come back from their snapshots and reproduce what the crashed run had
+  generated;
 * a truncated file in the newest checkpoint: the run falls back to the previous one with a warning and still
   ends equal to the uninterrupted run;
 * a changed config is refused naming the field, before anything is written;
@@ -219,26 +220,49 @@ def test_sync_resume_regenerates_the_same_samples(child_env, tmp_path, sync_refe
     saved_ledger(tmp_path).check(0)
 
 
-def test_one_step_off_resume_regenerates_old_version_samples_from_snapshots(child_env, tmp_path):
-    overrides = BASE + ["dora.mode=one_step_off", "train.max_staleness=1", "dora.rollout_batch=8",
+def same_generations(a, b):
+    """The same samples as generated (ids, versions, prompts, tokens, log-probs, rewards), whenever trained."""
+    key = lambda r: (r["sample_id"], r["group_id"], r["version"], r["prompt_ids"], r["tokens"],  # noqa: E731
+                     r["finish_reason"], r["reward"])
+    a, b = sorted(a, key=lambda r: r["sample_id"]), sorted(b, key=lambda r: r["sample_id"])
+    assert [key(r) for r in a] == [key(r) for r in b]
+    np.testing.assert_allclose([x for r in a for x in r["logprobs"]], [x for r in b for x in r["logprobs"]],
+                               rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("mode,k,rbs", [("one_step_off", 1, 8), ("dora", 2, 16)])
+def test_resume_regenerates_old_version_samples_from_snapshots(child_env, tmp_path, mode, k, rbs):
+    """Killed right after update 3's metrics line, resumed from checkpoint 2: the samples that were pending or
+    decoding at the checkpoint are generated again on their own (older) versions, restored from snapshots, and
+    equal what the killed run had generated and trained at update 3. In one_step_off the schedule is fixed, so
+    the resumed run also trains them at the same update; dora's schedule follows reward timing, so only what
+    each sample is (its tokens, log-probs, reward, version) is compared."""
+    overrides = BASE + [f"dora.mode={mode}", f"train.max_staleness={k}", f"dora.rollout_batch={rbs}",
                         "run.checkpoint_every=2"]
     run_child(child_env, tmp_path, overrides, kill_after=3)
     crashed = lines(tmp_path / "samples.jsonl")
     state = json.load(open(tmp_path / "checkpoints" / "step_00000002" / "run_state.json"))
     led = Ledger.from_dict(state["scheduler"]["ledger"])
     redo = {s for s, e in led.entries.items() if e.state in ("pending", "in_flight")}
-    assert redo and {led.entries[s].version for s in redo} == {1}  # the older version: from its snapshot
+    assert redo and max(led.entries[s].version for s in redo) <= 2
+    if mode == "one_step_off":
+        assert {led.entries[s].version for s in redo} == {1}  # the older version: from its snapshot
+    lost = [r for r in crashed if r["sample_id"] in redo]  # generated and trained after the checkpoint
+    assert lost and any(r["version"] < 2 for r in lost)  # some on a version older than the checkpoint's
     err = run_child(child_env, tmp_path, overrides)
     assert "step_00000002 (step 2)" in err
     resumed = lines(tmp_path / "samples.jsonl")
     assert len(resumed) == 32 and len({r["sample_id"] for r in resumed}) == 32
-    regenerated = [r for r in resumed if r["sample_id"] in redo]
-    assert regenerated and all(r["version"] == 1 and r["trained_at"] == 2 for r in regenerated)
-    same_samples(regenerated, [r for r in crashed if r["sample_id"] in redo])
-    same_samples(resumed[:24], crashed)
-    assert_every_update_changed_the_policy(tmp_path)  # so version 1 differs from the newest, version 2
+    regenerated = [r for r in resumed if r["sample_id"] in {r["sample_id"] for r in lost}]
+    same_generations(regenerated, lost)
+    same_samples(resumed[:16], crashed[:16])  # the updates before the checkpoint, kept as they were
+    if mode == "one_step_off":
+        assert all(r["version"] == 1 and r["trained_at"] == 2 for r in regenerated)
+        same_samples(resumed[:24], crashed)
+    assert_every_update_changed_the_policy(tmp_path)  # so the older versions differ from the newest
     assert [m["step"] for m in lines(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
-    saved_ledger(tmp_path).check(1)
+    check_trained_samples(resumed, saved_ledger(tmp_path), k)
+    saved_ledger(tmp_path).check(k)
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(child_env, tmp_path, sync_reference,

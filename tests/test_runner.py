@@ -164,7 +164,8 @@ def test_sync_mode_is_reproducible(tmp_path, shared):
     """Two runs give the same samples; so does a third whose rollout dispatches each decode step before
     reading the previous one back (``rollout.overlap``): overlap changes when results are read, not what. A
     fourth prefills every prompt whole instead of after the template head (``rollout.shared_prefix``): the
-    same samples, log-probs equal up to float rounding."""
+    same samples, log-probs equal up to float rounding. Runs with another ``rollout.seed`` or ``run.seed``
+    give other samples of the same prompts."""
     cfg = tiny("dora.mode=sync", "dora.rollout_batch=8", "dora.steps=2")
     first = Runner(cfg, str(tmp_path / "a"), **shared())
     assert first.shared_prefix == tuple(b"Q: ")  # the byte tokenizer's template head, prefilled once per version
@@ -185,6 +186,20 @@ def test_sync_mode_is_reproducible(tmp_path, shared):
     # Prefix or whole: another float computation of the same prefill (the engine's tests hold it to 1e-5).
     np.testing.assert_allclose([x for r in a for x in r["logprobs"]], [x for r in d for x in r["logprobs"]],
                                rtol=1e-5, atol=1e-6)
+    # The seeds matter: another rollout.seed draws other tokens from the same model; another run.seed starts
+    # from another model (a placement of its own: the initial weights are the placement's). Same prompts.
+    Runner(tiny("dora.mode=sync", "dora.rollout_batch=8", "dora.steps=2", "rollout.seed=1"), str(tmp_path / "e"),
+           **shared()).run()
+    other = tiny("dora.mode=sync", "dora.rollout_batch=8", "dora.steps=2", "run.seed=1")
+    Runner(other, str(tmp_path / "f"), placement=Placement.build(other, progress=False), progress=False).run()
+    e, f = read_samples(tmp_path / "e"), read_samples(tmp_path / "f")
+    for rows in (e, f):
+        assert [(r["sample_id"], r["prompt_ids"]) for r in rows] == [(r["sample_id"], r["prompt_ids"]) for r in a]
+    assert sum(r["tokens"] == s["tokens"] for r, s in zip(e, a)) <= 2  # of 16, from 256 tokens at temperature 1
+    # The random models' distributions are near uniform, so the same random numbers often pick the same token
+    # under either model; their log-probs tell them apart on every sample.
+    assert sum(r["tokens"] == s["tokens"] for r, s in zip(f, a)) < len(a)
+    assert all(np.max(np.abs(np.subtract(r["logprobs"][:1], s["logprobs"][:1]))) > 1e-4 for r, s in zip(f, a))
 
 
 @pytest.mark.parametrize("reward,reason", [
