@@ -89,6 +89,10 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, noise_seeds: int = 3
         results[name] = {
             "mode": mode, "placement": s["placement"], "max_staleness": s["max_staleness"], "samples": s["samples"],
             "wall_s": s["wall_s"], "samples_per_s": s["samples_per_s"],
+            # Device-independent: decode batch-steps per trained sample and the share of computed rows that
+            # were live (what predicts the speed-up where a decode step costs the same at any batch size).
+            "decode_steps_per_sample": s["decode_batch_steps_per_sample"], "decode_batch_steps": s["decode_batch_steps"],
+            "slot_utilization": s["slot_utilization"],
             "tokens_per_s": sum(row["trained_tokens"] for row in rows) / s["wall_s"],
             "gen_tok_s": s["gen_tok_s"],
             "rollout_share": float(np.mean([row["rollout_share"] for row in rows])),
@@ -101,7 +105,8 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, noise_seeds: int = 3
             "len_p99": float(max(row["len_p99"] for row in rows)),
             "bench_s": bench_s,
         }
-        print(f"{name:>13}: {results[name]['samples_per_s']:.2f} samples/s, rollout share "
+        print(f"{name:>13}: {results[name]['samples_per_s']:.2f} samples/s, "
+              f"{results[name]['decode_steps_per_sample']:.2f} decode batch-steps/sample, rollout share "
               f"{results[name]['rollout_share']:.2f}, staleness mean {results[name]['mean_staleness']:.2f} "
               f"max {results[name]['max_staleness_seen']}, final reward {results[name]['final_reward']:.3f}",
               flush=True)
@@ -116,6 +121,8 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, noise_seeds: int = 3
             "shared (one device)",
             "slots": 32, "workload": "longtail: 85% lognormal p50 8, 15% uniform 128..256 tokens",
             "modes": results, "speedup_vs_sync": {n: r["samples_per_s"] / sync for n, r in results.items()},
+            "decode_steps_per_sample_vs_sync": {
+                n: r["decode_steps_per_sample"] / results["sync"]["decode_steps_per_sample"] for n, r in results.items()},
             "sync_reward_curves": curves.tolist(),
             "sync_reward_spread": {"mean": curves.mean(0).tolist(), "min": curves.min(0).tolist(),
                                    "max": curves.max(0).tolist()},

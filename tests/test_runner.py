@@ -339,3 +339,21 @@ def test_dynamic_sampling_trains_only_groups_that_disagree(tmp_path, shared, mod
     ledger = Ledger.from_dict(json.load(open(tmp_path / "ledger.json"))["ledger"])
     ledger.check({"sync": 0}.get(mode, 2))
     assert all(m["train"]["samples"] == 8 for m in map(json.loads, open(tmp_path / "metrics.jsonl")))  # full batches
+
+
+def test_decode_batch_steps_are_counted_from_the_run_and_repeat(tmp_path, shared):
+    """The device-independent cost of a run: in sync mode with every request of a batch decoding at once, an
+    update costs as many decode batch-steps as its longest response has tokens after the first (which the
+    prefill gives); the same config and seed count the same steps."""
+    cfg = tiny("dora.mode=sync", "dora.rollout_batch=8", "dora.steps=2")
+    summaries = [Runner(cfg, str(tmp_path / name), **shared()).run() for name in ("a", "b")]
+    rows = [[json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")] for name in ("a", "b")]
+    samples = read_samples(tmp_path / "a")
+    for m in rows[0]:
+        longest = max(len(r["tokens"]) for r in samples if r["trained_at"] == m["step"] - 1)
+        assert m["decode_batch_steps"] == longest - 1
+        assert m["decode_batch_steps_per_sample"] == (longest - 1) / 8
+    assert [m["decode_batch_steps"] for m in rows[0]] == [m["decode_batch_steps"] for m in rows[1]]
+    assert summaries[0]["decode_batch_steps"] == summaries[1]["decode_batch_steps"] == sum(
+        m["decode_batch_steps"] for m in rows[0])
+    assert summaries[0]["decode_batch_steps_per_sample"] == summaries[0]["decode_batch_steps"] / 16

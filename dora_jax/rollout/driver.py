@@ -131,6 +131,9 @@ class RolloutDriver:
         self.rows_computed = 0  # rows of every decode step dispatched (live, finished in flight, or empty)
         self.rows_live = 0  # rows that produced a token of a live trajectory
         self.steps = 0  # decode steps dispatched and read back
+        # Decode batch-steps: one per device decode program step, however many versions it fuses (several
+        # versions stepped by separate programs count one each). The device-independent cost of decoding.
+        self.batch_steps = 0
         self.prefill_rows = 0  # distinct prompts prefilled (a GRPO group's members count once)
         self.prefilled_tokens = 0  # prompt tokens run through prefill (shared prefixes once per version)
         self.max_held = 0  # the most versions held at once (held()), counted at every load and step dispatched
@@ -421,6 +424,7 @@ class RolloutDriver:
         for g, rows, cols in zip(active, launched.rows, cols_of):
             self._take(g, rows, cols, now, done, floor)
         self.steps += 1
+        self.batch_steps += 1 if launched.fused else len(active)
         return done
 
     def _append(self, live: _Live, token: int, logprob: float, now: float, done: list[Trajectory]) -> None:
@@ -575,6 +579,16 @@ class DriverGroups:
         self.drivers[0].rows_live, rest = value, self.drivers[1:]
         for d in rest:
             d.rows_live = 0
+
+    @property
+    def batch_steps(self) -> int:
+        return sum(d.batch_steps for d in self.drivers)
+
+    @batch_steps.setter
+    def batch_steps(self, value: int) -> None:
+        self.drivers[0].batch_steps, rest = value, self.drivers[1:]
+        for d in rest:
+            d.batch_steps = 0
 
     @property
     def slot_utilization(self) -> float:

@@ -12,6 +12,7 @@ from dora_jax.rewards import RewardPool
 from dora_jax.rollout.driver import Request, RolloutDriver
 from dora_jax.rollout.engine import Engine, RequestSampling
 from dora_jax.tasks import Score, Task
+from dora_jax.tasks.base import score_answer
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +27,9 @@ def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
     return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
 
-def score(task: Task, item: Any, text: str) -> tuple[float, bool]:
-    """``(reward, correct)`` of one answer (run in the reward pool's worker threads)."""
-    s = task.score(item, text)
-    return s.reward, s.correct
+# ``(reward, correct)`` of one answer, run in the reward pool's worker processes; it lives in dora_jax.tasks, which
+# the workers have imported already, so a worker never imports this module (and JAX) to unpickle it.
+score = score_answer
 
 
 def evaluate(cfg: Config, task: Task, engine: Engine, tokenizer: Any, params: Any, version: int,
@@ -39,7 +39,7 @@ def evaluate(cfg: Config, task: Task, engine: Engine, tokenizer: Any, params: An
     ``task.eval_samples`` answers per question at ``task.eval_temperature`` (0: greedy). The sampling stream
     is a function of the question's position only, so evaluations of two versions see the same random
     numbers and their difference is not blurred by sampling noise. Answers are scored as in training: in
-    worker threads under ``task.reward_timeout_s``, a failure named and counted as wrong.
+    worker processes under ``task.reward_timeout_s``, a failure named and counted as wrong.
 
     Returns:
       ``accuracy`` (the fraction of all answers that are correct: pass@1), ``pass_at_k`` (the fraction of

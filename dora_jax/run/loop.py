@@ -142,7 +142,8 @@ class Runner:
             fsync_file(os.path.join(self.run_dir, name))
         counters = meter.counters(eval_before=eval_before, eval_s=eval_s, lines=self._lines["metrics.jsonl"],
                                   samples_lines=self._lines["samples.jsonl"], rows_computed=self.driver.rows_computed,
-                                  rows_live=self.driver.rows_live, max_resident=self.versions.max_resident)
+                                  rows_live=self.driver.rows_live, batch_steps=self.driver.batch_steps,
+                                  max_resident=self.versions.max_resident)
         self.store.save(self.sched.version, self.state, pack_run_state(self.sched, self.rollout.done, counters, self.cfg),
                         set(self.sched.live_versions()))
 
@@ -158,6 +159,7 @@ class Runner:
                 self.versions.load(v, self.store.restore_version(v, params), newest=False)
         self.rollout.resume(sched, finished)
         self.driver.rows_computed, self.driver.rows_live = counters["rows_computed"], counters["rows_live"]
+        self.driver.batch_steps = counters["batch_steps"]
         self.versions.max_resident = max(counters["max_resident"], self.versions.max_resident)
         self._resumed = counters
 
@@ -198,9 +200,7 @@ class Runner:
         while agree(self.multi, "going on", not self.sched.done() or self._in_flight is not None,
                     f"before update {self.sched.version + 1}"):
             rollout.dispatch()
-            stepped, step_s, step_rows = rollout.step(rollout.admit(loaded))
-            if stepped:
-                meter.decoded(step_s, step_rows, rollout.slots)
+            meter.decoded(*rollout.step(rollout.admit(loaded)), rollout.slots)
             rollout.collect_rewards()
             rollout.dispatch()
             self.versions.evict_drained(led.outstanding())

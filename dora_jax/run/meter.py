@@ -10,7 +10,9 @@ class Meter:
     """Time and token counters of one run, continued across a resume from a checkpoint's ``counters``.
 
     ``step_s`` of an update is the wall time since the previous update, less the time spent writing a
-    checkpoint in between, so that it counts rollout and training only.
+    checkpoint in between, so that it counts rollout and training only. Besides times, each update reports
+    the decode batch-steps it took (per trained sample too): counts that do not depend on the machine, and that
+    are the same for a fixed seed and configuration.
     """
 
     def __init__(self, counters: dict[str, Any]):
@@ -21,14 +23,17 @@ class Meter:
         self._interval()
 
     def _interval(self) -> None:
-        self.rollout_s, self.gen_tokens, self.live_rows, self.slot_rows = 0.0, 0, 0, 0
+        self.rollout_s, self.gen_tokens, self.live_rows, self.slot_rows, self.batch_steps = 0.0, 0, 0, 0, 0
 
-    def decoded(self, secs: float, rows: int, slots: int) -> None:
-        """One decode step: ``rows`` tokens generated in ``secs``, out of ``slots`` decode slots."""
-        self.rollout_s += secs
-        self.gen_tokens += rows
-        self.live_rows += rows
-        self.slot_rows += slots
+    def decoded(self, secs: float, rows: int, batch_steps: int, slots: int) -> None:
+        """One loop iteration's decoding: ``rows`` tokens generated in ``secs`` by ``batch_steps`` device decode
+        steps, out of ``slots`` decode slots (nothing when the rollout side had nothing to decode: ``secs`` 0)."""
+        if secs > 0:
+            self.rollout_s += secs
+            self.gen_tokens += rows
+            self.live_rows += rows
+            self.slot_rows += slots
+            self.batch_steps += batch_steps
 
     def update(self, row: dict[str, Any], train_s: float) -> dict[str, Any]:
         """``row`` with the time and throughput figures of the update that just completed; starts the next."""
@@ -40,7 +45,11 @@ class Meter:
                     "rollout_share": max(0.0, 1 - train_s / step_s),
                     "trainer_idle_fraction": 1 - self.train_total / wall, "gen_tok_s": self.gen_tokens / step_s,
                     "train_tok_s": row["trained_tokens"] / step_s,
-                    "slot_occupancy": self.live_rows / max(self.slot_rows, 1)})
+                    "slot_occupancy": self.live_rows / max(self.slot_rows, 1),
+                    # Device-independent: what the update cost in decode batch-steps, whatever the hardware.
+                    "decode_batch_steps": self.batch_steps,
+                    "decode_batch_steps_per_sample": self.batch_steps / max(row["samples"], 1),
+                    "trainer_idle_s": max(0.0, step_s - train_s), "rollout_idle_s": max(0.0, step_s - self.rollout_s)})
         self.last = now
         self._interval()
         return row

@@ -125,7 +125,7 @@ def pack_run_state(sched: Scheduler, done: dict[int, Finished], metrics: dict[st
 
 # What a checkpoint's run-state metrics hold: the runner's position in its output files and its counters.
 RUN_METRICS = ("eval_before", "eval_s", "wall_s", "train_s", "gen_tokens", "checkpoint_s", "lines", "samples_lines",
-               "rows_computed", "rows_live", "max_resident")
+               "rows_computed", "rows_live", "batch_steps", "max_resident")
 
 
 def unpack_run_state(policy: SchedulePolicy, run_state: dict[str, Any], where: Path,

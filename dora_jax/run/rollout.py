@@ -118,18 +118,18 @@ class RolloutSide:
                 started.append(req.sample_id)
         return started
 
-    def step(self, started: list[int]) -> tuple[bool, float, int]:
+    def step(self, started: list[int]) -> tuple[float, int, int]:
         """One decode step of this process's engine (if it has work); then the ledger and the reward pool take
         the started and finished samples: this process's, or under several processes every process's, shared
-        with one all-gather and applied in sample-id order. Returns whether this process decoded, the seconds
-        it took and the rows it decoded."""
+        with one all-gather and applied in sample-id order. Returns the seconds this process decoded, the rows it
+        decoded and the decode batch-steps it issued (all 0 when it had nothing to decode)."""
         finished: list[Trajectory] = []
-        secs = rows = 0
-        stepped = not self.driver.idle
-        if stepped:
-            ts, before_rows = time.perf_counter(), self.driver.rows_live
+        secs = rows = batch_steps = 0
+        if not self.driver.idle:
+            ts, before_rows, before_steps = time.perf_counter(), self.driver.rows_live, self.driver.batch_steps
             finished = self.driver.step()
             secs, rows = time.perf_counter() - ts, self.driver.rows_live - before_rows
+            batch_steps = self.driver.batch_steps - before_steps
             self.generated += len(finished)
         if self.nproc > 1:
             everyone = gather_decisions({"started": started, "finished": [dataclasses.asdict(t) for t in finished]})
@@ -142,7 +142,7 @@ class RolloutSide:
             text = self.tokenizer.decode(traj.tokens, skip_special_tokens=True)
             self.done[traj.sample_id] = Finished(traj, group_id, item, text)
             self.rewards.submit(traj.sample_id, score, self.task, item, text)
-        return stepped, secs, rows
+        return secs, rows, batch_steps
 
     def collect_rewards(self, wait_s: float = 0.0) -> None:
         """Records the scores that are in: a sample is finished, or filtered with the reward's error."""

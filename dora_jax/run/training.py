@@ -54,7 +54,8 @@ def batch_row(done: list[Finished], version: int, in_flight: dict[str, int]) -> 
         lag = str(version - d.traj.version)
         lags[lag] = lags.get(lag, 0) + 1
     lengths = [len(d.traj.tokens) for d in done]
-    return {"reward": float(np.mean([d.reward for d in done])), "accuracy": float(np.mean([d.correct for d in done])),
+    return {"samples": len(done), "reward": float(np.mean([d.reward for d in done])),
+            "accuracy": float(np.mean([d.correct for d in done])),
             "len_mean": float(np.mean(lengths)), "len_p50": _percentile(lengths, 50),
             "len_p99": _percentile(lengths, 99), "len_max": int(max(lengths)),
             "trained_tokens": int(sum(len(d.traj.tokens) + len(d.traj.prompt_ids) for d in done)),
