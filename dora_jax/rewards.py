@@ -1,22 +1,49 @@
-"""Rewards computed off the decode loop, in a pool of worker threads, with a time limit per call.
+"""Rewards computed off the decode loop, in a pool of worker processes, with a time limit per call.
 
 The runner submits each trajectory as it finishes and polls for results between decode steps, so a slow
 reward function never stalls decoding. A reward function that raises, returns something that is not a finite
-number, or runs past ``timeout_s`` yields a :class:`RewardResult` with ``error`` set: the runner marks that
-sample filtered with the reason and the run goes on. A worker stuck in a hung call is abandoned (it is a
-daemon thread, so it never blocks the process from exiting) and replaced, so the pool keeps its size.
+number, runs past ``timeout_s``, or takes its worker process down (a crash, ``os._exit``, running out of memory)
+yields a :class:`RewardResult` with ``error`` set: the runner marks that sample filtered with the reason and the
+run goes on. A call past its time limit is ended by killing its worker process, which is replaced; nothing else
+is lost (calls waiting for a worker stay queued).
+
+Why processes: a hung call in a thread can only be abandoned, never stopped, so it keeps a core busy for the rest
+of the run; and math verifiers (``math-verify``) bound their own parsing time with ``signal.alarm``, which works
+only in a process's main thread. Workers come from a ``forkserver``: JAX runs threads of its own, and
+``os.fork()`` of a process that has them can deadlock the child (JAX warns on every fork). The fork server is
+started once per process, with this module and :mod:`dora_jax.tasks` already imported; each worker is then a
+fork of that small single-threaded server (measured on a 2-core machine: the first worker of a process 0.17-0.19 s
+with the server's start, each later one 6-12 ms, against 12-20 ms for ``os.fork()`` of a process holding JAX).
+
+What a call needs travels by pickle: the function by reference (a module-level function), each argument by
+value. A top-level argument that is not plain data (not a str, bytes, number, bool, None, tuple, list, dict or
+dataclass instance), such as the task every call shares, is sent to each worker once and reused by identity
+for later calls, so a task holding a whole data set is not copied per call; such objects must not change
+while the pool uses them.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import math
+import multiprocessing
+import multiprocessing.connection
+import pickle
 import queue
+import signal
+import sys
 import threading
 import time
 from typing import Any, Callable
 
 _FLOAT32_MAX = 3.4028234663852886e38
+_PLAIN = (str, bytes, int, float, bool, type(None), tuple, list, dict)
+_PRELOAD = ["dora_jax.rewards", "dora_jax.tasks"]
+# How long a call may take to load in a worker (unpickling it imports the modules of its function and arguments
+# there, once per worker) before the worker is taken for hung; the call's own time limit starts after it.
+LOAD_TIMEOUT_S = 300.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,64 +55,122 @@ class RewardResult:
     seconds: float = 0.0
 
 
+def _context() -> multiprocessing.context.BaseContext:
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts; a running server keeps its own
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _worker(conn: multiprocessing.connection.Connection, path: list[str]) -> None:
+    """A worker process: runs one call at a time, answering ``(key, reward, correct, error, seconds)``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends the workers
+    sys.path[:] = path  # user modules import as they do in the parent
+    shared: dict[int, Any] = {}
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        key, payload = msg
+        t0 = time.perf_counter()
+        try:
+            try:
+                fn, args, new = pickle.loads(payload)
+                shared.update(new)
+                args = [shared[a.token] if isinstance(a, _Shared) else a for a in args]
+            except Exception as e:  # noqa: BLE001 - e.g. the function's module cannot be imported here
+                raise RuntimeError(f"the reward call could not be loaded in the worker process "
+                                   f"({_describe(e)})") from None
+            conn.send(key)  # loaded: the call's time limit starts now (a first call may have imported modules)
+            t0 = time.perf_counter()
+            try:
+                reward, correct = fn(*args)
+                reward = float(reward)
+            except Exception as e:  # noqa: BLE001 - any failure of user code filters the sample
+                raise RuntimeError(f"reward function raised {_describe(e)}") from None
+            if not (math.isfinite(reward) and abs(reward) <= _FLOAT32_MAX):  # the trainer works in float32
+                raise RuntimeError(f"reward function returned a reward {reward} that is not a finite float32 number")
+            answer = (key, reward, bool(correct), "", time.perf_counter() - t0)
+        except RuntimeError as e:
+            answer = (key, 0.0, False, str(e), time.perf_counter() - t0)
+        try:
+            conn.send(answer)
+        except (EOFError, OSError):
+            return
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shared:
+    token: int
+
+
+@dataclasses.dataclass
+class _Slot:
+    """One worker process and what it is doing."""
+
+    process: Any
+    conn: Any
+    has: set[int] = dataclasses.field(default_factory=set)  # shared-object tokens it holds
+    job: tuple[int, Callable, tuple] | None = None
+    started: float = 0.0
+    loaded: bool = False  # the worker has loaded the call and runs it: timeout_s applies from ``started``
+
+
+def _exit_reason(process: Any) -> str:
+    code = process.exitcode
+    if code is None:
+        return "it stopped answering"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 class RewardPool:
-    """``submit(key, fn, *args)`` runs ``fn(*args) -> (reward, correct)`` on a worker; ``poll()`` returns what
-    has finished or timed out since the last call."""
+    """``submit(key, fn, *args)`` runs ``fn(*args) -> (reward, correct)`` in a worker process; ``poll()`` returns
+    what has finished, failed or timed out since the last call.
+
+    Workers start on demand (at most ``workers``), are replaced when one is killed or dies, and end at
+    :meth:`close`. A background thread hands calls to idle workers, reads their answers and enforces
+    ``timeout_s``.
+    """
 
     def __init__(self, workers: int = 2, timeout_s: float = 10.0):
         if workers < 1 or not timeout_s > 0:
             raise ValueError(f"RewardPool needs workers >= 1 and timeout_s > 0, got {workers}, {timeout_s}")
-        self.timeout_s = timeout_s
-        self._jobs: queue.Queue = queue.Queue()
+        self.workers, self.timeout_s = workers, timeout_s
+        self._ctx = _context()
+        self._jobs: collections.deque = collections.deque()
         self._done: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
-        self._running: dict[int, tuple[float, int]] = {}  # key -> (start time, worker id)
-        self._reported: set[int] = set()
+        self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
+        self._slots: list[_Slot] = []
+        self._shared: dict[int, tuple[int, Any]] = {}  # id(obj) -> (token, obj): the obj held so ids stay unique
+        self._tokens = itertools.count()
         self._outstanding = 0
-        self._next_worker = 0
-        self._abandoned: set[int] = set()
-        for _ in range(workers):
-            self._spawn()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="reward-pool", daemon=True)
+        self._thread.start()
 
-    def _spawn(self) -> None:
-        wid = self._next_worker
-        self._next_worker += 1
-        threading.Thread(target=self._work, args=(wid,), name=f"reward-{wid}", daemon=True).start()
-
-    def _work(self, wid: int) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:  # close()
-                return
-            key, fn, args = job
-            t0 = time.perf_counter()
-            with self._lock:
-                self._running[key] = (t0, wid)
-            try:
-                reward, correct = fn(*args)
-                reward = float(reward)
-                if not (math.isfinite(reward) and abs(reward) <= _FLOAT32_MAX):  # the trainer works in float32
-                    raise ValueError(f"returned a reward {reward} that is not a finite float32 number")
-                result = RewardResult(key, reward, bool(correct), "", time.perf_counter() - t0)
-            except Exception as e:  # noqa: BLE001 - any failure of user code filters the sample
-                result = RewardResult(key, error=f"reward function raised {type(e).__name__}: {e}",
-                                      seconds=time.perf_counter() - t0)
-            with self._lock:
-                self._running.pop(key, None)
-                if wid in self._abandoned:
-                    return  # this worker was replaced while it hung; its late result is dropped
-            self._done.put(result)
+    # -- the caller's side ---------------------------------------------------------------------------------
 
     def submit(self, key: int, fn: Callable[..., tuple[float, bool]], *args: Any) -> None:
+        if self._closed:
+            raise RuntimeError("RewardPool.submit after close()")
         self._outstanding += 1
-        self._jobs.put((key, fn, args))
-
-    def close(self) -> None:
-        """Lets the idle workers exit (a hung one exits when its call returns)."""
         with self._lock:
-            live = self._next_worker - len(self._abandoned)
-        for _ in range(live):
-            self._jobs.put(None)
+            self._jobs.append((key, fn, args))
+        self._wake()
 
     @property
     def outstanding(self) -> int:
@@ -93,31 +178,157 @@ class RewardPool:
         return self._outstanding
 
     def poll(self, wait_s: float = 0.0) -> list[RewardResult]:
-        """Finished results, plus a timeout result for every call running past ``timeout_s``. Waits up to
-        ``wait_s`` for the first result when none is ready."""
+        """Finished results (failures and timeouts included). Waits up to ``wait_s`` for the first one when none
+        is ready."""
         out: list[RewardResult] = []
-        deadline = time.perf_counter() + wait_s
-        while True:
-            try:
-                while True:
-                    r = self._done.get_nowait()
-                    if r.key not in self._reported:
-                        out.append(r)
-            except queue.Empty:
-                pass
-            now = time.perf_counter()
-            with self._lock:
-                for key, (t0, wid) in list(self._running.items()):
-                    if now - t0 > self.timeout_s and wid not in self._abandoned:
-                        self._abandoned.add(wid)
-                        del self._running[key]
-                        out.append(RewardResult(key, error=f"reward function timed out after {self.timeout_s:g}s",
-                                                seconds=now - t0))
-                        self._spawn()
-            if out or now >= deadline:
-                break
-            time.sleep(min(0.01, max(0.0, deadline - now)))
-        for r in out:
-            self._reported.add(r.key)
+        try:
+            out.append(self._done.get(timeout=wait_s) if wait_s > 0 else self._done.get_nowait())
+            while True:
+                out.append(self._done.get_nowait())
+        except queue.Empty:
+            pass
         self._outstanding -= len(out)
         return out
+
+    def close(self) -> None:
+        """Ends every worker (a call still running is killed) and the pool's thread; waits for both."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake()
+        self._thread.join()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- the pool's thread ---------------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send_bytes(b".")
+        except OSError:
+            pass
+
+    def _start_worker(self) -> _Slot:
+        parent, child = self._ctx.Pipe()
+        p = self._ctx.Process(target=_worker, args=(child, list(sys.path)), name="reward-worker", daemon=True)
+        p.start()
+        child.close()
+        slot = _Slot(p, parent)
+        self._slots.append(slot)
+        return slot
+
+    def _stop(self, slot: _Slot, kill: bool) -> None:
+        if kill and slot.process.is_alive():
+            slot.process.kill()
+        else:
+            try:
+                slot.conn.send(None)
+            except OSError:
+                pass
+        slot.process.join(5)
+        if slot.process.is_alive():
+            slot.process.kill()
+            slot.process.join()
+        slot.conn.close()
+        slot.process.close()
+        self._slots.remove(slot)
+
+    def _payload(self, slot: _Slot, fn: Callable, args: tuple) -> bytes:
+        new, sent = {}, []
+        for a in args:
+            if isinstance(a, _PLAIN) or dataclasses.is_dataclass(a):
+                sent.append(a)
+                continue
+            token, _ = self._shared.setdefault(id(a), (next(self._tokens), a))
+            if token not in slot.has:
+                new[token] = a
+            sent.append(_Shared(token))
+        payload = pickle.dumps((fn, sent, new), protocol=pickle.HIGHEST_PROTOCOL)
+        slot.has.update(new)
+        return payload
+
+    def _dispatch(self) -> None:
+        while True:
+            with self._lock:
+                if not self._jobs:
+                    return
+                idle = next((s for s in self._slots if s.job is None), None)
+                if idle is None and len(self._slots) >= self.workers:
+                    return
+                job = self._jobs.popleft()
+            key, fn, args = job
+            try:
+                slot = idle or self._start_worker()
+            except Exception as e:  # noqa: BLE001 - no process could be started: this call fails, named
+                self._done.put(RewardResult(key, error=f"no reward worker process could be started "
+                                                       f"({_describe(e)})"))
+                continue
+            try:
+                payload = self._payload(slot, fn, args)
+            except Exception as e:  # noqa: BLE001 - e.g. a lambda or a function defined in __main__
+                self._done.put(RewardResult(key, error=f"the reward call cannot be sent to a worker process "
+                                                       f"({_describe(e)}); reward functions and tasks must be "
+                                                       "picklable, e.g. defined at module level in an importable "
+                                                       "module"))
+                continue
+            slot.job, slot.started, slot.loaded = job, time.perf_counter(), False
+            try:
+                slot.conn.send((key, payload))
+            except OSError:
+                pass  # the worker is gone: its sentinel reports it below
+
+    def _limit(self, slot: _Slot) -> float:
+        return self.timeout_s if slot.loaded else LOAD_TIMEOUT_S
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._dispatch()
+            busy = [s for s in self._slots if s.job is not None]
+            now = time.perf_counter()
+            wait = min((s.started + self._limit(s) - now for s in busy), default=None)
+            ready = multiprocessing.connection.wait(
+                [self._wake_r] + [s.conn for s in busy] + [s.process.sentinel for s in busy],
+                timeout=None if wait is None else max(0.0, wait))
+            if self._wake_r in ready:
+                while self._wake_r.poll():
+                    self._wake_r.recv_bytes()
+            now = time.perf_counter()
+            for slot in busy:
+                key = slot.job[0]
+                answer = None
+                if slot.conn in ready or slot.process.sentinel in ready:
+                    try:
+                        while slot.conn.poll():
+                            answer = slot.conn.recv()
+                            if answer == key:  # loaded; the answer follows
+                                slot.loaded, slot.started, answer = True, time.perf_counter(), None
+                                continue
+                            break
+                    except (EOFError, OSError):
+                        pass
+                if answer is not None:
+                    k, reward, correct, error, secs = answer
+                    self._done.put(RewardResult(k, reward, correct, error, secs))
+                    slot.job = None
+                elif slot.process.sentinel in ready or not slot.process.is_alive():
+                    slot.process.join(1)
+                    self._done.put(RewardResult(key, error=f"the reward worker process died while scoring "
+                                                           f"({_exit_reason(slot.process)})",
+                                                seconds=now - slot.started))
+                    self._stop(slot, kill=True)
+                elif now - slot.started >= self._limit(slot):
+                    error = (f"reward function timed out after {self.timeout_s:g}s" if slot.loaded else
+                             f"the reward call did not load in its worker process within {LOAD_TIMEOUT_S:g}s "
+                             "(importing its modules hung?)")
+                    self._done.put(RewardResult(key, error=error, seconds=now - slot.started))
+                    self._stop(slot, kill=True)
+        for slot in list(self._slots):
+            self._stop(slot, kill=slot.job is not None)
+        with self._lock:
+            self._jobs.clear()

@@ -2,6 +2,9 @@
 
 import json
 import math
+import os
+import pickle
+import signal
 import time
 
 import pytest
@@ -141,39 +144,126 @@ def _bad(kind):
     return float("nan"), False
 
 
-def test_reward_pool_results_errors_and_timeouts():
-    import threading
+def _pid(_):
+    return float(os.getpid()), True
 
-    before = set(threading.enumerate())
+
+def _forever():
+    while True:
+        time.sleep(3600)
+
+
+def _crash(how):
+    if how == "exit":
+        os._exit(3)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _gone(pids, within_s=10.0):
+    """Whether every process in ``pids`` has ended (and been reaped) within ``within_s``."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < within_s:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _collect(pool, n, limit_s=30.0):
+    got, t0 = {}, time.perf_counter()
+    while len(got) < n and time.perf_counter() - t0 < limit_s:
+        for r in pool.poll(wait_s=0.1):
+            assert r.key not in got
+            got[r.key] = r
+    return got
+
+
+def test_reward_pool_results_errors_and_timeouts():
     pool = RewardPool(workers=2, timeout_s=0.5)
     pool.submit(1, _slow, 0.0)
     pool.submit(2, _bad, "raise")
     pool.submit(3, _bad, "nan")
-    pool.submit(4, _slow, 5.0)  # hangs past the timeout
-    pool.submit(5, _slow, 0.01)  # must still be served: the hung worker is replaced
+    pool.submit(4, _slow, 5.0)  # runs past the timeout
+    pool.submit(5, _slow, 0.01)  # must still be served: the killed worker is replaced
     pool.submit(6, _bad, "huge")
-    got = {}
-    t0 = time.perf_counter()
-    while len(got) < 6 and time.perf_counter() - t0 < 10:
-        for r in pool.poll(wait_s=0.1):
-            assert r.key not in got
-            got[r.key] = r
-    assert time.perf_counter() - t0 < 3
+    got = _collect(pool, 6)
     assert got[1].reward == 0.0 and got[1].correct and not got[1].error
     assert got[2].error == "reward function raised KeyError: 'missing'"
     assert "returned a reward nan that is not a finite float32 number" in got[3].error
     assert "returned a reward 1e+300 that is not a finite float32 number" in got[6].error
-    assert got[4].error == "reward function timed out after 0.5s"
+    assert got[4].error == "reward function timed out after 0.5s" and 0.5 <= got[4].seconds < 2
     assert got[5].reward == 0.01 and not got[5].error
     assert pool.outstanding == 0
-    assert len(set(threading.enumerate()) - before) == 3  # two serving, one abandoned in its hung call
-    pool.close()  # the idle workers exit; the abandoned one when its call returns
-    t0 = time.perf_counter()
-    while set(threading.enumerate()) - before and time.perf_counter() - t0 < 10:
-        time.sleep(0.05)
-    assert not set(threading.enumerate()) - before
+    pool.close()
     with pytest.raises(ValueError, match="workers >= 1"):
         RewardPool(workers=0)
+
+
+def test_a_hung_reward_costs_one_timeout_and_leaves_nothing_behind():
+    import multiprocessing
+    import threading
+
+    before = set(threading.enumerate())
+    pool = RewardPool(workers=1, timeout_s=0.5)
+    pool.submit(1, _pid, 0)
+    first = _collect(pool, 1)[1]
+    t0 = time.perf_counter()
+    pool.submit(2, _forever)
+    pool.submit(3, _pid, 0)  # waits behind the hung call, then runs on the replacement worker
+    got = _collect(pool, 2)
+    assert got[2].error == "reward function timed out after 0.5s"
+    assert time.perf_counter() - t0 < 3  # one timeout, not one per queued call
+    hung_pid, new_pid = int(first.reward), int(got[3].reward)
+    assert not got[3].error and new_pid != hung_pid
+    assert _gone([hung_pid])  # the hung worker was killed, not abandoned
+    pool.close()
+    assert _gone([new_pid])
+    assert set(threading.enumerate()) == before and not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("how,reason", [("exit", "exit code 3"), ("kill", "killed by signal SIGKILL")])
+def test_a_crashed_reward_worker_is_reported_and_replaced(how, reason):
+    with RewardPool(workers=1, timeout_s=5.0) as pool:
+        pool.submit(1, _crash, how)
+        pool.submit(2, _slow, 0.0)
+        got = _collect(pool, 2)
+    assert got[1].error == f"the reward worker process died while scoring ({reason})"
+    assert not got[2].error and got[2].correct
+
+
+def test_an_unpicklable_reward_is_named():
+    with RewardPool(workers=1, timeout_s=5.0) as pool:
+        pool.submit(1, lambda: (1.0, True))
+        pool.submit(2, _slow, 0.0)
+        got = _collect(pool, 2)
+    assert "cannot be sent to a worker process" in got[1].error and "module level" in got[1].error
+    assert not got[2].error
+
+
+def test_a_shared_task_is_sent_once_per_worker():
+    """The task every call shares reaches each worker once; later calls refer to it."""
+    task = ArithmeticTask(seed=0, eval_size=400)  # its held-out set makes it tens of kB
+    item = task.train_item(0)
+    with RewardPool(workers=1, timeout_s=5.0) as pool:
+        from dora_jax.tasks.base import score_answer
+
+        big = len(pickle.dumps(task))
+        slot = pool._start_worker()
+        first = pool._payload(slot, score_answer, (task, item, item.answer))
+        again = pool._payload(slot, score_answer, (task, item, item.answer))
+        assert len(first) > big and len(again) < big / 20
+        slot.has.clear()  # neither payload was sent
+        for k in range(3):
+            pool.submit(k, score_answer, task, item, item.answer)
+        got = _collect(pool, 3)
+    assert all(r.reward == 1.0 and r.correct for r in got.values())
 
 
 def test_metrics_file_and_plots(tmp_path):

@@ -45,6 +45,12 @@ class Task(abc.ABC):
         """The reward of ``response`` to ``item``."""
 
 
+def score_answer(task: Task, item: Item, text: str) -> tuple[float, bool]:
+    """``(reward, correct)`` of one answer: what the reward pool's worker processes run for every sample."""
+    s = task.score(item, text)
+    return s.reward, s.correct
+
+
 def last_number(text: str) -> str | None:
     """The last number written in ``text`` (thousands separators dropped, a trailing ``.0`` kept as written),
     or None."""
