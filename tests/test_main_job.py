@@ -10,7 +10,6 @@ labels, lines, points, bars) before they are saved and by the pixels of the PNGs
 
 import json
 import math
-import os
 
 import numpy as np
 import pytest
