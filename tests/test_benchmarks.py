@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from dora_jax import cli
 
 REPO = Path(__file__).resolve().parent.parent
@@ -79,3 +81,16 @@ def test_bench_runs_from_another_directory(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "usage: dora-jax bench" in done.stdout and "kernel-sweep" in done.stdout
+
+
+def test_the_accelerator_script_stops_at_its_budget(tmp_path):
+    """``python -m benchmarks.gpu``: a part is started only with enough of the budget left; what was skipped is
+    said in the summary, and unknown parts are refused."""
+    from benchmarks import gpu
+
+    assert gpu.main(["--budget-s", "10", "--out", str(tmp_path)]) == 0
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert [p[0] for p in gpu.PARTS] == list(summary["parts"])
+    assert all(p["status"] == "skipped" and "left of the budget" in p["why"] for p in summary["parts"].values())
+    with pytest.raises(SystemExit):
+        gpu.main(["--only", "engine,nonsense", "--out", str(tmp_path)])

@@ -1,0 +1,84 @@
+"""Every accelerator measurement of the project in one command, in priority order, within a time budget.
+
+Accelerator time is rare: whoever has a GPU (or TPU) at hand runs this first thing, and the results land in
+``benchmarks/results/<device>_<date>/``, one JSON per part, each with its command, device and date::
+
+    .venv/bin/python -m benchmarks.gpu [--budget-s 540] [--out DIR] [--only engine,decode]
+
+Each part runs as its own ``dora-jax bench`` process with what is left of the budget as its time limit, so a
+part that runs long is stopped and the next ones are skipped cleanly; ``summary.json`` says which parts ran,
+how long each took, and which were cut or skipped. The order is what the project most needs measured on an
+accelerator: the rollout engine against transformers, one decode step against its roofline, the modes side by
+side on a long-tailed workload (DORA's speed-up), the trainer's throughput and MFU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+from benchmarks.record import device, machine
+
+# (name, arguments of `dora-jax bench`, the least time worth starting it with, seconds)
+PARTS = [
+    ("engine", ["engine", "--config", "smollm2_135m", "--repeats", "3"], 120),
+    ("decode", ["decode", "--config", "smollm2_135m"], 45),
+    ("modes", ["modes", "--steps", "8"], 180),
+    ("train", ["train", "--config", "smollm2_135m"], 60),
+    ("snapshot", ["snapshot", "--config", "smollm2_135m"], 45),
+    ("kernel", ["kernel"], 45),
+]
+
+
+def _device_slug() -> str:
+    slug = "".join(c if c.isalnum() else "_" for c in device().lower())
+    return "_".join(p for p in slug.split("_") if p)[:40] or "device"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.splitlines()[0])
+    ap.add_argument("--budget-s", type=float, default=540.0, help="stop cleanly after this many seconds (default 540)")
+    ap.add_argument("--out", help="results folder (default benchmarks/results/<device>_<date>)")
+    ap.add_argument("--only", help="comma-separated parts to run, in the usual order (default: all)")
+    args = ap.parse_args(argv)
+    names = [p[0] for p in PARTS]
+    only = args.only.split(",") if args.only else names
+    unknown = sorted(set(only) - set(names))
+    if unknown:
+        ap.error(f"--only: unknown parts {unknown}; known: {', '.join(names)}")
+    date = datetime.date.today().isoformat()
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"{_device_slug()}_{date}")
+    os.makedirs(out, exist_ok=True)
+    start, report = time.monotonic(), {"machine": machine(), "date": date, "budget_s": args.budget_s, "parts": {}}
+    exe = [sys.executable, "-m", "dora_jax.cli", "bench"]
+    for name, bench_args, least in PARTS:
+        if name not in only:
+            continue
+        left = args.budget_s - (time.monotonic() - start)
+        if left < least:
+            report["parts"][name] = {"status": "skipped", "why": f"{left:.0f}s left of the budget, needs {least}s"}
+            continue
+        path = os.path.join(out, f"bench_{name}.json")
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(exe + bench_args + ["--json", path], timeout=left, capture_output=True, text=True)
+            status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+            tail = (proc.stdout + proc.stderr)[-2000:]
+        except subprocess.TimeoutExpired as e:
+            status, tail = "cut at the budget", str(e.stdout or "")[-2000:]
+        report["parts"][name] = {"status": status, "seconds": round(time.monotonic() - t0, 1),
+                                 "json": os.path.basename(path) if os.path.exists(path) else None, "log_tail": tail}
+        print(f"{name}: {status} in {report['parts'][name]['seconds']}s", flush=True)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"results in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
