@@ -463,12 +463,22 @@ class DoraConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """What to train on: ``arithmetic`` (built in), ``gsm8k`` (a JSONL file at ``path``), ``longtail`` (a
-    synthetic task with long-tailed length budgets, for benchmarks and tests) or ``package.module:factory``; ``reward`` optionally replaces the reward by ``package.module:function``."""
+    """What to train on: ``arithmetic`` (built in), ``gsm8k`` (questions checked by the final number) or ``math``
+    (answers checked by math-verify), both reading ``path``, ``longtail`` (a synthetic task with long-tailed length
+    budgets, for benchmarks and tests) or ``package.module:factory``. ``reward`` optionally replaces the task's
+    reward: ``math`` (math-verify) or ``package.module:function``.
+
+    ``path``: a ``.jsonl``, ``.json`` (a list of objects) or ``.parquet`` file, or a ``datasets`` name loaded with
+    ``split`` and ``subset`` (its config name); ``prompt_field`` / ``answer_field`` name the fields of a row (a
+    dotted path reaches into nested objects; empty: the task's usual names)."""
 
     name: str = "arithmetic"
     path: str = ""
     reward: str = ""
+    prompt_field: str = ""
+    answer_field: str = ""
+    split: str = "train"
+    subset: str = ""
     levels: tuple[str, ...] = _TASK_LEVELS
     eval_size: int = 64
     eval_max_new_tokens: int = 32
@@ -480,13 +490,16 @@ class TaskConfig:
     reward_timeout_s: float = 10.0
 
     def validate(self, path: str = "task") -> None:
-        if not self.name:
-            _fail(f"{path}.name", self.name, "arithmetic, gsm8k, or an import path 'package.module:factory'")
-        if self.name not in ("arithmetic", "gsm8k", "longtail") and ":" not in self.name:
-            _fail(f"{path}.name", self.name, "arithmetic, gsm8k, longtail, or an import path "
-                  "'package.module:factory'")
-        if self.reward and ":" not in self.reward:
-            _fail(f"{path}.reward", self.reward, "an import path 'package.module:function' (or empty)")
+        if self.name not in _TASK_NAMES and ":" not in self.name:
+            _fail(f"{path}.name", self.name, f"{', '.join(_TASK_NAMES)}, or an import path 'package.module:factory'")
+        if self.reward and self.reward not in _REWARD_NAMES and ":" not in self.reward:
+            _fail(f"{path}.reward", self.reward, f"{', '.join(_REWARD_NAMES)}, an import path "
+                  "'package.module:function', or empty (the task's own)")
+        if self.name in ("gsm8k", "math") and not self.path:
+            _fail(f"{path}.path", self.path, f"task {self.name!r} reads its data from here: a .jsonl, .json or "
+                  ".parquet file, or a datasets name")
+        if not self.split:
+            _fail(f"{path}.split", self.split, "must name a split of the data set, e.g. 'train'")
         if not self.levels:
             _fail(f"{path}.levels", list(self.levels), f"at least one of {', '.join(_TASK_LEVELS)}")
         for lv in self.levels:
@@ -508,6 +521,8 @@ class TaskConfig:
 
 
 _PLACEMENTS = ("shared", "split")
+_TASK_NAMES = ("arithmetic", "gsm8k", "math", "longtail")
+_REWARD_NAMES = ("math",)
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ def test_gsm8k_jsonl_loader_and_errors(tmp_path):
     with pytest.raises(TaskDataError, match=r"bad.jsonl:1: the answer .* has no number"):
         JsonlTask(str(bad), eval_size=0)
     bad.write_text(json.dumps({"answer": "4"}) + "\n")
-    with pytest.raises(TaskDataError, match=r"bad.jsonl:1: needs a non-empty string 'question'"):
+    with pytest.raises(TaskDataError, match=r"bad.jsonl:1: needs a non-empty prompt in field 'question / prompt'"):
         JsonlTask(str(bad), eval_size=0)
     bad.write_bytes(json.dumps(rows[0]).encode() + b"\n" + '{"question": "caf\u00e9?", "answer": "1"}'.encode("latin-1")
                     + b"\n")
@@ -74,7 +74,7 @@ def test_gsm8k_jsonl_loader_and_errors(tmp_path):
         JsonlTask(str(path), eval_size=20)
     with pytest.raises(TaskDataError, match="does not exist"):
         load_task(TaskConfig(name="gsm8k", path=str(tmp_path / "missing.jsonl")))
-    with pytest.raises(TaskDataError, match="needs a JSONL file"):
+    with pytest.raises(TaskDataError, match="task.path: this task needs data"):
         load_task(TaskConfig(name="gsm8k"))
 
 

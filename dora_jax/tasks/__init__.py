@@ -2,11 +2,15 @@
 
 A task is plain Python (no JAX): it hands out training items by index (so the data position is one integer
 that checkpoints can save), a fixed held-out evaluation set, and a ``score`` that turns a response into a
-reward. Built in: ``arithmetic`` (mixed difficulty), ``gsm8k`` (the user's own JSONL file) and ``longtail``
-(synthetic, with long-tailed length budgets: the workload of the schedule benchmarks). Anything else
-by import path: ``task.name: "my_pkg.my_mod:make_task"`` (a callable taking the :class:`TaskConfig` and
-returning a :class:`Task`); ``task.reward: "my_pkg.my_mod:reward"`` replaces a task's reward with
-``reward(prompt, response, answer) -> float``.
+reward. Built in: ``arithmetic`` (mixed difficulty), ``gsm8k`` (final-number answers) and ``math`` (answers
+checked by math-verify), both reading ``task.path`` (a JSONL, JSON or parquet file, or a ``datasets`` name:
+:mod:`dora_jax.tasks.data`), and ``longtail`` (synthetic, with long-tailed length budgets: the workload of
+the schedule benchmarks). Anything else by import path: ``task.name: "my_pkg.my_mod:make_task"`` (a callable
+taking the :class:`TaskConfig` and returning a :class:`Task`); ``task.reward: "my_pkg.my_mod:reward"``
+replaces a task's reward with ``reward(prompt, response, answer) -> float``, and ``task.reward: math`` with
+math-verify's check (:func:`dora_jax.tasks.math.math_reward`). Rewards run in worker processes
+(:mod:`dora_jax.rewards`), so a task and a reward function must be picklable: defined at module level in an
+importable module.
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ from typing import Callable
 from dora_jax.config import ConfigError, TaskConfig
 from dora_jax.tasks.base import Item, Score, Task, last_number
 from dora_jax.tasks.arithmetic import ArithmeticTask
-from dora_jax.tasks.gsm8k import JsonlTask
+from dora_jax.tasks.data import TaskDataError
+from dora_jax.tasks.gsm8k import GSM8KTask, JsonlTask
+from dora_jax.tasks.math import MathTask, math_reward
 from dora_jax.tasks.synthetic import LongTailTask
 
-__all__ = ["ArithmeticTask", "Item", "JsonlTask", "LongTailTask", "Score", "Task", "import_object", "last_number", "load_task"]
+__all__ = ["ArithmeticTask", "GSM8KTask", "Item", "JsonlTask", "LongTailTask", "MathTask", "Score", "Task",
+           "TaskDataError", "import_object", "last_number", "load_task", "math_reward"]
 
 
 def _describe(e: BaseException) -> str:
@@ -76,8 +83,10 @@ def load_task(cfg: TaskConfig) -> Task:
         task: Task = ArithmeticTask(seed=cfg.seed, eval_size=cfg.eval_size, levels=cfg.levels)
     elif cfg.name == "longtail":
         task = LongTailTask(seed=cfg.seed, eval_size=cfg.eval_size, max_len=cfg.longtail_max_len)
-    elif cfg.name == "gsm8k":
-        task = JsonlTask(cfg.path, eval_size=cfg.eval_size, seed=cfg.seed)
+    elif cfg.name in ("gsm8k", "math"):
+        task = (GSM8KTask if cfg.name == "gsm8k" else MathTask)(
+            cfg.path, eval_size=cfg.eval_size, seed=cfg.seed, prompt_field=cfg.prompt_field,
+            answer_field=cfg.answer_field, split=cfg.split, subset=cfg.subset)
     else:
         factory = import_object(cfg.name, "task.name")
         try:
@@ -86,6 +95,8 @@ def load_task(cfg: TaskConfig) -> Task:
             raise ConfigError(f"task.name: {cfg.name!r} raised {_describe(e)}") from e
         if not isinstance(task, Task):
             raise ConfigError(f"task.name: {cfg.name!r} returned {type(task).__name__}, not a dora_jax.tasks.Task")
-    if cfg.reward:
+    if cfg.reward == "math":
+        task = _CustomReward(task, math_reward, "math")
+    elif cfg.reward:
         task = _CustomReward(task, import_object(cfg.reward, "task.reward"), cfg.reward)
     return task

@@ -1,22 +1,21 @@
-"""GSM8K-style data from the user's own JSONL file, checked by the final number.
+"""Question/answer data checked by the final number: GSM8K and anything shaped like it.
 
-Each line is an object with a question and an answer: keys ``question``/``answer`` (GSM8K's own, whose answer
-ends in ``#### 42``), or ``prompt``/``answer``. The reference is the number after ``####`` when present,
-otherwise the answer's last number; a response is correct when its last number equals it. The last
-``eval_size`` lines (after a seeded shuffle) are held out for evaluation; training items cycle over the rest.
+Rows come from ``task.path`` (a JSONL, JSON or parquet file, or a ``datasets`` name: :mod:`dora_jax.tasks.data`).
+The prompt is field ``question`` (GSM8K's own) or ``prompt``, the answer field ``answer`` (GSM8K's ends in
+``#### 42``), unless ``task.prompt_field`` / ``task.answer_field`` say otherwise. The reference is the number
+after ``####`` when present, otherwise the answer's last number; a response is correct when its last number
+equals it. The last ``eval_size`` rows (after a seeded shuffle) are held out for evaluation; training items
+cycle over the rest.
 """
 
 from __future__ import annotations
 
-import os
 import random
 
 from dora_jax.tasks.base import Item, Score, Task, last_number, same_number
-from dora_jax.textfiles import TextFileError, read_jsonl
+from dora_jax.tasks.data import TaskDataError, load_rows
 
-
-class TaskDataError(ValueError):
-    """A data file that cannot be used, with the file and line named."""
+__all__ = ["GSM8KTask", "JsonlTask", "TaskDataError", "split_items"]
 
 
 def _reference(answer: str) -> str | None:
@@ -25,38 +24,30 @@ def _reference(answer: str) -> str | None:
     return last_number(answer)
 
 
-class JsonlTask(Task):
+def split_items(items: list[Item], path: str, eval_size: int, seed: int) -> tuple[list[Item], list[Item]]:
+    """``(train, held_out)``: a seeded shuffle, the last ``eval_size`` held out."""
+    if len(items) <= eval_size:
+        raise TaskDataError(f"{path}: {len(items)} usable lines; need more than task.eval_size={eval_size} "
+                            "(the held-out set) to have anything to train on")
+    items = list(items)
+    random.Random(seed).shuffle(items)
+    return (items[:-eval_size] if eval_size else items), items[len(items) - eval_size:]
+
+
+class GSM8KTask(Task):
     name = "gsm8k"
 
-    def __init__(self, path: str, eval_size: int = 64, seed: int = 0):
-        if not path:
-            raise TaskDataError("task.path: the gsm8k task needs a JSONL file (task.path=/path/to/train.jsonl)")
-        if not os.path.isfile(path):
-            raise TaskDataError(f"task.path: {path!r} does not exist or is not a file")
+    def __init__(self, path: str, eval_size: int = 64, seed: int = 0, *, prompt_field: str = "",
+                 answer_field: str = "", split: str = "train", subset: str = ""):
         items = []
-        try:
-            rows = read_jsonl(path)
-        except TextFileError as e:
-            raise TaskDataError(str(e)) from None
-        for n, row in rows:
-            where = f"{path}:{n}"
-            if not isinstance(row, dict):
-                raise TaskDataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            prompt = row.get("question", row.get("prompt"))
-            answer = row.get("answer")
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise TaskDataError(f"{where}: needs a non-empty string 'question' (or 'prompt')")
-            if answer is None:
-                raise TaskDataError(f"{where}: needs an 'answer'")
+        for where, prompt, answer in load_rows(path, prompt_field=prompt_field, answer_field=answer_field,
+                                               prompt_defaults=("question", "prompt"), answer_defaults=("answer",),
+                                               split=split, subset=subset):
             ref = _reference(str(answer))
             if ref is None:
                 raise TaskDataError(f"{where}: the answer {str(answer)[-40:]!r} has no number to check against")
-            items.append(Item(prompt.strip(), ref))
-        if len(items) <= eval_size:
-            raise TaskDataError(f"{path}: {len(items)} usable lines; need more than task.eval_size={eval_size} "
-                                "(the held-out set) to have anything to train on")
-        random.Random(seed).shuffle(items)
-        self._train, self._eval = items[:-eval_size] if eval_size else items, items[len(items) - eval_size:]
+            items.append(Item(prompt, ref))
+        self._train, self._eval = split_items(items, path, eval_size, seed)
 
     def train_item(self, index: int) -> Item:
         return self._train[index % len(self._train)]
@@ -67,3 +58,6 @@ class JsonlTask(Task):
     def score(self, item: Item, response: str) -> Score:
         ok = same_number(last_number(response), item.answer)
         return Score(1.0 if ok else 0.0, ok)
+
+
+JsonlTask = GSM8KTask  # the name this task had when it read JSONL files only
