@@ -217,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="answer prompts with a model (chat template applied)")
     common(g)
     g.add_argument("--prompt", action="append", help="a prompt (repeatable); default: generate.prompts")
-    g.add_argument("--weights", help="'smollm2', a .gguf file or a Hugging Face directory")
+    g.add_argument("--weights", help="'smollm2', a .gguf file, a Hugging Face directory or a Hub model ORG/NAME "
+                   "(through the Hugging Face cache; HF_HUB_OFFLINE=1 uses the cache alone)")
     g.add_argument("--from-weights", action="store_true",
                    help="take the architecture from the weights instead of the config")
     g.set_defaults(fn=cmd_generate)

