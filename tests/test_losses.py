@@ -118,17 +118,35 @@ def ref_loss(logp, prox, x, cfg: TrainConfig, trainer_version: int):
     return aggregate(pg_terms) + cfg.kl_coef * aggregate(kl_terms)
 
 
-def _jax_loss(x, cfg, trainer_version, dtype=jnp.float32):
+def _jax_terms(x, cfg, trainer_version, dtype=jnp.float32, prox=None):
+    """logp -> the JAX objective's LossTerms on ``x`` (``prox``: the proximal log-probs, default the current)."""
     f32 = lambda a: jnp.asarray(a, dtype)  # noqa: E731
     valid = jnp.asarray(x["valid"])
     keep, _ = staleness(jnp.asarray(x["versions"]), valid, jnp.int32(trainer_version), cfg.max_staleness)
     adv = group_advantages(f32(x["rewards"]), jnp.asarray(x["groups"]), valid, cfg.advantage, cfg.std_eps)
     norms = normalizers(f32(x["mask"]), keep, valid, cfg.max_response_tokens)
 
-    def loss(logp):
-        return policy_loss(logp, f32(x["behaviour"]), f32(x["ref"]), f32(x["mask"]), adv, keep, norms, cfg).loss
+    def terms(logp):
+        return policy_loss(logp, f32(x["behaviour"]), f32(x["ref"]), f32(x["mask"]), adv, keep, norms, cfg,
+                           None if prox is None else f32(prox))
 
-    return loss
+    return terms
+
+
+def _jax_loss(x, cfg, trainer_version, dtype=jnp.float32, prox=None):
+    terms = _jax_terms(x, cfg, trainer_version, dtype, prox)
+    return lambda logp: terms(logp).loss
+
+
+def _numeric_grad(logp, prox, x, cfg, version, h=1e-6):
+    """Central differences of the float64 reference in ``logp`` over the response tokens, ``prox`` held fixed."""
+    num = np.zeros((B, T))
+    for i, j in zip(*np.nonzero(x["mask"])):
+        up, dn = logp.copy(), logp.copy()
+        up[i, j] += h
+        dn[i, j] -= h
+        num[i, j] = (ref_loss(up, prox, x, cfg, version) - ref_loss(dn, prox, x, cfg, version)) / (2 * h)
+    return num
 
 
 CASES = [(loss, corr) for loss, corr in itertools.product(["grpo", "dapo", "dr_grpo", "gspo"],
@@ -155,13 +173,7 @@ def test_loss_and_gradient_match_reference(loss, correction):
     expected = ref_loss(logp64, logp64, x, cfg, version)
     assert abs(value - expected) <= 1e-5 * abs(expected)
 
-    h = 1e-6
-    num = np.zeros((B, T))
-    for i, j in zip(*np.nonzero(x["mask"])):
-        up, dn = logp64.copy(), logp64.copy()
-        up[i, j] += h
-        dn[i, j] -= h
-        num[i, j] = (ref_loss(up, logp64, x, cfg, version) - ref_loss(dn, logp64, x, cfg, version)) / (2 * h)
+    num = _numeric_grad(logp64, logp64, x, cfg, version)
     assert np.abs(num).max() > 0
     assert rel_err(grad, num) <= 1e-5, (loss, correction)
 
@@ -251,37 +263,18 @@ def test_a_proximal_policy_apart_from_the_current_one_matches_the_reference(loss
     x = _inputs(3)
     cfg = _cfg(loss, correction)
     version = 5
-    rng = np.random.default_rng(7)
     logp64 = x["logp"]
-    prox64 = logp64 + rng.normal(0, 0.3, logp64.shape) * x["mask"]  # the policy moved since the start
-    f64 = lambda a: jnp.asarray(a, jnp.float64)  # noqa: E731
+    prox64 = logp64 + np.random.default_rng(7).normal(0, 0.3, logp64.shape) * x["mask"]  # the policy moved
     with jax.enable_x64(True):
-        valid = jnp.asarray(x["valid"])
-        keep, _ = staleness(jnp.asarray(x["versions"]), valid, jnp.int32(version), cfg.max_staleness)
-        adv = group_advantages(f64(x["rewards"]), jnp.asarray(x["groups"]), valid, cfg.advantage, cfg.std_eps)
-        norms = normalizers(f64(x["mask"]), keep, valid, cfg.max_response_tokens)
-
-        def objective(logp):
-            return policy_loss(logp, f64(x["behaviour"]), f64(x["ref"]), f64(x["mask"]), adv, keep, norms, cfg,
-                               prox_bt=f64(prox64)).loss
-
-        value, grad = jax.value_and_grad(objective)(f64(logp64))
-        terms = policy_loss(f64(logp64), f64(x["behaviour"]), f64(x["ref"]), f64(x["mask"]), adv, keep, norms, cfg,
-                            prox_bt=f64(prox64))
-        value, grad = float(value), np.asarray(grad)
+        terms = _jax_terms(x, cfg, version, jnp.float64, prox64)
+        value, grad = jax.value_and_grad(lambda lp: terms(lp).loss)(jnp.asarray(logp64))
+        value, grad, clipped = float(value), np.asarray(grad), float(terms(jnp.asarray(logp64)).clipped_tokens)
     expected = ref_loss(logp64, prox64, x, cfg, version)
     assert abs(value - expected) <= 1e-5 * abs(expected)
     assert abs(expected - ref_loss(logp64, logp64, x, cfg, version)) > 1e-3  # the proximal policy matters here
     if loss != "gspo":
-        assert float(terms.clipped_tokens) > 0  # ratios moved past the clip
-    h = 1e-6
-    num = np.zeros((B, T))
-    for i, j in zip(*np.nonzero(x["mask"])):
-        up, dn = logp64.copy(), logp64.copy()
-        up[i, j] += h
-        dn[i, j] -= h
-        num[i, j] = (ref_loss(up, prox64, x, cfg, version) - ref_loss(dn, prox64, x, cfg, version)) / (2 * h)
-    assert rel_err(grad, num) <= 1e-5, (loss, correction)
+        assert clipped > 0  # ratios moved past the clip
+    assert rel_err(grad, _numeric_grad(logp64, prox64, x, cfg, version)) <= 1e-5, (loss, correction)
 
 
 @pytest.mark.parametrize("loss", ["grpo", "dapo", "gspo"])
@@ -294,17 +287,10 @@ def test_triple_clip_matches_the_reference(loss):
     cfg = dataclasses.replace(_cfg(loss, "decoupled"), clip_mode="triple", clip_neg_low=0.1, clip_neg_high=1.6,
                               clip_pos_high=0.4)
     version = 5
-    rng = np.random.default_rng(11)
     logp64 = x["logp"]
-    prox64 = logp64 + rng.normal(0, 0.6, logp64.shape) * x["mask"]
-    f64 = lambda a: jnp.asarray(a, jnp.float64)  # noqa: E731
+    prox64 = logp64 + np.random.default_rng(11).normal(0, 0.6, logp64.shape) * x["mask"]
     with jax.enable_x64(True):
-        valid = jnp.asarray(x["valid"])
-        keep, _ = staleness(jnp.asarray(x["versions"]), valid, jnp.int32(version), cfg.max_staleness)
-        adv = group_advantages(f64(x["rewards"]), jnp.asarray(x["groups"]), valid, cfg.advantage, cfg.std_eps)
-        norms = normalizers(f64(x["mask"]), keep, valid, cfg.max_response_tokens)
-        value = float(policy_loss(f64(logp64), f64(x["behaviour"]), f64(x["ref"]), f64(x["mask"]), adv, keep, norms,
-                                  cfg, prox_bt=f64(prox64)).loss)
+        value = float(_jax_loss(x, cfg, version, jnp.float64, prox64)(jnp.asarray(logp64)))
     expected = ref_loss(logp64, prox64, x, cfg, version)
     assert abs(value - expected) <= 1e-5 * abs(expected)
     standard = ref_loss(logp64, prox64, x, dataclasses.replace(cfg, clip_mode="standard"), version)
