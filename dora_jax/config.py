@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.resources
+import importlib.util
 import json
 import math
 import os
@@ -596,6 +597,28 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """Where a run's metrics go besides ``RUN_DIR/metrics.jsonl``, which is always written.
+
+    ``tensorboard``: the same scalars to ``RUN_DIR/tb`` (when tensorboardX is installed, the ``plot`` extra).
+    ``wandb``: the same rows, and the run's whole config, to Weights & Biases project ``wandb_project`` (entity
+    ``wandb_entity``, empty: the account's default), the run resumed there when the run resumes; needs the
+    ``wandb`` extra. ``WANDB_MODE=offline`` keeps it under ``RUN_DIR/wandb`` for a later ``wandb sync``.
+    """
+
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "dora-jax"
+    wandb_entity: str = ""
+
+    def validate(self, path: str = "metrics") -> None:
+        if self.wandb and not self.wandb_project:
+            _fail(f"{path}.wandb_project", self.wandb_project, "must name the W&B project when metrics.wandb is true")
+        if self.wandb and importlib.util.find_spec("wandb") is None:
+            _fail(f"{path}.wandb", self.wandb, "needs the wandb package: pip install 'dora-jax[wandb]'")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -607,6 +630,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
     roles: RolesConfig = field(default_factory=RolesConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):

@@ -1,5 +1,6 @@
 """Run metrics: one JSON line per update (``metrics.jsonl``), the same scalars to TensorBoard when
-tensorboardX is installed, and ``plot_run`` for the PNGs a reader looks at first.
+tensorboardX is installed (``metrics.tensorboard``), the same rows and the run's config to Weights & Biases with
+``metrics.wandb: true``, and ``plot_run`` for the PNGs a reader looks at first.
 
 Keys of a metrics line (all per update unless named cumulative):
 ``step``, ``version`` (the trainer's version after the update), ``wall_s`` (since the run started),
@@ -17,20 +18,36 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 from typing import Any, Iterable
 
 log = logging.getLogger(__name__)
 
 
 class MetricsWriter:
-    """Appends metrics lines to ``RUN_DIR/metrics.jsonl`` and mirrors scalars to TensorBoard."""
+    """Appends metrics lines to ``RUN_DIR/metrics.jsonl`` and mirrors them to TensorBoard and W&B.
 
-    def __init__(self, run_dir: str, tensorboard: bool = True):
+    Args:
+      run_dir: the run directory.
+      tensorboard: False turns TensorBoard off whatever the config says.
+      config: the run's config as plain data (``Config.to_dict()``); its ``metrics`` section says where else the
+        rows go, and W&B records all of it as the run's config. Default: ``RUN_DIR/config.json``, which the run
+        writes when it starts, if it is there.
+
+    Raises:
+      MetricsError: ``metrics.wandb`` is on and W&B cannot start (not installed, not logged in when online).
+    """
+
+    def __init__(self, run_dir: str, tensorboard: bool = True, *, config: dict[str, Any] | None = None):
         os.makedirs(run_dir, exist_ok=True)
+        if config is None:
+            config = _run_config(run_dir)
+        settings = (config or {}).get("metrics") or {}
+        self._wandb = _start_wandb(run_dir, config, settings) if settings.get("wandb") else None
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._f = open(self.path, "a", encoding="utf-8")
         self._tb = None
-        if tensorboard:
+        if tensorboard and settings.get("tensorboard", True):
             try:
                 from tensorboardX import SummaryWriter
             except ImportError:  # optional: the [plot] extra
@@ -45,11 +62,51 @@ class MetricsWriter:
             step = int(row.get("step", 0))
             for k, v in _scalars(row):
                 self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(row, step=int(row.get("step", 0)), commit=True)  # a row is complete: send it now
 
     def close(self) -> None:
         self._f.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _run_config(run_dir: str) -> dict[str, Any] | None:
+    path = os.path.join(run_dir, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _start_wandb(run_dir: str, config: dict[str, Any] | None, settings: dict[str, Any]) -> Any:
+    """A W&B run for ``run_dir``: its id kept in ``RUN_DIR/wandb_run_id`` so a resumed run continues it."""
+    try:
+        import wandb
+    except ImportError:
+        raise MetricsError("metrics.wandb is true but wandb is not installed: pip install 'dora-jax[wandb]'") from None
+    id_path = os.path.join(run_dir, "wandb_run_id")
+    try:
+        with open(id_path, encoding="utf-8") as f:
+            run_id = f.read().strip()
+    except OSError:
+        run_id = ""
+    if not run_id:
+        run_id = secrets.token_hex(6)  # W&B run ids are short strings of letters and digits
+        with open(id_path, "w", encoding="utf-8") as f:
+            f.write(run_id + "\n")
+    try:
+        return wandb.init(project=settings.get("wandb_project") or "dora-jax",
+                          entity=settings.get("wandb_entity") or None, name=os.path.basename(os.path.abspath(run_dir)),
+                          id=run_id, resume="allow", dir=run_dir, config=config or {})
+    except Exception as e:  # noqa: BLE001 - wandb raises its own kinds (no login, no network, bad entity)
+        raise MetricsError(f"metrics.wandb: W&B could not start a run for {run_dir} ({type(e).__name__}: {e}); "
+                           "log in with `wandb login`, or set WANDB_MODE=offline") from None
 
 
 def _scalars(row: dict[str, Any], prefix: str = "") -> Iterable[tuple[str, float]]:
