@@ -4,6 +4,7 @@
 import glob
 import json
 import os
+import time
 
 import pytest
 
@@ -32,7 +33,10 @@ def test_wandb_offline_gets_the_rows_and_the_config(tmp_path, monkeypatch):
     assert len(runs) == 1
     run_id = open(os.path.join(run_dir, "wandb_run_id")).read().strip()
     assert runs[0].endswith(run_id)
-    record = open(glob.glob(os.path.join(runs[0], "run-*.wandb"))[0], "rb").read()  # what `wandb sync` uploads
+    record, t0 = b"", time.perf_counter()
+    while b"staleness" not in record and time.perf_counter() - t0 < 20:  # W&B's own process writes it
+        record = open(glob.glob(os.path.join(runs[0], "run-*.wandb"))[0], "rb").read()  # what `wandb sync` uploads
+        time.sleep(0.1)
     assert b"reward_timeout_s" in record and b"dora-test" in record and b"staleness" in record
     # A resumed run continues the same W&B run.
     w = MetricsWriter(run_dir, tensorboard=False)
