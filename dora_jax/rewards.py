@@ -14,6 +14,10 @@ only in a process's main thread. Workers come from a ``forkserver``: JAX runs th
 started once per process, with this module and :mod:`dora_jax.tasks` already imported; each worker is then a
 fork of that small single-threaded server (measured on a 2-core machine: the first worker of a process 0.17-0.19 s
 with the server's start, each later one 6-12 ms, against 12-20 ms for ``os.fork()`` of a process holding JAX).
+As with any ``spawn`` or ``forkserver`` process, a worker imports the main script (as ``__mp_main__``, so reward
+functions defined there can be sent), which must keep its work under ``if __name__ == "__main__":``; a script
+that imports JAX at the top makes each worker pay that import (~1.5 s on 2 cores; ``dora-jax`` and ``python -m``
+entry points import nothing heavy).
 
 What a call needs travels by pickle: the function by reference (a module-level function), each argument by
 value. A top-level argument that is not plain data (not a str, bytes, number, bool, None, tuple, list, dict or
