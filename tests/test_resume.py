@@ -16,8 +16,9 @@ point: the line is on disk, the checkpoint of that update is not). What each tes
   generated;
 * a truncated file in the newest checkpoint: the run falls back to the previous one with a warning and still
   ends equal to the uninterrupted run;
-* a changed config is refused naming the field, before anything is written;
-* ``Ledger.requeue`` moves in-flight samples back to pending and nothing else.
+* a changed config is refused naming the field, before anything is written.
+
+``Ledger.requeue``, which resume relies on, is tested with the ledger (tests/test_scheduler.py).
 """
 
 import json
@@ -33,7 +34,7 @@ import numpy as np
 import pytest
 
 from dora_jax.config import load_config
-from dora_jax.dora.ledger import Ledger, LedgerError
+from dora_jax.dora.ledger import Ledger
 from dora_jax.run.resume import ResumeError, RunStore, truncate_lines
 from dora_jax.run import Runner, RunError
 from invariants import check_trained_samples
@@ -126,23 +127,6 @@ def sync_reference(child_env, tmp_path_factory):
     run_child(child_env, d, SYNC)
     assert_every_update_changed_the_policy(d)
     return lines(d / "samples.jsonl"), lines(d / "metrics.jsonl"), d
-
-
-def test_requeue_moves_in_flight_samples_back_to_pending():
-    led = Ledger()
-    led.add_group(0, [0, 1], version=3, prompt_index=0)
-    led.start(0)
-    led.start(1)
-    led.finish(1)
-    led.requeue(0)
-    assert led.entries[0].state == "pending" and led.entries[0].version == 3
-    assert led.counts() == {"pending": 1, "in_flight": 0, "finished": 1, "consumed": 0, "filtered": 0}
-    led.check()
-    for sid in (0, 1):  # pending and finished samples are not requeued
-        with pytest.raises(LedgerError, match=f"sample {sid} is (pending|finished); cannot become pending"):
-            led.requeue(sid)
-    with pytest.raises(LedgerError, match="sample 9 is not in the ledger"):
-        led.requeue(9)
 
 
 def newest_checkpoint(run_dir):

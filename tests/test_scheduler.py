@@ -204,15 +204,28 @@ def test_ledger_rejects_bad_transitions_and_filters_whole_groups():
 
 
 def test_bad_policies_are_named():
-    with pytest.raises(ScheduleError, match="mode 'async'"):
+    with pytest.raises(ScheduleError, match="mode 'async'; allowed: sync, one_step_off, dora"):
         Scheduler(SchedulePolicy("async", 1, 8, 8, 4, 8))
+    with pytest.raises(ScheduleError, match="group_size 0: must be >= 1"):
+        Scheduler(SchedulePolicy("dora", 1, 8, 8, 0, 8))
+    with pytest.raises(ScheduleError, match="max_staleness -1: must be >= 0"):
+        Scheduler(SchedulePolicy("dora", -1, 8, 8, 4, 8))
+    for total in (0, 12):  # none, and not a multiple
+        with pytest.raises(ScheduleError, match=f"total_samples {total}: must be a positive multiple of train_batch 8"):
+            Scheduler(SchedulePolicy("dora", 1, 8, 8, 4, total))
+    with pytest.raises(ScheduleError, match=r"rollout_batch 4: must be >= train_batch 8 \(the trainer could never "
+                                            r"fill a batch\)"):
+        Scheduler(SchedulePolicy("dora", 1, 4, 8, 4, 8))
     with pytest.raises(ScheduleError, match="train_batch 6: must be a positive multiple of the group size 4"):
         Scheduler(SchedulePolicy("dora", 1, 8, 6, 4, 12))
     with pytest.raises(ScheduleError, match="rollout_batch 4: must be >= train_batch 8"):
         Scheduler(SchedulePolicy("dora", 1, 4, 8, 4, 8))
-    with pytest.raises(ScheduleError, match=r"rollout_batch 18: must be <= \(max_staleness \+ 1\) \* train_batch = 12"):
+    with pytest.raises(ScheduleError, match=r"rollout_batch 18: must be <= \(max_staleness \+ 1\) \* train_batch = 12 "
+                                            r"\(the next K \+ 1 updates are all that can train a sample dispatched "
+                                            r"now; more would be dropped or break the staleness bound\)"):
         Scheduler(SchedulePolicy("dora", 0, 18, 12, 3, 60))
-    with pytest.raises(ScheduleError, match="one_step_off .* max_staleness must be >= 1"):
+    with pytest.raises(ScheduleError, match="^one_step_off trains every batch one version late: max_staleness must "
+                                            "be >= 1$"):
         Scheduler(SchedulePolicy("one_step_off", 0, 8, 8, 4, 8))
 
 
@@ -270,6 +283,8 @@ BROKEN_LEDGERS = {
                                r"sample 0 names group 0 but is listed by groups \[0, 2\]"),
     "a group listing an unknown sample": (lambda led: led.groups[2].sample_ids.append(99),
                                           r"groups list samples that are not in the ledger: \[99\]"),
+    "a sample no group lists": (lambda led: led.groups[2].sample_ids.remove(5),
+                                r"sample 5 names group 2 but is listed by groups \[\]"),
 }
 
 
@@ -376,3 +391,224 @@ def test_the_simulation_checks_catch_a_broken_scheduler(scheduler, raised, messa
     simulate(policy, slots=8, seed=3, scheduler=Scheduler)  # the real one passes
     with pytest.raises(raised, match=message):
         simulate(policy, slots=8, seed=3, scheduler=scheduler)
+
+
+# -- what the scheduler and the ledger record, step by step (hand-derived cases) ------------------------------------
+
+
+def _run_group(led, group, finish=True):
+    for sid in group.sample_ids:
+        led.start(sid)
+        if finish:
+            led.finish(sid)
+
+
+def _filter_group(led, group):
+    """A reward failure on the first member; the others follow it."""
+    first, *rest = group.sample_ids
+    for sid in group.sample_ids:
+        led.start(sid)
+    led.filter(first, "reward function raised ValueError")
+    for sid in rest:
+        led.finish(sid)
+
+
+def test_groups_take_consecutive_sample_ids_and_data_positions():
+    s = Scheduler(SchedulePolicy("dora", 2, 12, 4, 4, 64))
+    groups = s.dispatch()
+    assert [(g.group_id, g.sample_ids, g.prompt_index, g.version) for g in groups] == [
+        (0, [0, 1, 2, 3], 0, 0), (1, [4, 5, 6, 7], 1, 0), (2, [8, 9, 10, 11], 2, 0)]
+    assert [s.ledger.entries[i].prompt_index for i in (0, 4, 11)] == [0, 1, 2]
+    assert (s.next_group, s.next_sample, s.next_prompt) == (3, 12, 3)
+
+
+def test_the_state_round_trips_and_the_run_continues_alike():
+    """A scheduler restored from its state dict (through JSON, as checkpoints hold it) equals the original and
+    takes the same decisions afterwards."""
+    import json
+
+    policy = SchedulePolicy("one_step_off", 1, 8, 8, 4, 32)
+    a = Scheduler(policy)
+    first = a.dispatch()
+    for g in first:
+        _run_group(a.ledger, g)
+    second = a.dispatch()  # the next batch starts once the first is generated
+    a.trained(a.next_batch())
+    _run_group(a.ledger, second[0], finish=False)
+    b = Scheduler.from_state_dict(policy, json.loads(json.dumps(a.state_dict())))
+    assert b.state_dict() == a.state_dict() and b.ledger is not a.ledger
+    assert [(g.group_id, g.version, g.prompt_index) for g in b.ledger.groups.values()] == [
+        (g.group_id, g.version, g.prompt_index) for g in a.ledger.groups.values()]
+    for sched in (a, b):
+        _run_group(sched.ledger, sched.ledger.groups[3])
+        for sid in sched.ledger.groups[2].sample_ids:
+            sched.ledger.finish(sid)
+        assert sched.dispatch()[0].group_id == 4 and sched.next_batch() == [2, 3]
+    assert b.state_dict() == a.state_dict()
+
+
+def test_one_step_off_starts_a_batch_once_the_previous_one_is_generated():
+    s = Scheduler(SchedulePolicy("one_step_off", 1, 8, 8, 4, 32))
+    led = s.ledger
+    b0 = s.dispatch()
+    assert [g.group_id for g in b0] == [0, 1] and s.dispatch() == []  # batch 0 still decoding
+    _run_group(led, b0[0])
+    _filter_group(led, b0[1])  # filtered counts as generated
+    b1 = s.dispatch()
+    assert [(g.group_id, g.version) for g in b1] == [(2, 0), (3, 0)]
+    for g in b1:
+        _run_group(led, g)
+    assert s.dispatch() == []  # two batches in flight at most
+    assert s.next_batch() == [0]  # the filtered group is not trained; the batch is still the first
+    s.trained([0])
+    assert [g.group_id for g in s.dispatch()] == [4, 5] and s.batches == [[2, 3], [4, 5]]
+
+
+def test_refill_replaces_filtered_groups_within_the_budget():
+    """DAPO's dynamic sampling in sync mode: each wholly filtered group of the batch in flight is replaced by a
+    new one, exactly enough for TBS live samples, as long as trained + outstanding samples stay within the
+    budget (filtered samples count for neither). Without refill a batch stays short."""
+    s = Scheduler(SchedulePolicy("sync", 0, 8, 8, 4, 16, refill=True))
+    led = s.ledger
+    g0, g1 = s.dispatch()
+    _filter_group(led, g0)
+    (g2,) = s.dispatch()
+    assert g2.group_id == 2 and s.batches == [[0, 1, 2]] and s.dispatch() == []
+    _run_group(led, g1)
+    _run_group(led, g2)
+    assert s.next_batch() == [1, 2]
+    s.trained([1, 2])
+    g3, g4 = s.dispatch()  # the last batch: the budget is spent
+    assert s._budget() == 0
+    _filter_group(led, g3)
+    _filter_group(led, g4)
+    assert [g.group_id for g in s.dispatch()] == [5, 6]  # two replacements, the second with exactly 4 left
+    assert s.batches == [[3, 4, 5, 6]] and s._budget() == 0 and s.dispatch() == []
+
+    plain = Scheduler(SchedulePolicy("sync", 0, 8, 8, 4, 16))
+    g0, g1 = plain.dispatch()
+    _filter_group(plain.ledger, g0)
+    assert plain.dispatch() == []
+    _run_group(plain.ledger, g1)
+    assert plain.next_batch() == [1]  # a short batch
+
+
+def test_slots_go_to_the_largest_remainders():
+    s = Scheduler(SchedulePolicy("dora", 2, 16, 8, 4, 64))
+    assert s.assign_slots(3, {0: 3, 1: 4}) == {0: 1, 1: 2}  # 9/7 and 12/7: the newer version's .71 wins
+    assert s.assign_slots(3, {0: 4, 1: 1}) == {0: 2, 1: 1}  # 2.4 and 0.6: the remainder, not the size, decides
+    assert s.assign_slots(-1, {0: 3}) == {} and s.assign_slots(5, {}) == {}
+
+
+def test_the_window_counts_every_older_version_together():
+    """K = 3, one group per update. At version 2: one group of version 0 and two of version 1 decoding, a
+    version-2 group ready. Training it would leave three groups that only the updates at versions 3 and 4
+    may take: refused, though no single version holds more than its own updates allow."""
+    s = Scheduler(SchedulePolicy("dora", max_staleness=3, rollout_batch=8, train_batch=2, group_size=2,
+                                 total_samples=40))
+    led = s.ledger
+    a0, a1, a2, a3 = s.dispatch()
+    _run_group(led, a0, finish=False)
+    _run_group(led, a1)
+    _run_group(led, a2)
+    _filter_group(led, a3)
+    assert s.next_batch() == [a1.group_id]
+    s.trained([a1.group_id])
+    b0, b1 = s.dispatch()
+    _run_group(led, b0, finish=False)
+    _run_group(led, b1, finish=False)
+    assert s.next_batch() == [a2.group_id]
+    s.trained([a2.group_id])
+    (c0,) = s.dispatch()
+    _run_group(led, c0)
+    assert s.version == 2 and led.outstanding() == {0: 2, 1: 4, 2: 2}
+    assert s.next_batch() is None
+
+
+def test_a_finished_run_hands_out_nothing_more():
+    for mode in ("sync", "one_step_off", "dora"):
+        k = {"sync": 0, "one_step_off": 1, "dora": 2}[mode]
+        policy = SchedulePolicy(mode, k, 8, 8, 4, 32)
+        sched, _, _ = simulate(policy, slots=8, seed=5)
+        assert sched.done() and sched.next_batch() is None and sched.dispatch() == [] and sched.batches == []
+        assert sched.live_versions() == [4] and sched.trained_samples == 32
+
+
+def test_live_versions_are_the_outstanding_ones_and_the_newest():
+    s = Scheduler(SchedulePolicy("dora", 2, 12, 4, 4, 64))
+    led = s.ledger
+    a, b, c = s.dispatch()
+    assert s.live_versions() == [0]
+    _run_group(led, a)
+    s.trained(s.next_batch())
+    assert s.live_versions() == [0, 1]
+    for g in (b, c):
+        _run_group(led, g)
+    s.trained(s.next_batch())
+    s.trained(s.next_batch())
+    assert s.live_versions() == [3]
+
+
+def test_retract_moves_the_groups_of_a_version_never_published():
+    s = Scheduler(SchedulePolicy("dora", 1, 8, 4, 4, 64))
+    led = s.ledger
+    a, b = s.dispatch()
+    _run_group(led, a)
+    s.trained(s.next_batch())
+    (c,) = s.dispatch()  # on version 1
+    assert c.version == 1 and s.retract() == [c.group_id]
+    assert s.version == 0 and led.groups[c.group_id].version == 0
+    assert {led.entries[sid].version for sid in c.sample_ids} == {0}
+    led.check(1)
+    led.start(c.sample_ids[0])
+    with pytest.raises(LedgerError, match=r"group 2 cannot move from version 0 to 1: its samples are \['in_flight', "
+                                          r"'pending', 'pending', 'pending'\], and only groups that have not started "
+                                          r"can"):
+        led.move_version(c.group_id, 1)
+
+
+def test_requeue_moves_in_flight_samples_back_to_pending():
+    led = Ledger()
+    led.add_group(0, [0, 1], version=3, prompt_index=0)
+    led.start(0)
+    led.start(1)
+    led.finish(1)
+    led.requeue(0)
+    assert led.entries[0].state == "pending" and led.entries[0].version == 3
+    assert led.counts() == {"pending": 1, "in_flight": 0, "finished": 1, "consumed": 0, "filtered": 0}
+    led.check()
+    for sid in (0, 1):  # pending and finished samples are not requeued
+        with pytest.raises(LedgerError, match=f"sample {sid} is (pending|finished); cannot become pending"):
+            led.requeue(sid)
+    with pytest.raises(LedgerError, match="sample 9 is not in the ledger"):
+        led.requeue(9)
+
+
+def test_filter_names_what_it_refuses_and_who_filtered_a_group():
+    led = _valid_ledger()
+    with pytest.raises(LedgerError, match="sample 9 is not in the ledger"):
+        led.filter(9, "reward raised")
+    with pytest.raises(LedgerError, match="sample 0 is consumed; cannot be filtered"):
+        led.filter(0, "reward raised")
+    with pytest.raises(LedgerError, match="sample 4 is filtered; cannot be filtered"):
+        led.filter(4, "reward raised")
+    assert led.group_done(0) and led.group_done(2) and not led.group_ready(0)
+    # A member filtered because of another ("group member ...") is not a cause: a later member names the one
+    # whose own failure filtered the group, also after a save and restore.
+    led.add_group(3, [6, 7, 8, 9], version=1, prompt_index=3)
+    for sid in (6, 7, 8, 9):
+        led.start(sid)
+    led.filter(8, "reward timed out after 5s")
+    led.filter(6, "group member 8 filtered")
+    for ledger in (led, Ledger.from_dict(led.to_dict())):
+        ledger.finish(9)
+        assert ledger.entries[9].reason == "group member 8 filtered"
+    # A restored group with no failure finishes normally.
+    led.add_group(4, [10, 11], version=1, prompt_index=4)
+    led.start(10)
+    restored = Ledger.from_dict(led.to_dict())
+    restored.finish(10)
+    assert restored.entries[10].state == "finished"
+    with pytest.raises(LedgerError, match="saved ledger: sample 10 has unknown state 'lost'"):
+        Ledger.from_dict({"groups": led.to_dict()["groups"],
+                          "entries": [e if e[0] != 10 else [10, "lost", "", -1] for e in led.to_dict()["entries"]]})
