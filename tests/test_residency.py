@@ -16,6 +16,7 @@ from flax import nnx
 
 from dora_jax.config import ModelConfig
 from dora_jax.models.build import init_model
+from dora_jax.models.decoder import DecodeSettings
 from dora_jax.rollout.driver import DriverGroups, Request, RolloutDriver
 from dora_jax.rollout.engine import Engine, RequestSampling
 from dora_jax.run.residency import Residency
@@ -27,7 +28,8 @@ class Recording(RolloutDriver):
     with the versions it holds right after."""
 
     def __init__(self, events, *, unload=True):
-        engine = types.SimpleNamespace(max_prefill_length=8, max_concurrent_decodes=4, prepare_params=lambda p: p)
+        engine = types.SimpleNamespace(max_prefill_length=8, max_concurrent_decodes=4, prepare_params=lambda p: p,
+                                       settings=DecodeSettings())
         super().__init__(engine, overlap=False)
         self.events, self.unload = events, unload
 
@@ -126,22 +128,22 @@ CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layer
 
 
 def test_a_removed_version_leaves_the_devices_while_a_step_that_used_it_is_in_flight():
-    """With overlap, the step dispatched before version 0's last token (a stop token) was read still computes a
-    (discarded) row of it when version 0 is removed. Removal waits for that step and drops the weights: the
-    driver holds one version, and nothing keeps version 0's weights alive."""
+    """With overlap, the decode program dispatched before version 0's last token (a stop token, early in a
+    budget of 20) was read still has a row of it when version 0 is removed. Removal waits for that program and
+    drops the weights: the driver holds one version, and nothing keeps version 0's weights alive."""
     engine = Engine(init_model(CFG, seed=0), max_concurrent_decodes=4, max_prefill_length=8, max_target_length=32)
     greedy = RequestSampling(temperature=0.0)
     v0 = nnx.state(init_model(CFG, seed=1))  # its only holders: this name and the drivers it is loaded into
     probe = RolloutDriver(engine, overlap=False)
     probe.add_version(0, v0)
-    (t,) = probe.run([Request(0, (3, 4, 5), max_new_tokens=8, sampling=greedy)])
-    stop = next(tok for i, tok in enumerate(t.tokens) if i >= 2 and tok not in t.tokens[:i])
+    (t,) = probe.run([Request(0, (3, 4, 5), max_new_tokens=20, sampling=greedy)])
+    stop = next(tok for i, tok in enumerate(t.tokens) if 2 <= i <= 5 and tok not in t.tokens[:i])
     d = RolloutDriver(engine, overlap=True)
     d.add_version(0, v0)
     d.add_version(1, nnx.state(init_model(CFG, seed=2)))
     del v0, probe
-    d.submit(Request(0, (3, 4, 5), version=0, max_new_tokens=8, sampling=greedy, stop_ids=(stop,)))
-    d.submit(Request(1, (6, 7), version=1, max_new_tokens=12, sampling=greedy))
+    d.submit(Request(0, (3, 4, 5), version=0, max_new_tokens=20, sampling=greedy, stop_ids=(stop,)))
+    d.submit(Request(1, (6, 7), version=1, max_new_tokens=24, sampling=greedy))
     done = []
     while not any(t.sample_id == 0 for t in done):
         done += d.step()
