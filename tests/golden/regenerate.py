@@ -32,12 +32,19 @@ def dump(name: str) -> dict:
     return json.loads(json.dumps({"mesh": dict(zip(mesh.axis_names, mesh.devices.shape)), "params": specs}))
 
 
-def presets() -> list[str]:
-    """The shipped presets with a model that are sized for the CPU (simulator presets have no model)."""
+def names() -> list[str]:
+    """The shipped presets that have a model (simulator presets have none)."""
+    from dora_jax.config import configs_dir
+
+    return sorted(f for f in os.listdir(configs_dir()) if f.endswith(".yaml") and not f.startswith("sim_"))
+
+
+def sized_for_cpu(name: str) -> bool:
+    """Whether the preset is sized for the CPU (``target.device_kind``): the others are built on their own
+    device count by ``dora-jax check``."""
     from dora_jax.config import configs_dir, load_config
 
-    names = sorted(f for f in os.listdir(configs_dir()) if f.endswith(".yaml") and not f.startswith("sim_"))
-    return [n for n in names if load_config(os.path.join(configs_dir(), n)).target.device_kind == "cpu"]
+    return load_config(os.path.join(configs_dir(), name)).target.device_kind == "cpu"
 
 
 def path(name: str) -> str:
@@ -49,7 +56,7 @@ def main() -> int:
 
     os.environ["XLA_FLAGS"] = cpu_device_flags(8, os.environ.get("XLA_FLAGS", ""))  # before JAX starts
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    for name in presets():
+    for name in filter(sized_for_cpu, names()):
         with open(path(name), "w") as f:
             json.dump(dump(name), f, indent=1, sort_keys=True)
         print("wrote", path(name))
