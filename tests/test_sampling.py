@@ -117,7 +117,8 @@ def processed_distribution(logits, temperature, top_k, top_p, *, nucleus_after_t
     z = np.asarray(logits, np.float64) / temperature
     order = np.argsort(-z, kind="stable")
     k = top_k if 0 < top_k < len(z) else len(z)
-    ranked = (np.asarray(logits, np.float64) if not nucleus_after_temperature else z)[order[:k] if top_k_first else order]
+    scores = z if nucleus_after_temperature else np.asarray(logits, np.float64)
+    ranked = scores[order[:k] if top_k_first else order]
     q = np.exp(ranked - ranked.max())
     q /= q.sum()
     n = max(1, int(np.sum(np.cumsum(q) - q < top_p)))
