@@ -357,3 +357,12 @@ def test_decode_batch_steps_are_counted_from_the_run_and_repeat(tmp_path, shared
     assert summaries[0]["decode_batch_steps"] == summaries[1]["decode_batch_steps"] == sum(
         m["decode_batch_steps"] for m in rows[0])
     assert summaries[0]["decode_batch_steps_per_sample"] == summaries[0]["decode_batch_steps"] / 16
+
+
+def test_a_placement_built_for_another_model_is_refused(tmp_path, shared):
+    """A run on a given placement uses the placement's model, initial weights and devices: a config that says
+    otherwise is refused, naming the setting, before anything is written."""
+    for override, name in (("run.seed=7", "run.seed"), ("model.num_layers=3", "model")):
+        with pytest.raises(RunError, match=rf"placement was built for another {name}"):
+            Runner(tiny(override), str(tmp_path / name), **shared())
+        assert not (tmp_path / name).exists()

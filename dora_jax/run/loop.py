@@ -30,7 +30,7 @@ from dora_jax.run.placement import Placement
 from dora_jax.run.residency import Residency
 from dora_jax.run.resume import RunStore, fsync_file, pack_run_state, unpack_run_state
 from dora_jax.run.rollout import RolloutSide
-from dora_jax.run.setup import (agree, byte_tokenizer, check_multiprocess, check_rollout_groups, check_run_dir,
+from dora_jax.run.setup import (agree, byte_tokenizer, check_multiprocess, check_placement, check_run_dir,
                                 save_ledger, schedule_policy, summarize, truncate_outputs)
 from dora_jax.run.training import TrainInFlight, batch_row, build_batch, write_samples
 from dora_jax.tasks import Task, load_task
@@ -72,7 +72,7 @@ class Runner:
             check_multiprocess(cfg, placement)
             # Also a barrier: no process writes to the run directory before every process has checked it.
             agree(self.multi, "config fingerprint", cfg.fingerprint(), "at startup")
-        check_rollout_groups(cfg, self.multi, placement)
+        check_placement(cfg, self.multi, placement)
         self.task = task if task is not None else load_task(cfg.task)
         self.placement = placement or Placement.build(cfg, model, devices, progress=progress)
         tokenizer = tokenizer or self.placement.tokenizer or byte_tokenizer(cfg)

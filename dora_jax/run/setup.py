@@ -105,11 +105,24 @@ def check_multiprocess(cfg: Config, placement: Any) -> None:
                        "engine must be on its own devices)")
 
 
-def check_rollout_groups(cfg: Config, multi: bool, placement: Any) -> None:
-    """Rollout groups are disjoint device sets of a split placement, in one process."""
-    if cfg.roles.rollout_groups > 1 and (cfg.roles.placement != "split" or multi or placement is not None):
+def check_placement(cfg: Config, multi: bool, placement: Any) -> None:
+    """A placement given to a run was built for the same model and initial weights (its trainer, engines and
+    initial state are what the run uses, whatever ``cfg`` says); rollout groups are disjoint device sets of a
+    split placement, in one process.
+
+    Raises:
+      RunError: naming the setting that differs or cannot work.
+    """
+    if placement is not None:
+        for name in ("model", "run.seed", "mesh", "roles"):
+            here, there = (getattr(c.run, "seed") if name == "run.seed" else getattr(c, name)
+                           for c in (cfg, placement.cfg))
+            if here != there:
+                raise RunError(f"Runner(placement=...): the placement was built for another {name} ({there!r}) "
+                               f"than this run's ({here!r}); its model, initial weights and devices are the "
+                               "placement's: build one for this config")
+    if cfg.roles.rollout_groups > 1 and (cfg.roles.placement != "split" or multi):
         why = ("several processes (each decodes its own share on its own devices)" if multi else
-               "Runner(placement=...) (the run is built on that placement's engines)" if placement is not None else
                f"roles.placement={cfg.roles.placement!r} (every group would be the same devices)")
         raise RunError(f"roles.rollout_groups = {cfg.roles.rollout_groups}: rollout groups are disjoint device "
                        f"sets of a split placement, not with {why}; use roles.placement=split, or "
