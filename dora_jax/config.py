@@ -276,6 +276,12 @@ class TrainConfig:
     as verl's ``ppo_mini_batch_size``/``ppo_epochs`` and TRL's ``num_iterations``. Decoupled PPO's proximal
     log-probs are taken once, with the weights at the iteration's start. ``micro_batches`` only splits each
     update's gradient for memory.
+
+    Long sequences (docs/trainer.md, "Long sequences"): ``remat`` (``none``, ``full``, ``dots``, ``offload``)
+    is what each decoder layer keeps for the backward pass; ``attention_impl`` (``auto``, ``xla``,
+    ``blockwise``, ``cudnn``, ``pallas_gpu``, ``splash``) how the training forward attends, in tiles of
+    ``attention_block`` tokens; ``logprob_chunk`` > 0 takes the log-probs over that many positions at a time,
+    so the [rows, T, vocab] logits never exist (0: all at once).
     """
 
     loss: str = "grpo"
@@ -313,6 +319,10 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     std_eps: float = 1e-6
+    remat: str = "none"
+    attention_impl: str = "auto"
+    attention_block: int = 512
+    logprob_chunk: int = 0
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self, path: str = "train") -> None:
@@ -367,9 +377,30 @@ class TrainConfig:
             _fail(f"{path}.eps", (self.eps, self.std_eps), "eps and std_eps must be > 0")
         if self.grad_clip < 0:
             _fail(f"{path}.grad_clip", self.grad_clip, "must be >= 0 (0 disables clipping)")
+        if self.remat not in REMAT_POLICIES:
+            _fail(f"{path}.remat", self.remat, f"allowed: {', '.join(REMAT_POLICIES)}")
+        if self.attention_impl not in TRAIN_ATTENTION_IMPLS:
+            _fail(f"{path}.attention_impl", self.attention_impl, f"allowed: {', '.join(TRAIN_ATTENTION_IMPLS)}")
+        if self.attention_block <= 0 or self.attention_block & (self.attention_block - 1):
+            _fail(f"{path}.attention_block", self.attention_block, "must be a power of two")
+        if self.attention_impl in ("pallas_gpu", "splash"):
+            bad = [b for b in self.length_buckets if b > self.attention_block and b % self.attention_block]
+            if bad:
+                _fail(f"{path}.attention_block", self.attention_block, f"the {self.attention_impl} kernel tiles a "
+                      f"row in blocks that divide it: length buckets {bad} are not multiples of it")
+        if self.logprob_chunk < 0:
+            _fail(f"{path}.logprob_chunk", self.logprob_chunk, "must be >= 0 (0: the log-probs of a row at once)")
+        if self.logprob_chunk > 0:
+            bad = [b for b in self.length_buckets if b > self.logprob_chunk and b % self.logprob_chunk]
+            if bad:
+                _fail(f"{path}.logprob_chunk", self.logprob_chunk, f"must divide every length bucket longer than "
+                      f"it (a row is cut into equal chunks): {bad} in train.length_buckets "
+                      f"{list(self.length_buckets)} are not multiples")
         self.lora.validate(f"{path}.lora")
 
 
+REMAT_POLICIES = ("none", "full", "dots", "offload")
+TRAIN_ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "pallas_gpu", "splash")
 _MODES = ("sync", "one_step_off", "dora")
 _TASK_LEVELS = ("add1", "add2", "sub2", "mul1", "mul21", "add3")
 

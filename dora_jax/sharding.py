@@ -119,6 +119,11 @@ def activate(mesh: Mesh, rules: Rules) -> Iterator[None]:
         _ACTIVE.value = prev
 
 
+def active_mesh() -> tuple[Mesh, Rules] | None:
+    """The ``(mesh, rules)`` made active by :func:`activate` around the current trace, or None."""
+    return getattr(_ACTIVE, "value", None)
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     active = getattr(_ACTIVE, "value", None)
     if active is None:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dora_jax.config import ModelConfig, RolloutConfig
+from dora_jax.config import REMAT_POLICIES, ModelConfig, RolloutConfig
 from dora_jax.sharding import constrain
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -147,20 +147,58 @@ def attention_with_cache(q_bthd: jax.Array, k_bkds: jax.Array, v_bksd: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """How the training forward runs (``train.remat``, ``train.attention_impl``, ``train.attention_block``);
+    none of them changes a result beyond float rounding.
+
+    ``remat``: what each scanned layer keeps for the backward pass. ``none`` keeps every intermediate;
+    ``full`` keeps only the layer's input and recomputes the layer in the backward pass; ``dots`` keeps the
+    weight products' outputs (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``: attention scores,
+    which have batch dims, are recomputed); ``offload`` keeps the same products in pinned host memory
+    (``offload_dot_with_no_batch_dims``). ``attention_impl``: :mod:`dora_jax.models.attention`;
+    ``interpret`` runs a Pallas kernel through its interpreter (CPU tests).
+    """
+
+    remat: str = "none"
+    attention_impl: str = "xla"
+    attention_block: int = 512
+    interpret: bool = False
+
+    @classmethod
+    def of(cls, train) -> "TrainSettings":
+        """The settings of a config's ``train`` section."""
+        return cls(remat=train.remat, attention_impl=train.attention_impl, attention_block=train.attention_block)
+
+
+def remat_policy(remat: str):
+    """The ``jax.checkpoint`` policy of ``train.remat`` (not ``none``)."""
+    policies = jax.checkpoint_policies
+    if remat == "full":
+        return policies.nothing_saveable
+    if remat == "dots":
+        return policies.dots_with_no_batch_dims_saveable
+    if remat == "offload":
+        return policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+    raise ValueError(f"remat {remat!r}: allowed {', '.join(REMAT_POLICIES)}")
+
+
+@dataclasses.dataclass(frozen=True)
 class DecodeSettings:
     """How the rollout engine runs decode: its serving settings, apart from the architecture.
 
     The fields and their meaning are those of the same names in :class:`~dora_jax.config.RolloutConfig`
     (``rollout.attention_impl``, ``rollout.pallas_interpret``, ``rollout.cache_read_buckets``,
-    ``rollout.decode_weights``). :func:`decode_forward` reads the first three; ``decode_weights`` is read where
-    the engine prepares a version's weights (:func:`decode_forward` recognizes the layout from the params).
-    None of them changes a result beyond float rounding.
+    ``rollout.decode_weights``, ``rollout.decode_steps``). :func:`decode_forward` reads the first three;
+    ``decode_weights`` is read where the engine prepares a version's weights (:func:`decode_forward`
+    recognizes the layout from the params), ``decode_steps`` by the rollout driver (decode steps per
+    dispatched program). None of them changes a result beyond float rounding.
     """
 
     attention_impl: str = "xla"
     pallas_interpret: bool = False
     cache_read_buckets: int = 0
     decode_weights: str = "auto"
+    decode_steps: int | str = "auto"
 
     @classmethod
     def of(cls, rollout: RolloutConfig) -> "DecodeSettings":
@@ -610,8 +648,10 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
                  segment_ids_bt: jax.Array | None = None, lora: dict[str, dict[str, jax.Array]] | None = None,
-                 lora_scale: float = 1.0) -> jax.Array:
-        """Training forward. Returns float32 logits [B, T, V].
+                 lora_scale: float = 1.0, *, settings: TrainSettings = TrainSettings(),
+                 hidden: bool = False) -> jax.Array:
+        """Training forward. Returns float32 logits [B, T, V] (or, with ``hidden``, the last layer's output
+        [B, T, D] before the final norm, for :func:`head_logits` over chunks of positions).
 
         Args:
           tokens_bt: int token ids.
@@ -620,20 +660,34 @@ class Decoder(nnx.Module):
           lora: low-rank adapters ``{param name: {"a": [L, in, r], "b": [L, r, out]}}`` added to those
             projections on the activations (``dora_jax.trainer.lora``); the weights themselves are unchanged.
           lora_scale: ``alpha / r`` for ``lora``.
+          settings: remat policy and attention implementation (:class:`TrainSettings`).
+          hidden: return the last layer's output instead of the logits.
         """
+        from dora_jax.models.attention import resolve_train_attention, train_attention
+
         b, t = tokens_bt.shape
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         if segment_ids_bt is None:
             segment_ids_bt = jnp.ones((b, t), jnp.int32)
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        same = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
-        mask_bts = causal[None] & same & (segment_ids_bt[:, :, None] != 0)
+        impl = resolve_train_attention(settings.attention_impl, t, settings.attention_block)
+        if impl == "xla":  # the reference: scores materialized under a [B, T, T] mask
+            causal = jnp.tril(jnp.ones((t, t), bool))
+            same = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+            mask_bts = causal[None] & same & (segment_ids_bt[:, :, None] != 0)
+
+        def attend(q, k, v):
+            if impl == "xla":
+                return attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask_bts)
+            return train_attention(q, k, v, segment_ids_bt, impl=impl, block=settings.attention_block,
+                                   interpret=settings.interpret)
 
         def block(x, p):
             q, k, v = self._qkv(p, x, positions_bt)
-            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-            return self._finish_block(p, x, attention(q, k, v, mask_bts)), None
+            return self._finish_block(p, x, attend(q, k, v)), None
+
+        if settings.remat != "none":
+            block = jax.checkpoint(block, policy=remat_policy(settings.remat), prevent_cse=False)
 
         layer_params = self._layer_params()
         for name, ab in (lora or {}).items():
@@ -641,7 +695,7 @@ class Decoder(nnx.Module):
         if lora:
             layer_params["lora_scale"] = jnp.full((self.cfg.num_layers,), lora_scale, jnp.float32)
         x, _ = jax.lax.scan(block, self._embed(tokens_bt), layer_params)
-        return self._logits(x)
+        return x if hidden else self._logits(x)
 
     def decode(self, tokens_bt: jax.Array, positions_bt: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Forward of T new tokens per row against the cache; returns (float32 logits [B, T, V], new cache).

@@ -31,6 +31,7 @@ of the iteration, held fixed over its ``minibatches x epochs`` updates):
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -49,6 +50,42 @@ def token_logprobs(logits_btv: jax.Array, tokens_bt: jax.Array, temperature: flo
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     lp = picked - jax.nn.logsumexp(logits, axis=-1)
     return jnp.pad(lp, ((0, 0), (1, 0)))
+
+
+def chunked_token_logprobs(hidden_btd: jax.Array, logits_fn, tokens_bt: jax.Array, temperature: float = 1.0,
+                           chunk: int = 0) -> jax.Array:
+    """:func:`token_logprobs` of ``logits_fn(hidden_btd)``, computed ``chunk`` positions at a time.
+
+    ``logits_fn`` maps hidden states [B, c, D] to logits [B, c, V] (the final norm and the output head). The
+    chunks run in a ``lax.map`` under ``jax.checkpoint``, so neither the forward nor the backward pass holds
+    more than one chunk's [B, chunk, V] logits: the backward recomputes each chunk's logits and accumulates
+    the head's gradient over the chunks. ``chunk`` 0, or at least T, is the whole row at once.
+
+    Raises:
+      ValueError: when ``chunk`` does not divide the row length T (``train.logprob_chunk`` is checked against
+        the length buckets at start-up).
+    """
+    b, t = tokens_bt.shape
+    if chunk <= 0 or chunk >= t:
+        return token_logprobs(logits_fn(hidden_btd), tokens_bt, temperature)
+    if t % chunk:
+        raise ValueError(f"logprob chunk {chunk} does not divide the row length {t}")
+    n = t // chunk
+    # Position t's logits predict token t + 1; the last position predicts nothing (a placeholder target).
+    targets = jnp.concatenate([tokens_bt[:, 1:], jnp.zeros((b, 1), tokens_bt.dtype)], axis=1)
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def one(args):
+        h_bcd, y_bc = args
+        logits = logits_fn(h_bcd).astype(jnp.float32)
+        if temperature != 1.0:
+            logits = logits / temperature
+        picked = jnp.take_along_axis(logits, y_bc[..., None], axis=-1)[..., 0]
+        return picked - jax.nn.logsumexp(logits, axis=-1)
+
+    xs = (hidden_btd.reshape(b, n, chunk, -1).swapaxes(0, 1), targets.reshape(b, n, chunk).swapaxes(0, 1))
+    lp = jax.lax.map(one, xs).swapaxes(0, 1).reshape(b, t)
+    return jnp.pad(lp[:, :-1], ((0, 0), (1, 0)))
 
 
 def overlong_penalty(length: int, budget: int, buffer: int, penalty: float = 1.0) -> float:

@@ -18,27 +18,58 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dora_jax.config import Config, TrainConfig
+from dora_jax.config import Config, ConfigError, TrainConfig
 from dora_jax.sharding import Rules, activate, constrain, logical_to_spec, serial_jit
 from dora_jax.trainer import lora as lora_lib
 from dora_jax.trainer.batch import BatchError, TrainBatch, bucket_rows, check_batch
-from dora_jax.trainer.losses import (LossTerms, group_advantages, normalizers, policy_loss, staleness,
-                                     token_logprobs)
+from dora_jax.models.decoder import TrainSettings, head_logits
+from dora_jax.trainer.losses import (LossTerms, chunked_token_logprobs, group_advantages, normalizers, policy_loss,
+                                     staleness)
 from dora_jax.trainer.state import TrainState, learning_rate_schedule, make_optimizer
 
 
 def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, tokens_bt: jax.Array,
                       segment_ids_bt: jax.Array, lora: lora_lib.LoraParams | None = None,
-                      lora_scale: float = 1.0, temperature: float = 1.0) -> jax.Array:
+                      lora_scale: float = 1.0, temperature: float = 1.0, *,
+                      settings: TrainSettings = TrainSettings(), logprob_chunk: int = 0) -> jax.Array:
     """The training forward's log-prob of every token given its prefix at the rollout's ``temperature``,
     [B, T] float32 (column 0 is 0).
 
     With ``lora`` the adapters are applied on the activations (the same function as the merged weights, but
-    the backward pass never forms the base weights' gradients)."""
+    the backward pass never forms the base weights' gradients). ``settings``: the forward's remat policy and
+    attention (:class:`~dora_jax.models.decoder.TrainSettings`); ``logprob_chunk`` > 0: the output head and
+    log-softmax run over that many positions at a time (:func:`chunked_token_logprobs`)."""
     b, t = tokens_bt.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    logits = nnx.merge(graphdef, params)(tokens_bt, positions, segment_ids_bt, lora=lora, lora_scale=lora_scale)
-    return token_logprobs(logits, tokens_bt, temperature)
+    model = nnx.merge(graphdef, params)
+    hidden = model(tokens_bt, positions, segment_ids_bt, lora=lora, lora_scale=lora_scale, settings=settings,
+                   hidden=True)
+    head = model.head_params()
+    return chunked_token_logprobs(hidden, lambda h: head_logits(model.cfg, head, h), tokens_bt, temperature,
+                                  logprob_chunk)
+
+
+def check_train_forward(cfg: TrainConfig, devices) -> None:
+    """Refuses a training forward that ``devices`` cannot run: a platform kernel (``train.attention_impl``
+    ``cudnn``, ``pallas_gpu``, ``splash``) on another platform, ``train.remat: offload`` without a pinned host
+    memory to offload to.
+
+    Raises:
+      ConfigError: naming the field, the value and what to use instead.
+    """
+    from dora_jax.models.attention import unsupported_reason
+
+    platform = devices[0].platform
+    reason = unsupported_reason(cfg.attention_impl, platform)
+    if reason:
+        raise ConfigError(f"config field 'train.attention_impl' = {cfg.attention_impl!r}: {reason}",
+                          field="train.attention_impl")
+    if cfg.remat == "offload":
+        kinds = {m.kind for d in devices for m in d.addressable_memories()}
+        if "pinned_host" not in kinds:
+            raise ConfigError(f"config field 'train.remat' = 'offload': the {platform} devices have no pinned "
+                              f"host memory to offload to (memories: {', '.join(sorted(kinds))}); use 'dots' or "
+                              "'full'", field="train.remat")
 
 
 def policy_params(state: TrainState, cfg: TrainConfig) -> nnx.State:
@@ -66,6 +97,7 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig, tx: optax.Gradient
     """
     schedule = learning_rate_schedule(cfg)
     n_micro = cfg.micro_batches
+    forward = dict(settings=TrainSettings.of(cfg), logprob_chunk=cfg.logprob_chunk)
 
     def step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, jax.Array]]:
         valid = batch.valid
@@ -85,9 +117,9 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig, tx: optax.Gradient
             tokens, seg, mask, beh, ref, prox, a, k = mb
             if cfg.lora.rank > 0:
                 logp = sequence_logprobs(graphdef, state.frozen, tokens, seg, trainable, cfg.lora.alpha / cfg.lora.rank,
-                                         temperature)
+                                         temperature, **forward)
             else:
-                logp = sequence_logprobs(graphdef, trainable, tokens, seg, temperature=temperature)
+                logp = sequence_logprobs(graphdef, trainable, tokens, seg, temperature=temperature, **forward)
             terms = policy_loss(logp, beh, ref, mask, a, k, norms, cfg, prox if use_prox else None)
             return terms.loss, terms
 
@@ -231,6 +263,7 @@ class Trainer:
             prox_logprobs=self._row_tok, versions=self._row, group_ids=self._row, rewards=self._row, valid=self._row)
         replicated = NamedSharding(mesh, P())
         t = cfg.train
+        check_train_forward(t, list(mesh.devices.flat))
         # Every log-prob the trainer takes is under the distribution the rollout samples: logits / T.
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.updates_per_iteration = t.minibatches * t.epochs
@@ -241,8 +274,9 @@ class Trainer:
         self._step = serial_jit(step, in_shardings=(state_shardings, self.batch_shardings),
                                 out_shardings=(state_shardings, replicated), donate_argnums=(0,))
         temperature = self.temperature
+        forward = dict(settings=TrainSettings.of(t), logprob_chunk=t.logprob_chunk)
         self._logprobs = serial_jit(lambda p, tokens, seg: sequence_logprobs(graphdef, p, tokens, seg,
-                                                                             temperature=temperature),
+                                                                             temperature=temperature, **forward),
                                     out_shardings=self._row_tok)
         self._policy = serial_jit(lambda s: policy_params(s, t))
         self._take = serial_jit(_take_rows, out_shardings=self.batch_shardings)

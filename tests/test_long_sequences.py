@@ -1,0 +1,361 @@
+"""Training long sequences: attention implementations, per-layer remat, chunked log-probs, mixed precision.
+
+References: attention written out in float64 here, and the materialized float32 path (``xla``,
+:func:`dora_jax.models.decoder.attention`) the others must be as close to; the forward without remat, the unchunked log-probs, and the float32 model for bf16 compute.
+Padding queries (segment id 0) carry no loss term; attention outputs are compared on the other queries.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from conftest import rel_err
+from dora_jax.config import Config, ConfigError, LoraConfig, MeshConfig, ModelConfig, TrainConfig
+from dora_jax.models import attention as attn
+from dora_jax.models.build import init_model
+from dora_jax.models.decoder import TrainSettings, attention
+from dora_jax.sharding import create_mesh
+from dora_jax.trainer import Sample, Trainer, make_batch
+from dora_jax.trainer import lora as lora_lib
+from dora_jax.trainer.losses import token_logprobs
+from dora_jax.trainer.step import check_train_forward, sequence_logprobs
+
+MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                    head_dim=8, init_std=0.1, max_seq_len=128)
+
+
+def _mask(seg):
+    t = seg.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    return causal[None] & (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] != 0)
+
+
+def _xla(q, k, v, seg):
+    """The xla path: float32 scores under the [B, T, T] mask the training forward builds."""
+    return attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), _mask(seg))
+
+
+def _reference(q, k, v, seg):
+    """Written here, in float64: softmax over the visible keys of q . k / sqrt(d), then the values."""
+    q, k, v = (x.astype(jnp.float64) for x in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    s = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
+    p = jax.nn.softmax(jnp.where(_mask(seg)[:, None], s, -np.inf), axis=-1)
+    return jnp.einsum("bhts,bshd->bthd", jnp.nan_to_num(p), v)
+
+
+def _qkv(b, t, h, kv, d, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.normal(size=(b, t, n, d)), dtype) for n in (h, kv, kv))
+    # Row 0: one segment, right-padded; row 1: three packed segments, then padding.
+    seg = np.ones((b, t), np.int32)
+    seg[0, t - t // 5:] = 0
+    seg[1, t // 4:t // 2], seg[1, t // 2:t - t // 8], seg[1, t - t // 8:] = 2, 3, 0
+    cot = jnp.asarray(rng.normal(size=(b, t, h, d)), dtype) * (seg != 0)[:, :, None, None]
+    return q, k, v, jnp.asarray(seg), cot
+
+
+def _value_and_grads(fn, q, k, v, seg, cot):
+    """``fn``'s output and the gradients of <fn(q, k, v), cot> (cot is zero on padding queries)."""
+    out = fn(q, k, v, seg)
+    grads = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, seg) * cot), (0, 1, 2))(q, k, v)
+    return out * (seg != 0)[:, :, None, None], grads
+
+
+def _errors(fn, q, k, v, seg, cot):
+    """Relative errors of ``fn``'s output and its q, k, v gradients against the float64 reference."""
+    out, grads = _value_and_grads(fn, q, k, v, seg, cot)
+    with jax.enable_x64(True):
+        as64 = lambda x: jnp.asarray(np.asarray(x, np.float64))  # noqa: E731
+        ref_out, ref_grads = _value_and_grads(_reference, *map(as64, (q, k, v)), jnp.asarray(seg), as64(cot))
+    assert all(np.abs(np.asarray(r)).max() > 0 for r in ref_grads)
+    return [rel_err(out, ref_out)] + [rel_err(g, r) for g, r in zip(grads, ref_grads)]
+
+
+def _assert_matches_reference(fn, q, k, v, seg, cot, tol):
+    errors = _errors(fn, q, k, v, seg, cot)
+    assert max(errors) <= tol, errors
+    if q.dtype == jnp.float32:  # as close as the xla path, which computes in float32 too
+        assert max(errors) <= 4 * max(_errors(_xla, q, k, v, seg, cot)) + 1e-7, errors
+
+
+@pytest.mark.parametrize("block", [16, 24])
+def test_blockwise_attention_equals_the_reference_in_float64(block):
+    """Several blocks, and a block that does not divide T (the row is padded inside); the accumulation
+    follows the float64 inputs."""
+    fn = lambda q, k, v, s: attn.blockwise_attention(q, k, v, s, block)  # noqa: E731
+    with jax.enable_x64(True):
+        _assert_matches_reference(fn, *_qkv(2, 64, 4, 2, 8, jnp.float64), 1e-12)
+
+
+def test_blockwise_attention_equals_the_xla_path_in_float32():
+    q, k, v, seg, cot = _qkv(2, 64, 4, 2, 8, jnp.float32)
+    fn = lambda q, k, v, s: attn.blockwise_attention(q, k, v, s, 16)  # noqa: E731
+    out, grads = _value_and_grads(fn, q, k, v, seg, cot)
+    ref_out, ref_grads = _value_and_grads(_xla, q, k, v, seg, cot)
+    assert rel_err(out, ref_out) <= 1e-6 and max(rel_err(g, r) for g, r in zip(grads, ref_grads)) <= 1e-6
+
+
+def test_pallas_gpu_kernel_in_interpret_mode_equals_materialized():
+    """jax.experimental.pallas.ops.gpu.attention.mha, run by the Pallas interpreter on the CPU, float32."""
+    q, k, v, seg, cot = _qkv(2, 64, 4, 2, 16, jnp.float32)
+    fn = lambda q, k, v, s: attn.pallas_gpu_attention(q, k, v, s, block=16, interpret=True)  # noqa: E731
+    _assert_matches_reference(fn, q, k, v, seg, cot, 1e-5)
+
+
+def test_splash_kernel_in_interpret_mode_equals_materialized():
+    """jax.experimental.pallas.ops.tpu.splash_attention at its smallest tiles (128), run by the Pallas
+    interpreter through the kernel's own ``interpret`` flag, float32. (``pltpu.force_tpu_interpret_mode()``
+    fails on this JAX (0.10.2) for a vmapped kernel: the TPU interpreter zips the 4-axis grid that vmap makes
+    with the kernel's 3 dimension semantics and raises in ``_get_randomized_grid_coordinates``.)"""
+    q, k, v, seg, cot = _qkv(2, 256, 2, 1, 16, jnp.float32)
+    fn = lambda q, k, v, s: attn.splash_attention(q, k, v, s, block=128, interpret=True)  # noqa: E731
+    _assert_matches_reference(fn, q, k, v, seg, cot, 1e-5)
+
+
+def test_dot_product_attention_call_with_row_lengths_equals_materialized():
+    """The cudnn path's call (causal, keys cut at each row's length) through JAX's XLA implementation: exact on
+    right-padded rows of one segment, the rows the trainer builds."""
+    q, k, v, _, _ = _qkv(2, 64, 4, 2, 8, jnp.float32)
+    seg = jnp.asarray(np.arange(64)[None, :] < np.array([[51], [40]]), jnp.int32)
+    cot = jnp.ones(q.shape, jnp.float32) * seg[:, :, None, None]
+    _assert_matches_reference(lambda q, k, v, s: attn.cudnn_attention(q, k, v, s, implementation=None),
+                              q, k, v, seg, cot, 1e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention runs on a GPU only (no interpreter)")
+def test_cudnn_attention_equals_materialized_on_gpu():
+    q, k, v, _, _ = _qkv(2, 256, 4, 2, 64, jnp.bfloat16)
+    seg = jnp.asarray(np.arange(256)[None, :] < np.array([[200], [256]]), jnp.int32)
+    cot = jnp.ones(q.shape, jnp.bfloat16) * seg[:, :, None, None]
+    _assert_matches_reference(attn.cudnn_attention, q, k, v, seg, cot, 2e-2)
+
+
+def test_auto_takes_the_portable_paths():
+    assert attn.resolve_train_attention("auto", 512, 512) == "xla"
+    assert attn.resolve_train_attention("auto", 1024, 512) == "blockwise"
+    assert attn.resolve_train_attention("splash", 64, 512) == "splash"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The model: remat, attention and chunked log-probs against the plain forward.
+
+
+def _rows(t=64, b=4, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, MODEL.vocab_size, (b, t)).astype(np.int32)
+    lengths = np.array([t, t - 9, t // 2, t - 1])[:b]
+    seg = (np.arange(t)[None, :] < lengths[:, None]).astype(np.int32)
+    mask = seg.astype(np.float32)
+    mask[:, :t // 4] = 0  # the prompt
+    weight = rng.normal(size=(b, t)).astype(np.float32) * mask
+    return jnp.asarray(tokens * seg), jnp.asarray(seg), jnp.asarray(weight)
+
+
+def _loss_and_grads(model, settings=TrainSettings(), chunk=0, temperature=1.0, lora=None, dtype=jnp.float32):
+    """A policy-gradient-shaped loss (sum of weighted response log-probs) and its gradient, from
+    ``sequence_logprobs`` with the given forward settings."""
+    graphdef, params = nnx.split(model)
+    tokens, seg, weight = _rows()
+
+    def loss(p):
+        if lora is not None:
+            logp = sequence_logprobs(graphdef, params, tokens, seg, p, 0.5, temperature, settings=settings,
+                                     logprob_chunk=chunk)
+        else:
+            logp = sequence_logprobs(graphdef, p, tokens, seg, temperature=temperature, settings=settings,
+                                     logprob_chunk=chunk)
+        assert logp.dtype == jnp.float32
+        return jnp.sum(logp * weight), logp
+
+    (value, logp), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params if lora is None else lora)
+    flat = np.concatenate([np.ravel(np.asarray(g, np.float64)) for g in jax.tree.leaves(grads)])
+    return float(value), np.asarray(logp), flat
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(MODEL, seed=3)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots", "offload"])
+def test_remat_changes_neither_loss_nor_gradients(model, remat):
+    value, logp, grads = _loss_and_grads(model)
+    r_value, r_logp, r_grads = _loss_and_grads(model, TrainSettings(remat=remat))
+    assert np.abs(grads).max() > 0
+    assert abs(r_value - value) <= 1e-6 * abs(value)
+    assert rel_err(r_grads, grads) <= 1e-6
+
+
+@pytest.mark.parametrize("chunk", [8, 32])
+def test_chunked_logprobs_equal_unchunked_at_a_temperature(model, chunk):
+    value, logp, grads = _loss_and_grads(model, temperature=0.7)
+    c_value, c_logp, c_grads = _loss_and_grads(model, chunk=chunk, temperature=0.7)
+    assert rel_err(c_logp, logp) <= 1e-6
+    assert abs(c_value - value) <= 1e-6 * abs(value)
+    assert rel_err(c_grads, grads) <= 1e-6
+
+
+def test_chunked_logprobs_with_lora_equal_unchunked(model):
+    cfg = LoraConfig(rank=4, alpha=2.0)
+    adapters = lora_lib.init_lora(nnx.state(model), cfg, jax.random.key(1))
+    adapters = jax.tree.map(lambda x: x + 0.05, adapters)  # b starts at zero: move it so every path counts
+    value, logp, grads = _loss_and_grads(model, lora=adapters)
+    c_value, c_logp, c_grads = _loss_and_grads(model, chunk=16, lora=adapters, settings=TrainSettings(remat="full"))
+    assert np.abs(grads).max() > 0
+    assert rel_err(c_logp, logp) <= 1e-6 and rel_err(c_grads, grads) <= 1e-6
+
+
+def test_chunked_logprobs_function_equals_token_logprobs():
+    from dora_jax.trainer.losses import chunked_token_logprobs
+
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.normal(size=(2, 12, 5)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(5, 9)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, 9, (2, 12)), jnp.int32)
+    ref = token_logprobs(h @ w, tokens, 1.3)
+    assert rel_err(chunked_token_logprobs(h, lambda x: x @ w, tokens, 1.3, 4), ref) <= 1e-6
+    with pytest.raises(ValueError, match="chunk 5 does not divide the row length 12"):
+        chunked_token_logprobs(h, lambda x: x @ w, tokens, 1.0, 5)
+
+
+def test_blockwise_forward_equals_xla_forward(model):
+    """The whole model's loss and gradients with blockwise attention (4 blocks), remat and chunking together,
+    against the plain forward, float32."""
+    value, logp, grads = _loss_and_grads(model, TrainSettings(attention_impl="xla"))
+    b_value, b_logp, b_grads = _loss_and_grads(
+        model, TrainSettings(remat="full", attention_impl="blockwise", attention_block=16), chunk=16)
+    real = np.asarray(_rows()[1]) != 0  # a padding position's log-prob is unspecified (it has no loss term)
+    assert rel_err(b_logp[real], logp[real]) <= 1e-6
+    assert abs(b_value - value) <= 1e-6 * abs(value)
+    assert rel_err(b_grads, grads) <= 1e-6
+
+
+def test_bf16_compute_stays_close_to_float32(model):
+    """float32 master weights, bfloat16 compute: the log-probs and the loss are float32, the loss within 2% of
+    the float32 model's and the gradient pointing the same way (cosine > 0.99)."""
+    bf16 = dataclasses.replace(model.cfg, compute_dtype="bfloat16")
+    graphdef, params = nnx.split(model)
+    mixed = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: type(model)(bf16, rngs=nnx.Rngs(0)))), params)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
+    value, _, grads = _loss_and_grads(model)
+    m_value, _, m_grads = _loss_and_grads(mixed, TrainSettings(remat="full", attention_impl="blockwise",
+                                                               attention_block=16), chunk=16)
+    assert m_value != value  # the compute really is in bf16
+    assert abs(m_value - value) <= 0.02 * abs(value)
+    cosine = float(np.dot(m_grads, grads) / np.linalg.norm(m_grads) / np.linalg.norm(grads))
+    assert cosine > 0.99, cosine
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The trainer: settings from the config, refusals at start-up, memory.
+
+
+def _config(**train):
+    base = dict(group_size=4, length_buckets=(64,), max_response_tokens=40, max_staleness=1, grad_clip=0.0)
+    base.update(train)
+    return Config(model=MODEL, train=TrainConfig(**base))
+
+
+def _samples(seed=0):
+    rng = np.random.default_rng(seed)
+    return [Sample(sample_id=i, group_id=i // 4, version=0, prompt_ids=rng.integers(1, 64, 9).tolist(),
+                   response_ids=rng.integers(1, 64, 20 + 3 * i).tolist(),
+                   logprobs=(-rng.uniform(2, 6, 20 + 3 * i)).tolist(), reward=float(rng.normal()))
+            for i in range(8)]
+
+
+def _sgd_grads(cfg, n_devices):
+    mesh = create_mesh(MeshConfig(data=2, fsdp=2, tensor=2) if n_devices == 8 else MeshConfig(),
+                       jax.devices()[:n_devices])
+    trainer, state = Trainer.create(cfg, model=init_model(MODEL, seed=5), mesh=mesh, tx=optax.sgd(1.0))
+    batch = trainer.put(make_batch(_samples(), group_size=4, length_buckets=cfg.train.length_buckets,
+                                   row_multiple=trainer.row_multiple))
+    old = jax.tree.map(np.asarray, state.params)
+    new, metrics = trainer.train_step(state, batch)
+    return np.concatenate([np.ravel(o - np.asarray(n)) for o, n in zip(jax.tree.leaves(old),
+                                                                       jax.tree.leaves(new.params))]), metrics
+
+
+def test_trainer_long_sequence_settings_equal_the_plain_step_on_a_mesh():
+    """remat, blockwise attention and chunked log-probs from the config, on 8 devices (data x fsdp x tensor),
+    against the plain step on one device."""
+    plain, m_plain = _sgd_grads(_config(attention_impl="xla"), 1)
+    long, m_long = _sgd_grads(_config(remat="dots", attention_impl="blockwise", attention_block=16,
+                                      logprob_chunk=16), 8)
+    assert np.abs(plain).max() > 0
+    assert rel_err(long, plain) <= 1e-5  # 8 devices sum their shards in another order
+    assert abs(float(m_long["loss"]) - float(m_plain["loss"])) <= 1e-6 * abs(float(m_plain["loss"]))
+
+
+def test_bad_long_sequence_settings_are_refused_at_start_up():
+    with pytest.raises(ConfigError, match=r"'train.logprob_chunk' = 48: must divide every length bucket.*\[64"):
+        _config(logprob_chunk=48, length_buckets=(32, 64)).train.validate()
+    _config(logprob_chunk=64, length_buckets=(32, 64)).train.validate()  # a shorter bucket is one chunk
+    with pytest.raises(ConfigError, match=r"'train.remat' = 'some'"):
+        _config(remat="some").train.validate()
+    with pytest.raises(ConfigError, match=r"'train.attention_impl' = 'flash'.*blockwise"):
+        _config(attention_impl="flash").train.validate()
+    with pytest.raises(ConfigError, match=r"'train.attention_block' = 48"):
+        _config(attention_block=48).train.validate()
+    with pytest.raises(ConfigError, match=r"'train.attention_block' = 256: the splash kernel.*\[384\]"):
+        _config(attention_impl="splash", attention_block=256, length_buckets=(128, 384)).train.validate()
+    with pytest.raises(ConfigError, match=r"'train.attention_impl' = 'splash': 'splash' runs on TPU only"):
+        Trainer.create(_config(attention_impl="splash"), model=init_model(MODEL), mesh=create_mesh(MeshConfig(),
+                                                                                                    jax.devices()[:1]))
+
+    class Memory:
+        kind = "device"
+
+    class Device:
+        platform = "gpu"
+
+        def addressable_memories(self):
+            return [Memory()]
+
+    with pytest.raises(ConfigError, match=r"'train.remat' = 'offload': the gpu devices have no pinned host"):
+        check_train_forward(TrainConfig(remat="offload"), [Device()])
+    check_train_forward(TrainConfig(remat="offload"), jax.devices()[:1])  # the CPU has a pinned host memory
+
+
+def _temp_bytes(t, **train):
+    """XLA's temporary bytes for one update's train step at rows of ``t`` tokens (compiled, not run)."""
+    from dora_jax.trainer.batch import TrainBatch
+    from dora_jax.trainer.step import make_train_step
+    from dora_jax.trainer.state import TrainState, make_optimizer
+
+    model = dataclasses.replace(MODEL, max_seq_len=t, vocab_size=train.pop("vocab", MODEL.vocab_size))
+    tcfg = TrainConfig(length_buckets=(t,), max_response_tokens=t, **train)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: __import__("dora_jax.models.decoder", fromlist=["x"])
+                                                .Decoder(model, rngs=nnx.Rngs(0))))
+    tx = make_optimizer(tcfg)
+    s = jax.ShapeDtypeStruct
+    state = TrainState(step=s((), jnp.int32), version=s((), jnp.int32), params=params, frozen=None,
+                       opt_state=jax.eval_shape(tx.init, params), rng=s((2,), jnp.uint32))
+    b = 2
+    row = lambda d: s((b, t), d)  # noqa: E731
+    batch = TrainBatch(tokens=row(jnp.int32), segment_ids=row(jnp.int32), loss_mask=row(jnp.float32),
+                       behaviour_logprobs=row(jnp.float32), recomputed_logprobs=row(jnp.float32),
+                       ref_logprobs=row(jnp.float32), prox_logprobs=row(jnp.float32), versions=s((b,), jnp.int32),
+                       group_ids=s((b,), jnp.int32), rewards=s((b,), jnp.float32), valid=s((b,), jnp.bool_))
+    compiled = jax.jit(make_train_step(graphdef, tcfg, tx)).lower(state, batch).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_temporary_memory_grows_linearly_with_length_and_never_holds_the_logits():
+    """Blockwise attention, full remat, chunked log-probs: 4x the length takes at most 4.5x the temporary
+    memory (the materialized scores take 14x: benchmarks/train.py), and a 512x larger vocabulary adds a few
+    chunks' [rows, chunk, V] float32 logits, far less than the row's [rows, T, V]."""
+    long = dict(remat="full", attention_impl="blockwise", attention_block=128, logprob_chunk=64)
+    short, four = _temp_bytes(256, **long), _temp_bytes(1024, **long)
+    assert four <= 4.5 * short, (short, four)
+    vocab = 32768
+    big = _temp_bytes(1024, vocab=vocab, **long)
+    chunk_logits, logits = 2 * 64 * vocab * 4, 2 * 1024 * vocab * 4
+    assert big - four <= 4 * chunk_logits <= logits / 4, (four, big)
