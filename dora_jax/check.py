@@ -38,6 +38,7 @@ class RoleMemory:
     parts: dict[str, int]
     temp: int | None
     compiled_args: int | None = None
+    notes: tuple[str, ...] = ()
 
     @property
     def total(self) -> int:
@@ -95,11 +96,23 @@ def trainer_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
     from dora_jax.trainer.state import TrainState
     from dora_jax.trainer.step import Trainer, make_train_step
 
+    from dora_jax.models.attention import resolve_train_attention, unsupported_reason
+
     rules = cfg.mesh.logical_axis_rules
     graphdef, abstract = abstract_model(cfg.model)
     params = _with_shardings(abstract, state_shardings(abstract, mesh, rules))
     replicated = NamedSharding(mesh, P())
     tcfg = cfg.train
+    r = cfg.rollout
+    t = bucket_length(r.max_prompt_len + r.max_new_tokens, tcfg.length_buckets)
+    impl = resolve_train_attention(tcfg.attention_impl, t, tcfg.attention_block)
+    attention = impl
+    if unsupported_reason(impl, jax.default_backend()):
+        # A platform kernel does not compile for the CPU devices the check runs on: its activations are counted
+        # with the portable blockwise attention, which keeps the same residuals (q, k, v, output, log-sum-exp).
+        tcfg = dataclasses.replace(tcfg, attention_impl="blockwise")
+        attention = f"{impl} on the target, counted here as blockwise"
+        cfg = dataclasses.replace(cfg, train=tcfg)
     if tcfg.lora.rank > 0:
         lora_abs = jax.eval_shape(lambda k: lora_lib.init_lora(params, tcfg.lora, k), jax.random.key(0))
         trainable, frozen = _with_shardings(lora_abs, jax.tree.map(lambda _: replicated, lora_abs)), params
@@ -119,8 +132,6 @@ def trainer_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
                        rng=jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=replicated))
     state_sh = jax.tree.map(lambda x: x.sharding, state)
 
-    r = cfg.rollout
-    t = bucket_length(r.max_prompt_len + r.max_new_tokens, tcfg.length_buckets)
     b = bucket_rows(cfg.dora.train_batch // tcfg.minibatches, trainer.row_multiple)  # one optimizer update's rows
     f32, i32 = jnp.float32, jnp.int32
     shapes = dict(tokens=((b, t), i32), segment_ids=((b, t), i32), loss_mask=((b, t), f32),
@@ -136,7 +147,13 @@ def trainer_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
              "optimizer": per_device_bytes(opt), "batch": per_device_bytes(batch)}
     if tcfg.kl_coef > 0 and tcfg.lora.rank == 0:
         parts["reference"] = per_device_bytes(params)
-    return RoleMemory("trainer", mesh.size, parts, temp, args)
+    m = cfg.model
+    forward = (f"train step: {b} rows of {t} tokens per update ({b // tcfg.micro_batches} per micro-batch, "
+               f"{max(b // tcfg.micro_batches // trainer.data_parallel, 1)} per device); {m.param_dtype} weights, "
+               f"{m.compute_dtype} compute; remat {tcfg.remat}, attention {attention} (blocks of "
+               f"{min(tcfg.attention_block, t)}), log-probs "
+               + (f"in chunks of {tcfg.logprob_chunk}" if 0 < tcfg.logprob_chunk < t else "unchunked"))
+    return RoleMemory("trainer", mesh.size, parts, temp, args, notes=(forward,))
 
 
 def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
@@ -222,6 +239,8 @@ def run_check(cfg: Any, *, do_compile: bool = True, log: Callable[[str], None] =
         roles = [both]
     else:
         roles = [train, roll]
+    for note in train.notes:
+        log(note)
     for role in (train, roll):
         if role.temp is not None:
             log(f"compiled {role.name} step: {role.temp / 2**20:.1f} MiB scratch, {role.compiled_args / 2**20:.1f} MiB "

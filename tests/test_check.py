@@ -16,7 +16,7 @@ import pytest
 from dora_jax.config import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PRESETS = ["qwen2_5_1_5b_1gpu", "qwen2_5_7b_8gpu", "llama3_1_8b_v5p64", "qwen3_8b_v5e256"]
+PRESETS = ["qwen2_5_1_5b_1gpu", "qwen2_5_7b_8gpu", "llama3_1_8b_v5p64", "llama3_1_8b_v5p64_32k", "qwen3_8b_v5e256"]
 
 
 def _check(*args: str) -> subprocess.CompletedProcess:
@@ -33,7 +33,8 @@ def _gib(out: str, label: str) -> float:
 def test_presets_exist_with_targets():
     for name in PRESETS:
         cfg = load_config(name)
-        assert cfg.target.memory_gib > 0 and cfg.model.param_dtype == "bfloat16"
+        # float32 master weights and optimizer moments, bf16 compute
+        assert cfg.target.memory_gib > 0 and (cfg.model.param_dtype, cfg.model.compute_dtype) == ("float32", "bfloat16")
     assert {load_config(n).target.num_devices for n in PRESETS} == {1, 8, 32, 256}
 
 
@@ -45,14 +46,27 @@ def test_preset_fits_without_compiling(name):
     assert f"target {cfg.target.num_devices} x {cfg.target.device_kind}" in r.stdout
     assert "OK: fits" in r.stdout and "not compiled" in r.stdout
     # The parameter count printed is the model card's (within rounding) and the per-device share of the
-    # parameters is that count x 2 bytes (bf16) / fsdp x tensor (every weight matrix is sharded).
+    # parameters is that count x 4 bytes (float32) / fsdp x tensor (every weight matrix is sharded).
     billions = float(re.search(r"([0-9.]+)B parameters", r.stdout).group(1))
     expected = {"qwen2_5_1_5b_1gpu": 1.54, "qwen2_5_7b_8gpu": 7.62, "llama3_1_8b_v5p64": 8.03,
-                "qwen3_8b_v5e256": 8.19}[name]
+                "llama3_1_8b_v5p64_32k": 8.03, "qwen3_8b_v5e256": 8.19}[name]
     assert abs(billions - expected) < 0.01, billions
     shards = cfg.mesh.fsdp * cfg.mesh.tensor
-    assert _gib(r.stdout, "train params") == pytest.approx(billions * 1e9 * 2 / shards / 2**30, rel=0.02)
+    assert _gib(r.stdout, "train params") == pytest.approx(billions * 1e9 * 4 / shards / 2**30, rel=0.02)
     assert _gib(r.stdout, "train optimizer") == pytest.approx(2 * _gib(r.stdout, "train params"), rel=0.01)
+
+
+def test_32k_preset_fits_with_its_training_activations_compiled():
+    """Rows of 32768 tokens for an 8B model: the train step compiled at that length (remat, blockwise
+    attention, chunked log-probs) on 32 fake devices, XLA's scratch counted, fits the v5p's 95 GiB; the
+    materialized attention scores alone would take 32 heads x 32768^2 x 4 bytes = 128 GiB per layer and row."""
+    r = _check("--config", "llama3_1_8b_v5p64_32k")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert ("train step: 64 rows of 32768 tokens per update (32 per micro-batch, 1 per device); float32 weights, "
+            "bfloat16 compute; remat full, attention blockwise (blocks of 512), log-probs in chunks of 2048") in out
+    scratch = _gib(out, "activations + scratch (XLA)")
+    assert 0 < scratch < 95 - _gib(out, "rollout kv cache") and "OK: fits in 95 GiB" in out
 
 
 def test_rollout_dtype_sizes_the_rollout_alone():
