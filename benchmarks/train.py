@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+
 from benchmarks.rates import measure_machine
 from benchmarks.record import machine
 from benchmarks.timing import time_calls
@@ -136,5 +138,151 @@ def bench_train(config: str = "smollm2_135m", rows: int = 8, prompt_len: int = 3
                      "skipped": float(last["metrics"]["skipped"])}
         del trainer, state, batch
     out["lora_vs_full"] = out["lora"]["tokens_s"] / out["full"]["tokens_s"]
+    out["machine"] = machine()
+    return out
+
+
+# A Qwen2.5-1.5B-shaped model (Hugging Face config.json of Qwen/Qwen2.5-1.5B-Instruct), random weights, float32
+# master weights with bf16 compute: the accelerator preset of ``bench train --preset accel``.
+ACCEL_MODEL = dict(family="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+                   num_heads=12, num_kv_heads=2, head_dim=128, rope_theta=1000000.0, tie_embeddings=True,
+                   qkv_bias=True, param_dtype="float32", compute_dtype="bfloat16")
+# The CPU stand-in: the same vocabulary (the logits are what would grow with V x T), a tiny body.
+CPU_MODEL = dict(ACCEL_MODEL, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=16)
+ACCEL_LENGTHS = (2048, 8192, 32768)
+CPU_LENGTHS = (1024, 2048, 4096, 8192)
+# Dense bf16 peak FLOP/s by device kind (vendor data sheets, SXM forms): MFU's denominator where known.
+BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+LONG_SETTINGS = dict(remat="full", attention_impl="auto", attention_block=512)
+PLAIN_SETTINGS = dict(remat="none", attention_impl="xla", logprob_chunk=0)
+
+
+def _length_config(model: dict, seq: int, rows: int, train: dict):
+    """A config whose train step (as ``dora-jax check`` compiles it) is one update of ``rows`` rows of ``seq``
+    tokens: prompts of ``seq // 4``, responses filling the rest, one length bucket."""
+    from dora_jax.config import Config, DoraConfig, ModelConfig, RolloutConfig, TrainConfig
+
+    prompt = seq // 4
+    cfg = Config(model=ModelConfig(**model, max_seq_len=seq),
+                 train=TrainConfig(group_size=4, length_buckets=(seq,), max_response_tokens=seq - prompt, **train),
+                 rollout=RolloutConfig(max_prompt_len=prompt, max_new_tokens=seq - prompt),
+                 dora=DoraConfig(mode="sync", train_batch=rows, rollout_batch=rows))
+    cfg.validate()
+    return cfg
+
+
+def _temp_bytes(cfg) -> int | None:
+    """XLA's temporary bytes per device for one update of ``cfg`` (compiled ahead of time, not run)."""
+    from dora_jax.check import trainer_memory
+    from dora_jax.sharding import create_mesh
+
+    return trainer_memory(cfg, create_mesh(cfg.mesh, jax.devices()[:1]), do_compile=True).temp
+
+
+def _bf16_matmul_rate() -> float:
+    """Measured bf16 matmul FLOP/s of an 8192^3 product (the device's practical peak)."""
+    import jax.numpy as jnp
+
+    from benchmarks.timing import best_of
+
+    n = 8192
+    a = jnp.ones((n, n), jnp.bfloat16)
+    f = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
+    return 2 * n**3 / best_of(lambda: f(a, a), seconds=1.0)
+
+
+def bench_train_accel(lengths: tuple[int, ...] | None = None, tokens_per_step: int = 131072, repeats: int = 3,
+                      seed: int = 0) -> dict[str, Any]:
+    """``bench train --preset accel``: training at long sequence lengths with the long-sequence settings
+    (``train.remat: full``, blockwise attention, chunked log-probs; float32 master weights, bf16 compute).
+
+    On an accelerator: a Qwen2.5-1.5B-shaped model with random weights at 2k, 8k and 32k tokens per row,
+    ``tokens_per_step`` tokens per update (rows = tokens_per_step / T, at least 4), each length's train step
+    timed (best of ``repeats`` after compiling): tokens/s and MFU (against the device's dense bf16 peak where
+    known, else the measured bf16 matmul rate), and its compiled temporary bytes. The log-prob chunk covers
+    8192 positions of the update's rows (rows x chunk = 8192), so a chunk's logits are the same size at every
+    length.
+
+    On the CPU: the same memory analysis (compiled, not run) on a tiny model at 1k-8k tokens, 4 rows, chunks
+    of 256 positions, for the long-sequence settings and for the plain ones (materialized attention scores,
+    no remat, the whole [rows, T, V] logits): with Qwen's 152k vocabulary (where the logits dominate) and with
+    a 512-token one (where attention does). No timing: MFU is an accelerator figure.
+
+    Returns:
+      ``temp_bytes_by_length`` (T -> bytes per device), ``mfu`` (T -> fraction, accelerator only, else None),
+      ``tokens_s`` likewise, the growth from the shortest to the longest length, the plain settings' bytes
+      and the small vocabulary's (CPU), the bytes [rows, T, V] float32 logits would take, the model and
+      ``machine``.
+    """
+    import numpy as np
+
+    from benchmarks.record import device
+    from benchmarks.timing import time_calls
+
+    on_cpu = jax.default_backend() == "cpu"
+    model = CPU_MODEL if on_cpu else ACCEL_MODEL
+    lengths = tuple(lengths or (CPU_LENGTHS if on_cpu else ACCEL_LENGTHS))
+    rows_of = {t: 4 if on_cpu else max(4, tokens_per_step // t) for t in lengths}
+    out: dict[str, Any] = {"preset": "accel", "model": model, "lengths": list(lengths),
+                           "rows_by_length": {t: rows_of[t] for t in lengths}, "settings": LONG_SETTINGS,
+                           "logprob_chunk_by_length": {},
+                           "logits_bytes_by_length": {t: rows_of[t] * t * model["vocab_size"] * 4 for t in lengths}}
+    if on_cpu:
+        out["plain_settings"] = PLAIN_SETTINGS
+        out["scores_bytes_by_length"] = {t: 4 * model["num_heads"] * t * t * 4 for t in lengths}
+    chunk_rows = 1024 if on_cpu else 8192
+    for t in lengths:
+        chunk = max(1, chunk_rows // rows_of[t])
+        out["logprob_chunk_by_length"][t] = chunk if chunk < t else 0
+    first, last = lengths[0], lengths[-1]
+
+    def series(vocab: int, settings: dict) -> dict[int, int]:
+        """Compiled temporary bytes at every length (the plain settings name their own chunk: none)."""
+        m = dict(model, vocab_size=vocab)
+        chunk = out["logprob_chunk_by_length"]
+        return {t: _temp_bytes(_length_config(m, t, rows_of[t], {"logprob_chunk": chunk[t], **settings}))
+                for t in lengths}
+
+    out["temp_bytes_by_length"] = temp = series(model["vocab_size"], LONG_SETTINGS)
+    out[f"temp_growth_{last}_over_{first}"] = temp[last] / temp[first]
+    if on_cpu:
+        out["plain_temp_bytes_by_length"] = plain = series(model["vocab_size"], PLAIN_SETTINGS)
+        out[f"plain_temp_growth_{last}_over_{first}"] = plain[last] / plain[first]
+        small = {"vocab_size": 512, "temp_bytes_by_length": series(512, LONG_SETTINGS),
+                 "plain_temp_bytes_by_length": series(512, PLAIN_SETTINGS)}
+        for k in ("temp", "plain_temp"):
+            b = small[f"{k}_bytes_by_length"]
+            small[f"{k}_growth_{last}_over_{first}"] = b[last] / b[first]
+        out["small_vocab"] = small
+        out["mfu"] = None
+        out["tokens_s"] = None
+        out["note"] = "CPU: memory analysis only (compiled, not run); tokens/s and MFU are measured on an accelerator"
+    else:
+        kind = device()
+        peak = next((v for k, v in BF16_PEAK.items() if k in kind), None)
+        measured = _bf16_matmul_rate()
+        out.update(bf16_peak_flop_s=peak, measured_bf16_matmul_flop_s=measured,
+                   mfu_denominator="bf16 data-sheet peak" if peak else "measured bf16 matmul rate",
+                   mfu={}, tokens_s={}, step_s={})
+        rng = np.random.default_rng(seed)
+        for t in lengths:
+            rows, prompt = rows_of[t], t // 4
+            cfg = _length_config(model, t, rows, dict(LONG_SETTINGS, logprob_chunk=out["logprob_chunk_by_length"][t]))
+            samples = synthetic_samples(rng, rows, prompt, t - prompt, model["vocab_size"])
+            _, trainer, state, batch = bench_trainer(cfg, samples, t, t - prompt, 0)
+
+            def step():
+                nonlocal state
+                state, metrics = trainer.train_step(state, batch)
+                return metrics
+
+            times = time_calls(step, repeats=repeats + 1, warmup=0)  # the first call compiles
+            step_s = min(times[1:])
+            flops = train_flops(cfg.model, rows * t, t, lora=False)
+            out["step_s"][t] = step_s
+            out["tokens_s"][t] = rows * t / step_s
+            out["mfu"][t] = flops / step_s / (peak or measured)
+            del trainer, state, batch
     out["machine"] = machine()
     return out

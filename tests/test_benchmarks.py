@@ -75,6 +75,18 @@ def test_a_result_carries_its_command_device_and_date(monkeypatch, tmp_path, cap
     assert json.loads(capsys.readouterr().out) == result
 
 
+def test_the_accel_train_preset_is_reached_and_takes_no_config(monkeypatch, capsys):
+    from benchmarks import train
+
+    monkeypatch.setattr(train, "bench_train_accel", lambda **k: {"temp_bytes_by_length": {1024: 1}, "mfu": None})
+    assert cli.main(["bench", "train", "--preset", "accel"]) == 0
+    assert json.loads(capsys.readouterr().out)["temp_bytes_by_length"] == {"1024": 1}
+    assert cli.main(["bench", "train", "--preset", "accel", "train.remat=full"]) == 2
+    assert "takes no --config or key=value overrides" in capsys.readouterr().err
+    assert cli.main(["bench", "decode", "--preset", "accel"]) == 2
+    assert "--preset is for train only" in capsys.readouterr().err
+
+
 def test_bench_runs_from_another_directory(tmp_path):
     # The repository root is found from the package's own location, not from the current directory.
     done = subprocess.run([sys.executable, "-m", "dora_jax.cli", "bench", "--help"], cwd=tmp_path,
