@@ -98,7 +98,8 @@ def bench_prompts(tok, n: int, rng) -> list[list[int]]:
             for a, b in rng.integers(10, 1000, (n, 2))]
 
 
-def run_fixed_batch(engine, params, prompts, new_tokens: int = 128, shared_prefix=(), overlap=None, seed: int = 0):
+def run_fixed_batch(engine, params, prompts, new_tokens: int = 128, shared_prefix=(), overlap=None, seed: int = 0,
+                    decode_steps=None):
     """Every prompt through a fresh ``RolloutDriver`` for exactly ``new_tokens`` sampled tokens (temperature
     1, no stop), timed until nothing dispatched is left running.
 
@@ -110,6 +111,7 @@ def run_fixed_batch(engine, params, prompts, new_tokens: int = 128, shared_prefi
       shared_prefix: tokens every prompt starts with, prefilled once (``RolloutDriver(shared_prefix=...)``).
       overlap: ``RolloutDriver(overlap=...)``; None: the engine's default.
       seed: the sampling seed.
+      decode_steps: ``RolloutDriver(decode_steps=...)``; None: the engine's setting (``rollout.decode_steps``).
 
     Returns:
       ``(tokens/s, driver, trajectories by sample id)``.
@@ -117,7 +119,7 @@ def run_fixed_batch(engine, params, prompts, new_tokens: int = 128, shared_prefi
     from dora_jax.rollout.driver import Request, RolloutDriver
     from dora_jax.rollout.engine import RequestSampling
 
-    d = RolloutDriver(engine, overlap=overlap, shared_prefix=shared_prefix)
+    d = RolloutDriver(engine, overlap=overlap, shared_prefix=shared_prefix, decode_steps=decode_steps)
     d.add_version(0, params)
     sampling = RequestSampling(temperature=1.0, seed=seed)
 
@@ -129,6 +131,15 @@ def run_fixed_batch(engine, params, prompts, new_tokens: int = 128, shared_prefi
 
     trajs, seconds = timed(rollout)
     return sum(len(t.tokens) for t in trajs) / seconds, d, sorted(trajs, key=lambda t: t.sample_id)
+
+
+def _per_dispatch(driver) -> dict[str, float]:
+    """A driver's device decode steps per host dispatch: the mean over its run and the median dispatch."""
+    import numpy as np
+
+    runs = [n for n, count in driver.dispatch_steps.items() for _ in range(count)]
+    return {"decode_steps_per_dispatch": driver.decode_steps_per_dispatch,
+            "decode_steps_per_dispatch_median": float(np.median(runs)) if runs else 0.0}
 
 
 def compare_fixed_batches(runs: dict[str, Any], rounds: int) -> None:
@@ -160,8 +171,10 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     continuous batching vs a static batch on a long-tailed workload (alternated the same way,
     ``long_tail_runs``); on the same lengths in GRPO groups of ``group_size`` samples per prompt, one prefill
     per distinct prompt vs one per sample; and the fixed batch and the long tail's continuous run with and
-    without host/device overlap (``RolloutDriver(overlap=...)``); and the long tail with and without the
-    shared prefix.
+    without host/device overlap (``RolloutDriver(overlap=...)``); the long tail with and without the
+    shared prefix; and the fixed batch and the long tail's continuous run with ``rollout.decode_steps`` decode
+    steps per dispatched program against one (``decode_steps_per_dispatch``: the configured runs' mean device
+    steps per host dispatch, ``..._median`` the typical dispatch).
 
     Every run prefills the chat template's head once per driver and each prompt after it, as a training run
     does with ``rollout.shared_prefix`` (the default; ``rollout.shared_prefix=false`` turns it off here too);
@@ -222,16 +235,18 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
                            "prompt_tokens": plen, "attention_impl": resolve_attention_impl(eng.settings),
                            "dtype": eng.dtype, "shared_prefix_tokens": len(head)}
 
-    bar = tqdm(total=5, desc="bench engine", unit="part")  # five parts, minutes each on a CPU
+    bar = tqdm(total=6, desc="bench engine", unit="part")  # six parts, minutes each on a CPU
     # 1. Fixed batch: `batch` sequences, `new_tokens` each (no early stop), sampling.
 
-    def fixed_run(overlap=None):
-        rate, d, _ = run_fixed_batch(eng, params, prompts[:batch], new_tokens, head, overlap, seed)
+    def fixed_run(overlap=None, decode_steps=None):
+        rate, d, _ = run_fixed_batch(eng, params, prompts[:batch], new_tokens, head, overlap, seed, decode_steps)
         return rate, d
 
     # transformers `generate` at the same batch and sampling, timed alternately with the engine's run.
     hf_run = hf_generate_run(prompts[:batch], new_tokens, c.compute_dtype, out) if with_hf else None
-    out["overlap"] = fixed_run()[1].overlap  # compiles
+    first = fixed_run()[1]  # compiles
+    out["overlap"], out["decode_steps"] = first.overlap, first.decode_steps
+    out.update(_per_dispatch(first))
     runs = {"engine_tok_s": lambda: fixed_run()[0]}
     if hf_run is not None:
         runs["hf_tok_s"] = hf_run
@@ -295,10 +310,12 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     eng2 = eng if tail_slots == batch else Engine(model, max_concurrent_decodes=tail_slots, max_prefill_length=plen,
                                                   max_target_length=target, **serving)  # same slots: its programs
 
-    def continuous(overlap=None, prefix=head):
-        d = RolloutDriver(eng2, overlap=overlap, shared_prefix=prefix)
+    def continuous(overlap=None, prefix=head, decode_steps=None, driver=None):
+        d = RolloutDriver(eng2, overlap=overlap, shared_prefix=prefix, decode_steps=decode_steps)
         d.add_version(0, params)
         _, seconds = timed(lambda: (d.run(reqs), d.block_until_ready()))
+        if driver is not None:
+            driver.append(d)
         return sum(lengths) / seconds, d.slot_utilization
 
     def static(prefix=head):
@@ -366,6 +383,22 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
         for name in ("prefix", "no_prefix"):
             out[f"{name}_continuous_vs_static"] = out[f"{name}_continuous_tok_s"] / out[f"{name}_static_tok_s"]
         out["prefix_vs_none_continuous"] = out["prefix_continuous_tok_s"] / out["no_prefix_continuous_tok_s"]
+
+    bar.update()
+    bar.set_postfix_str("decode steps")
+    # 6. Several decode steps per dispatched program: the fixed batch and the long tail's continuous run with
+    # the configured rollout.decode_steps against one step per program; alternated, best of `rounds` each.
+    tail: list[Any] = []
+    continuous(decode_steps=1), continuous(driver=tail)  # compile the capacities the long tail reaches
+    out.update({f"tail_{k}": v for k, v in _per_dispatch(tail[-1]).items()})
+    if out["decode_steps"] > 1:
+        fixed_run(decode_steps=1)  # compile the one-step programs
+        out.update(best_alternated({"one_step_tok_s": lambda: fixed_run(decode_steps=1)[0],
+                                    "multi_step_tok_s": lambda: fixed_run()[0],
+                                    "one_step_tail_tok_s": lambda: continuous(decode_steps=1)[0],
+                                    "multi_step_tail_tok_s": lambda: continuous()[0]}, rounds))
+        out["multi_step_vs_one"] = out["multi_step_tok_s"] / out["one_step_tok_s"]
+        out["multi_step_tail_vs_one"] = out["multi_step_tail_tok_s"] / out["one_step_tail_tok_s"]
     bar.update()
     bar.close()
     out["machine"] = machine()

@@ -89,6 +89,7 @@ class RopeScaling:
 
 ATTENTION_IMPLS = ("xla", "pallas", "auto")
 DECODE_WEIGHT_LAYOUTS = ("auto", "in_out", "out_in")
+MAX_DECODE_STEPS = 256  # rollout.decode_steps: results hold [steps, slots] tokens, compiled in
 ROLLOUT_DTYPES = ("auto",) + _DTYPES
 
 # Rollout engine settings a config may name under ``model``: refused there with the key that holds them,
@@ -433,6 +434,12 @@ class RolloutConfig:
     into one buffer per layer, each product computed as ``W^T @ x^T``: XLA:CPU runs the few-row products of
     decode 1.1-2.8x faster that way, docs/rollout.md) or ``"auto"`` (out_in on CPU, in_out elsewhere).
     These four change no result beyond float rounding.
+
+    ``decode_steps`` is how many decode steps one dispatched program runs (``RolloutDriver(decode_steps=...)``):
+    each slot stops on the device at an end-of-sequence or stop id or at its token budget, and the host admits
+    and finishes requests between programs, so a dispatch and a result transfer serve N steps instead of one.
+    While requests wait for a slot, a program ends at the first step that frees one. ``"auto"``: 8 on every
+    backend (docs/rollout.md). Tokens and log-probs are those of one step per program.
     """
 
     slots: int = 16
@@ -453,6 +460,7 @@ class RolloutConfig:
     pallas_interpret: bool = False
     cache_read_buckets: int = 0
     decode_weights: str = "auto"
+    decode_steps: int | str = "auto"
 
     def validate(self, path: str = "rollout") -> None:
         for name in ("slots", "max_prompt_len", "max_new_tokens"):
@@ -474,6 +482,9 @@ class RolloutConfig:
         if self.decode_weights not in DECODE_WEIGHT_LAYOUTS:
             _fail(f"{path}.decode_weights", self.decode_weights,
                   f"allowed: {', '.join(map(repr, DECODE_WEIGHT_LAYOUTS))}")
+        if self.decode_steps != "auto" and not (isinstance(self.decode_steps, int)
+                                                and 1 <= self.decode_steps <= MAX_DECODE_STEPS):
+            _fail(f"{path}.decode_steps", self.decode_steps, f"must be 'auto' or an integer in 1..{MAX_DECODE_STEPS}")
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ def test_two_versions_in_flight(models):
 
 def test_fused_step_equals_one_call_per_version(models, monkeypatch):
     """Stepping every version in one program gives the tokens and log-probs of one call per version, and
-    compiles one program per multiset of group capacities."""
+    compiles one program per multiset of group capacities (one decode step per program)."""
     m0, m1 = models
     reqs = _requests(12, seed=4, versions=(0, 1, 2), sampling=RequestSampling(temperature=1.0, top_k=20, seed=5))
     runs = {}
@@ -118,7 +118,7 @@ def test_fused_step_equals_one_call_per_version(models, monkeypatch):
     for fuse in (False, True):
         # One program per (versions stepping together, shared capacity): 2 or 3 versions x capacities 1..8.
         limit(0 if not fuse else 8)
-        driver = RolloutDriver(eng, fuse=fuse)
+        driver = RolloutDriver(eng, fuse=fuse, decode_steps=1)
         for v, m in enumerate((m0, m1, m0)):
             driver.add_version(v, nnx.state(m))
         runs[fuse] = {t.sample_id: t for t in driver.run(reqs)}
@@ -221,17 +221,21 @@ def test_stop_and_eos_reasons(models):
     assert b.finish_reason == "stop" and b.tokens == free.tokens[:free.tokens.index(stop) + 1]
 
 
-def test_compaction_utilization_and_bounded_compilation(models, monkeypatch):
+@pytest.mark.parametrize("steps,program", [(1, "_generate_impl"), (8, "_generate_steps_impl")])
+def test_compaction_utilization_and_bounded_compilation(models, monkeypatch, steps, program):
+    """One decode program per capacity, with one step per program or several (the budgets, the step limit
+    and whether to end at the first stop are arguments, not compiled in)."""
     m0, _ = models
-    limit = _trace_limit(monkeypatch, "_generate_impl")
+    limit = _trace_limit(monkeypatch, program)
     limit(4)  # capacities 1, 2, 4, 8
     eng = _engine(m0, slots=8)
-    d = RolloutDriver(eng)
+    d = RolloutDriver(eng, decode_steps=steps)
     d.add_version(0, nnx.state(m0))
     d.run(_requests(24, seed=9))
     assert d.slot_utilization > 0.75
-    limit(0)
-    d.run(_requests(24, seed=10))  # steady state: nothing new to compile
+    if steps == 1:  # the first workload reached every capacity: nothing new to compile
+        limit(0)
+    d.run(_requests(24, seed=10))  # with several steps per program, at most the 4 programs in all
 
 
 def test_bad_input(models):
@@ -579,7 +583,8 @@ def test_overlap_gives_the_same_trajectories(models, engine4, fuse):
 def test_overlap_dispatches_the_next_step_before_reading_the_last(models, engine4, monkeypatch):
     """With overlap, two decode steps are outstanding (dispatched, not yet read back) at a time; without it
     one. A fixed batch of equal lengths runs exactly max_new_tokens - 1 steps either way (the first token
-    comes from prefill): no step is dispatched for rows whose last token is already being computed."""
+    comes from prefill): no step is dispatched for rows whose last token is already being computed. One
+    decode step per program here; test_multi_step_decode_* cover several."""
     from dora_jax.rollout.engine import ResultTokens
 
     m0, _ = models
@@ -604,7 +609,7 @@ def test_overlap_dispatches_the_next_step_before_reading_the_last(models, engine
     reqs = [Request(i, (3 + i, 7, 9), max_new_tokens=10, sampling=GREEDY) for i in range(4)]
     for overlap, expect_peak in ((False, 1), (True, 2)):
         outstanding[0] = peak[0] = 0
-        d = RolloutDriver(eng, overlap=overlap)
+        d = RolloutDriver(eng, overlap=overlap, decode_steps=1)
         d.add_version(0, nnx.state(m0))
         out = d.run(reqs)
         assert peak[0] == expect_peak, overlap
@@ -617,7 +622,7 @@ def test_overlap_dispatches_the_next_step_before_reading_the_last(models, engine
     reqs = [Request(i, (3 + i, 7, 9), max_new_tokens=n, sampling=GREEDY) for i, n in enumerate(lengths)]
     tokens = {}
     for overlap in (False, True):
-        d = RolloutDriver(eng, overlap=overlap)
+        d = RolloutDriver(eng, overlap=overlap, decode_steps=1)
         d.add_version(0, nnx.state(m0))
         tokens[overlap] = {t.sample_id: t.tokens for t in d.run(reqs)}
         assert [len(tokens[overlap][i]) for i in range(4)] == list(lengths)
@@ -629,7 +634,7 @@ def test_overlap_dispatches_the_next_step_before_reading_the_last(models, engine
     ones = [Request(20 + i, (3 + i, 7), max_new_tokens=1, sampling=GREEDY) for i in range(6)]
     firsts = {}
     for overlap in (False, True):
-        d = RolloutDriver(eng, overlap=overlap)
+        d = RolloutDriver(eng, overlap=overlap, decode_steps=1)
         d.add_version(0, nnx.state(m0))
         firsts[overlap] = {t.sample_id: (t.tokens, t.finish_reason) for t in d.run(ones)}
         assert d.idle and d.steps == 0 and d.rows_computed == 0
@@ -647,7 +652,7 @@ def test_overlap_dispatches_the_next_step_before_reading_the_last(models, engine
     monkeypatch.setattr(ResultTokens, "to_host", reading)
     reqs = [Request(i, (3 + i, 7, 9), max_new_tokens=2 + i % 5, sampling=GREEDY) for i in range(10)]
     for overlap in (False, True):
-        d = RolloutDriver(eng, overlap=overlap)
+        d = RolloutDriver(eng, overlap=overlap, decode_steps=1)
         d.add_version(0, nnx.state(m0))
         launch = d.launch
 
@@ -665,11 +670,11 @@ def test_overlap_dispatches_the_next_step_before_reading_the_last(models, engine
 
     # The last trajectory ends by eos: the step dispatched after its last token holds only finished rows and
     # is read before the driver reports idle, so removing the version lets its group (cache, params) go.
-    free = RolloutDriver(eng, overlap=False)
+    free = RolloutDriver(eng, overlap=False, decode_steps=1)
     free.add_version(0, nnx.state(m0))
     (probe,) = free.run([Request(9, (5, 6, 7), max_new_tokens=10, sampling=GREEDY)])
     eos = next(tok for i, tok in enumerate(probe.tokens) if 2 <= i < 8 and tok not in probe.tokens[:i])
-    d = RolloutDriver(eng, eos_ids=[eos], overlap=True)
+    d = RolloutDriver(eng, eos_ids=[eos], overlap=True, decode_steps=1)
     d.add_version(0, nnx.state(m0))
     outstanding[0] = 0
     (t,) = d.run([Request(9, (5, 6, 7), max_new_tokens=10, sampling=GREEDY)])
@@ -705,6 +710,178 @@ def test_driver_groups_with_and_without_overlap(models, engine4):
         for i, t in want.items():
             assert (got[i].tokens, got[i].version) == (t.tokens, t.version)
             np.testing.assert_allclose(got[i].logprobs, t.logprobs, rtol=1e-5, atol=1e-6)
+
+
+def test_generate_steps_equals_one_step_at_a_time(models):
+    """One program of N steps gives each slot the tokens and log-probs of N calls of `generate`, and stops a
+    slot on the device: at its budget, at a stop id (reported, then inactive in the returned state), at once
+    when the token it would feed is a stop id; an empty slot produces nothing; `limit` runs fewer steps."""
+    m0, _ = models
+    eng = _engine(m0, slots=4)
+    params = eng.prepare_params(nnx.state(m0))
+    sampling = RequestSampling(temperature=1.0, seed=4)
+
+    def fresh(slots=(0, 1, 2)):
+        batch, first = eng.prefill_batch(params=params, prompts=[(3, 4, 5), (7, 8), (9, 10, 11, 12)],
+                                         sample_ids=[0, 1, 2], samplings=[sampling] * 3)
+        return eng.insert_batch(batch, eng.init_decode_state(4), list(slots)), first.to_host().columns()["token"]
+
+    state, first = fresh()
+    ref = []
+    for _ in range(6):
+        state, result = eng.generate(params, state, filtered=False)
+        ref.append(result.to_host().columns())
+    tok = np.stack([r["token"] for r in ref])  # [6, 4]
+    lp = np.stack([r["logprob"] for r in ref])
+    stop = int(tok[2, 1])  # slot 1 stops at the first step that samples it (step 2 or sooner)
+    at = int(np.argmax(tok[:, 1] == stop))
+    state, _ = fresh()
+    (out,), res = eng.generate_steps([params], [state], steps=6, budgets=[[6, 6, 4, 6]],
+                                     stop_ids=[[(), (stop,), (), ()]], filtered=False)
+    cols, counts = res.to_host().columns(), res.counts()
+    assert counts.tolist() == [6, at + 1, 4, 0] and res.steps_run() == 6
+    for b in range(3):
+        n = counts[b]
+        np.testing.assert_array_equal(cols["token"][:n, b], tok[:n, b])
+        np.testing.assert_allclose(cols["logprob"][:n, b], lp[:n, b], rtol=1e-5, atol=1e-6)
+        assert cols["valid"][:n, b].all() and not cols["valid"][n:, b].any()
+    assert np.asarray(out.active).tolist() == [True, False, True, False]
+    assert np.asarray(out.positions)[[0, 2]].tolist() == [3 + 6, 4 + 4]  # the last token's position
+    # Where the token to feed is already a stop id, nothing is produced; limit ends the program early.
+    state, first = fresh()
+    (_,), res = eng.generate_steps([params], [state], steps=6, budgets=[[6, 6, 6, 0]],
+                                   stop_ids=[[(int(first[0]),), (), (), ()]], limit=2, filtered=False)
+    assert res.counts().tolist() == [0, 2, 2, 0] and res.steps_run() == 2
+    # Until the first stop: the program ends after the step in which slot 1 stopped.
+    state, _ = fresh()
+    (_,), res = eng.generate_steps([params], [state], steps=6, budgets=[[6, 6, 6, 0]],
+                                   stop_ids=[[(), (stop,), (), ()]], until_stop=True, filtered=False)
+    assert res.steps_run() == at + 1 and res.counts().tolist() == [at + 1] * 3 + [0]
+    with pytest.raises(EngineError, match="limit 7 must be in"):
+        eng.generate_steps([params], [fresh()[0]], steps=6, budgets=[[1] * 4], stop_ids=[[()] * 4], limit=7)
+    with pytest.raises(EngineError, match="got 3 budgets"):
+        eng.generate_steps([params], [fresh()[0]], steps=6, budgets=[[1] * 3], stop_ids=[[()] * 4])
+    with pytest.raises(EngineError, match="steps must be an integer >= 1"):
+        eng.generate_steps([params], [fresh()[0]], steps=0, budgets=[[1] * 4], stop_ids=[[()] * 4])
+
+
+def _mixed_requests(eos_probe):
+    """16 requests over three versions: mixed prompt lengths and budgets (1..29 tokens), greedy and sampled,
+    every third with a stop id; with eos and stop ids frequent in ``eos_probe``'s trajectories."""
+    common = collections.Counter(x for t in eos_probe for x in t.tokens).most_common(2)
+    eos, stop = common[0][0], common[1][0]
+    reqs = [dataclasses.replace(r, stop_ids=(stop,) if i % 3 == 0 else ())
+            for i, r in enumerate(_requests(16, seed=12, versions=(0, 1, 2)))]
+    return eos, [dataclasses.replace(r, sampling=RequestSampling(temperature=1.0, top_k=20, seed=3)) if i % 2 else r
+                 for i, r in enumerate(reqs)]
+
+
+def test_multi_step_decode_gives_the_tokens_of_one_step_per_program(models, engine4):
+    """Several decode steps per program (each slot stopped on the device) give the trajectories of one step
+    per program: three versions, mixed lengths, eos and stop ids inside a program, admissions while requests
+    wait, overlap on and off; and the driver's counters stay the counts of what ran."""
+    m0, m1 = models
+    probe = RolloutDriver(engine4, decode_steps=1)
+    probe.add_version(0, nnx.state(m0))
+    eos, reqs = _mixed_requests(probe.run(_requests(8, seed=11)))
+    runs, drivers = {}, {}
+    for steps, overlap in ((1, False), (8, False), (8, True)):
+        d = RolloutDriver(engine4, eos_ids=[eos], overlap=overlap, decode_steps=steps)
+        for v, m in enumerate((m0, m1, m0)):
+            d.add_version(v, nnx.state(m))
+        runs[steps, overlap], drivers[steps, overlap] = _staggered(d, reqs), d
+    want = runs[1, False]
+    assert sorted(want) == list(range(16))
+    assert set(collections.Counter(t.finish_reason for t in want.values())) == {"eos", "stop", "length"}
+    for key, got in runs.items():
+        for i, t in want.items():
+            o = got[i]
+            assert (o.tokens, o.version, o.finish_reason) == (t.tokens, t.version, t.finish_reason), (key, i)
+            np.testing.assert_allclose(o.logprobs, t.logprobs, rtol=1e-5, atol=1e-6)
+        d = drivers[key]
+        assert d.idle and d.rows_live == sum(len(t.tokens) - 1 for t in want.values())
+        assert d.rows_computed >= d.rows_live and d.batch_steps == d.steps  # one program per dispatch (fused)
+        assert all(x.in_flight == 0 for g in d._groups.values() for x in g.slots if x is not None)
+    one, many = drivers[1, False], drivers[8, False]
+    assert one.decode_steps_per_dispatch == 1 and one.steps == one.dispatches
+    assert many.decode_steps_per_dispatch > 2 and many.dispatches < one.dispatches / 2
+
+
+def test_decode_steps_setting(models):
+    """rollout.decode_steps: validated in the config and by the engine, resolved by the driver ("auto": 8)."""
+    from dora_jax.config import ConfigError, load_config
+
+    m0, _ = models
+    assert load_config("tiny_llama").rollout.decode_steps == "auto"
+    assert load_config("tiny_llama", ["rollout.decode_steps=3"]).rollout.decode_steps == 3
+    for bad in ("0", "257", "many"):
+        with pytest.raises(ConfigError, match="rollout.decode_steps"):
+            load_config("tiny_llama", [f"rollout.decode_steps={bad}"])
+    with pytest.raises(EngineError, match="decode_steps 0: allowed 'auto' or 1 .. 256"):
+        _engine(m0, settings=DecodeSettings(decode_steps=0))
+    assert RolloutDriver(_engine(m0)).decode_steps == 8
+    assert RolloutDriver(_engine(m0, settings=DecodeSettings(decode_steps=3))).decode_steps == 3
+    assert RolloutDriver(_engine(m0), decode_steps=1).decode_steps == 1
+
+
+def test_multi_step_decode_counts_and_admission(models, engine4, monkeypatch):
+    """A fixed batch runs exactly max_new_tokens - 1 decode steps in programs of N (the last one shorter),
+    with and without overlap; while a request waits for a slot, a program ends at the first step that frees
+    one (a row's last token, or a stop id sampled on the device), and the waiting request takes it."""
+    m0, _ = models
+    for overlap in (False, True):
+        d = RolloutDriver(engine4, overlap=overlap, decode_steps=4)
+        d.add_version(0, nnx.state(m0))
+        out = d.run([Request(i, (3 + i, 7, 9), max_new_tokens=10, sampling=GREEDY) for i in range(4)])
+        assert all(len(t.tokens) == 10 for t in out)
+        assert (d.steps, d.dispatches, d.batch_steps, d.rows_computed, d.rows_live) == (9, 3, 9, 4 * 9, 4 * 9)
+        assert d.decode_steps_per_dispatch == 3
+
+    ran = []
+    generate_steps = engine4.generate_steps
+
+    def recorded(*args, **kwargs):
+        states, result = generate_steps(*args, **kwargs)
+        ran.append((kwargs["limit"], kwargs["until_stop"], result))
+        return states, result
+
+    monkeypatch.setattr(engine4, "generate_steps", recorded)
+    # Request 3 ends after 2 decode steps (its first token comes from prefill) while request 4 waits: the
+    # first program runs 2 steps, the next one, with nothing waiting, its 8.
+    lengths = {0: 20, 1: 20, 2: 20, 3: 3, 4: 20}
+    reqs = [Request(i, (7 + i, 7, 9), max_new_tokens=n, sampling=GREEDY) for i, n in lengths.items()]
+    d = RolloutDriver(engine4, decode_steps=8)
+    d.add_version(0, nnx.state(m0))
+    got = {t.sample_id: t for t in d.run(reqs)}
+    assert [len(got[i].tokens) for i in lengths] == list(lengths.values())
+    assert [(limit, until, r.steps_run()) for limit, until, r in ran[:2]] == [(2, True, 2), (8, False, 8)]
+    # The same when request 4 waits outside the driver (a runner that submits only into free slots).
+    ran.clear()
+    d = RolloutDriver(engine4, decode_steps=8)
+    d.add_version(0, nnx.state(m0))
+    for req in reqs[:4]:
+        d.submit(req)
+    d.waiting_outside = True
+    outside = d.step()
+    d.waiting_outside = False
+    outside = {t.sample_id: t.tokens for t in outside + d.run(reqs[4:])}
+    assert outside == {i: t.tokens for i, t in got.items()}
+    assert [(limit, until, r.steps_run()) for limit, until, r in ran[:2]] == [(2, True, 2), (8, False, 8)]
+    # The same with request 1 ending at a stop id it samples at decode step `at`: the first program ends there.
+    probe = RolloutDriver(engine4, decode_steps=1)
+    probe.add_version(0, nnx.state(m0))
+    alone = {t.sample_id: t for t in probe.run([dataclasses.replace(r, max_new_tokens=20) for r in reqs])}
+    b = alone[1].tokens
+    at = next(i for i, x in enumerate(b) if i >= 2 and x not in b[:i])  # the first token new at its index
+    assert at < 8
+    reqs = [dataclasses.replace(r, max_new_tokens=20, stop_ids=(b[at],) if r.sample_id == 1 else ()) for r in reqs]
+    ran.clear()
+    d = RolloutDriver(engine4, decode_steps=8)
+    d.add_version(0, nnx.state(m0))
+    got = {t.sample_id: t for t in d.run(reqs)}
+    assert got[1].finish_reason == "stop" and got[1].tokens == b[:at + 1]
+    assert [(limit, until, r.steps_run()) for limit, until, r in ran[:2]] == [(8, True, at), (8, False, 8)]
+    assert all(got[i].tokens == alone[i].tokens for i in (0, 2, 3, 4))
 
 
 def test_overlap_default_follows_the_backend(engine4):
@@ -749,6 +926,14 @@ def test_bench_engine_reports_every_part():
     assert out["matmul_only_vs_decode_roofline"] == pytest.approx(out["matmul_only_tok_s"]
                                                                   / out["decode_only_roofline_tok_s"])
     assert "matmul_only_vs_hf" not in out and "torch_matmul_only_step_ms" not in out
+    # Several decode steps per program (rollout.decode_steps "auto": 8) against one: the fixed batch's 7
+    # decode steps (the first token comes from prefill) run in one dispatch.
+    assert out["decode_steps"] == 8
+    assert out["decode_steps_per_dispatch"] == out["decode_steps_per_dispatch_median"] == 7
+    assert 1 <= out["tail_decode_steps_per_dispatch"] <= 8
+    for name in ("", "tail_"):
+        assert out[f"multi_step_{name}vs_one"] == pytest.approx(out[f"multi_step_{name}tok_s"]
+                                                                / out[f"one_step_{name}tok_s"])
 
 
 def test_matmul_chain_covers_every_weight_matmul_of_a_step():

@@ -18,6 +18,13 @@ With ``overlap`` (the default on accelerators) the driver dispatches step t + 1 
 results, so the device decodes while the host books the previous step; a trajectory that ended at step t has
 one more row computed and discarded, and a request takes its slot one step later. Admitted requests are
 inserted before their first token (sampled at prefill) is read; it is read with the next step's results.
+
+With ``decode_steps`` N > 1 (``rollout.decode_steps``, 8 by default) one dispatched program runs up to N decode
+steps (:meth:`Engine.generate_steps`): each row stops on the device at an eos or stop id or at its
+``max_new_tokens``, and the host reads the N steps' tokens with one transfer, then finishes, admits and
+compacts between programs. While requests wait for a slot (pending here, or ``waiting_outside``) a program
+ends at the first step that frees one. "Step" above then reads "program": overlap dispatches program t + 1
+before reading program t.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ from typing import Any, Iterable, Sequence
 import jax
 import numpy as np
 
-from dora_jax.rollout.engine import Engine, EngineError, RequestSampling, SharedPrefix, bucket, continues
+from dora_jax.rollout.engine import (Engine, EngineError, RequestSampling, SharedPrefix, bucket, continues,
+                                     resolve_decode_steps)
 from dora_jax.rollout.sampling import needs_filter
 
 
@@ -66,7 +74,7 @@ class _Live:
     logprobs: list[float]
     submitted_s: float
     started_s: float
-    in_flight: int = 0  # decode steps dispatched for this row and not yet read back
+    in_flight: int = 0  # tokens that decode programs dispatched and not yet read back may produce for this row
     finished: bool = False  # its last token is read: rows of it in steps still in flight are discarded
 
     @property
@@ -98,6 +106,8 @@ class _Launched:
     floor: int
     fused: bool = False
     rows: list[list[_Live | None]] = dataclasses.field(default_factory=list)  # each group's slots at dispatch
+    # Several decode steps per program (decode_steps > 1): each row's budget of tokens, per group.
+    budgets: list[list[int]] | None = None
     # With overlap: requests admitted by this launch, inserted before their first token (sampled at prefill)
     # was read; it is read with this step's results. One entry per prefill program: its first tokens, the
     # requests' rows in order.
@@ -109,9 +119,14 @@ class RolloutDriver:
 
     def __init__(self, engine: Engine, *, eos_ids: Sequence[int] = (), compact: bool = True, fuse: bool = True,
                  prefill_tokens: int = 8192, batch_prefill: bool = True, overlap: bool | None = None,
-                 shared_prefix: Sequence[int] = ()):
+                 shared_prefix: Sequence[int] = (), decode_steps: int | None = None):
         if prefill_tokens < 1:
             raise EngineError(f"prefill_tokens must be >= 1, got {prefill_tokens!r}")
+        # None: the engine's setting (rollout.decode_steps). 1 runs Engine.generate / generate_many, one step
+        # per program; more runs Engine.generate_steps, each slot stopped on the device.
+        self.decode_steps = resolve_decode_steps(engine.settings) if decode_steps is None else decode_steps
+        if not (isinstance(self.decode_steps, (int, np.integer)) and self.decode_steps >= 1):
+            raise EngineError(f"decode_steps must be an integer >= 1, got {self.decode_steps!r}")
         self.shared_prefix = tuple(int(x) for x in shared_prefix)
         if len(self.shared_prefix) >= engine.max_prefill_length:
             raise EngineError(f"shared_prefix of {len(self.shared_prefix)} tokens; it must be shorter than "
@@ -128,9 +143,15 @@ class RolloutDriver:
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self._groups: dict[int, _Group] = {}
         self._pending: collections.deque[tuple[Request, float]] = collections.deque()
-        self.rows_computed = 0  # rows of every decode step dispatched (live, finished in flight, or empty)
+        # Requests wait for a slot outside the driver (a caller that submits only into free slots sets this
+        # before each step): as with requests pending here, a program of several steps ends at the first step
+        # that frees a slot, so the caller can fill it.
+        self.waiting_outside = False
+        self.rows_computed = 0  # rows of every decode step run (live, finished in flight, or empty)
         self.rows_live = 0  # rows that produced a token of a live trajectory
-        self.steps = 0  # decode steps dispatched and read back
+        self.steps = 0  # decode steps run by the programs read back (a program of N steps counts those it ran)
+        self.dispatches = 0  # decode dispatches read back (one per launch that decoded, however many programs)
+        self.dispatch_steps: collections.Counter[int] = collections.Counter()  # dispatches by decode steps run
         # Decode batch-steps: one per device decode program step, however many versions it fuses (several
         # versions stepped by separate programs count one each). The device-independent cost of decoding.
         self.batch_steps = 0
@@ -212,6 +233,12 @@ class RolloutDriver:
     @property
     def slot_utilization(self) -> float:
         return self.rows_live / max(self.rows_computed, 1)
+
+    @property
+    def decode_steps_per_dispatch(self) -> float:
+        """Device decode steps per host dispatch so far, the mean (1 with ``decode_steps=1``; at most
+        ``decode_steps``). :attr:`dispatch_steps` counts the dispatches by the steps each ran."""
+        return self.steps / max(self.dispatches, 1)
 
     # -- the loop -------------------------------------------------------------------------------------------
 
@@ -326,7 +353,8 @@ class RolloutDriver:
                 g.slots[slot] = live
 
     def step(self) -> list[Trajectory]:
-        """Admits pending requests, runs one decode step of every version group, returns what finished.
+        """Admits pending requests, runs one decode dispatch of every version group (``decode_steps`` steps at
+        most), returns what finished.
 
         With ``fuse`` (the default) all groups step in one program (:meth:`Engine.generate_many`) at one
         shared capacity, so a step costs one dispatch and one result transfer however many versions are
@@ -355,9 +383,9 @@ class RolloutDriver:
         return out
 
     def launch(self) -> "_Launched":
-        """Admits pending requests and dispatches one decode step without waiting for it (JAX dispatch is
-        asynchronous); :meth:`collect` reads it back. :meth:`dispatch` and :meth:`harvest` queue these calls
-        (one step in flight, two with ``overlap``)."""
+        """Admits pending requests and dispatches one decode program (one step, or up to ``decode_steps``)
+        without waiting for it (JAX dispatch is asynchronous); :meth:`collect` reads it back. :meth:`dispatch`
+        and :meth:`harvest` queue these calls (one program in flight, two with ``overlap``)."""
         done: list[Trajectory] = []
         admitted: list[tuple[Any, list[_Live]]] = []
         self._admit(done, admitted)
@@ -368,6 +396,8 @@ class RolloutDriver:
             return _Launched(done, [], [], 1, admitted=admitted)
         live_sampling = [s.request.sampling for g in active for s in g.slots if s is not None]
         filtered = needs_filter([s.top_k for s in live_sampling], [s.top_p for s in live_sampling])
+        if self.decode_steps > 1:
+            return self._launch_steps(done, active, filtered, admitted)
         if len(active) == 1 or not self.fuse:
             results = []
             for g in active:
@@ -388,6 +418,42 @@ class RolloutDriver:
             g.state = state
         return _Launched(done, active, [result], floor, fused=True, rows=self._dispatched(active),
                          admitted=admitted)
+
+    def _launch_steps(self, done: list[Trajectory], active: list[_Group], filtered: bool,
+                      admitted: list[tuple[Any, list[_Live]]]) -> "_Launched":
+        """:meth:`launch` with ``decode_steps`` steps per program (:meth:`Engine.generate_steps`): each live row
+        may produce up to ``decode_steps`` tokens, fewer where its ``max_new_tokens`` ends sooner (counting the
+        tokens of programs still in flight), and stops on the device at an eos or stop id. While requests wait
+        for a slot, the program ends at the first step that frees one: at the first stop, or at the step where
+        the first row reaches its ``max_new_tokens``."""
+        n = self.decode_steps
+        fused = self.fuse and len(active) > 1
+        floor = max(len(g.slots) for g in active) if fused else 1
+        for g in active:  # fused groups share one capacity, as in launch
+            if len(g.slots) < floor:
+                self._resize(g, floor)
+        budgets = [[0 if s is None or not s.needs_step else
+                    min(n, s.request.max_new_tokens - len(s.tokens) - s.in_flight) for s in g.slots] for g in active]
+        stops = [[() if s is None else tuple(self.eos_ids) + tuple(s.request.stop_ids) for s in g.slots]
+                 for g in active]
+        waiting = bool(self._pending) or self.waiting_outside
+        limit = min([b for bs in budgets for b in bs if b > 0] or [n]) if waiting else n
+        programs = [list(range(len(active)))] if fused or len(active) == 1 else [[i] for i in range(len(active))]
+        results = []
+        for idx in programs:
+            states, result = self.engine.generate_steps(
+                [active[i].params for i in idx], [active[i].state for i in idx], steps=n,
+                budgets=[budgets[i] for i in idx], stop_ids=[stops[i] for i in idx], limit=limit,
+                until_stop=waiting, filtered=filtered)
+            for i, state in zip(idx, states):
+                active[i].state = state
+            results.append(result)
+        rows = [list(g.slots) for g in active]
+        for slots, bs in zip(rows, budgets):
+            for live, b in zip(slots, bs):
+                if live is not None:
+                    live.in_flight += b
+        return _Launched(done, active, results, floor, fused=fused, rows=rows, admitted=admitted, budgets=budgets)
 
     def _dispatched(self, active: list[_Group]) -> list[list[_Live | None]]:
         """Books a dispatched step: each group's slots as they are now (their results come in this layout,
@@ -411,6 +477,8 @@ class RolloutDriver:
                 self._append(live, int(cols["token"][i]), float(cols["logprob"][i]), now, done)
         if not active:  # nothing was dispatched
             return done
+        if launched.budgets is not None:
+            return self._collect_steps(launched)
         if not launched.fused:
             cols_of = [r.to_host().columns() for r in launched.results]
         else:
@@ -424,7 +492,35 @@ class RolloutDriver:
         for g, rows, cols in zip(active, launched.rows, cols_of):
             self._take(g, rows, cols, now, done, floor)
         self.steps += 1
+        self.dispatches += 1
+        self.dispatch_steps[1] += 1
         self.batch_steps += 1 if launched.fused else len(active)
+        return done
+
+    def _collect_steps(self, launched: "_Launched") -> list[Trajectory]:
+        """:meth:`collect` of a :meth:`_launch_steps` launch: one transfer per program, each row's tokens in
+        step order; the rows computed are the program's rows times the steps it ran."""
+        done, active = launched.done, launched.active
+        per_group, ran = [], []
+        groups = list(zip(active, launched.rows, launched.budgets))
+        programs = [groups] if len(launched.results) == 1 else [[x] for x in groups]  # fused, or one per group
+        for result, members in zip(launched.results, programs):
+            host = result.to_host()
+            cols, steps = host.columns(), host.steps_run()
+            ran.append(steps)
+            self.batch_steps += steps
+            row = 0
+            for g, rows, budgets in members:
+                self.rows_computed += len(rows) * steps
+                per_group.append((g, rows, budgets, {k: v[:, row:row + len(rows)] for k, v in cols.items()}))
+                row += len(rows)
+        now = time.perf_counter()
+        floor = bucket(max(g.live for g in active), minimum=1) if launched.floor > 1 else 1
+        for g, rows, budgets, cols in per_group:
+            self._take_steps(g, rows, budgets, cols, now, done, floor)
+        self.steps += max(ran)
+        self.dispatches += 1
+        self.dispatch_steps[max(ran)] += 1
         return done
 
     def _append(self, live: _Live, token: int, logprob: float, now: float, done: list[Trajectory]) -> None:
@@ -457,8 +553,33 @@ class RolloutDriver:
             if not cols["valid"][slot] or cols["version"][slot] != g.version:
                 raise RuntimeError(f"slot {slot} of version {g.version} returned no result")  # engine bug
             self._append(live, int(cols["token"][slot]), float(cols["logprob"][slot]), now, done)
-        # Compaction: stop computing empty rows once at most half are live (and no request is waiting for
-        # this version, which would only grow the group again).
+        self._compact(g, floor)
+
+    def _take_steps(self, g: _Group, rows: list[_Live | None], budgets: list[int], cols: dict[str, np.ndarray],
+                    now: float, done: list[Trajectory], floor: int = 1) -> None:
+        """:meth:`_take` for several steps (``cols`` [steps, rows]): each row's valid tokens, in order, up to
+        the one that ends its trajectory (the device stopped it there too)."""
+        counts = cols["valid"].sum(axis=0)
+        for slot, live in enumerate(rows):
+            if live is None:
+                continue
+            live.in_flight -= budgets[slot]
+            if live.finished:  # ended before this program's results (the device stopped it: no tokens)
+                continue
+            n = int(counts[slot])
+            if not cols["valid"][:n, slot].all() or (cols["version"][:n, slot] != g.version).any() or n > budgets[slot]:
+                raise RuntimeError(f"slot {slot} of version {g.version} returned {n} tokens out of order or past "
+                                   f"its budget of {budgets[slot]}")  # engine bug
+            for t in range(n):
+                if live.finished:
+                    raise RuntimeError(f"slot {slot} of version {g.version} produced tokens past its end")
+                self.rows_live += 1
+                self._append(live, int(cols["token"][t, slot]), float(cols["logprob"][t, slot]), now, done)
+        self._compact(g, floor)
+
+    def _compact(self, g: _Group, floor: int) -> None:
+        """Compaction: stop computing empty rows once at most half are live (and no request is waiting for
+        this version, which would only grow the group again); not below ``floor``, the fused groups' capacity."""
         target = max(bucket(g.live, minimum=1), floor)
         if self.compact and g.live and target <= len(g.slots) // 2 and not any(r.version == g.version for r, _ in self._pending):
             self._resize(g, target)
@@ -593,3 +714,25 @@ class DriverGroups:
     @property
     def slot_utilization(self) -> float:
         return self.rows_live / max(self.rows_computed, 1)
+
+    @property
+    def steps(self) -> int:
+        return sum(d.steps for d in self.drivers)
+
+    @property
+    def dispatches(self) -> int:
+        return sum(d.dispatches for d in self.drivers)
+
+    @property
+    def waiting_outside(self) -> bool:
+        return any(d.waiting_outside for d in self.drivers)
+
+    @waiting_outside.setter
+    def waiting_outside(self, value: bool) -> None:  # requests wait outside every group (RolloutDriver's)
+        for d in self.drivers:
+            d.waiting_outside = value
+
+    @property
+    def decode_steps_per_dispatch(self) -> float:
+        """Device decode steps per host dispatch over every group (:attr:`RolloutDriver.decode_steps_per_dispatch`)."""
+        return self.steps / max(self.dispatches, 1)

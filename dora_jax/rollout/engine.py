@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from dora_jax.config import ATTENTION_IMPLS, DECODE_WEIGHT_LAYOUTS, ROLLOUT_DTYPES
+from dora_jax.config import ATTENTION_IMPLS, DECODE_WEIGHT_LAYOUTS, MAX_DECODE_STEPS, ROLLOUT_DTYPES
 from dora_jax.models.decoder import (FUSED_INPUTS, Decoder, DecodeSettings, KVCache, decode_forward,
                                      fuse_layer_params, head_logits, init_cache, resolve_decode_weights,
                                      transpose_decode_params, transpose_weights)
@@ -166,6 +166,42 @@ class ResultTokens:
                 "logprob": np.ascontiguousarray(d[:, 3]).view(np.float32), "version": d[:, 4]}
 
 
+class ResultSteps:
+    """The results of :meth:`Engine.generate_steps`: every slot's token of each of N steps, packed as int32
+    [N, B, 5] (the columns of :class:`ResultTokens`) and fetched with one copy (:meth:`to_host`). A slot's valid
+    tokens are its first ``counts()[b]`` steps: once a slot stops or uses up its budget it produces no more."""
+
+    def __init__(self, data: jax.Array | np.ndarray):
+        self.data = data
+
+    def to_host(self) -> "ResultSteps":
+        return ResultSteps(np.asarray(self.data))
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """Each column as [N, B]."""
+        d = np.asarray(self.data)
+        return {"token": d[..., 0], "valid": d[..., 1].astype(bool), "position": d[..., 2],
+                "logprob": np.ascontiguousarray(d[..., 3]).view(np.float32), "version": d[..., 4]}
+
+    def counts(self) -> np.ndarray:
+        """Tokens each slot produced, [B]."""
+        return np.asarray(self.data)[..., 1].sum(axis=0)
+
+    def steps_run(self) -> int:
+        """Decode steps the program ran: every step it runs has a slot that produces a token."""
+        return int(np.asarray(self.data)[..., 1].any(axis=1).sum())
+
+
+def stop_table(stop_ids: Sequence[Sequence[int]], minimum: int = 4) -> np.ndarray:
+    """Each slot's stop ids as int32 [B, M], padded with -1 (never a token); M a power of two >= ``minimum``,
+    so the compiled programs stay few."""
+    width = bucket(max((len(s) for s in stop_ids), default=0), minimum=minimum)
+    out = np.full((len(stop_ids), width), -1, np.int32)
+    for b, ids in enumerate(stop_ids):
+        out[b, :len(ids)] = list(ids)
+    return out
+
+
 def _pack(tokens, valid, positions, logprobs, versions) -> jax.Array:
     bits = jax.lax.bitcast_convert_type(logprobs.astype(jnp.float32), jnp.int32)
     return jnp.stack([tokens, valid.astype(jnp.int32), positions, bits, versions], axis=-1)
@@ -180,6 +216,20 @@ def _check_settings(dtype: str, settings: DecodeSettings) -> None:
             raise EngineError(f"{name} {value!r}: allowed {', '.join(map(repr, allowed))}")
     if not 0 <= settings.cache_read_buckets <= 8:
         raise EngineError(f"cache_read_buckets {settings.cache_read_buckets!r}: allowed 0 (auto) .. 8")
+    steps = settings.decode_steps
+    if steps != "auto" and not (isinstance(steps, (int, np.integer)) and 1 <= steps <= MAX_DECODE_STEPS):
+        raise EngineError(f"decode_steps {steps!r}: allowed 'auto' or 1 .. {MAX_DECODE_STEPS}")
+
+
+# rollout.decode_steps "auto". The same on every backend: on an accelerator a step is short next to the host's
+# share of it (dispatch, result transfer, booking), and on CPU the programs of 8 steps measured no slower
+# than one step each (docs/performance.md).
+AUTO_DECODE_STEPS = 8
+
+
+def resolve_decode_steps(settings: DecodeSettings) -> int:
+    """``settings.decode_steps`` with ``"auto"`` resolved (:data:`AUTO_DECODE_STEPS`)."""
+    return AUTO_DECODE_STEPS if settings.decode_steps == "auto" else int(settings.decode_steps)
 
 
 class Engine:
@@ -229,6 +279,8 @@ class Engine:
         self._insert_batch_jit = serial_jit(self._insert_batch_impl, donate_argnums=(1,))
         self._generate_jit = serial_jit(self._generate_impl, donate_argnums=(1,), static_argnums=(2,))
         self._generate_many_jit = serial_jit(self._generate_many_impl, donate_argnums=(1,), static_argnums=(2,))
+        self._generate_steps_jit = serial_jit(self._generate_steps_impl, donate_argnums=(1,),
+                                              static_argnums=(6, 7))
         self._resize_jit = serial_jit(self._resize_impl, static_argnums=(2,))
         self._free_jit = serial_jit(lambda state, slot: state._replace(active=state.active.at[slot].set(False)),
                                  donate_argnums=(0,))
@@ -335,7 +387,9 @@ class Engine:
             seeds=put(state.seeds, batch.seed), active=put(state.active, jnp.ones(slots_n.shape, bool)),
             sampling=SamplingParams(*(put(a, b) for a, b in zip(state.sampling, batch.sampling))))
 
-    def _generate_impl(self, params: PreparedParams, state: DecodeState, filtered: bool | None):
+    def _decode_step(self, params: PreparedParams, state: DecodeState, filtered: bool | None):
+        """One step's model and sampling for every slot: (new cache, sampled tokens, their log-probs, the
+        position of each sampled token, held below the cache length)."""
         # Empty slots keep stale positions: only live rows decide how much of the cache is read.
         logits, cache = decode_forward(self.cfg, params.tree, state.tokens[:, None], state.positions[:, None],
                                        state.cache, read_upto=jnp.max(jnp.where(state.active, state.positions, 0)),
@@ -344,7 +398,10 @@ class Engine:
         keys = jax.vmap(lambda s, i, p: row_keys(s, i[None], p[None])[0])(state.seeds, state.sample_ids, nxt)
         tokens, logprobs = sample(logits[:, 0], keys, state.sampling, filtered)
         # A full row stops advancing (the driver finishes it with reason "length" before that matters).
-        nxt = jnp.minimum(nxt, self.max_target_length - 1)
+        return cache, tokens, logprobs, jnp.minimum(nxt, self.max_target_length - 1)
+
+    def _generate_impl(self, params: PreparedParams, state: DecodeState, filtered: bool | None):
+        cache, tokens, logprobs, nxt = self._decode_step(params, state, filtered)
         tokens = jnp.where(state.active, tokens, 0)
         new = state._replace(cache=cache, tokens=tokens, positions=jnp.where(state.active, nxt, state.positions))
         return new, _pack(tokens, state.active, nxt, logprobs, state.versions)
@@ -352,6 +409,53 @@ class Engine:
     def _generate_many_impl(self, params_seq, states_seq, filtered: bool | None):
         outs = [self._generate_impl(p, st, filtered) for p, st in zip(params_seq, states_seq)]
         return tuple(o[0] for o in outs), jnp.concatenate([o[1] for o in outs], axis=0)
+
+    def _generate_steps_impl(self, params_seq, states_seq, budgets_seq, stops_seq, limit, until_stop,
+                             steps: int, filtered: bool | None):
+        """Up to ``steps`` decode steps of several decode states in one ``lax.while_loop``.
+
+        A slot is live in a step while it is active, has produced fewer tokens than its budget and has not
+        sampled one of its stop ids; only live slots advance (token, position) and report a token. A slot
+        that samples a stop id is marked inactive in the state it returns, so a later call dispatched before
+        its results are read produces nothing for it. The loop ends after ``limit`` steps, when no slot is
+        live, or (``until_stop``) after the first step in which a slot stopped. Every slot's cache is written
+        at its current position each step, as one step of :meth:`generate` does: a slot that is not live
+        writes the entries of the token it will feed next, which its next live step writes again before any
+        query reads them."""
+        sizes = [st.tokens.shape[0] for st in states_seq]
+        out0 = jnp.zeros((steps, sum(sizes), 5), jnp.int32)
+        produced0 = tuple(jnp.zeros((n,), jnp.int32) for n in sizes)
+
+        def live(st, produced, budget):
+            return st.active & (produced < budget)
+
+        def cond(carry):
+            i, states, produced, _, stopped = carry
+            anyone = jnp.any(jnp.stack([jnp.any(live(st, n, b)) for st, n, b in zip(states, produced, budgets_seq)]))
+            return (i < limit) & anyone & ~(until_stop & stopped)
+
+        def body(carry):
+            i, states, produced, out, stopped = carry
+            new_states, new_produced, rows = [], [], []
+            for p, st, n, budget, stops in zip(params_seq, states, produced, budgets_seq, stops_seq):
+                on = live(st, n, budget)
+                cache, tok, lp, nxt = self._decode_step(p, st, filtered)
+                hit = on & jnp.any(tok[:, None] == stops, axis=1)
+                stopped = stopped | jnp.any(hit)
+                new_states.append(st._replace(cache=cache, tokens=jnp.where(on, tok, st.tokens),
+                                              positions=jnp.where(on, nxt, st.positions), active=st.active & ~hit))
+                new_produced.append(n + on.astype(jnp.int32))
+                rows.append(_pack(jnp.where(on, tok, 0), on, nxt, lp, st.versions))
+            out = jax.lax.dynamic_update_index_in_dim(out, jnp.concatenate(rows, axis=0), i, axis=0)
+            return i + 1, tuple(new_states), tuple(new_produced), out, stopped
+
+        # A slot whose next token to feed is one of its stop ids has already ended (a request whose first
+        # token, sampled at prefill, stops it): it produces nothing.
+        states_seq = tuple(st._replace(active=st.active & ~jnp.any(st.tokens[:, None] == stops, axis=1))
+                           for st, stops in zip(states_seq, stops_seq))
+        carry = (jnp.int32(0), states_seq, produced0, out0, jnp.bool_(False))
+        _, states, _, out, _ = jax.lax.while_loop(cond, body, carry)
+        return states, out
 
     def _resize_impl(self, state: DecodeState, rows, capacity: int) -> DecodeState:
         """Gathers ``rows`` (indices into the old state, -1 = empty) into a state of ``capacity`` slots."""
@@ -595,6 +699,55 @@ class Engine:
         states, data = self._generate_many_jit(tuple(self._prepared_params(p) for p in params_seq),
                                                       tuple(states_seq), filtered)
         return states, ResultTokens(data)
+
+    def generate_steps(self, params_seq: Sequence[Any], states_seq: Sequence[DecodeState], *, steps: int,
+                       budgets: Sequence[Any], stop_ids: Sequence[Sequence[Sequence[int]]], limit: int | None = None,
+                       until_stop: bool = False, filtered: bool | None = None
+                       ) -> tuple[tuple[DecodeState, ...], ResultSteps]:
+        """Several decode steps of several decode states (one policy version each) in one program, stopping
+        each slot on the device: one dispatch and one result transfer for up to ``steps`` tokens per slot.
+
+        Each step is the computation of :meth:`generate` (same tokens, log-probs and sampling streams); a
+        slot produces tokens until it samples one of its stop ids (the token is reported, and the slot is
+        marked inactive in the returned state) or has produced its budget; a slot whose next token to feed is
+        a stop id produces none. States are donated; results are
+        stacked in the order given (rows of ``states_seq[0]`` first).
+
+        Args:
+          params_seq: one :meth:`prepare_params` output per state.
+          states_seq: the decode states.
+          steps: the most steps (compiled in: one program per value, so callers keep to a few).
+          budgets: per state, int [B]: the most tokens each slot may produce (0: none).
+          stop_ids: per state, each slot's stop ids (end-of-sequence ids and the request's own).
+          limit: run at most this many steps (<= ``steps``; not compiled in). Default ``steps``.
+          until_stop: end after the first step in which a slot stopped (not compiled in): a caller with
+            requests waiting for a slot gets the freed slot back at once.
+          filtered: as in :meth:`generate`.
+        """
+        if len(params_seq) != len(states_seq) or not states_seq or len(budgets) != len(states_seq) \
+                or len(stop_ids) != len(states_seq):
+            raise EngineError(f"generate_steps: {len(params_seq)} params, {len(budgets)} budgets and "
+                              f"{len(stop_ids)} stop-id lists for {len(states_seq)} decode states")
+        if not (isinstance(steps, (int, np.integer)) and steps >= 1):
+            raise EngineError(f"generate_steps: steps must be an integer >= 1, got {steps!r}")
+        limit = steps if limit is None else limit
+        if not 0 <= limit <= steps:
+            raise EngineError(f"generate_steps: limit {limit!r} must be in [0, steps = {steps}]")
+        budget_arrays, stop_arrays = [], []
+        for st, budget, stops in zip(states_seq, budgets, stop_ids):
+            b = st.tokens.shape[0]
+            budget = np.asarray(budget, np.int32).reshape(-1)
+            if budget.shape[0] != b or len(stops) != b:
+                raise EngineError(f"generate_steps: a decode state of {b} slots got {budget.shape[0]} budgets "
+                                  f"and {len(stops)} stop-id lists")
+            budget_arrays.append(budget)
+            stop_arrays.append(stop_table(stops))
+        width = max(x.shape[1] for x in stop_arrays)  # one width for all states: one program per mix
+        stop_arrays = [np.pad(x, ((0, 0), (0, width - x.shape[1])), constant_values=-1) for x in stop_arrays]
+        states, data = self._generate_steps_jit(tuple(self._prepared_params(p) for p in params_seq),
+                                                tuple(states_seq), tuple(budget_arrays), tuple(stop_arrays),
+                                                np.int32(limit), np.bool_(until_stop), int(steps), filtered)
+        return states, ResultSteps(data)
 
     def free_slot(self, decode_state: DecodeState, slot: int) -> DecodeState:
         """Marks ``slot`` empty (the decode state is donated); its row is computed but never reported."""
