@@ -215,6 +215,7 @@ def run_check(cfg: Any, *, do_compile: bool = True, log: Callable[[str], None] =
     import jax
 
     from dora_jax.models.build import abstract_model
+    from dora_jax.rollout.pages import plan_pool
     from dora_jax.sharding import role_meshes
 
     tgt = cfg.target
@@ -256,6 +257,11 @@ def run_check(cfg: Any, *, do_compile: bool = True, log: Callable[[str], None] =
         if tgt.memory_gib and role.total > tgt.memory_gib * GIB:
             failures.append(f"{role.name} needs {role.total / GIB:.2f} GiB per device, more than target.memory_gib "
                             f"= {tgt.memory_gib:g} GiB of {tgt.device_kind}")
+    # The paged KV cache's pool for the same rollout (dora_jax/rollout/pages.py), next to the dense cache the
+    # engine holds today; bytes per device at the dense cache's cost per token.
+    log("\nKV cache per device, dense (today) and paged:")
+    for line in plan_pool(cfg).lines(roll.parts["kv cache"]):
+        log(f"  {line}")
     if failures:
         raise CheckError("; ".join(failures) + ". Use more devices (target.num_devices and the mesh), shard "
                          "further (mesh.fsdp / mesh.tensor), fewer rollout.slots, or LoRA (train.lora.rank)")

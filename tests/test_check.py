@@ -111,3 +111,21 @@ def test_full_compile_on_the_tiny_model_split_roles():
 def test_bad_config_fails_before_starting_jax():
     r = _check("--config", "qwen2_5_7b_8gpu", "roles.placement=everywhere")
     assert r.returncode == 2 and "roles.placement" in r.stderr
+
+
+def test_check_prints_the_paged_pool_next_to_the_dense_cache():
+    """The page pool a config's rollout would need (dora_jax.rollout.pages.plan_pool), its bytes at the dense
+    cache's cost per token, printed after the dense cache's."""
+    from dora_jax.rollout.pages import plan_pool
+
+    r = _check("--config", "smollm2_135m", "--no-compile", "target.num_devices=1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    plan = plan_pool(load_config("smollm2_135m", ["target.num_devices=1"]))
+    dense = re.search(rf"dense KV cache: {plan.slots} slots x {plan.dense_tokens_per_slot} tokens = "
+                      rf"{plan.dense_tokens} tokens \(([0-9.]+) GiB\)", r.stdout)
+    paged = re.search(rf"paged KV cache \(16-token pages\): {plan.pages} pages = {plan.pool_tokens} tokens "
+                      rf"\(([0-9.]+) GiB\) for {plan.slots} sequences of up to {plan.sequence_tokens} tokens", r.stdout)
+    assert dense and paged, r.stdout
+    assert float(dense.group(1)) == pytest.approx(_gib(r.stdout, "rollout kv cache"), abs=0.001)
+    assert float(paged.group(1)) == pytest.approx(float(dense.group(1)) * plan.pool_tokens / plan.dense_tokens,
+                                                  abs=0.001)

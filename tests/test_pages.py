@@ -1,0 +1,278 @@
+"""The paged KV cache's host side (dora_jax/rollout/pages.py) against a plain reference: each slot's tokens as a
+list. A simulated device memory (one list of rows per page) is written through the page tables, with the
+copies the pool asks for made first; every live slot must read back exactly its own tokens."""
+
+import pytest
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from dora_jax.config import load_config
+from dora_jax.rollout.pages import PageError, PagePool, dense_tokens_per_slot, pages_for, plan_pool
+
+
+class Device:
+    """Page contents as the device would hold them: ``rows[page][i]`` is the token written to row i."""
+
+    def __init__(self, pool: PagePool):
+        self.pool = pool
+        self.rows = [[None] * pool.page_tokens for _ in range(pool.num_pages)]
+
+    def copy(self, copies):
+        for c in copies:
+            self.rows[c.dst][:c.tokens] = self.rows[c.src][:c.tokens]
+
+    def write(self, table, start, tokens):
+        """Writes tokens at positions start.. of a sequence laid out by ``table``; each page written must be
+        referenced by its writer alone."""
+        p = self.pool.page_tokens
+        for i, tok in enumerate(tokens, start):
+            page = table[i // p]
+            assert self.pool.refs(page) == 1, f"page {page} written while {self.pool.refs(page)} hold it"
+            self.rows[page][i % p] = tok
+
+    def read(self, table, n):
+        p = self.pool.page_tokens
+        return [self.rows[table[i // p]][i % p] for i in range(n)]
+
+
+class PoolSchedule(RuleBasedStateMachine):
+    """Random schedules of admit (alone, after a held prefix, or forked from a live slot as a GRPO group's
+    next member), append, finish, and prefixes held and released."""
+
+    @initialize(num_pages=st.integers(4, 40), page_tokens=st.integers(1, 5), slots=st.integers(1, 6))
+    def make(self, num_pages, page_tokens, slots):
+        slots = min(slots, num_pages)
+        self.pool = PagePool(num_pages, page_tokens, slots)
+        self.dev = Device(self.pool)
+        self.want: dict[int, list[int]] = {}  # slot -> its tokens
+        self.prompts: dict[int, int] = {}  # slot -> prompt length
+        self.limits: dict[int, int] = {}
+        self.prefixes: list[tuple[object, list[int]]] = []
+        self.counter = 0
+
+    def tokens(self, n):
+        self.counter += n
+        return list(range(self.counter - n, self.counter))
+
+    def empty_slot(self, data):
+        free = [s for s in range(self.pool.slots) if s not in self.want]
+        return data.draw(st.sampled_from(free)) if free else None
+
+    def try_admit(self, slot, prompt, limit, **shared):
+        """The pool's answer, checked: refused only when larger than the whole pool, and a request that waits
+        changes nothing. Returns the copies, or None."""
+        before = self.snapshot()
+        try:
+            copies = self.pool.admit(slot, prompt_tokens=prompt, max_tokens=limit, **shared)
+        except PageError as e:
+            assert pages_for(limit, self.pool.page_tokens) > self.pool.num_pages, e
+            assert f"needs {pages_for(limit, self.pool.page_tokens)} pages" in str(e)
+            return None
+        if copies is None:
+            assert self.snapshot() == before
+        return copies
+
+    def admitted(self, slot, copies, tokens, start, prompt, limit):
+        """Books an admission the pool accepted and writes the prompt's tokens after the shared part."""
+        self.dev.copy(copies)
+        self.dev.write(self.pool.table(slot), start, tokens[start:])
+        self.want[slot], self.prompts[slot], self.limits[slot] = tokens, prompt, limit
+
+    @rule(data=st.data(), prompt=st.integers(1, 12), extra=st.integers(0, 12))
+    def admit(self, data, prompt, extra):
+        slot = self.empty_slot(data)
+        if slot is None:
+            return
+        copies = self.try_admit(slot, prompt, prompt + extra)
+        if copies is not None:
+            self.admitted(slot, copies, self.tokens(prompt), 0, prompt, prompt + extra)
+
+    @rule(data=st.data(), extra=st.integers(0, 12))
+    def fork(self, data, extra):
+        """The next sample of a group: the same prompt as a live slot, its pages shared."""
+        slot = self.empty_slot(data)
+        if slot is None or not self.want:
+            return
+        src = data.draw(st.sampled_from(sorted(self.want)))
+        prompt = self.prompts[src]
+        copies = self.try_admit(slot, prompt, prompt + extra, fork=src)
+        if copies is None:
+            return
+        assert copies == []  # nothing is written: the prompt is already there
+        self.admitted(slot, copies, self.want[src][:prompt], prompt, prompt, prompt + extra)
+
+    @rule(data=st.data(), prompt=st.integers(1, 12), extra=st.integers(1, 8), size=st.integers(2, 4))
+    def group(self, data, prompt, extra, size):
+        """A GRPO group: one prompt admitted, then forked for the group's other samples while slots and pages
+        last."""
+        first = self.empty_slot(data)
+        if first is None or self.try_admit(first, prompt, prompt + extra) is None:
+            return
+        self.admitted(first, [], self.tokens(prompt), 0, prompt, prompt + extra)
+        for _ in range(size - 1):
+            slot = self.empty_slot(data)
+            if slot is None or self.try_admit(slot, prompt, prompt + extra, fork=first) is None:
+                return
+            self.admitted(slot, [], self.want[first], prompt, prompt, prompt + extra)
+
+    @rule(n=st.integers(1, 9))
+    def hold_prefix(self, n):
+        prefix = self.pool.hold_prefix(n) if pages_for(n, self.pool.page_tokens) <= self.pool.num_pages else None
+        if prefix is not None:
+            tokens = self.tokens(n)
+            for page in prefix.pages:
+                assert self.pool.refs(page) == 1
+            p = self.pool.page_tokens
+            for i, tok in enumerate(tokens):  # the device prefills the prefix once
+                self.dev.rows[prefix.pages[i // p]][i % p] = tok
+            self.prefixes.append((prefix, tokens))
+
+    @rule(data=st.data(), more=st.integers(0, 6), extra=st.integers(0, 8))
+    def admit_after_prefix(self, data, more, extra):
+        slot = self.empty_slot(data)
+        if slot is None or not self.prefixes:
+            return
+        prefix, head = data.draw(st.sampled_from(self.prefixes))
+        prompt = len(head) + more
+        copies = self.try_admit(slot, prompt, prompt + extra, prefix=prefix)
+        if copies is not None:
+            self.admitted(slot, copies, head + self.tokens(more), len(head), prompt, prompt + extra)
+
+    @rule(data=st.data())
+    def release_prefix(self, data):
+        if self.prefixes:
+            i = data.draw(st.integers(0, len(self.prefixes) - 1))
+            self.pool.release_prefix(self.prefixes.pop(i)[0])
+
+    @rule(data=st.data(), n=st.integers(1, 5))
+    def append(self, data, n):
+        """Tokens appended to one slot: never refused within the slot's limit."""
+        if self.want:
+            self.grow(data.draw(st.sampled_from(sorted(self.want))), n)
+
+    @rule(n=st.integers(1, 4))
+    def decode(self, n):
+        """A decode program of n steps: every live slot appends up to n tokens."""
+        for slot in sorted(self.want):
+            self.grow(slot, n)
+
+    def grow(self, slot, n):
+        n = min(n, self.limits[slot] - len(self.want[slot]))
+        start = len(self.want[slot])
+        copies = self.pool.append(slot, n)
+        new = self.tokens(n)
+        self.dev.copy(copies)
+        self.dev.write(self.pool.table(slot), start, new)
+        self.want[slot] = self.want[slot] + new
+
+    @rule(data=st.data())
+    def finish(self, data):
+        if self.want:
+            slot = data.draw(st.sampled_from(sorted(self.want)))
+            self.pool.finish(slot)
+            del self.want[slot], self.prompts[slot], self.limits[slot]
+
+    @precondition(lambda self: hasattr(self, "pool"))
+    @invariant()
+    def consistent(self):
+        self.pool.check()
+        for slot, tokens in self.want.items():  # no live slot was ever overwritten by another
+            assert self.dev.read(self.pool.table(slot), len(tokens)) == tokens, slot
+            assert self.pool.length(slot) == len(tokens)
+        for prefix, head in self.prefixes:  # nor a held prefix
+            p = self.pool.page_tokens
+            assert [self.dev.rows[prefix.pages[i // p]][i % p] for i in range(len(head))] == head
+
+    def snapshot(self):
+        return ([self.pool.table(s) for s in self.pool.live_slots()], [self.pool.refs(i) for i in
+                range(self.pool.num_pages)], self.pool.free_pages)
+
+    def teardown(self):
+        if not hasattr(self, "pool"):
+            return
+        for slot in list(self.want):
+            self.pool.finish(slot)
+        for prefix, _ in self.prefixes:
+            self.pool.release_prefix(prefix)
+        self.pool.check()
+        assert self.pool.free_pages == self.pool.num_pages  # no page leaked
+        assert self.pool.reserved_pages == 0
+
+
+TestPoolSchedule = PoolSchedule.TestCase
+TestPoolSchedule.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                                     suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_full_pool_makes_admission_wait_and_never_evicts():
+    """A request admitted reserves its pages to its limit: a later one that would need them waits, the live
+    slot grows to its limit, and once it finishes the waiting request fits."""
+    pool = PagePool(num_pages=4, page_tokens=4, slots=2)
+    assert pool.admit(0, prompt_tokens=4, max_tokens=12) == []  # 1 page now, 2 reserved
+    assert pool.free_pages == 3 and pool.available_pages == 1
+    assert pool.admit(1, prompt_tokens=4, max_tokens=8) is None  # needs 2: waits
+    assert pool.live_slots() == [0]
+    assert pool.append(0, 8) == [] and len(pool.table(0)) == 3
+    with pytest.raises(PageError, match=r"slot 0: 12 \+ 1 tokens exceeds its max_tokens \(12\)"):
+        pool.append(0)
+    pool.finish(0)
+    assert pool.admit(1, prompt_tokens=4, max_tokens=8) == []
+    pool.check()
+
+
+def test_group_shares_prompt_pages_and_copies_the_partial_page_on_write():
+    """Four samples of one 6-token prompt (pages of 4): one full page shared by all, the partial page copied
+    by each writer but the last, which writes it in place."""
+    pool = PagePool(num_pages=16, page_tokens=4, slots=4)
+    pool.admit(0, prompt_tokens=6, max_tokens=10)
+    for s in (1, 2, 3):
+        assert pool.admit(s, prompt_tokens=6, max_tokens=10, fork=0) == []
+    full, partial = pool.table(0)
+    assert pool.refs(full) == pool.refs(partial) == 4 and pool.free_pages == 14
+    copies = [pool.append(s) for s in (0, 1, 2, 3)]
+    assert [len(c) for c in copies] == [1, 1, 1, 0]  # the last holder owns the page alone by then
+    assert all(c[0].src == partial and c[0].tokens == 2 for c in copies[:3])
+    assert pool.table(3) == [full, partial] and pool.refs(full) == 4
+    assert len({pool.table(s)[1] for s in range(4)}) == 4  # each writes its own page
+    pool.check()
+    # Reserved exactly: the group needs 1 shared page + 4 x 2 of its own = 9 pages to reach its limits. In a
+    # pool of 9 all four are admitted and grow to 10 tokens; in a pool of 8 the fourth waits.
+    for pages, admitted in ((9, 4), (8, 3)):
+        pool = PagePool(num_pages=pages, page_tokens=4, slots=4)
+        pool.admit(0, prompt_tokens=6, max_tokens=10)
+        got = [pool.admit(s, prompt_tokens=6, max_tokens=10, fork=0) for s in (1, 2, 3)]
+        assert sum(c is not None for c in got) + 1 == admitted and pool.available_pages >= 0
+        for s in pool.live_slots():
+            pool.append(s, 4)
+        pool.check()
+        assert pool.free_pages == pages - (1 + 2 * admitted)
+
+
+def test_prefix_shared_and_refusals():
+    pool = PagePool(num_pages=8, page_tokens=4, slots=2)
+    head = pool.hold_prefix(6)  # the chat template's head: 2 pages, the second half full
+    copies = pool.admit(0, prompt_tokens=9, max_tokens=12, prefix=head)
+    assert len(copies) == 1 and copies[0].src == head.pages[1] and copies[0].tokens == 2
+    assert pool.table(0)[0] == head.pages[0] and pool.refs(head.pages[0]) == 2
+    pool.release_prefix(head)
+    assert pool.refs(head.pages[0]) == 1  # still the slot's
+    pool.finish(0)
+    assert pool.free_pages == 8
+    with pytest.raises(PageError, match=r"up to 40 tokens needs 10 pages of 4 tokens; the pool has 8 pages \(32 tokens\)"):
+        pool.admit(1, prompt_tokens=8, max_tokens=40)
+    with pytest.raises(PageError, match="a pool of 3 pages of 16 tokens cannot hold one page per slot \\(4 slots\\)"):
+        PagePool(num_pages=3, page_tokens=16, slots=4)
+    with pytest.raises(PageError, match="slot 5 does not exist"):
+        pool.admit(5, prompt_tokens=1, max_tokens=2)
+
+
+def test_plan_pool_sizes_a_config():
+    """Pages for rollout.slots sequences of the longest length, against the dense cache of the engine."""
+    cfg = load_config("tiny_llama", ["rollout.slots=8", "rollout.max_prompt_len=20", "rollout.max_new_tokens=30",
+                                     "train.group_size=4"])
+    plan = plan_pool(cfg, page_tokens=16)
+    assert plan.sequence_tokens == 50 and plan.pages == 8 * 4 and plan.live_tokens == 400
+    assert plan.dense_tokens_per_slot == dense_tokens_per_slot(20, 30, cfg.model.max_seq_len) == 64
+    # Each group of 4 shares its prompt's one full page; each sample holds the partial prompt page onward.
+    assert plan.grouped_pages == 2 * 1 + 8 * (4 - 1)
+    assert "32 pages = 512 tokens" in "\n".join(plan.lines())
