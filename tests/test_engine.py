@@ -21,6 +21,7 @@ from dora_jax.models.build import init_model
 from dora_jax.models.decoder import DecodeSettings
 from dora_jax.rollout.driver import Request, RolloutDriver
 from dora_jax.rollout.engine import Engine, EngineError, RequestSampling
+from dora_jax.rollout.sampling import row_keys
 
 CFG = ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=6, num_kv_heads=2,
                   head_dim=8, init_std=0.3, qkv_bias=True)
@@ -65,9 +66,8 @@ def _requests(n, seed=0, versions=(0,), sampling=GREEDY):
 _FORWARD = {}
 
 
-def _recompute(model, traj, temperature=1.0):
-    """Log-probs of the trajectory's tokens from one full forward of the same params (float64 softmax)."""
-    seq = list(traj.prompt_ids) + traj.tokens
+def _full_logits(model, seq):
+    """The logits [len(seq), V] of one full forward of ``model`` on ``seq``, in float64."""
     if id(model) not in _FORWARD:
         # Weights as arguments, not closed over: constants would put the whole model into the program.
         graphdef, state = nnx.split(model)
@@ -75,12 +75,82 @@ def _recompute(model, traj, temperature=1.0):
         _FORWARD[id(model)] = lambda t: forward(state, t)
     padded = np.zeros((1, 64), np.int32)  # causal: the padding after the sequence changes nothing before it
     padded[0, :len(seq)] = seq
-    logits = np.asarray(_FORWARD[id(model)](jnp.asarray(padded)), np.float64)[0, :len(seq)] / temperature
+    return np.asarray(_FORWARD[id(model)](jnp.asarray(padded)), np.float64)[0, :len(seq)]
+
+
+def _recompute(model, traj, temperature=1.0):
+    """Log-probs of the trajectory's tokens from one full forward of the same params (float64 softmax)."""
+    seq = list(traj.prompt_ids) + traj.tokens
+    logits = _full_logits(model, seq) / temperature
     n = len(traj.prompt_ids)
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - \
         logits.max(-1, keepdims=True)
     steps = logp[n - 1:-1]
     return steps[np.arange(len(traj.tokens)), traj.tokens], steps.argmax(-1)
+
+
+# Two programs that decode one request (another batch size or slot, the versions stepped together or apart,
+# another weight layout, a shared prefix, several steps per program) round its logits their own ways, and other
+# machines round them other ways again. A draw whose uniform lies within that rounding of a CDF boundary, or
+# whose top two logits (greedy) are that close, may then go either way. Measured over this file's draws (CPU,
+# XLA optimization levels 0 and 3): two programs' logits up to 1e-5 apart and their CDF boundaries up to 2e-6,
+# while the nearest draw lay 5e-6 from a boundary. So two programs' trajectories are compared up to such a tie:
+# equal, or equal up to a token where the full forward puts the draw within TIE of going either way (10x the
+# largest logit difference, 50x the largest boundary one), after which the two continue apart.
+TIE = 1e-4
+
+
+def _possible_draws(model, request, prefix):
+    """The tokens that the draw after ``request.prompt_ids + prefix`` gives when its logits move by up to TIE,
+    on the full forward of ``model`` in float64: greedy, every token within TIE of the top logit; sampled,
+    every token whose CDF interval comes within TIE of the row's uniform, under the top-k / top-p cut and under
+    any other cut within TIE of it (a kept token's mass or logit at a tie with a dropped one's)."""
+    logits = _full_logits(model, list(request.prompt_ids) + list(prefix))[-1]
+    s = request.sampling
+    if s.temperature <= 0:
+        return set(np.flatnonzero(logits >= logits.max() - TIE).tolist())
+    position = len(request.prompt_ids) + len(prefix)
+    key = row_keys(s.seed, jnp.asarray([request.sample_id]), jnp.asarray([position]))  # (seed, sample, position)
+    u = 1.0 - float(jax.vmap(jax.random.uniform)(key)[0])  # the sampler's one uniform per row
+    z = logits / s.temperature
+    desc = np.sort(z)[::-1]
+    ks = [s.top_k if 0 < s.top_k < len(z) else len(z)]
+    if ks[0] < len(z) and desc[ks[0] - 1] - desc[ks[0]] <= TIE:
+        ks.append(ks[0] + 1)
+    out = set()
+    for k in ks:
+        p = np.exp(desc[:k] - desc[0])
+        before = np.cumsum(p / p.sum()) - p / p.sum()  # the nucleus keeps the tokens whose mass before is < top_p
+        n = max(int(np.sum(before < s.top_p)), 1)
+        ns = {n}
+        if s.top_p < 1 and n > 1 and s.top_p - before[n - 1] <= TIE:
+            ns.add(n - 1)
+        if s.top_p < 1 and n < k and before[n] - s.top_p <= TIE:
+            ns.add(n + 1)
+        for m in ns:
+            weight = np.where(z >= max(desc[m - 1], desc[k - 1]), np.exp(z - desc[0]), 0.0)
+            cdf = np.cumsum(weight) / weight.sum()
+            near = (weight > 0) & (cdf - weight / weight.sum() - TIE <= u) & (u <= cdf + TIE)
+            out |= set(np.flatnonzero(near).tolist())
+    return out
+
+
+def _assert_same_trajectory(got, want, request, model):
+    """``got`` and ``want``: one request decoded by two programs. The same version, tokens and finish reason,
+    log-probs within float32 rounding; or the same up to a token where the draw was at a tie (both tokens are
+    possible draws within TIE, see above), after which the two continue apart and nothing more is compared.
+    Returns whether they were the same."""
+    assert got.version == want.version, request.sample_id
+    n = next((i for i, (x, y) in enumerate(zip(got.tokens, want.tokens)) if x != y), None)
+    if n is None:
+        assert (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason), request.sample_id
+        np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-6)
+        return True
+    np.testing.assert_allclose(got.logprobs[:n], want.logprobs[:n], rtol=1e-5, atol=1e-6)
+    possible = _possible_draws(model, request, want.tokens[:n])
+    assert {got.tokens[n], want.tokens[n]} <= possible, (request.sample_id, n, got.tokens[n], want.tokens[n],
+                                                          sorted(possible))
+    return False
 
 
 def test_two_versions_in_flight(models):
@@ -125,9 +195,7 @@ def test_fused_step_equals_one_call_per_version(models, monkeypatch):
         assert (fused["steps"] > 0) == fuse  # several versions did step together, only when fused
     assert sorted(runs[True]) == list(range(12))
     for i, t in runs[False].items():
-        f = runs[True][i]
-        assert (f.tokens, f.version, f.finish_reason) == (t.tokens, t.version, t.finish_reason)
-        np.testing.assert_allclose(f.logprobs, t.logprobs, rtol=1e-5, atol=1e-6)
+        _assert_same_trajectory(runs[True][i], t, reqs[i], (m0, m1, m0)[t.version])
 
 
 def test_alone_equals_busy_batch(models):
@@ -143,8 +211,7 @@ def test_alone_equals_busy_batch(models):
         alone.add_version(0, nnx.state(m0))
         for r in reqs[::3]:
             (t,) = alone.run([r])
-            assert t.tokens == crowd[r.sample_id].tokens
-            np.testing.assert_allclose(t.logprobs, crowd[r.sample_id].logprobs, rtol=1e-5, atol=1e-6)
+            _assert_same_trajectory(t, crowd[r.sample_id], r, m0)
 
 
 def test_sampled_logprobs_match_recompute(models):
@@ -162,14 +229,15 @@ def test_both_decode_weight_layouts_give_the_same_trajectories():
     each one's log-probs match a full forward of the stored weights."""
     model = init_model(CFG, seed=0)
     out = {}
+    reqs = _requests(6, seed=7, sampling=RequestSampling(temperature=0.8, seed=2))
     for layout in ("in_out", "out_in"):
         d = RolloutDriver(_engine(model, settings=DecodeSettings(decode_weights=layout)))
         d.add_version(0, nnx.state(model))
-        out[layout] = sorted(d.run(_requests(6, seed=7, sampling=RequestSampling(temperature=0.8, seed=2))),
-                             key=lambda t: t.sample_id)
+        out[layout] = sorted(d.run(reqs), key=lambda t: t.sample_id)
         for t in out[layout]:
             assert rel_err(t.logprobs, _recompute(model, t, temperature=0.8)[0]) <= 1e-4, layout
-    assert [t.tokens for t in out["in_out"]] == [t.tokens for t in out["out_in"]]
+    for a, b, r in zip(out["out_in"], out["in_out"], reqs):
+        _assert_same_trajectory(a, b, r, model)
     assert sum(len(t.tokens) for t in out["out_in"]) > 20
 
 
@@ -295,8 +363,7 @@ def test_sampling_variant_does_not_change_samples(models):
     alone.add_version(0, nnx.state(m0))
     for r in reqs[1:]:
         (t,) = alone.run([r])
-        assert t.tokens == crowd[r.sample_id].tokens
-        np.testing.assert_allclose(t.logprobs, crowd[r.sample_id].logprobs, rtol=1e-5, atol=1e-6)
+        _assert_same_trajectory(t, crowd[r.sample_id], r, m0)
 
 
 def test_batched_prefill_equals_one_prompt_at_a_time(models):
@@ -355,9 +422,7 @@ def test_group_prefill_does_not_change_samples(models):
     assert sum(prefilled[8]) == 6  # each group's prompt once (groups finish together: they are admitted whole)
     assert sorted(runs[1]) == sorted(runs[8]) == list(range(24))
     for i, t in runs[1].items():
-        u = runs[8][i]
-        assert (u.tokens, u.finish_reason) == (t.tokens, t.finish_reason)
-        np.testing.assert_allclose(u.logprobs, t.logprobs, rtol=1e-5, atol=1e-6)
+        _assert_same_trajectory(runs[8][i], t, reqs[i], m0)
     assert any(len({tuple(runs[8][4 * i + j].tokens) for j in range(4)}) > 1 for i in range(6))
     # The prefill budget splits admitted requests by distinct prompt, never a group.
     d = RolloutDriver(_engine(m0, slots=8))
@@ -463,9 +528,7 @@ def test_driver_with_a_shared_prefix_gives_the_same_trajectories(models, engine4
     assert sorted(base) == list(range(15))
     for key, run in runs.items():
         for i, t in base.items():
-            u = run[i]
-            assert (u.tokens, u.version, u.finish_reason) == (t.tokens, t.version, t.finish_reason), (key, i)
-            np.testing.assert_allclose(u.logprobs, t.logprobs, rtol=1e-5, atol=1e-6)
+            _assert_same_trajectory(run[i], t, reqs[i], (m0, m1)[t.version])
     for t in runs[head, False].values():
         want, _ = _recompute((m0, m1)[t.version], t)
         assert rel_err(t.logprobs, want) <= 1e-4
@@ -570,13 +633,12 @@ def test_overlap_gives_the_same_trajectories(models, engine4, fuse):
     assert sorted(runs[True]) == list(range(16))
     reasons = collections.Counter(t.finish_reason for t in runs[False].values())
     assert set(reasons) == {"eos", "stop", "length"}, reasons  # every way of finishing is exercised
-    for i, t in runs[False].items():
-        o = runs[True][i]
-        assert (o.tokens, o.version, o.finish_reason) == (t.tokens, t.version, t.finish_reason)
-        np.testing.assert_allclose(o.logprobs, t.logprobs, rtol=1e-5, atol=1e-6)
+    same = [_assert_same_trajectory(runs[True][i], t, reqs[i], (m0, m1, m0)[t.version]) for i, t in runs[False].items()]
     off, on = drivers[False], drivers[True]
-    assert on.rows_live == off.rows_live == sum(len(t.tokens) - 1 for t in runs[False].values())
-    assert on.rows_computed >= off.rows_computed  # rows of finished trajectories computed once more
+    for d, run in ((off, runs[False]), (on, runs[True])):
+        assert d.rows_live == sum(len(t.tokens) - 1 for t in run.values())
+    if all(same):  # (trajectories parted at a tie have rows of their own)
+        assert on.rows_computed >= off.rows_computed  # rows of finished trajectories computed once more
     assert on.idle and off.idle
 
 
@@ -708,8 +770,7 @@ def test_driver_groups_with_and_without_overlap(models, engine4):
         assert sorted(got) == list(range(10)) and groups.idle
         assert all(d.rows_live > 0 for d in groups.drivers)  # both groups decoded
         for i, t in want.items():
-            assert (got[i].tokens, got[i].version) == (t.tokens, t.version)
-            np.testing.assert_allclose(got[i].logprobs, t.logprobs, rtol=1e-5, atol=1e-6)
+            _assert_same_trajectory(got[i], t, reqs[i], (m0, m1)[t.version])
 
 
 def test_generate_steps_equals_one_step_at_a_time(models):
@@ -795,11 +856,9 @@ def test_multi_step_decode_gives_the_tokens_of_one_step_per_program(models, engi
     assert set(collections.Counter(t.finish_reason for t in want.values())) == {"eos", "stop", "length"}
     for key, got in runs.items():
         for i, t in want.items():
-            o = got[i]
-            assert (o.tokens, o.version, o.finish_reason) == (t.tokens, t.version, t.finish_reason), (key, i)
-            np.testing.assert_allclose(o.logprobs, t.logprobs, rtol=1e-5, atol=1e-6)
+            _assert_same_trajectory(got[i], t, reqs[i], (m0, m1, m0)[t.version])
         d = drivers[key]
-        assert d.idle and d.rows_live == sum(len(t.tokens) - 1 for t in want.values())
+        assert d.idle and d.rows_live == sum(len(t.tokens) - 1 for t in got.values())
         assert d.rows_computed >= d.rows_live and d.batch_steps == d.steps  # one program per dispatch (fused)
         assert all(x.in_flight == 0 for g in d._groups.values() for x in g.slots if x is not None)
     one, many = drivers[1, False], drivers[8, False]
