@@ -55,6 +55,85 @@ def rel_err(actual, expected) -> float:
     return float(np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-30))
 
 
+# Two programs that compute one draw (another batch size or slot, a sharded mesh, a shared prefix, several decode
+# steps per program) round its logits their own ways, and two machines round one program their own ways too. A
+# draw whose uniform lies within that rounding of a CDF boundary, or whose top two logits (greedy) are that
+# close, may then go either way. Measured on CPU at XLA optimization levels 0 and 3 over tests/test_engine.py's
+# draws: two programs' logits up to 1e-5 apart and their CDF boundaries up to 2e-6, while the nearest draw lay
+# 5e-6 from a boundary. Tests that compare two programs' samples therefore compare them up to such a tie, TIE
+# wide: 10x the largest logit difference and 50x the largest boundary difference measured.
+TIE = 1e-4
+
+
+def possible_draws(logits, sampling, sample_id: int, position: int, tie: float = TIE) -> set[int]:
+    """The tokens that dora_jax.rollout.sampling draws from the float64 ``logits`` [V] of one row when they move
+    by up to ``tie``: greedy (temperature 0), every token within ``tie`` of the top logit; sampled, every token
+    whose CDF interval comes within ``tie`` of the row's uniform (a function of the seed, ``sample_id`` and the
+    ``position`` of the token drawn), under the row's top-k / top-p cut and under any other cut within ``tie``
+    of it. ``sampling`` has ``temperature``, ``top_k``, ``top_p`` and ``seed`` (a request's or the rollout
+    config's)."""
+    import jax.numpy as jnp
+
+    from dora_jax.rollout.sampling import row_keys
+
+    logits = np.asarray(logits, np.float64)
+    if sampling.temperature <= 0:
+        return set(np.flatnonzero(logits >= logits.max() - tie).tolist())
+    key = row_keys(sampling.seed, jnp.asarray([sample_id]), jnp.asarray([position]))
+    u = 1.0 - float(jax.vmap(jax.random.uniform)(key)[0])  # the sampler's one uniform per row
+    z = logits / sampling.temperature
+    desc = np.sort(z)[::-1]
+    ks = [sampling.top_k if 0 < sampling.top_k < len(z) else len(z)]
+    if ks[0] < len(z) and desc[ks[0] - 1] - desc[ks[0]] <= tie:
+        ks.append(ks[0] + 1)
+    top_p, out = sampling.top_p, set()
+    for k in ks:
+        p = np.exp(desc[:k] - desc[0])
+        before = np.cumsum(p / p.sum()) - p / p.sum()  # the nucleus keeps the tokens whose mass before is < top_p
+        n = max(int(np.sum(before < top_p)), 1)
+        ns = {n}
+        if top_p < 1 and n > 1 and top_p - before[n - 1] <= tie:
+            ns.add(n - 1)
+        if top_p < 1 and n < k and before[n] - top_p <= tie:
+            ns.add(n + 1)
+        for m in ns:
+            weight = np.where(z >= max(desc[m - 1], desc[k - 1]), np.exp(z - desc[0]), 0.0)
+            cdf = np.cumsum(weight) / weight.sum()
+            near = (weight > 0) & (cdf - weight / weight.sum() - tie <= u) & (u <= cdf + tie)
+            out |= set(np.flatnonzero(near).tolist())
+    return out
+
+
+def same_updates_up_to_a_tie(a: list[dict], b: list[dict], logits_after, sampling) -> int:
+    """``a`` and ``b``: the samples.jsonl rows of two ``sync`` runs of one config and seed by programs that may
+    round differently. Update by update: the same samples (ids, groups, versions, prompts) with the same tokens
+    and rewards, until an update where some sample's tokens part. There every parted sample's first differing
+    token must be a tie (both runs' tokens possible draws, :func:`possible_draws`, on ``logits_after(version,
+    token_ids)``: float64 logits [V] after those tokens on one run's weights of that version), and the runs are
+    compared no further: the updates after it train on other samples. Returns the number of updates found the
+    same (all of them, but where a run met a tie)."""
+    steps = sorted({r["trained_at"] for r in a})
+    assert steps == sorted({r["trained_at"] for r in b}), "the runs trained at other versions"
+    for done, step in enumerate(steps):
+        ra, rb = ([r for r in rows if r["trained_at"] == step] for rows in (a, b))
+        ids = [[(r["sample_id"], r["group_id"], r["version"], r["prompt_ids"]) for r in rows] for rows in (ra, rb)]
+        assert ids[0] == ids[1], f"update at version {step}: other samples"
+        parted = False
+        for x, y in zip(ra, rb):
+            n = next((i for i, (s, t) in enumerate(zip(x["tokens"], y["tokens"])) if s != t), None)
+            if n is None:
+                assert (x["tokens"], x["reward"]) == (y["tokens"], y["reward"]), f"sample {x['sample_id']}"
+                continue
+            seen = x["prompt_ids"] + x["tokens"][:n]
+            possible = possible_draws(logits_after(x["version"], seen), sampling, x["sample_id"], len(seen))
+            pair = (x["tokens"][n], y["tokens"][n])
+            assert set(pair) <= possible, f"sample {x['sample_id']} token {n}: {pair}, not a tie ({sorted(possible)})"
+            parted = True
+        if parted:
+            return done
+    return len(steps)
+
+
 @pytest.fixture
 def published(monkeypatch):
     """``published(store)``: every version published through that :class:`~dora_jax.run.versions.VersionStore`

@@ -15,13 +15,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import rel_err
+from conftest import possible_draws, rel_err
 from dora_jax.config import ModelConfig
 from dora_jax.models.build import init_model
 from dora_jax.models.decoder import DecodeSettings
 from dora_jax.rollout.driver import Request, RolloutDriver
 from dora_jax.rollout.engine import Engine, EngineError, RequestSampling
-from dora_jax.rollout.sampling import row_keys
 
 CFG = ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=6, num_kv_heads=2,
                   head_dim=8, init_std=0.3, qkv_bias=True)
@@ -89,57 +88,18 @@ def _recompute(model, traj, temperature=1.0):
     return steps[np.arange(len(traj.tokens)), traj.tokens], steps.argmax(-1)
 
 
-# Two programs that decode one request (another batch size or slot, the versions stepped together or apart,
-# another weight layout, a shared prefix, several steps per program) round its logits their own ways, and other
-# machines round them other ways again. A draw whose uniform lies within that rounding of a CDF boundary, or
-# whose top two logits (greedy) are that close, may then go either way. Measured over this file's draws (CPU,
-# XLA optimization levels 0 and 3): two programs' logits up to 1e-5 apart and their CDF boundaries up to 2e-6,
-# while the nearest draw lay 5e-6 from a boundary. So two programs' trajectories are compared up to such a tie:
-# equal, or equal up to a token where the full forward puts the draw within TIE of going either way (10x the
-# largest logit difference, 50x the largest boundary one), after which the two continue apart.
-TIE = 1e-4
-
-
 def _possible_draws(model, request, prefix):
-    """The tokens that the draw after ``request.prompt_ids + prefix`` gives when its logits move by up to TIE,
-    on the full forward of ``model`` in float64: greedy, every token within TIE of the top logit; sampled,
-    every token whose CDF interval comes within TIE of the row's uniform, under the top-k / top-p cut and under
-    any other cut within TIE of it (a kept token's mass or logit at a tie with a dropped one's)."""
-    logits = _full_logits(model, list(request.prompt_ids) + list(prefix))[-1]
-    s = request.sampling
-    if s.temperature <= 0:
-        return set(np.flatnonzero(logits >= logits.max() - TIE).tolist())
-    position = len(request.prompt_ids) + len(prefix)
-    key = row_keys(s.seed, jnp.asarray([request.sample_id]), jnp.asarray([position]))  # (seed, sample, position)
-    u = 1.0 - float(jax.vmap(jax.random.uniform)(key)[0])  # the sampler's one uniform per row
-    z = logits / s.temperature
-    desc = np.sort(z)[::-1]
-    ks = [s.top_k if 0 < s.top_k < len(z) else len(z)]
-    if ks[0] < len(z) and desc[ks[0] - 1] - desc[ks[0]] <= TIE:
-        ks.append(ks[0] + 1)
-    out = set()
-    for k in ks:
-        p = np.exp(desc[:k] - desc[0])
-        before = np.cumsum(p / p.sum()) - p / p.sum()  # the nucleus keeps the tokens whose mass before is < top_p
-        n = max(int(np.sum(before < s.top_p)), 1)
-        ns = {n}
-        if s.top_p < 1 and n > 1 and s.top_p - before[n - 1] <= TIE:
-            ns.add(n - 1)
-        if s.top_p < 1 and n < k and before[n] - s.top_p <= TIE:
-            ns.add(n + 1)
-        for m in ns:
-            weight = np.where(z >= max(desc[m - 1], desc[k - 1]), np.exp(z - desc[0]), 0.0)
-            cdf = np.cumsum(weight) / weight.sum()
-            near = (weight > 0) & (cdf - weight / weight.sum() - TIE <= u) & (u <= cdf + TIE)
-            out |= set(np.flatnonzero(near).tolist())
-    return out
+    """The tokens the draw after ``request.prompt_ids + prefix`` can give within rounding (conftest.TIE), on
+    the full forward of ``model``."""
+    seq = list(request.prompt_ids) + list(prefix)
+    return possible_draws(_full_logits(model, seq)[-1], request.sampling, request.sample_id, len(seq))
 
 
 def _assert_same_trajectory(got, want, request, model):
     """``got`` and ``want``: one request decoded by two programs. The same version, tokens and finish reason,
     log-probs within float32 rounding; or the same up to a token where the draw was at a tie (both tokens are
-    possible draws within TIE, see above), after which the two continue apart and nothing more is compared.
-    Returns whether they were the same."""
+    possible draws: two programs round logits apart, see conftest.TIE), after which the two continue apart and
+    nothing more is compared. Returns whether they were the same."""
     assert got.version == want.version, request.sample_id
     n = next((i for i, (x, y) in enumerate(zip(got.tokens, want.tokens)) if x != y), None)
     if n is None:

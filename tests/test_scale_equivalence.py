@@ -2,7 +2,8 @@
 
 Sharding must change where the work runs, not what it computes: from the same weights and seed both runs
 sample the same tokens and take the same updates, up to float32 rounding from reductions that the sharded
-programs do in another order (partial sums per shard, then a cross-device sum).
+programs do in another order (partial sums per shard, then a cross-device sum), and so up to a draw that such
+rounding can tip (a tie, conftest.TIE).
 """
 
 import json
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import rel_err
+from conftest import rel_err, same_updates_up_to_a_tie
 from dora_jax.config import load_config
 from dora_jax.metrics import read_metrics
 from dora_jax.models.weights import load_model
@@ -75,20 +76,25 @@ def test_one_device_and_eight_devices_give_the_same_sync_run(tmp_path, published
     eight, m8, s8 = _run(tmp_path / "eight", cfg8, model, devices[:8], published)
     np.testing.assert_array_equal(_flat(eight[0]), _flat(one[0]))
 
-    # The same trajectories. Sampling draws from per-row keys of the seed, so tokens could only differ where a
-    # rounding-level logit difference flips a draw; that would show here, before any loss is compared.
+    # The same trajectories. Sampling draws from per-row keys of the seed, so tokens can only differ where a
+    # rounding-level logit difference tips a draw at a tie; the runs then part there, and the updates before it
+    # are what is compared below (measured: no tie in 8 seeds at XLA optimization levels 0 and 3).
     assert len(s1) == len(s8) == STEPS * 8
-    key = lambda r: (r["sample_id"], r["group_id"], r["version"], r["trained_at"], r["tokens"], r["reward"])  # noqa: E731
-    assert [key(r) for r in s1] == [key(r) for r in s8]
-    lp1 = np.array([x for r in s1 for x in r["logprobs"]])
-    lp8 = np.array([x for r in s8 for x in r["logprobs"]])
-    assert rel_err(lp8, lp1) <= 1e-5  # a float32 log-softmax over 256 logits, at every version of the run
+    graphdef = nnx.split(model)[0]
+
+    def logits_after(version, ids):  # on the one-device run's weights of that version
+        return np.asarray(nnx.merge(graphdef, one[version])(jnp.asarray([ids])), np.float64)[0, -1]
+
+    same = same_updates_up_to_a_tie(s1, s8, logits_after, cfg1.rollout)
+    lp1, lp8 = (np.array([x for r in s if r["trained_at"] < same for x in r["logprobs"]]) for s in (s1, s8))
+    assert same == 0 or rel_err(lp8, lp1) <= 1e-5  # a float32 log-softmax over 256 logits, at every version
 
     # The same updates, step by step. float32 has a unit roundoff u = 6e-8: sums of ~1e3 token terms and a
     # norm over ~1e5 gradient components taken in another order differ by ~1e-6 relative, and each step's
     # weights carry that into the next step's values; the KL, quadratic in how far the policy moved, doubles
-    # the relative error of that movement. 1e-4 relative leaves a margin of 10x and more over that (measured:
-    # <= 1e-5), and is still far below what one update changes (the KL goes from 0 to ~2e-2).
+    # the relative error of that movement. 1e-4 relative leaves a margin of 7x and more over that (measured
+    # over 8 seeds at XLA optimization levels 0 and 3: <= 1.4e-5), and is still far below what one update
+    # changes (the KL goes from 0 to ~2e-2).
     # The GRPO part of the loss is a mean of zero-sum advantages times ratios that are 1 on policy: it is 0 up
     # to the rounding of its ~n = train_batch * max_response_tokens terms of size |advantage| < 2, at most
     # n * u * 2; the loss is that plus kl_coef * KL.
@@ -100,19 +106,21 @@ def test_one_device_and_eight_devices_give_the_same_sync_run(tmp_path, published
     pg_atol = cfg1.dora.train_batch * cfg1.train.max_response_tokens * 6e-8 * 2
     for r in m1 + m8:
         assert abs(r["train"]["pg_loss"]) <= pg_atol, r["train"]
-    for k, atol in (("loss", pg_atol), ("kl", 0.0), ("grad_norm", 0.0)):
-        a, b = np.array([r["train"][k] for r in m1]), np.array([r["train"][k] for r in m8])
+    for k, atol in (("loss", pg_atol), ("kl", 0.0), ("grad_norm", 0.0)):  # the updates on the same samples
+        a, b = np.array([r["train"][k] for r in m1[:same]]), np.array([r["train"][k] for r in m8[:same]])
         assert np.all(np.abs(b - a) <= 1e-4 * np.abs(a) + atol), (k, a, b)
 
     # And the weights they produce. Adam moves a weight by lr * m / (sqrt(v) + eps), so a gradient rounding
     # error d moves it by up to lr * d / eps: with d ~ 1e-8 (the unit roundoff times the largest gradient
-    # terms, ~0.1 after clipping) that is 1e-2 of the learning rate per update (measured: <= 6e-3).
+    # terms, ~0.1 after clipping) that is 1e-2 of the learning rate per update (measured over 8 seeds at XLA
+    # optimization levels 0 and 3: <= 2.1e-3).
     lr = cfg1.train.learning_rate
     for v in range(1, STEPS + 1):
         moved = np.abs(_flat(one[v]) - _flat(one[0])).max()
         assert moved >= 0.5 * lr  # Adam moves weights by ~lr per update
-        diff = np.abs(_flat(eight[v]) - _flat(one[v])).max()
-        assert diff <= 2e-2 * v * lr, (v, diff)
+        if v <= same:  # version v: the weights after v updates on the same samples
+            diff = np.abs(_flat(eight[v]) - _flat(one[v])).max()
+            assert diff <= 2e-2 * v * lr, (v, diff)
 
 
 def test_devices_and_a_placement_together_are_refused(tmp_path):
