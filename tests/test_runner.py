@@ -12,10 +12,12 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from conftest import rel_err
+from conftest import rel_err, same_updates_up_to_a_tie
 from invariants import check_trained_samples
 from dora_jax.config import ConfigError, load_config
 from dora_jax.dora.ledger import Ledger
@@ -160,12 +162,13 @@ def test_each_mode_keeps_the_promises(tmp_path, request, published, mode, k, rbs
     assert json.load(open(tmp_path / "summary.json"))["samples"] == 32
 
 
-def test_sync_mode_is_reproducible(tmp_path, shared):
-    """Two runs give the same samples; so does a third whose rollout dispatches each decode step before
-    reading the previous one back (``rollout.overlap``): overlap changes when results are read, not what. A
-    fourth prefills every prompt whole instead of after the template head (``rollout.shared_prefix``): the
-    same samples, log-probs equal up to float rounding. Runs with another ``rollout.seed`` or ``run.seed``
-    give other samples of the same prompts."""
+def test_sync_mode_is_reproducible(tmp_path, shared, published):
+    """Two runs give the same samples, bit for bit (the same programs on one machine); so does a third whose
+    rollout dispatches each decode step before reading the previous one back (``rollout.overlap``): overlap
+    changes when results are read, not what. A fourth prefills every prompt whole instead of after the template
+    head (``rollout.shared_prefix``): the same samples, log-probs equal up to float rounding (another program:
+    its tokens are compared up to a tie, conftest.TIE). Runs with another ``rollout.seed`` or ``run.seed`` give
+    other samples of the same prompts."""
     cfg = tiny("dora.mode=sync", "dora.rollout_batch=8", "dora.steps=2")
     first = Runner(cfg, str(tmp_path / "a"), **shared())
     assert first.shared_prefix == tuple(b"Q: ")  # the byte tokenizer's template head, prefilled once per version
@@ -178,14 +181,17 @@ def test_sync_mode_is_reproducible(tmp_path, shared):
     assert whole.shared_prefix == ()
     whole.run()
     a, b, c, d = (read_samples(tmp_path / x) for x in "abcd")
-    key = lambda r: (r["sample_id"], r["version"], r["tokens"], r["reward"])  # noqa: E731
-    assert [key(r) for r in a] == [key(r) for r in b] == [key(r) for r in c] == [key(r) for r in d]
-    for other in (b, c):
-        np.testing.assert_allclose([x for r in a for x in r["logprobs"]], [x for r in other for x in r["logprobs"]],
-                                   rtol=1e-6)
-    # Prefix or whole: another float computation of the same prefill (the engine's tests hold it to 1e-5).
-    np.testing.assert_allclose([x for r in a for x in r["logprobs"]], [x for r in d for x in r["logprobs"]],
-                               rtol=1e-5, atol=1e-6)
+    assert a == b  # every field of every sample, log-probs included
+    trainer, versions = first.trainer, published(first.versions.store)
+
+    def logits_after(version, ids):  # on the first run's weights of that version
+        return np.asarray(nnx.merge(trainer.graphdef, versions[version])(jnp.asarray([ids])), np.float64)[0, -1]
+
+    for other, rtol, atol in ((c, 1e-6, 0.0), (d, 1e-5, 1e-6)):
+        # Prefix or whole: another float computation of the same prefill (the engine's tests hold it to 1e-5).
+        same = same_updates_up_to_a_tie(a, other, logits_after, cfg.rollout)
+        np.testing.assert_allclose(*([x for r in rows if r["trained_at"] < same for x in r["logprobs"]]
+                                     for rows in (a, other)), rtol=rtol, atol=atol)
     # The seeds matter: another rollout.seed draws other tokens from the same model; another run.seed starts
     # from another model (a placement of its own: the initial weights are the placement's). Same prompts.
     Runner(tiny("dora.mode=sync", "dora.rollout_batch=8", "dora.steps=2", "rollout.seed=1"), str(tmp_path / "e"),
