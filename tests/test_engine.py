@@ -77,10 +77,20 @@ def _full_logits(model, seq):
     return np.asarray(_FORWARD[id(model)](jnp.asarray(padded)), np.float64)[0, :len(seq)]
 
 
-def _recompute(model, traj, temperature=1.0):
-    """Log-probs of the trajectory's tokens from one full forward of the same params (float64 softmax)."""
+def _recompute(model, traj, temperature=1.0, top_p=1.0):
+    """Log-probs of the trajectory's tokens from one full forward of the same params (float64 softmax), under
+    the distribution that drew them: ``logits / temperature``, cut to the top-p nucleus and renormalized."""
     seq = list(traj.prompt_ids) + traj.tokens
-    logits = _full_logits(model, seq) / temperature
+    logits = np.asarray(_full_logits(model, seq), np.float64) / temperature
+    if top_p < 1.0:  # the smallest prefix of the sorted distribution whose mass reaches top_p
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        order = np.argsort(-p, axis=-1)
+        sorted_p = np.take_along_axis(p, order, -1)
+        keep_sorted = (np.cumsum(sorted_p, -1) - sorted_p) < top_p
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, -1)
+        logits = np.where(keep, logits, -np.inf)
     n = len(traj.prompt_ids)
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - \
         logits.max(-1, keepdims=True)
@@ -179,9 +189,10 @@ def test_sampled_logprobs_match_recompute(models):
     d = RolloutDriver(_engine(m0))
     d.add_version(0, nnx.state(m0))
     out = d.run(_requests(6, seed=5, sampling=RequestSampling(temperature=0.7, top_p=0.9, seed=1)))
-    for t in out:
-        lp, _ = _recompute(m0, t, temperature=0.7)
+    for t in out:  # recorded under the distribution that drew the token: T 0.7, the 0.9 nucleus, renormalized
+        lp, _ = _recompute(m0, t, temperature=0.7, top_p=0.9)
         assert rel_err(t.logprobs, lp) <= 1e-4
+    assert any(rel_err(t.logprobs, _recompute(m0, t, temperature=0.7)[0]) > 1e-3 for t in out)  # truncation shows
 
 
 def test_both_decode_weight_layouts_give_the_same_trajectories():

@@ -3,7 +3,7 @@ tiny_llama preset."""
 
 import collections
 import json
-import threading
+import os
 import zlib
 
 from dora_jax.cli import main
@@ -14,23 +14,29 @@ SMALL_EVAL = ["task.eval_size=4", "task.eval_max_new_tokens=8", "rollout.max_new
               "train.max_response_tokens=8", "train.length_buckets=[128]"]
 
 
+def score_by_text(task, item, text):
+    """Correct by a fixed function of the answer's text; each call appends ``prompt<TAB>correct`` to the file
+    named by ``DORA_TEST_SCORE_LOG`` (rewards run in worker processes: a file is what they share)."""
+    correct = zlib.crc32(text.encode()) % 2 == 0
+    with open(os.environ["DORA_TEST_SCORE_LOG"], "a") as f:
+        f.write(f"{json.dumps(item.prompt)}\t{int(correct)}\n")
+    return task.score(item, text).reward, correct
+
+
 def test_pass_at_k_of_weights(tmp_path, capsys, monkeypatch):
     """Four questions, three sampled answers each; an answer is scored correct by a fixed function of its
     text, recorded here: accuracy is the share of correct answers, pass@3 the share of questions with one."""
-    seen, lock = collections.defaultdict(list), threading.Lock()
-    score = evaluation.score
-
-    def by_text(task, item, text):  # called in the reward pool's threads
-        correct = zlib.crc32(text.encode()) % 2 == 0
-        with lock:
-            seen[item.prompt].append(correct)
-        return score(task, item, text)[0], correct
-
-    monkeypatch.setattr(evaluation, "score", by_text)
+    log = tmp_path / "scores.tsv"
+    monkeypatch.setenv("DORA_TEST_SCORE_LOG", str(log))
+    monkeypatch.setattr(evaluation, "score", score_by_text)
     out = tmp_path / "eval.json"
     assert main(["eval", "--config", "tiny_llama", *MESH, *SMALL_EVAL, "task.eval_samples=3",
                  "task.eval_temperature=1.0", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
+    seen = collections.defaultdict(list)
+    for line in log.read_text().splitlines():
+        prompt, correct = line.split("\t")
+        seen[json.loads(prompt)].append(bool(int(correct)))
     assert (result["weights"], result["task"], result["n"], result["k"]) == ("random init", "arithmetic", 12, 3)
     assert len(seen) == 4 and all(len(v) == 3 for v in seen.values())
     assert result["accuracy"] == sum(map(sum, seen.values())) / 12
