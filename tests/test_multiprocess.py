@@ -76,10 +76,9 @@ _WORKER = textwrap.dedent("""
 
 
 def reward_refused_on_process_1(prompt, response, answer):
-    """A reward that fails on process 1 only: its ledger filters what process 0's finishes."""
-    import jax
-
-    if jax.process_index() == 1:
+    """A reward that fails on process 1 only: its ledger filters what process 0's finishes. Rewards run in worker
+    processes that never join the cluster, so the process is read from the launch's DORA_PROCESS_ID."""
+    if os.environ.get("DORA_PROCESS_ID") == "1":
         raise ValueError("refused on process 1")
     return sum(c.isdigit() for c in response) / max(len(response), 1)
 
