@@ -747,7 +747,8 @@ def test_driver_groups_with_and_without_overlap(models, engine4):
 def test_generate_steps_equals_one_step_at_a_time(models):
     """One program of N steps gives each slot the tokens and log-probs of N calls of `generate`, and stops a
     slot on the device: at its budget, at a stop id (reported, then inactive in the returned state), at once
-    when the token it would feed is a stop id; an empty slot produces nothing; `limit` runs fewer steps."""
+    when the token it would feed is a stop id; an empty slot produces nothing; `limit` runs fewer steps, and
+    `end_after` ends the program at the step that frees that many slots (a stop, or a final budget's last token)."""
     m0, _ = models
     eng = _engine(m0, slots=4)
     params = eng.prepare_params(nnx.state(m0))
@@ -784,11 +785,17 @@ def test_generate_steps_equals_one_step_at_a_time(models):
     (_,), res = eng.generate_steps([params], [state], steps=6, budgets=[[6, 6, 6, 0]],
                                    stop_ids=[[(int(first[0]),), (), (), ()]], limit=2, filtered=False)
     assert res.counts().tolist() == [0, 2, 2, 0] and res.steps_run() == 2
-    # Until the first stop: the program ends after the step in which slot 1 stopped.
+    # Ended at the first freed slot: the step in which slot 1 stopped, or the last token of slot 2's final
+    # budget of 2; a budget that is not final frees nothing.
     state, _ = fresh()
     (_,), res = eng.generate_steps([params], [state], steps=6, budgets=[[6, 6, 6, 0]],
-                                   stop_ids=[[(), (stop,), (), ()]], until_stop=True, filtered=False)
+                                   stop_ids=[[(), (stop,), (), ()]], end_after=[1], filtered=False)
     assert res.steps_run() == at + 1 and res.counts().tolist() == [at + 1] * 3 + [0]
+    for final, ran in (([False, False, True, False], 2), ([False] * 4, 6)):
+        state, _ = fresh()
+        (_,), res = eng.generate_steps([params], [state], steps=6, budgets=[[6, 6, 2, 0]], stop_ids=[[()] * 4],
+                                       final=[final], end_after=[1], filtered=False)
+        assert res.steps_run() == ran and res.counts().tolist() == [ran, ran, 2, 0]
     with pytest.raises(EngineError, match="limit 7 must be in"):
         eng.generate_steps([params], [fresh()[0]], steps=6, budgets=[[1] * 4], stop_ids=[[()] * 4], limit=7)
     with pytest.raises(EngineError, match="got 3 budgets"):
@@ -857,7 +864,8 @@ def test_decode_steps_setting(models):
 def test_multi_step_decode_counts_and_admission(models, engine4, monkeypatch):
     """A fixed batch runs exactly max_new_tokens - 1 decode steps in programs of N (the last one shorter),
     with and without overlap; while a request waits for a slot, a program ends at the first step that frees
-    one (a row's last token, or a stop id sampled on the device), and the waiting request takes it."""
+    one (a row's last token, or a stop id sampled on the device), and the waiting request takes it; otherwise
+    it ends where the group can compact, so it computes the rows one step per program computes."""
     m0, _ = models
     for overlap in (False, True):
         d = RolloutDriver(engine4, overlap=overlap, decode_steps=4)
@@ -872,19 +880,20 @@ def test_multi_step_decode_counts_and_admission(models, engine4, monkeypatch):
 
     def recorded(*args, **kwargs):
         states, result = generate_steps(*args, **kwargs)
-        ran.append((kwargs["limit"], kwargs["until_stop"], result))
+        ran.append((kwargs["end_after"], result))
         return states, result
 
     monkeypatch.setattr(engine4, "generate_steps", recorded)
     # Request 3 ends after 2 decode steps (its first token comes from prefill) while request 4 waits: the
-    # first program runs 2 steps, the next one, with nothing waiting, its 8.
+    # first program runs 2 steps; the next one, with nothing waiting, would end when 2 of its 4 rows are
+    # freed (compaction) and runs its 8.
     lengths = {0: 20, 1: 20, 2: 20, 3: 3, 4: 20}
     reqs = [Request(i, (7 + i, 7, 9), max_new_tokens=n, sampling=GREEDY) for i, n in lengths.items()]
     d = RolloutDriver(engine4, decode_steps=8)
     d.add_version(0, nnx.state(m0))
     got = {t.sample_id: t for t in d.run(reqs)}
     assert [len(got[i].tokens) for i in lengths] == list(lengths.values())
-    assert [(limit, until, r.steps_run()) for limit, until, r in ran[:2]] == [(2, True, 2), (8, False, 8)]
+    assert [(end, r.steps_run()) for end, r in ran[:2]] == [([1], 2), ([2], 8)]
     # The same when request 4 waits outside the driver (a runner that submits only into free slots).
     ran.clear()
     d = RolloutDriver(engine4, decode_steps=8)
@@ -896,7 +905,7 @@ def test_multi_step_decode_counts_and_admission(models, engine4, monkeypatch):
     d.waiting_outside = False
     outside = {t.sample_id: t.tokens for t in outside + d.run(reqs[4:])}
     assert outside == {i: t.tokens for i, t in got.items()}
-    assert [(limit, until, r.steps_run()) for limit, until, r in ran[:2]] == [(2, True, 2), (8, False, 8)]
+    assert [(end, r.steps_run()) for end, r in ran[:2]] == [([1], 2), ([2], 8)]
     # The same with request 1 ending at a stop id it samples at decode step `at`: the first program ends there.
     probe = RolloutDriver(engine4, decode_steps=1)
     probe.add_version(0, nnx.state(m0))
@@ -910,8 +919,20 @@ def test_multi_step_decode_counts_and_admission(models, engine4, monkeypatch):
     d.add_version(0, nnx.state(m0))
     got = {t.sample_id: t for t in d.run(reqs)}
     assert got[1].finish_reason == "stop" and got[1].tokens == b[:at + 1]
-    assert [(limit, until, r.steps_run()) for limit, until, r in ran[:2]] == [(8, True, at), (8, False, 8)]
+    assert [(end, r.steps_run()) for end, r in ran[:2]] == [([1], at), ([2], 8)]
     assert all(got[i].tokens == alone[i].tokens for i in (0, 2, 3, 4))
+    # Nothing waits; two rows end by length after 2 and 3 decode steps: the first program ends when the group
+    # can compact (2 of 4 rows freed), and the rows computed are those of one step per program.
+    reqs = [Request(i, (7 + i, 7, 9), max_new_tokens=n, sampling=GREEDY) for i, n in enumerate((3, 4, 20, 20))]
+    ran.clear()
+    computed = {}
+    for steps in (1, 8):
+        d = RolloutDriver(engine4, decode_steps=steps)
+        d.add_version(0, nnx.state(m0))
+        d.run(reqs)
+        computed[steps] = d.rows_computed
+    assert [(end, r.steps_run()) for end, r in ran[:2]] == [([2], 3), ([1], 8)]
+    assert computed[8] == computed[1] == 3 * 4 + 16 * 2
 
 
 def test_overlap_default_follows_the_backend(engine4):

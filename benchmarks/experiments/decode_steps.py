@@ -8,11 +8,14 @@ Run from the repository root: ``.venv/bin/python -m benchmarks.experiments.decod
 a run whose rollout batch equals its slots), and twice as many (requests wait for slots, so a program of N
 steps ends at the first step that frees one). Each workload runs with N steps and with one step per program,
 alternated ROUNDS times after one untimed run each; prints tokens/s (best), the ratio, and each run's decode
-steps, dispatches and rows computed. Trajectories are checked equal between the two.
+steps, dispatches and rows computed. Trajectories are checked equal between the two. Last, the device side
+alone: N steps of every slot (all live, sampled) as N calls of ``Engine.generate`` against one
+``Engine.generate_steps`` program (and N programs of one step), alternated ROUNDS times, ms per step.
 """
 
 import sys
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -72,3 +75,40 @@ for name, n in (("requests = slots", r.slots), ("requests = 2 x slots", 2 * r.sl
         print(f"  decode_steps={steps}: {d.steps} steps in {d.dispatches} dispatches "
               f"({d.decode_steps_per_dispatch:.2f} per dispatch), {d.rows_computed} rows computed, "
               f"{d.rows_live} live", flush=True)
+
+# The device side alone: every slot live for N steps.
+params_p = engine.prepare_params(params)
+sampling = RequestSampling(temperature=r.temperature, seed=0)
+batch, _ = engine.prefill_batch(params=params_p, prompts=[tuple(prompts[i % len(prompts)]) for i in range(r.slots)],
+                                sample_ids=list(range(r.slots)), samplings=[sampling] * r.slots)
+
+
+def fresh():
+    return jax.block_until_ready(engine.insert_batch(batch, engine.init_decode_state(r.slots), list(range(r.slots))))
+
+
+def one_step_calls(state):
+    for _ in range(N):
+        state, result = engine.generate(params_p, state, filtered=False)
+        result.to_host()
+
+
+def programs_of(k):
+    def run_programs(state):
+        for _ in range(N // k):
+            (state,), result = engine.generate_steps([params_p], [state], steps=k, budgets=[[k] * r.slots],
+                                                     stop_ids=[[()] * r.slots], filtered=False)
+            result.to_host()
+    return run_programs
+
+
+device = {"generate x N": one_step_calls, "generate_steps(N)": programs_of(N), "generate_steps(1) x N": programs_of(1)}
+for fn in device.values():
+    fn(fresh())  # compile
+seen = {name: [] for name in device}
+for _ in range(ROUNDS):
+    for name, fn in device.items():
+        state = fresh()
+        seen[name].append(timed(lambda: fn(state))[1] * 1e3 / N)
+print(f"device side, {r.slots} slots x {N} steps, ms per step (best, median): " + ", ".join(
+    f"{name} {min(v):.1f}, {np.median(v):.1f}" for name, v in seen.items()), flush=True)

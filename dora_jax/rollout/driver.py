@@ -22,9 +22,10 @@ inserted before their first token (sampled at prefill) is read; it is read with 
 With ``decode_steps`` N > 1 (``rollout.decode_steps``, 8 by default) one dispatched program runs up to N decode
 steps (:meth:`Engine.generate_steps`): each row stops on the device at an eos or stop id or at its
 ``max_new_tokens``, and the host reads the N steps' tokens with one transfer, then finishes, admits and
-compacts between programs. While requests wait for a slot (pending here, or ``waiting_outside``) a program
-ends at the first step that frees one. "Step" above then reads "program": overlap dispatches program t + 1
-before reading program t.
+compacts between programs. A program ends where the host would act on a freed slot: at the first step that
+frees one while requests wait for a slot (pending here, or ``waiting_outside``), or when enough rows are freed
+for a group to compact. "Step" above then reads "program": overlap dispatches program t + 1 before reading
+program t.
 """
 
 from __future__ import annotations
@@ -423,28 +424,37 @@ class RolloutDriver:
                       admitted: list[tuple[Any, list[_Live]]]) -> "_Launched":
         """:meth:`launch` with ``decode_steps`` steps per program (:meth:`Engine.generate_steps`): each live row
         may produce up to ``decode_steps`` tokens, fewer where its ``max_new_tokens`` ends sooner (counting the
-        tokens of programs still in flight), and stops on the device at an eos or stop id. While requests wait
-        for a slot, the program ends at the first step that frees one: at the first stop, or at the step where
-        the first row reaches its ``max_new_tokens``."""
+        tokens of programs still in flight), and stops on the device at an eos or stop id. The program ends
+        where the host would act on a freed slot: while requests wait for a slot, at the first step that frees
+        one (a stop, or a row's last token); otherwise, when a group's freed rows would let it compact (at most
+        half its rows live). So admission and compaction happen at the steps they would with one step per
+        program, and the steps between them run without the host."""
         n = self.decode_steps
         fused = self.fuse and len(active) > 1
         floor = max(len(g.slots) for g in active) if fused else 1
         for g in active:  # fused groups share one capacity, as in launch
             if len(g.slots) < floor:
                 self._resize(g, floor)
-        budgets = [[0 if s is None or not s.needs_step else
-                    min(n, s.request.max_new_tokens - len(s.tokens) - s.in_flight) for s in g.slots] for g in active]
+        def left(s: _Live) -> int:  # tokens not yet read nor in flight
+            return s.request.max_new_tokens - len(s.tokens) - s.in_flight
+
+        budgets = [[0 if s is None or not s.needs_step else min(n, left(s)) for s in g.slots] for g in active]
+        final = [[s is not None and 0 < b == left(s) for s, b in zip(g.slots, bs)] for g, bs in zip(active, budgets)]
         stops = [[() if s is None else tuple(self.eos_ids) + tuple(s.request.stop_ids) for s in g.slots]
                  for g in active]
-        waiting = bool(self._pending) or self.waiting_outside
-        limit = min([b for bs in budgets for b in bs if b > 0] or [n]) if waiting else n
+        if self._pending or self.waiting_outside:  # a freed slot takes a waiting request
+            end_after = [1] * len(active)
+        elif self.compact:  # frees that bring a group to half its rows, where _compact shrinks it
+            end_after = [max(g.live - len(g.slots) // 2, 0) for g in active]
+        else:
+            end_after = [0] * len(active)
         programs = [list(range(len(active)))] if fused or len(active) == 1 else [[i] for i in range(len(active))]
         results = []
         for idx in programs:
             states, result = self.engine.generate_steps(
                 [active[i].params for i in idx], [active[i].state for i in idx], steps=n,
-                budgets=[budgets[i] for i in idx], stop_ids=[stops[i] for i in idx], limit=limit,
-                until_stop=waiting, filtered=filtered)
+                budgets=[budgets[i] for i in idx], stop_ids=[stops[i] for i in idx], final=[final[i] for i in idx],
+                end_after=[end_after[i] for i in idx], filtered=filtered)
             for i, state in zip(idx, states):
                 active[i].state = state
             results.append(result)

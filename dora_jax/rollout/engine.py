@@ -280,7 +280,7 @@ class Engine:
         self._generate_jit = serial_jit(self._generate_impl, donate_argnums=(1,), static_argnums=(2,))
         self._generate_many_jit = serial_jit(self._generate_many_impl, donate_argnums=(1,), static_argnums=(2,))
         self._generate_steps_jit = serial_jit(self._generate_steps_impl, donate_argnums=(1,),
-                                              static_argnums=(6, 7))
+                                              static_argnums=(7, 8))
         self._resize_jit = serial_jit(self._resize_impl, static_argnums=(2,))
         self._free_jit = serial_jit(lambda state, slot: state._replace(active=state.active.at[slot].set(False)),
                                  donate_argnums=(0,))
@@ -410,15 +410,17 @@ class Engine:
         outs = [self._generate_impl(p, st, filtered) for p, st in zip(params_seq, states_seq)]
         return tuple(o[0] for o in outs), jnp.concatenate([o[1] for o in outs], axis=0)
 
-    def _generate_steps_impl(self, params_seq, states_seq, budgets_seq, stops_seq, limit, until_stop,
+    def _generate_steps_impl(self, params_seq, states_seq, budgets_seq, stops_seq, final_seq, end_after, limit,
                              steps: int, filtered: bool | None):
         """Up to ``steps`` decode steps of several decode states in one ``lax.while_loop``.
 
         A slot is live in a step while it is active, has produced fewer tokens than its budget and has not
         sampled one of its stop ids; only live slots advance (token, position) and report a token. A slot
         that samples a stop id is marked inactive in the state it returns, so a later call dispatched before
-        its results are read produces nothing for it. The loop ends after ``limit`` steps, when no slot is
-        live, or (``until_stop``) after the first step in which a slot stopped. Every slot's cache is written
+        its results are read produces nothing for it. A slot is freed when it stops, or when it produces its
+        budget's last token and ``final`` says that token ends its request. The loop ends after ``limit``
+        steps, when no slot is live, or after the step at which some state ``g`` with ``end_after[g] > 0``
+        has had that many slots freed. Every slot's cache is written
         at its current position each step, as one step of :meth:`generate` does: a slot that is not live
         writes the entries of the token it will feed next, which its next live step writes again before any
         query reads them."""
@@ -430,30 +432,31 @@ class Engine:
             return st.active & (produced < budget)
 
         def cond(carry):
-            i, states, produced, _, stopped = carry
+            i, states, produced, _, freed = carry
             anyone = jnp.any(jnp.stack([jnp.any(live(st, n, b)) for st, n, b in zip(states, produced, budgets_seq)]))
-            return (i < limit) & anyone & ~(until_stop & stopped)
+            return (i < limit) & anyone & ~jnp.any((end_after > 0) & (freed >= end_after))
 
         def body(carry):
-            i, states, produced, out, stopped = carry
-            new_states, new_produced, rows = [], [], []
-            for p, st, n, budget, stops in zip(params_seq, states, produced, budgets_seq, stops_seq):
+            i, states, produced, out, freed = carry
+            new_states, new_produced, rows, frees = [], [], [], []
+            for p, st, n, budget, stops, final in zip(params_seq, states, produced, budgets_seq, stops_seq,
+                                                      final_seq):
                 on = live(st, n, budget)
                 cache, tok, lp, nxt = self._decode_step(p, st, filtered)
                 hit = on & jnp.any(tok[:, None] == stops, axis=1)
-                stopped = stopped | jnp.any(hit)
+                frees.append(jnp.sum(hit | (on & final & (n + 1 == budget)), dtype=jnp.int32))
                 new_states.append(st._replace(cache=cache, tokens=jnp.where(on, tok, st.tokens),
                                               positions=jnp.where(on, nxt, st.positions), active=st.active & ~hit))
                 new_produced.append(n + on.astype(jnp.int32))
                 rows.append(_pack(jnp.where(on, tok, 0), on, nxt, lp, st.versions))
             out = jax.lax.dynamic_update_index_in_dim(out, jnp.concatenate(rows, axis=0), i, axis=0)
-            return i + 1, tuple(new_states), tuple(new_produced), out, stopped
+            return i + 1, tuple(new_states), tuple(new_produced), out, freed + jnp.stack(frees)
 
         # A slot whose next token to feed is one of its stop ids has already ended (a request whose first
         # token, sampled at prefill, stops it): it produces nothing.
         states_seq = tuple(st._replace(active=st.active & ~jnp.any(st.tokens[:, None] == stops, axis=1))
                            for st, stops in zip(states_seq, stops_seq))
-        carry = (jnp.int32(0), states_seq, produced0, out0, jnp.bool_(False))
+        carry = (jnp.int32(0), states_seq, produced0, out0, jnp.zeros((len(sizes),), jnp.int32))
         _, states, _, out, _ = jax.lax.while_loop(cond, body, carry)
         return states, out
 
@@ -701,8 +704,9 @@ class Engine:
         return states, ResultTokens(data)
 
     def generate_steps(self, params_seq: Sequence[Any], states_seq: Sequence[DecodeState], *, steps: int,
-                       budgets: Sequence[Any], stop_ids: Sequence[Sequence[Sequence[int]]], limit: int | None = None,
-                       until_stop: bool = False, filtered: bool | None = None
+                       budgets: Sequence[Any], stop_ids: Sequence[Sequence[Sequence[int]]],
+                       final: Sequence[Any] | None = None, end_after: Sequence[int] | None = None,
+                       limit: int | None = None, filtered: bool | None = None
                        ) -> tuple[tuple[DecodeState, ...], ResultSteps]:
         """Several decode steps of several decode states (one policy version each) in one program, stopping
         each slot on the device: one dispatch and one result transfer for up to ``steps`` tokens per slot.
@@ -710,8 +714,8 @@ class Engine:
         Each step is the computation of :meth:`generate` (same tokens, log-probs and sampling streams); a
         slot produces tokens until it samples one of its stop ids (the token is reported, and the slot is
         marked inactive in the returned state) or has produced its budget; a slot whose next token to feed is
-        a stop id produces none. States are donated; results are
-        stacked in the order given (rows of ``states_seq[0]`` first).
+        a stop id produces none. States are donated; results are stacked in the order given (rows of
+        ``states_seq[0]`` first).
 
         Args:
           params_seq: one :meth:`prepare_params` output per state.
@@ -719,10 +723,16 @@ class Engine:
           steps: the most steps (compiled in: one program per value, so callers keep to a few).
           budgets: per state, int [B]: the most tokens each slot may produce (0: none).
           stop_ids: per state, each slot's stop ids (end-of-sequence ids and the request's own).
-          limit: run at most this many steps (<= ``steps``; not compiled in). Default ``steps``.
-          until_stop: end after the first step in which a slot stopped (not compiled in): a caller with
-            requests waiting for a slot gets the freed slot back at once.
+          final: per state, bool [B]: the budget's last token ends the slot's request (its ``max_new_tokens``),
+            so producing it frees the slot. Default: none does.
+          end_after: per state, end the program after the step at which this many of the state's slots have
+            been freed (stopped, or their final token produced); 0: never (the default). A caller ends it where
+            it would act on a freed slot: admit a waiting request, or compact the state.
+          limit: run at most this many steps (<= ``steps``). Default ``steps``.
           filtered: as in :meth:`generate`.
+
+        Only ``steps`` and ``filtered`` are compiled in; budgets, stop ids, ``final``, ``end_after`` and ``limit``
+        are arguments.
         """
         if len(params_seq) != len(states_seq) or not states_seq or len(budgets) != len(states_seq) \
                 or len(stop_ids) != len(states_seq):
@@ -733,20 +743,27 @@ class Engine:
         limit = steps if limit is None else limit
         if not 0 <= limit <= steps:
             raise EngineError(f"generate_steps: limit {limit!r} must be in [0, steps = {steps}]")
-        budget_arrays, stop_arrays = [], []
-        for st, budget, stops in zip(states_seq, budgets, stop_ids):
+        final = [np.zeros((st.tokens.shape[0],), bool) for st in states_seq] if final is None else final
+        end_after = np.zeros((len(states_seq),), np.int32) if end_after is None else np.asarray(end_after, np.int32)
+        if len(final) != len(states_seq) or end_after.shape != (len(states_seq),):
+            raise EngineError(f"generate_steps: {len(final)} final flags and {end_after.size} end_after counts for "
+                              f"{len(states_seq)} decode states")
+        budget_arrays, stop_arrays, final_arrays = [], [], []
+        for st, budget, stops, ends in zip(states_seq, budgets, stop_ids, final):
             b = st.tokens.shape[0]
             budget = np.asarray(budget, np.int32).reshape(-1)
-            if budget.shape[0] != b or len(stops) != b:
-                raise EngineError(f"generate_steps: a decode state of {b} slots got {budget.shape[0]} budgets "
-                                  f"and {len(stops)} stop-id lists")
+            ends = np.asarray(ends, bool).reshape(-1)
+            if budget.shape[0] != b or len(stops) != b or ends.shape[0] != b:
+                raise EngineError(f"generate_steps: a decode state of {b} slots got {budget.shape[0]} budgets, "
+                                  f"{len(stops)} stop-id lists and {ends.shape[0]} final flags")
             budget_arrays.append(budget)
             stop_arrays.append(stop_table(stops))
+            final_arrays.append(ends)
         width = max(x.shape[1] for x in stop_arrays)  # one width for all states: one program per mix
         stop_arrays = [np.pad(x, ((0, 0), (0, width - x.shape[1])), constant_values=-1) for x in stop_arrays]
         states, data = self._generate_steps_jit(tuple(self._prepared_params(p) for p in params_seq),
                                                 tuple(states_seq), tuple(budget_arrays), tuple(stop_arrays),
-                                                np.int32(limit), np.bool_(until_stop), int(steps), filtered)
+                                                tuple(final_arrays), end_after, np.int32(limit), int(steps), filtered)
         return states, ResultSteps(data)
 
     def free_slot(self, decode_state: DecodeState, slot: int) -> DecodeState:
