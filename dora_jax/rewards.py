@@ -34,6 +34,7 @@ import itertools
 import math
 import multiprocessing
 import multiprocessing.connection
+import os
 import pickle
 import queue
 import signal
@@ -71,10 +72,14 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _worker(conn: multiprocessing.connection.Connection, path: list[str]) -> None:
+def _worker(conn: multiprocessing.connection.Connection, path: list[str], environ: dict[str, str]) -> None:
     """A worker process: runs one call at a time, answering ``(key, reward, correct, error, seconds)``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends the workers
     sys.path[:] = path  # user modules import as they do in the parent
+    # The parent's environment as of the worker's start, as a forked or spawned child would see it: a forkserver
+    # started earlier hands its children its own, which lacks what the parent has set since.
+    os.environ.clear()
+    os.environ.update(environ)
     shared: dict[int, Any] = {}
     while True:
         try:
@@ -220,7 +225,7 @@ class RewardPool:
 
     def _start_worker(self) -> _Slot:
         parent, child = self._ctx.Pipe()
-        p = self._ctx.Process(target=_worker, args=(child, list(sys.path)), name="reward-worker", daemon=True)
+        p = self._ctx.Process(target=_worker, args=(child, list(sys.path), dict(os.environ)), name="reward-worker", daemon=True)
         p.start()
         child.close()
         slot = _Slot(p, parent)

@@ -200,7 +200,7 @@ def pytest_sessionstart(session):
 def pytest_terminal_summary(terminalreporter, config):
     if _PEAKS:
         terminalreporter.write_line("peak memory of the test workers: " + ", ".join(
-            f"{w} {gib:.1f} GiB" for w, gib in sorted(_PEAKS.items())))
+            f"{w} {gib:.1f} GiB in {maps} mappings" for w, (gib, maps) in sorted(_PEAKS.items())))
     directory = os.environ.get(_STDERR_DIR)
     if hasattr(config, "workerinput") or not directory or not os.path.isdir(directory):
         return
@@ -229,20 +229,53 @@ def pytest_terminal_summary(terminalreporter, config):
             terminalreporter.write_line(lines[i][:400])
 
 
+# XLA:CPU maps every compiled kernel into memory on its own (code, constants), so each program of the engine or
+# the trainer costs the process a few thousand memory mappings, and a test worker that compiles the programs of
+# many test files reaches Linux's limit per process (vm.max_map_count, 65530 by default): LLVM then fails with
+# "Cannot allocate memory" and the worker dies with several GiB of memory still free. Programs of tests that have
+# ended are garbage, but their executables stay in JAX's caches until these are cleared; past MAP_BUDGET mappings
+# the worker clears them (a later test recompiles what it needs, mostly from the run's compilation cache).
+MAP_BUDGET = 24_000
+_MAPS = "/proc/self/maps"
+_PEAK_MAPS = 0
+
+
+def _map_count() -> int:
+    with open(_MAPS, "rb") as f:
+        return sum(1 for _ in f)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # after the test's own fixtures are torn down
+    global _PEAK_MAPS
+    if not os.path.exists(_MAPS):
+        return
+    count = _map_count()
+    _PEAK_MAPS = max(_PEAK_MAPS, count)
+    if count > MAP_BUDGET:
+        import gc
+
+        gc.collect()
+        jax.clear_caches()
+
+
 def pytest_sessionfinish(session):
-    # Each worker reports its peak resident memory; the summary prints them (the CI machine has 24 GiB).
+    # Each worker reports its peak resident memory and memory mappings; the summary prints them (the CI machine
+    # has 24 GiB).
     out = getattr(session.config, "workeroutput", None)
     if out is not None:
         out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        out["peak_maps"] = _PEAK_MAPS
 
 
-_PEAKS: dict[str, float] = {}
+_PEAKS: dict[str, tuple[float, int]] = {}
 
 
 def pytest_testnodedown(node, error):
-    peak = getattr(node, "workeroutput", {}).get("peak_rss_gib")
-    if peak is not None:
-        _PEAKS[node.gateway.id] = peak
+    out = getattr(node, "workeroutput", {})
+    if out.get("peak_rss_gib") is not None:
+        _PEAKS[node.gateway.id] = (out["peak_rss_gib"], out.get("peak_maps", 0))
 
 
 def pytest_unconfigure(config):

@@ -238,6 +238,25 @@ def test_a_crashed_reward_worker_is_reported_and_replaced(how, reason):
     assert not got[2].error and got[2].correct
 
 
+def _env(name):
+    return float(len(os.environ.get(name, ""))), name in os.environ
+
+
+def test_reward_workers_see_the_environment_set_after_an_earlier_pool(monkeypatch):
+    """A worker sees the parent's environment as of its start, whatever process it was forked from (a forkserver
+    keeps the environment it started with: a variable set after an earlier pool reaches no worker by itself)."""
+    name = "DORA_TEST_REWARD_ENV"
+    monkeypatch.delenv(name, raising=False)
+    with RewardPool(workers=1, timeout_s=5.0) as pool:  # starts the forkserver, if the platform has one
+        pool.submit(1, _env, name)
+        assert _collect(pool, 1)[1].correct is False
+    monkeypatch.setenv(name, "four")
+    with RewardPool(workers=1, timeout_s=5.0) as pool:
+        pool.submit(1, _env, name)
+        got = _collect(pool, 1)[1]
+    assert not got.error and got.correct and got.reward == 4.0
+
+
 def test_an_unpicklable_reward_is_named():
     with RewardPool(workers=1, timeout_s=5.0) as pool:
         pool.submit(1, lambda: (1.0, True))
