@@ -438,8 +438,9 @@ class RolloutConfig:
     ``decode_steps`` is how many decode steps one dispatched program runs (``RolloutDriver(decode_steps=...)``):
     each slot stops on the device at an end-of-sequence or stop id or at its token budget, and the host admits
     and finishes requests between programs, so a dispatch and a result transfer serve N steps instead of one.
-    While requests wait for a slot, a program ends at the first step that frees one. ``"auto"``: 8 on every
-    backend (docs/rollout.md). Tokens and log-probs are those of one step per program.
+    A program ends where the host would act on a freed slot (a waiting request, or a group that can compact),
+    so those happen at the steps they would with one step per program. ``"auto"``: 8 on every backend
+    (docs/rollout.md). Tokens and log-probs are those of one step per program.
     """
 
     slots: int = 16
