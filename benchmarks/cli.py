@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from typing import Any
 
 DEFAULT_CONFIG = "smollm2_135m"
-WHAT = ("load", "engine", "prefill", "decode", "train", "snapshot", "modes", "kernel", "kernel-sweep")
+WHAT = ("load", "engine", "prefill", "decode", "train", "snapshot", "modes", "profile", "convergence", "kernel",
+        "kernel-sweep")
 NO_OVERRIDES = ("modes", "kernel", "kernel-sweep")  # built from fixed workloads, not from a config
+TWO_HOST_DEVICES = ("modes", "profile")  # trainer and rollout each on a device of their own
 
 
 def _positive_int(text: str) -> int:
@@ -38,15 +40,23 @@ def build_parser(prog: str = "dora-jax bench") -> argparse.ArgumentParser:
     b = argparse.ArgumentParser(prog=prog, description="Benchmarks; each prints its result as JSON. "
                                 "docs/performance.md has the current numbers and the commands behind them.")
     b.add_argument("what", choices=WHAT)
-    b.add_argument("--config", default=DEFAULT_CONFIG, help="YAML file or shipped preset name (modes: default "
-                   "tiny_llama)")
+    b.add_argument("--config", default=DEFAULT_CONFIG, help="YAML file or shipped preset name (modes, profile: "
+                   "default tiny_llama; convergence: default smollm2_arith)")
     b.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.decode_weights=in_out")
     b.add_argument("--json", help="also write the result to this JSON file")
-    b.add_argument("--steps", type=_positive_int, default=8, help="modes: updates per mode")
-    b.add_argument("--plot", help="modes: write the reward and throughput plot to this PNG")
+    b.add_argument("--steps", type=_positive_int, help="modes: updates per run (default 8); convergence: updates "
+                   "per run (default: the config's dora.steps)")
+    b.add_argument("--plot", help="modes: write the reward, throughput and simulated-vs-measured plot to this PNG; "
+                   "convergence: the reward and accuracy plot")
     b.add_argument("--repeats", type=_positive_int, help="load: repeats per side (default 2); kernel: timed calls "
                    "per point (default 2); kernel-sweep: timed calls per setting (default 50); engine: "
-                   "alternated runs of the fixed batch, engine and transformers (default 3)")
+                   "alternated runs of the fixed batch, engine and transformers (default 3); modes: timed runs "
+                   "per mode, alternated (default 3)")
+    b.add_argument("--profile", help="modes: simulate with this 'bench profile' JSON of this machine (default: "
+                   "measure one first)")
+    b.add_argument("--seeds", type=_positive_int, default=4, help="convergence: seeds per run name")
+    b.add_argument("--eval-size", type=_positive_int, help="convergence: held-out questions (default: enough for "
+                   "256 answers)")
     b.add_argument("--batch", type=_positive_int, help="engine, decode: concurrent sequences (default 32); train, "
                    "snapshot: rows per step (default 8); kernel: slots per call (default 8 and 32)")
     b.add_argument("--new-tokens", type=_positive_int, default=128, help="engine: new tokens per sequence")
@@ -112,10 +122,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.what == "modes":
         from benchmarks import modes
 
-        result = modes.bench_modes("tiny_llama" if args.config == DEFAULT_CONFIG else args.config, steps=args.steps)
-        if args.plot:
-            print("plot:", modes.plot_modes(result, args.plot))
-        return result
+        return modes.bench_modes("tiny_llama" if args.config == DEFAULT_CONFIG else args.config,
+                                 steps=args.steps or 8, repeats=args.repeats or 3, profile=args.profile)
+    if args.what == "profile":
+        from benchmarks import profile
+
+        return profile.bench_profile("tiny_llama" if args.config == DEFAULT_CONFIG else args.config, overrides=ov)
+    if args.what == "convergence":
+        from benchmarks import convergence
+
+        return convergence.bench_convergence(convergence.CONFIG if args.config == DEFAULT_CONFIG else args.config,
+                                             seeds=args.seeds, steps=args.steps, eval_size=args.eval_size,
+                                             overrides=ov)
     if args.what == "kernel":
         from benchmarks import kernel
 
@@ -158,7 +176,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "dora-jax bench") -> int
     if problems:
         print(f"error: {problems[0]}", file=sys.stderr)
         return 2
-    if args.what == "modes" and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    if args.what in TWO_HOST_DEVICES and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         from dora_jax.xla_flags import cpu_device_flags
 
         # Two host devices (before JAX starts its CPU backend): trainer and rollout each get one.
@@ -170,4 +188,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "dora-jax bench") -> int
     print(json.dumps(result, indent=1))
     if args.json:
         write_json(result, args.json)
+    if args.plot and args.what in ("modes", "convergence"):
+        from benchmarks import convergence, modes
+
+        draw = modes.plot_modes if args.what == "modes" else convergence.plot_convergence
+        print("plot:", draw(result, args.plot))
     return 0

@@ -1,30 +1,33 @@
-"""``dora-jax bench modes``: sync, one_step_off and dora at K = 1, 2, 3 on one long-tailed workload.
+"""``dora-jax bench modes``: sync, one_step_off and dora at K = 1, 2, 3 on one long-tailed workload, measured
+and simulated.
 
 Every mode trains the same model from the same initial weights, on the same task and seed, for the same number
 of samples. The workload is ``longtail``: each prompt carries a length budget (85% short, p50 ~ 8 tokens; 15%
 between 128 and 256), and responses run to their budget, so a synchronous batch waits for its longest member
-while most slots sit empty. All modes share one engine and one trainer, so compiled functions are shared, and
-each timed run follows an identical untimed one that compiles every shape it meets. ``sync`` runs with several
-seeds to show the run-to-run noise of the reward curve that the other modes' curves are compared with.
+while most slots sit empty. Runs go through :class:`benchmarks.harness.Harness`: one untimed round compiles
+every shape, then ``repeats`` rounds each run every mode once (alternated, so the machine's drift spreads over
+all modes alike); a mode's wall time is the median of its rounds. ``sync`` runs with further rollout seeds to
+show the run-to-run noise of the reward curve the other modes' curves are compared with.
 
 Placement: with two or more devices, every mode runs under ``split`` placement (trainer on device 0, rollout on
 device 1; the train step runs while decoding goes on), and ``sync_shared`` adds the colocated synchronous
-baseline (trainer and rollout time-sharing device 0). Speed-ups are against the faster of the two sync runs. On
-CPU, ``dora-jax bench modes`` asks XLA for two host devices (they share the machine's cores)."""
+baseline (trainer and rollout time-sharing device 0). Speed-ups are against ``sync``. On CPU, ``dora-jax bench
+modes`` asks XLA for two host devices (they share the machine's cores).
+
+The simulator check: each mode is also simulated (:func:`dora_jax.sim.local.simulate_run`) on the same
+workload (the same prompts, length budgets, engine and trainer settings) with a cost profile of this machine:
+the one given (``--profile``) or one measured in this process before the runs (``bench profile``), and the
+simulated wall time is compared with the measured median.
+"""
 
 from __future__ import annotations
 
-import os
-import tempfile
 from typing import Any
 
-import jax
 import numpy as np
 
-from benchmarks.record import machine
-from benchmarks.timing import timed
-from dora_jax.config import load_config
-from dora_jax.metrics import read_metrics
+from benchmarks.harness import Harness, Variant
+from benchmarks.record import machine, source_version
 
 # The workload: tiny Llama on one device, 32 slots, groups of 4, 16 samples per update, length budgets up to
 # 256 tokens (p50 8, 15% between 128 and 256): every batch meets the tail, as in large-batch RL.
@@ -34,7 +37,7 @@ OVERRIDES = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "task.name=longtail"
              "train.group_size=4", "train.learning_rate=0.002", "train.max_response_tokens=256",
              "train.length_buckets=[64, 128, 192, 256, 320]", f"dora.train_batch={TBS}", "run.checkpoint_every=0"]
 MODES = [("sync", 0), ("one_step_off", 1), ("dora", 1), ("dora", 2), ("dora", 3)]
-SPLIT = ["roles.placement=split", "roles.trainer_devices=1", "target.num_devices=2", "roles.rollout_tensor=1"]
+TARGET = 0.15  # simulated wall time and dora / sync ratio: within 15% of the measured
 
 
 def _mode_overrides(mode: str, k: int, tbs: int) -> list[str]:
@@ -42,95 +45,138 @@ def _mode_overrides(mode: str, k: int, tbs: int) -> list[str]:
     return [f"dora.mode={mode}", f"train.max_staleness={max(k, 1)}", f"dora.rollout_batch={rbs}"]
 
 
-def bench_modes(config: str = "tiny_llama", steps: int = 8, noise_seeds: int = 3,
-                out_dir: str | None = None) -> dict[str, Any]:
-    """Runs every mode once (sync ``noise_seeds`` times) and returns per-mode throughput and schedule figures.
+def plan(split: bool) -> list[Variant]:
+    """The modes, each a :class:`Variant`: under split placement where there are two devices, and the shared
+    synchronous baseline beside them."""
+    out = [Variant(mode if mode != "dora" else f"dora_k{k}", _mode_overrides(mode, k, TBS), split) for mode, k in MODES]
+    if split:
+        out.insert(1, Variant("sync_shared", _mode_overrides("sync", 0, TBS), False))
+    return out
+
+
+def _mode_result(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's figures over its timed runs: medians, every run's value, and the median run's details."""
+    walls = [r["summary"]["wall_s"] for r in runs]
+    med = runs[int(np.argsort(walls)[len(walls) // 2])]
+    s, rows = med["summary"], med["rows"]
+    lags = [int(lag) for row in rows for lag, n in row["staleness"].items() for _ in range(n)]
+    per_run = {k: [r["summary"][src] for r in runs] for k, src in
+               (("wall_s", "wall_s"), ("samples_per_s", "samples_per_s"),
+                ("decode_steps_per_sample", "decode_batch_steps_per_sample"), ("slot_utilization", "slot_utilization"))}
+    return {
+        "mode": s["mode"], "placement": s["placement"], "max_staleness": s["max_staleness"], "samples": s["samples"],
+        "measured_wall_s": np.median(per_run["wall_s"]), "samples_per_s": np.median(per_run["samples_per_s"]),
+        # Device-independent: decode batch-steps per trained sample and the share of computed rows that were
+        # live (what predicts the speed-up where a decode step costs the same at any batch size).
+        "decode_steps_per_sample": np.median(per_run["decode_steps_per_sample"]),
+        "slot_utilization": np.median(per_run["slot_utilization"]), "runs": per_run,
+        "decode_batch_steps": s["decode_batch_steps"], "train_s": s["train_s"],
+        "tokens_per_s": sum(row["trained_tokens"] for row in rows) / s["wall_s"], "gen_tok_s": s["gen_tok_s"],
+        "rollout_share": float(np.mean([row["rollout_share"] for row in rows])),
+        "trainer_idle_fraction": s["trainer_idle_fraction"],
+        "slot_occupancy": float(np.mean([row["slot_occupancy"] for row in rows])),
+        "mean_staleness": float(np.mean(lags)), "max_staleness_seen": int(max(lags)),
+        "max_resident_versions": s["max_resident_versions"], "weight_sync_s": s["sync_s"],
+        "reward_per_step": [row["reward"] for row in runs[0]["rows"]], "final_reward": runs[0]["rows"][-1]["reward"],
+        "len_p50": float(np.median([row["len_p50"] for row in rows])),
+        "len_p99": float(max(row["len_p99"] for row in rows)),
+    }
+
+
+def simulate_modes(h: Harness, variants: list[Variant], profile: Any) -> dict[str, dict[str, Any]]:
+    """Each variant simulated on the harness's workload with ``profile`` (:func:`dora_jax.sim.local.simulate_run`)."""
+    from dora_jax.run.setup import schedule_policy
+    from dora_jax.sim.local import simulate_run
+
+    out = {}
+    for v in variants:
+        cfg = h.cfg(v.overrides, v.split)
+        r = simulate_run(profile, h.run_setup(cfg, v.split), schedule_policy(cfg))
+        out[v.name] = {k: r[k] for k in ("wall_s", "samples_per_s", "train_s", "decode_batch_steps",
+                                         "decode_batch_steps_per_sample", "slot_utilization", "max_resident_versions")}
+    return out
+
+
+def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, noise_seeds: int = 3,
+                profile: str | None = None, out_dir: str | None = None) -> dict[str, Any]:
+    """Runs every mode ``repeats`` times (alternated, after one untimed round), simulates each with a cost
+    profile of this machine, and returns per-mode throughput, schedule figures and the simulator's error.
 
     Args:
-      config: the model preset (a small one: every mode runs ``steps`` updates of ``TBS`` samples).
+      config: the model preset (a small one: every mode runs ``steps`` updates of ``TBS`` samples per round).
       steps: updates per run.
+      repeats: timed runs per mode; the wall time reported is their median.
       noise_seeds: sync runs with different rollout seeds, for the reward curve's run-to-run spread.
+      profile: a ``bench profile`` JSON measured on this machine; default: one is measured here first.
       out_dir: keep the run directories here (default: a temporary directory).
     """
-    from dora_jax.models.weights import load_model
-    from dora_jax.run import Placement, Runner
-    from dora_jax.sharding import create_mesh
+    from dora_jax.sim.profile import load_profile, parse_profile
 
-    devices = jax.devices()
-    placement = SPLIT if len(devices) >= 2 else []
-    base = load_config(config, OVERRIDES + [f"dora.steps={steps}"])
-    one = create_mesh(base.mesh, devices[:1])
-    model, _ = load_model(base.model, one, base.mesh.logical_axis_rules, seed=base.run.seed, progress=False)
-    # One placement per layout, reused by every mode (compiled once); each run starts from the same weights.
-    shared = Placement.build(base, model, devices[:1], keep_initial=True)
-    split_placement = (Placement.build(load_config(config, OVERRIDES + placement), model, keep_initial=True)
-                       if placement else None)
-    tmp = out_dir or tempfile.mkdtemp(prefix="dora_bench_modes_")
+    from benchmarks.profile import add_train_samples, bench_profile
 
-    def run(name: str, mode: str, k: int, extra: list[str], n_steps: int, split: bool) -> dict[str, Any]:
-        cfg = load_config(config, OVERRIDES + [f"dora.steps={n_steps}"] + _mode_overrides(mode, k, TBS) + extra
-                          + (placement if split else []))
-        run_dir = os.path.join(tmp, name)
-        summary = Runner(cfg, run_dir, placement=split_placement if split else shared, progress=False).run()
-        rows = read_metrics(run_dir)
-        return {"summary": summary, "rows": rows}
+    h = Harness(config, OVERRIDES + [f"dora.steps={steps}"], out_dir, shared_devices=1)
+    variants = plan(h.split)
+    for v in variants:  # untimed: compiles every shape the runs meet (the profile shares the programs)
+        h.run(v)
+    measured_profile = None
+    if profile is None:  # measured between the compiling round and the timed ones, on the same engine and trainer
+        measured_profile = bench_profile(config, harness=h)
+        cfg = h.cfg((), h.split)
+        placement = h.placement(cfg, h.split)
+        state = [placement.take_state()]
 
-    plan = [(mode if mode != "dora" else f"dora_k{k}", mode, k, bool(placement)) for mode, k in MODES]
-    if placement:
-        plan.insert(1, ("sync_shared", "sync", 0, False))
-    results: dict[str, Any] = {}
-    for name, mode, k, split in plan:
-        # The same run once untimed first: it compiles every shape (prompt and length buckets, decode-group
-        # capacities) the timed run meets, so no mode pays for compilation the others do not.
-        run(f"warmup_{name}", mode, k, [], steps, split)
-        r, bench_s = timed(lambda: run(name, mode, k, [], steps, split))
-        s, rows = r["summary"], r["rows"]
-        lags = [int(lag) for row in rows for lag, n in row["staleness"].items() for _ in range(n)]
-        results[name] = {
-            "mode": mode, "placement": s["placement"], "max_staleness": s["max_staleness"], "samples": s["samples"],
-            "wall_s": s["wall_s"], "samples_per_s": s["samples_per_s"],
-            # Device-independent: decode batch-steps per trained sample and the share of computed rows that
-            # were live (what predicts the speed-up where a decode step costs the same at any batch size).
-            "decode_steps_per_sample": s["decode_batch_steps_per_sample"], "decode_batch_steps": s["decode_batch_steps"],
-            "slot_utilization": s["slot_utilization"],
-            "tokens_per_s": sum(row["trained_tokens"] for row in rows) / s["wall_s"],
-            "gen_tok_s": s["gen_tok_s"],
-            "rollout_share": float(np.mean([row["rollout_share"] for row in rows])),
-            "trainer_idle_fraction": s["trainer_idle_fraction"],
-            "slot_occupancy": float(np.mean([row["slot_occupancy"] for row in rows])),
-            "mean_staleness": float(np.mean(lags)), "max_staleness_seen": int(max(lags)),
-            "max_resident_versions": s["max_resident_versions"], "weight_sync_s": s["sync_s"],
-            "reward_per_step": [row["reward"] for row in rows], "final_reward": rows[-1]["reward"],
-            "len_p50": float(np.median([row["len_p50"] for row in rows])),
-            "len_p99": float(max(row["len_p99"] for row in rows)),
-            "bench_s": bench_s,
-        }
-        print(f"{name:>13}: {results[name]['samples_per_s']:.2f} samples/s, "
-              f"{results[name]['decode_steps_per_sample']:.2f} decode batch-steps/sample, rollout share "
-              f"{results[name]['rollout_share']:.2f}, staleness mean {results[name]['mean_staleness']:.2f} "
-              f"max {results[name]['max_staleness_seen']}, final reward {results[name]['final_reward']:.3f}",
-              flush=True)
-    noise = []
-    for seed in range(1, noise_seeds):
-        r = run(f"sync_seed{seed}", "sync", 0, [f"rollout.seed={seed}"], steps, bool(placement))
-        noise.append([row["reward"] for row in r["rows"]])
+    def say(v: Variant, r: int, run: dict[str, Any]) -> None:
+        s = run["summary"]
+        print(f"round {r + 1}: {v.name:>13}: wall {s['wall_s']:.2f} s, {s['samples_per_s']:.2f} samples/s, "
+              f"{s['decode_batch_steps_per_sample']:.2f} decode batch-steps/sample", flush=True)
+        if measured_profile is not None and v is variants[-1] and r + 1 < repeats:
+            state[0] = add_train_samples(measured_profile, placement.trainer, state[0], cfg)
+
+    if measured_profile is not None:  # the train costs sampled again before every timed round (the largest cost)
+        state[0] = add_train_samples(measured_profile, placement.trainer, state[0], cfg)
+    runs = h.rounds(variants, repeats, warmup=False, on_run=say)
+    prof = parse_profile(measured_profile, source="measured by this run") if profile is None else load_profile(profile)
+    results = {v.name: _mode_result(v.name, runs[v.name]) for v in variants}
+    simulated = simulate_modes(h, variants, prof)
+    for name, r in results.items():
+        sim = simulated[name]
+        r["simulated_wall_s"] = sim["wall_s"]
+        r["simulated"] = sim
+        r["simulated_error"] = sim["wall_s"] / r["measured_wall_s"] - 1
+    noise = [[row["reward"] for row in h.run(Variant(f"sync_seed{seed}", _mode_overrides("sync", 0, TBS),
+                                                     h.split), [f"rollout.seed={seed}"])["rows"]]
+             for seed in range(1, noise_seeds)]
     curves = np.asarray([results["sync"]["reward_per_step"]] + noise)
-    sync = max(r["samples_per_s"] for r in results.values() if r["mode"] == "sync")
-    return {"machine": machine(), "config": config, "steps": steps, "train_batch": TBS, "group_size": 4,
-            "devices": len(devices), "placement": "split (trainer device 0, rollout device 1)" if placement else
-            "shared (one device)",
+    sync = results["sync"]
+    ratios = {}
+    for name, r in results.items():
+        if r["mode"] == "dora":
+            m, s = r["measured_wall_s"] / sync["measured_wall_s"], r["simulated_wall_s"] / sync["simulated_wall_s"]
+            ratios[name] = {"measured": m, "simulated": s, "error": s / m - 1}
+    within = {name: abs(r["simulated_error"]) <= TARGET for name, r in results.items()}
+    return {"machine": machine(), "source": source_version(), "config": config, "steps": steps, "repeats": repeats,
+            "train_batch": TBS,
+            "group_size": 4, "devices": h.device_count,
+            "placement": "split (trainer device 0, rollout device 1)" if h.split else "shared (one device)",
             "slots": 32, "workload": "longtail: 85% lognormal p50 8, 15% uniform 128..256 tokens",
-            "modes": results, "speedup_vs_sync": {n: r["samples_per_s"] / sync for n, r in results.items()},
+            "modes": results, "speedup_vs_sync": {n: r["samples_per_s"] / sync["samples_per_s"] for n, r in results.items()},
             "decode_steps_per_sample_vs_sync": {
-                n: r["decode_steps_per_sample"] / results["sync"]["decode_steps_per_sample"] for n, r in results.items()},
+                n: r["decode_steps_per_sample"] / sync["decode_steps_per_sample"] for n, r in results.items()},
+            "simulator": {"profile": profile or "measured in this run, after an untimed round of the modes and "
+                                                "before the timed ones, its train costs sampled again before "
+                                                "every timed round (see 'profile')",
+                          "target": TARGET, "wall_within_target": within, "dora_over_sync_wall": ratios,
+                          "ratio_within_target": {n: abs(x["error"]) <= TARGET for n, x in ratios.items()}},
+            "profile": measured_profile,
             "sync_reward_curves": curves.tolist(),
             "sync_reward_spread": {"mean": curves.mean(0).tolist(), "min": curves.min(0).tolist(),
                                    "max": curves.max(0).tolist()},
-            "run_dir": tmp}
+            "run_dir": h.out_dir}
 
 
 def plot_modes(result: dict[str, Any], path: str) -> str:
-    """Reward per update of every mode over the band of the sync runs' spread, and each mode's throughput.
+    """Three panels: reward per update of every mode over the band of the sync runs' spread; each mode's
+    throughput (median of its runs, bars from the slowest to the fastest); measured against simulated wall time.
 
     Args:
       result: what :func:`bench_modes` returned.
@@ -144,20 +190,42 @@ def plot_modes(result: dict[str, Any], path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (ax, bx, cx) = plt.subplots(1, 3, figsize=(15, 4))
     spread = result["sync_reward_spread"]
     steps = np.arange(1, len(spread["mean"]) + 1)
     ax.fill_between(steps, spread["min"], spread["max"], color="grey", alpha=0.3,
                     label=f"sync, {len(result['sync_reward_curves'])} seeds (min-max)")
     for name, r in result["modes"].items():
         ax.plot(steps, r["reward_per_step"], marker=".", label=name)
+    ax.set_title("reward of each trained batch", fontsize=10)
     ax.set_xlabel("update")
-    ax.set_ylabel("reward of the trained batch")
+    ax.set_ylabel("mean reward of the batch")
     ax.legend(fontsize=7)
     names = list(result["modes"])
-    bx.bar(names, [result["modes"][n]["samples_per_s"] for n in names])
+    x = np.arange(len(names))
+    med = np.asarray([result["modes"][n]["samples_per_s"] for n in names])
+    lo = med - np.asarray([min(result["modes"][n]["runs"]["samples_per_s"]) for n in names])
+    hi = np.asarray([max(result["modes"][n]["runs"]["samples_per_s"]) for n in names]) - med
+    bx.bar(x, med, yerr=[lo, hi], capsize=3)
+    bx.set_xticks(x, names, rotation=30)
+    bx.set_title(f"throughput, median of {result['repeats']} runs (bars: min-max)", fontsize=10)
+    bx.set_xlabel("mode")
     bx.set_ylabel("trained samples / s")
-    bx.tick_params(axis="x", labelrotation=30)
+    meas = np.asarray([result["modes"][n]["measured_wall_s"] for n in names])
+    sim = np.asarray([result["modes"][n]["simulated_wall_s"] for n in names])
+    mlo = meas - np.asarray([min(result["modes"][n]["runs"]["wall_s"]) for n in names])
+    mhi = np.asarray([max(result["modes"][n]["runs"]["wall_s"]) for n in names]) - meas
+    cx.bar(x - 0.2, meas, 0.4, yerr=[mlo, mhi], capsize=3, label="measured (median, min-max)")
+    cx.bar(x + 0.2, sim, 0.4, label="simulated with this machine's profile")
+    for i, (m, s) in enumerate(zip(meas, sim)):
+        cx.annotate(f"{s / m - 1:+.0%}", (i + 0.2, s), ha="center", va="bottom", fontsize=7)
+    cx.set_xticks(x, names, rotation=30)
+    cx.set_title("wall time per run: simulated vs measured", fontsize=10)
+    cx.set_xlabel("mode")
+    cx.set_ylabel("wall seconds of the run")
+    cx.legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"bench modes: {result['steps']} updates of {result['train_batch']} samples per run, "
+                 f"{result.get('device', '')}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

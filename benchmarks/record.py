@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -93,3 +94,17 @@ def write_json(result: Any, path: str) -> str:
         json.dump(result, f, indent=1)
         f.write("\n")
     return path
+
+
+def source_version() -> dict[str, Any]:
+    """The commit the library ran at, and the library files that differed from it (a working tree's edits)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30).stdout.rstrip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": git("rev-parse", "HEAD") or None,
+            "changed": [x for x in git("status", "--porcelain", "--", "dora_jax").splitlines() if x]}

@@ -158,6 +158,10 @@ def cmd_simulate(args) -> int:
 
     try:
         cfg = load_sim_config(args.config)
+        if args.profile:  # measured costs of a machine in place of the analytic ones
+            from dora_jax.sim.profile import load_profile, with_profile
+
+            cfg = with_profile(cfg, load_profile(args.profile))
     except SimConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -273,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default="sim_dora_paper", help="configs/sim_*.yaml file or preset name")
     s.add_argument("--json", help="also write every run's metrics to this JSON file")
     s.add_argument("--plot", help="write throughput and timeline PNGs into this directory")
+    s.add_argument("--profile", help="a 'dora-jax bench profile' JSON: its measured costs replace the config's "
+                   "(decode and train interpolated on its grids)")
     s.set_defaults(fn=cmd_simulate)
     return p
 

@@ -60,6 +60,10 @@ class Costs:
     def decode_time(self, n: int, ctx: float) -> float:
         return self.decode_step_s + max(self.decode_weights_s, n * self.decode_row_s) + ctx * self.decode_ctx_s
 
+    def ctx_rate(self, n: int, ctx: float) -> float:
+        """d(decode_time)/d(ctx) at ``(n, ctx)``: what one more context token adds to a step (constant here)."""
+        return self.decode_ctx_s
+
     def train_time(self, tokens: float, pairs: float, gpus: int) -> float:
         return self.train_fixed_s + (self.train_token_gpu_s * tokens + self.train_pair_gpu_s * pairs) / gpus
 

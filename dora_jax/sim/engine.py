@@ -171,14 +171,14 @@ class Instance:
         if k <= 0 or n == 0:
             return 0.0
         first = costs.decode_time(n, self.ctx())
-        return k * first + costs.decode_ctx_s * n * k * (k - 1) / 2
+        return k * first + costs.ctx_rate(n, self.ctx()) * n * k * (k - 1) / 2
 
     def steps_by(self, costs: Costs, dt: float) -> int:
         """The smallest ``k`` whose ``k`` steps end at or after ``dt`` seconds from ``t``."""
         if dt <= 0 or not self.rows:
             return 0
         n = len(self.rows)
-        a = costs.decode_ctx_s * n / 2
+        a = costs.ctx_rate(n, self.ctx()) * n / 2
         b = costs.decode_time(n, self.ctx()) - a
         k = dt / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * dt)) / (2 * a)
         k = max(0, math.ceil(k) - 1)

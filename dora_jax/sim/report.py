@@ -10,7 +10,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from dora_jax.sim.config import SimConfig
+from dora_jax.sim.config import COST_FIELDS, SimConfig
 from dora_jax.sim.engine import Placement
 from dora_jax.sim.run import simulate
 
@@ -90,7 +90,7 @@ def run_config(cfg: SimConfig, progress: bool = True) -> dict[str, Any]:
                           "weight_loads": x["weight_loads"], "migrated_rows": x["migrated_rows"],
                           "projection": g not in cfg.gpus})
     return {"name": cfg.name, "table": table, "paper": compare_with_paper(cfg, runs), "runs": runs,
-            "costs": cfg.costs.__dict__, "derivation": cfg.derivation}
+            "costs": {k: getattr(cfg.costs, k) for k in COST_FIELDS}, "derivation": cfg.derivation}
 
 
 def compare_with_paper(cfg: SimConfig, runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,0 +1,142 @@
+"""``dora-jax bench convergence``: does training asynchronously cost accuracy? The main job's task and model
+(``configs/smollm2_arith.yaml``: SmolLM2-135M-Instruct on arithmetic) trained by ``sync`` and by DORA at K = 2
+(without and with decoupled PPO's correction) and K = 3 (with it), several seeds each, every run on the same
+number of samples (``dora.steps`` x ``dora.train_batch``), evaluated before and after on the same held-out set.
+
+Seeds: run ``s`` samples with ``rollout.seed = s`` (other tokens for the same prompts); the model, the data
+order and the held-out set are the same for every run, so what differs between runs of one seed is the schedule.
+Runs go through :class:`benchmarks.harness.Harness`, round by round (every run name once per seed), so a drift of
+the machine touches every name alike.
+
+Reported per run name: held-out accuracy after training per seed (``final_accuracy``), the mean reward of each
+trained batch per seed (``reward_per_iteration``), and their means with standard errors; the plot draws each
+name's mean reward per iteration with a band of one standard error, and the final accuracy with its standard
+error. At least 256 held-out answers (``task.eval_size`` questions x ``task.eval_samples`` answers) per
+evaluation by default.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from benchmarks.harness import Harness, Variant
+from benchmarks.record import machine
+
+CONFIG = "smollm2_arith"
+RUNS = [("sync", ["dora.mode=sync", "train.max_staleness=1", "train.correction=none"]),
+        ("dora_k2_none", ["dora.mode=dora", "train.max_staleness=2", "train.correction=none"]),
+        ("dora_k2_decoupled", ["dora.mode=dora", "train.max_staleness=2", "train.correction=decoupled"]),
+        ("dora_k3_decoupled", ["dora.mode=dora", "train.max_staleness=3", "train.correction=decoupled"])]
+MIN_ANSWERS = 256
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    a = np.asarray(xs, float)
+    se = float(a.std(ddof=1) / math.sqrt(len(a))) if len(a) > 1 else 0.0
+    return {"mean": float(a.mean()), "stderr": se}
+
+
+def bench_convergence(config: str = CONFIG, seeds: int = 4, steps: int | None = None, eval_size: int | None = None,
+                      overrides: tuple[str, ...] = (), out_dir: str | None = None) -> dict[str, Any]:
+    """Trains every run name once per seed and returns held-out accuracy and reward per iteration.
+
+    Args:
+      config: the main job's config (default ``smollm2_arith``).
+      seeds: seeds per run name (``rollout.seed`` 0 .. seeds - 1).
+      steps: updates per run (default: the config's ``dora.steps``); every run trains ``steps x dora.train_batch``
+        samples.
+      eval_size: held-out questions (default: enough for ``MIN_ANSWERS`` answers at the config's
+        ``task.eval_samples``, at least the config's own ``task.eval_size``).
+      overrides: ``key=value`` settings for every run (after the above).
+      out_dir: keep the run directories here (default: a temporary directory).
+    """
+    from dora_jax.config import load_config
+
+    base = load_config(config, list(overrides))
+    samples = base.task.eval_samples
+    if eval_size is None:
+        eval_size = max(base.task.eval_size, -(-MIN_ANSWERS // samples))
+    steps = steps or base.dora.steps
+    common = [f"dora.steps={steps}", f"task.eval_size={eval_size}", "run.checkpoint_every=0"]
+    h = Harness(config, common + list(overrides), out_dir)
+    variants = []
+    for name, extra in RUNS:  # dora holds up to K + 1 batches outstanding (RBS = (K + 1) TBS), sync one
+        k = int(next(x for x in extra if x.startswith("train.max_staleness=")).split("=")[1])
+        rb = (k + 1 if "dora.mode=dora" in extra else 1) * base.dora.train_batch
+        variants.append(Variant(name, extra + [f"dora.rollout_batch={rb}"], False))
+
+    runs: dict[str, list[dict[str, Any]]] = {v.name: [] for v in variants}
+    for seed in range(seeds):
+        for v in variants:
+            r = h.run(v, [f"rollout.seed={seed}"])
+            s = r["summary"]
+            runs[v.name].append({"seed": seed, "accuracy_before": s["accuracy_before"],
+                                 "final_accuracy": s["accuracy_after"], "reward_after": s["reward_after"],
+                                 "reward_per_iteration": [row["reward"] for row in r["rows"]],
+                                 "samples": s["samples"], "eval_n": s["eval_n"], "wall_s": s["wall_s"],
+                                 "max_staleness_seen": max(row["staleness_max"] for row in r["rows"])})
+            print(f"seed {seed}: {v.name:>18}: accuracy {s['accuracy_before']:.3f} -> {s['accuracy_after']:.3f}, "
+                  f"final reward {r['rows'][-1]['reward']:.3f}, {s['samples']} samples in {s['wall_s']:.0f} s",
+                  flush=True)
+    out = {}
+    for name, rs in runs.items():
+        curves = np.asarray([r["reward_per_iteration"] for r in rs])
+        out[name] = {"final_accuracy": [r["final_accuracy"] for r in rs],
+                     "reward_per_iteration": curves.tolist(),
+                     "accuracy_before": [r["accuracy_before"] for r in rs],
+                     "final_accuracy_stats": _stats([r["final_accuracy"] for r in rs]),
+                     "reward_mean": curves.mean(0).tolist(),
+                     "reward_stderr": (curves.std(0, ddof=1) / math.sqrt(len(rs))).tolist() if len(rs) > 1
+                     else [0.0] * curves.shape[1],
+                     "samples": [r["samples"] for r in rs], "wall_s": [r["wall_s"] for r in rs],
+                     "max_staleness_seen": max(r["max_staleness_seen"] for r in rs)}
+    return {"machine": machine(), "config": config, "seeds": seeds, "steps": steps,
+            "train_batch": base.dora.train_batch, "samples_per_run": steps * base.dora.train_batch,
+            "eval_size": eval_size, "eval_samples": samples, "heldout_answers": eval_size * samples,
+            "runs": out, "settings": {v.name: v.overrides for v in variants}, "run_dir": h.out_dir}
+
+
+def plot_convergence(result: dict[str, Any], path: str) -> str:
+    """Mean reward per iteration with one standard error (left) and final held-out accuracy (right) per run name.
+
+    Returns:
+      ``path``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(result["runs"])
+    for name in names:
+        r = result["runs"][name]
+        mean, se = np.asarray(r["reward_mean"]), np.asarray(r["reward_stderr"])
+        it = np.arange(1, len(mean) + 1)
+        ax.plot(it, mean, marker=".", label=name)
+        ax.fill_between(it, mean - se, mean + se, alpha=0.2)
+    ax.set_title(f"reward of each trained batch: mean of {result['seeds']} seed(s), band 1 standard error",
+                 fontsize=9)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("iteration (update)")
+    ax.set_ylabel("mean reward of the batch")
+    ax.legend(fontsize=8)
+    x = np.arange(len(names))
+    acc = [result["runs"][n]["final_accuracy_stats"] for n in names]
+    bx.bar(x, [a["mean"] for a in acc], yerr=[a["stderr"] for a in acc], capsize=4)
+    before = np.mean([v for n in names for v in result["runs"][n]["accuracy_before"]])
+    bx.axhline(before, color="grey", linestyle="--", label=f"before training ({before:.3f})")
+    bx.set_xticks(x, names, rotation=20)
+    bx.set_title(f"held-out accuracy after {result['samples_per_run']} samples ({result['heldout_answers']} answers), "
+                 "mean +- 1 standard error", fontsize=9)
+    bx.set_xlabel("run")
+    bx.set_ylabel("held-out accuracy")
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,154 @@
+"""Runs of one config side by side: what ``bench modes`` and ``bench convergence`` share.
+
+A :class:`Harness` loads the model once, builds one :class:`~dora_jax.run.Placement` per layout and trainer
+setting (runs that share one share its compiled programs, and each starts from a copy of the same initial
+state), and runs named variants (``key=value`` overrides) through the real :class:`~dora_jax.run.Runner`, each
+in a directory of its own. :meth:`Harness.rounds` runs a plan round by round, every variant once per round, so
+that a shared machine's drift spreads over all of them alike. :meth:`Harness.run_setup` describes the same run
+to the run simulator (:mod:`dora_jax.sim.local`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+# Split placement on two devices: trainer on device 0, the rollout engine on device 1.
+SPLIT = ["roles.placement=split", "roles.trainer_devices=1", "target.num_devices=2", "roles.rollout_tensor=1"]
+
+
+@dataclasses.dataclass
+class Variant:
+    """One run of a plan: its name, its overrides, and whether it runs under split placement."""
+
+    name: str
+    overrides: list[str]
+    split: bool = False
+
+
+class Harness:
+    """Runs variants of ``config`` (with ``overrides``) on this process's devices.
+
+    Args:
+      config: a shipped preset or YAML file.
+      overrides: ``key=value`` settings every variant starts from.
+      out_dir: where run directories go (default: a new temporary directory).
+      split: whether split placement is available (default: two or more devices).
+      shared_devices: how many devices a shared placement uses (default: all).
+    """
+
+    def __init__(self, config: str, overrides: Sequence[str] = (), out_dir: str | None = None,
+                 split: bool | None = None, shared_devices: int | None = None):
+        import jax
+
+        from dora_jax.config import load_config
+        from dora_jax.models.weights import load_model
+        from dora_jax.run.setup import byte_tokenizer
+        from dora_jax.sharding import create_mesh
+        from dora_jax.tasks import load_task
+
+        self.config, self.overrides = config, list(overrides)
+        devices = jax.devices()
+        self.device_count = len(devices)
+        self.split = len(devices) >= 2 if split is None else split
+        self.devices = devices[:shared_devices] if shared_devices else devices
+        self.base = load_config(config, self.overrides)
+        mesh = create_mesh(self.base.mesh, self.devices)
+        self.model, tokenizer = load_model(self.base.model, mesh, self.base.mesh.logical_axis_rules,
+                                           seed=self.base.run.seed, progress=False)
+        self.tokenizer = tokenizer or byte_tokenizer(self.base)
+        self.task = load_task(self.base.task)
+        self.out_dir = out_dir or tempfile.mkdtemp(prefix="dora_bench_")
+        self._placements: dict[tuple, Any] = {}
+        self._count = 0
+
+    def cfg(self, extra: Sequence[str] = (), split: bool = False) -> Any:
+        """The config of a variant: the harness's overrides, then ``extra``, then split placement's."""
+        from dora_jax.config import load_config
+
+        return load_config(self.config, self.overrides + list(extra) + (SPLIT if split else []))
+
+    def placement(self, cfg: Any, split: bool) -> Any:
+        """The placement for ``cfg``'s layout and trainer settings (built once, shared by every run of them)."""
+        from dora_jax.run import Placement
+
+        # The trainer's settings are part of its compiled step (the staleness bound masks staler samples, the
+        # correction picks the loss): runs differing there need their own trainer. The rollout seed is not.
+        key = (split, repr(cfg.train), repr(cfg.roles), repr(dataclasses.replace(cfg.rollout, seed=0)), repr(cfg.mesh))
+        if key not in self._placements:
+            self._placements[key] = Placement.build(cfg, self.model, None if split else self.devices,
+                                                    keep_initial=True, progress=False)
+        return self._placements[key]
+
+    def run(self, v: Variant, extra: Sequence[str] = ()) -> dict[str, Any]:
+        """Runs one variant to the end; returns its ``summary``, its metrics ``rows``, ``run_dir`` and ``bench_s``
+        (the whole call, evaluations included)."""
+        from dora_jax.metrics import read_metrics
+        from dora_jax.run import Runner
+
+        from benchmarks.timing import timed
+
+        cfg = self.cfg(v.overrides + list(extra), v.split)
+        self._count += 1
+        run_dir = os.path.join(self.out_dir, f"{self._count:03d}_{v.name}")
+        summary, bench_s = timed(Runner(cfg, run_dir, placement=self.placement(cfg, v.split),
+                                        tokenizer=self.tokenizer, progress=False).run)
+        return {"summary": summary, "rows": read_metrics(run_dir), "run_dir": run_dir, "bench_s": bench_s}
+
+    def rounds(self, plan: Sequence[Variant], rounds: int, warmup: bool = True,
+               extra: Sequence[str] = (), on_run: Any = None) -> dict[str, list[dict[str, Any]]]:
+        """Every variant of ``plan`` once per round, ``rounds`` rounds; with ``warmup`` one untimed round first
+        (it compiles every shape the runs meet, so no variant pays for compilation the others do not).
+
+        Returns:
+          Each variant's runs (:meth:`run`'s results), in order.
+        """
+        if warmup:
+            for v in plan:
+                self.run(v, extra)
+        out: dict[str, list[dict[str, Any]]] = {v.name: [] for v in plan}
+        for r in range(rounds):
+            for v in plan:
+                out[v.name].append(self.run(v, extra))
+                if on_run is not None:
+                    on_run(v, r, out[v.name][-1])
+        return out
+
+    def run_setup(self, cfg: Any, split: bool) -> Any:
+        """The run simulator's description of a run of ``cfg`` on this harness's engine
+        (:class:`dora_jax.sim.local.RunSetup`): slots, prompt and cache lengths, the task's prompts and length
+        budgets (each completion runs to its budget: exact for a tokenizer without end-of-sequence), the
+        trainer's padding, and the driver's settings as a run resolves them."""
+        from dora_jax.rollout.driver import RolloutDriver
+        from dora_jax.run.evaluation import prompt_ids
+        from dora_jax.sim.local import RunSetup
+        from dora_jax.tokenizer import chat_template_head
+
+        p = self.placement(cfg, split)
+        engine = p.engine
+        head = tuple(chat_template_head(self.tokenizer)) if cfg.rollout.shared_prefix else ()
+        head = head if 0 < len(head) < engine.max_prefill_length else ()
+        probe = RolloutDriver(engine, overlap=cfg.rollout.overlap, shared_prefix=head)
+        r = cfg.rollout
+        prompts: dict[int, tuple[int, ...]] = {}
+        budgets: dict[int, int] = {}
+
+        def prompt(i: int) -> tuple[int, ...]:
+            if i not in prompts:
+                prompts[i] = tuple(prompt_ids(self.tokenizer, self.task.train_item(i).prompt))
+            return prompts[i]
+
+        def length(i: int) -> int:
+            if i not in budgets:
+                item = self.task.train_item(i)
+                budgets[i] = min(item.max_new_tokens or r.max_new_tokens, r.max_new_tokens)
+            return budgets[i]
+
+        return RunSetup(slots=r.slots * len(p.engines), max_prefill_length=engine.max_prefill_length,
+                        max_target_length=engine.max_target_length, prompt=prompt, length=length,
+                        length_buckets=tuple(cfg.train.length_buckets), row_multiple=p.trainer.row_multiple,
+                        shared_prefix=head, decode_steps=probe.decode_steps,
+                        overlap=bool(probe.overlap), split=bool(p.disjoint))

@@ -1,0 +1,411 @@
+"""The training run on one machine, simulated with a measured cost profile: ``dora-jax train``'s loop with its
+devices replaced by a clock.
+
+The cluster model (:mod:`dora_jax.sim.run`) models a large deployment; this module models the runner itself
+(:mod:`dora_jax.run.loop`), so that a profile measured on a machine can be checked against the wall time of real
+runs on that machine (``dora-jax bench modes``). Its decisions are the real code's: the
+:class:`~dora_jax.dora.scheduler.Scheduler` (dispatch, slot sharing, batches, the staleness window) and the
+:class:`~dora_jax.rollout.driver.RolloutDriver` (one decode group per version, admission, prefill chunks,
+capacities in powers of two, compaction, fused multi-version steps, several steps per dispatch) driving a
+:class:`TimedEngine`, an engine that does no arithmetic: it keeps each slot's position and charges the clock
+what the profile says each call costs. So the decode batch-steps, rows computed and versions held are those a
+real run with the same completion lengths would count, whatever the profile.
+
+Time: one clock. The rollout side (engine calls, the loop's own host work) advances it; a train step is
+dispatched and runs beside it under ``split`` placement (its seconds from the profile, by padded tokens), it
+and the engine's work slowing each other by the profile's overlap factors (by the rows the engine computes)
+while both work; under ``shared`` placement the loop
+waits for it. A finished train step is noticed at the end of the loop iteration it finished in, as the runner
+checks it; publishing costs ``publish_s``. Rewards come back ``rewards.latency_s`` after a sample finishes.
+
+Not modelled: compilation (the runs compared are warmed up), the first reward worker's start, the time of the
+evaluation before and after (not in a run's ``wall_s``), and checkpoints and version snapshots (off in the runs
+compared).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from types import SimpleNamespace
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from dora_jax.dora.ledger import Ledger
+from dora_jax.dora.scheduler import SchedulePolicy, Scheduler
+from dora_jax.rollout.engine import bucket
+from dora_jax.sim.profile import Profile
+from dora_jax.trainer.batch import bucket_length, bucket_rows
+
+
+class Clock:
+    """Simulated seconds, with at most one train step in flight beside the rollout side.
+
+    ``work(dt, what, factors)``: the rollout side works ``dt`` seconds of its own. While a train step is in
+    flight, engine work given ``factors = (decode_factor, train_factor)`` takes ``dt x decode_factor`` and the
+    train step meanwhile gets through ``1 / train_factor`` of its own seconds per second; other work (the
+    host's) runs beside the train step without slowing it. ``wait_train()``: the rollout side waits for the
+    train step, which runs alone.
+    """
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.spent: dict[str, float] = {}  # wall seconds by what the rollout side did (or waited for)
+        self.train_left: float | None = None  # the train step's own seconds still to run (None: none in flight)
+        self.train_end: float | None = None  # when it finished (it stays in flight until the loop notices)
+
+    def start_train(self, seconds: float) -> None:
+        self.train_left, self.train_end = seconds, None if seconds > 0 else self.now
+
+    def work(self, dt: float, what: str = "host", factors: tuple[float, float] = (1.0, 1.0)) -> None:
+        if dt <= 0:
+            return
+        start, (df, tf) = self.now, factors
+        if self.train_left is None or self.train_end is not None:
+            self.now += dt
+        elif (both := self.train_left * tf) >= dt * df:  # both work until the rollout's work is done
+            self.now += dt * df
+            self.train_left -= dt * df / tf
+        else:  # the train step ends part way; the rest of the work runs alone
+            self.now += both
+            self.train_left, self.train_end = 0.0, self.now
+            self.now += dt - both / df
+        self.spent[what] = self.spent.get(what, 0.0) + self.now - start
+
+    def train_ready(self) -> bool:
+        return self.train_end is not None
+
+    def wait_train(self) -> None:
+        if self.train_end is None:
+            self.now += self.train_left
+            self.spent["train_wait"] = self.spent.get("train_wait", 0.0) + self.train_left
+            self.train_left, self.train_end = 0.0, self.now
+
+    def end_train(self) -> None:
+        self.train_left = self.train_end = None
+
+
+class _Result:
+    """An engine call's results as the driver reads them (already on the host)."""
+
+    def __init__(self, cols: dict[str, np.ndarray]):
+        self.cols = cols
+        self.data = cols["token"]
+
+    def to_host(self) -> "_Result":
+        return self
+
+    def columns(self) -> dict[str, np.ndarray]:
+        return self.cols
+
+    def counts(self) -> np.ndarray:
+        return self.cols["valid"].sum(axis=0)
+
+    def steps_run(self) -> int:
+        return int(self.cols["valid"].any(axis=1).sum())
+
+
+@dataclasses.dataclass
+class _State:
+    positions: np.ndarray
+    active: np.ndarray
+    versions: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prefix:
+    tokens: tuple[int, ...]
+    version: int
+
+    def covers(self, prompt: Sequence[int]) -> bool:
+        n = len(self.tokens)
+        return 0 < n < len(prompt) and tuple(prompt[:n]) == self.tokens
+
+
+class TimedEngine:
+    """The rollout engine's interface as :class:`~dora_jax.rollout.driver.RolloutDriver` calls it, without the
+    model: slots, positions and versions only, every call charged to ``clock`` at the profile's cost. Every
+    token it samples is 0 (no end-of-sequence): a request runs to its ``max_new_tokens``."""
+
+    def __init__(self, profile: Profile, clock: Clock, *, slots: int, max_prefill_length: int,
+                 max_target_length: int, decode_steps: int = 1, beside_train: bool = True):
+        self.profile, self.clock = profile, clock
+        self.beside_train = beside_train  # whether a train step can run beside this engine's work (split)
+        self._slots, self._max_prefill = slots, max_prefill_length
+        self.max_target_length = max_target_length
+        self.settings = SimpleNamespace(decode_steps=decode_steps)  # the driver reads its steps per dispatch here
+        self.mesh = None
+        self.calls: dict[str, int] = {}
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self._slots
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self._max_prefill
+
+    def _charge(self, what: str, seconds: float, rows: int = 1) -> None:
+        self.calls[what] = self.calls.get(what, 0) + 1
+        self.clock.work(seconds, what, self.profile.overlap(rows) if self.beside_train else (1.0, 1.0))
+
+    def prepare_params(self, params: Any) -> Any:
+        return params  # publish_s covers preparing a version
+
+    def init_decode_state(self, capacity: int | None = None) -> _State:
+        b = capacity or self._slots
+        return _State(np.zeros(b, np.int64), np.zeros(b, bool), np.zeros(b, np.int64))
+
+    def resize(self, state: _State, rows: list[int], capacity: int) -> _State:
+        idx = np.full(capacity, -1)
+        idx[:len(rows)] = rows
+        take, keep = np.maximum(idx, 0), idx >= 0
+        self._charge("resize", self.profile.resize_s, capacity)
+        return _State(state.positions[take], state.active[take] & keep, state.versions[take])
+
+    def free_slot(self, state: _State, slot: int) -> _State:
+        state.active[slot] = False
+        self._charge("free_slot", self.profile.free_slot_s)
+        return state
+
+    def prefill_shared_prefix(self, *, params: Any = None, tokens: Sequence[int], version: int = 0) -> _Prefix:
+        self._charge("shared_prefix", self.profile.shared_prefix_s)
+        return _Prefix(tuple(int(t) for t in tokens), int(version))
+
+    def prefill_batch(self, *, params: Any = None, prompts: Sequence[Sequence[int]], sample_ids: Sequence[int],
+                      version: int = 0, samplings: Sequence[Any], shared_prefix: _Prefix | None = None
+                      ) -> tuple[np.ndarray, _Result]:
+        skip = 0 if shared_prefix is None else len(shared_prefix.tokens)
+        distinct = {tuple(p) for p in prompts}
+        t = min(bucket(max(len(p) for p in distinct) - skip), self.max_target_length - skip)
+        self._charge("prefill", self.profile.prefill(bucket(len(distinct), minimum=1) * t), len(prompts))
+        n = len(prompts)
+        lengths = np.asarray([len(p) for p in prompts], np.int64)
+        return lengths, _Result({"token": np.zeros(n, np.int64), "valid": np.ones(n, bool), "position": lengths,
+                                 "logprob": np.zeros(n, np.float32), "version": np.full(n, version)})
+
+    def insert_batch(self, batch: np.ndarray, decode_state: _State, slots: Sequence[int | None]) -> _State:
+        for length, slot in zip(batch, slots):
+            if slot is not None:
+                decode_state.positions[slot], decode_state.active[slot] = length, True
+        return decode_state  # its cost is in the prefill's (measured together)
+
+    def _versions_of(self, params_seq: Sequence[Any]) -> list[int]:
+        return [int(p) for p in params_seq]  # the simulated params of a version are its number
+
+    def _step_cost(self, states: Sequence[_State]) -> float:
+        kv = max((int(s.positions[s.active].max()) for s in states if s.active.any()), default=0)
+        return self.profile.decode_step(len(states), max(len(s.active) for s in states), kv)
+
+    def _one_step(self, version: int, state: _State, on: np.ndarray) -> np.ndarray:
+        state.positions[on] += 1
+        return np.stack([np.zeros(len(on)), on, state.positions, np.zeros(len(on)), np.full(len(on), version)], -1)
+
+    def _pack(self, rows: list[np.ndarray]) -> _Result:
+        d = np.concatenate(rows, axis=-2)
+        return _Result({"token": d[..., 0].astype(np.int64), "valid": d[..., 1].astype(bool),
+                        "position": d[..., 2].astype(np.int64), "logprob": d[..., 3].astype(np.float32),
+                        "version": d[..., 4].astype(np.int64)})
+
+    def generate(self, params: Any, decode_state: _State, *, filtered: bool | None = None) -> tuple[_State, _Result]:
+        states, result = self.generate_many([params], [decode_state], filtered=filtered)
+        return states[0], result
+
+    def generate_many(self, params_seq: Sequence[Any], states_seq: Sequence[_State], *,
+                      filtered: bool | None = None) -> tuple[tuple[_State, ...], _Result]:
+        self._charge("decode", self.profile.dispatch_s + self._step_cost(states_seq),
+                     sum(len(s.active) for s in states_seq))
+        rows = [self._one_step(v, s, s.active.copy()) for v, s in zip(self._versions_of(params_seq), states_seq)]
+        return tuple(states_seq), self._pack(rows)
+
+    def generate_steps(self, params_seq: Sequence[Any], states_seq: Sequence[_State], *, steps: int,
+                       budgets: Sequence[Any], stop_ids: Sequence[Any], final: Sequence[Any] | None = None,
+                       end_after: Sequence[int] | None = None, limit: int | None = None,
+                       filtered: bool | None = None, **_: Any) -> tuple[tuple[_State, ...], _Result]:
+        """Up to ``steps`` steps, as :meth:`dora_jax.rollout.engine.Engine.generate_steps` runs them: a slot is
+        live while active and short of its budget; the program ends after ``limit`` steps, when no slot is
+        live, or after the step at which a state ``g`` with ``end_after[g] > 0`` has had that many slots freed
+        (a slot is freed by its budget's last token where ``final`` says so; nothing samples a stop id here)."""
+        limit = steps if limit is None else limit
+        versions = self._versions_of(params_seq)
+        produced = [np.zeros(len(s.active), np.int64) for s in states_seq]
+        budgets = [np.asarray(b, np.int64) for b in budgets]
+        final = [np.zeros(len(s.active), bool) if final is None else np.asarray(f, bool)
+                 for s, f in zip(states_seq, final if final is not None else [None] * len(states_seq))]
+        end_after = np.zeros(len(states_seq), np.int64) if end_after is None else np.asarray(end_after, np.int64)
+        freed = np.zeros(len(states_seq), np.int64)
+        out = [[np.zeros((len(s.active), 5)) for s in states_seq] for _ in range(steps)]
+        cost, i = self.profile.dispatch_s, 0
+        while i < limit and not np.any((end_after > 0) & (freed >= end_after)):
+            live = [s.active & (n < b) for s, n, b in zip(states_seq, produced, budgets)]
+            if not any(on.any() for on in live):
+                break
+            cost += self._step_cost(states_seq)
+            for j, (v, s, on) in enumerate(zip(versions, states_seq, live)):
+                freed[j] += int(np.sum(on & final[j] & (produced[j] + 1 == budgets[j])))
+                out[i][j] = self._one_step(v, s, on)
+                produced[j] += on
+            i += 1
+        self._charge("decode", cost, sum(len(s.active) for s in states_seq))
+        return tuple(states_seq), self._pack([np.stack([out[t][j] for t in range(steps)])
+                                              for j in range(len(states_seq))])
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSetup:
+    """What a simulated run needs besides the schedule: the rollout engine's shape, the prompts and completion
+    lengths, and how the trainer pads its batches.
+
+    ``prompt(i)`` is the token ids of prompt ``i`` (the data position; a group's members share it) and
+    ``length(i)`` its completions' length in tokens.
+    """
+
+    slots: int
+    max_prefill_length: int
+    max_target_length: int
+    prompt: Callable[[int], tuple[int, ...]]
+    length: Callable[[int], int]
+    length_buckets: tuple[int, ...]
+    row_multiple: int = 1
+    shared_prefix: tuple[int, ...] = ()
+    decode_steps: int = 1
+    overlap: bool = False
+    split: bool = True
+
+
+def _padded_tokens(rows: int, longest: int, setup: RunSetup) -> int:
+    """Rows x length bucket of a train batch (as ``dora_jax.trainer.batch.make_batch`` pads it)."""
+    return bucket_rows(rows, setup.row_multiple) * bucket_length(longest, setup.length_buckets)
+
+
+def simulate_run(profile: Profile, setup: RunSetup, policy: SchedulePolicy) -> dict[str, Any]:
+    """Simulates one run of ``policy`` (mode, K, RBS, TBS, group size, samples) with ``profile``'s costs.
+
+    Returns:
+      ``wall_s`` (from the first dispatch to the last publish, as a run's ``wall_s``), ``samples_per_s``,
+      ``train_s`` (each step from dispatch to the loop noticing its end, as the runner reports it),
+      ``decode_batch_steps`` (and per trained sample), ``slot_utilization``, ``max_resident_versions``, the
+      engine calls made and one record per update.
+    """
+    from dora_jax.rollout.driver import Request, RolloutDriver
+    from dora_jax.rollout.engine import RequestSampling
+
+    clock = Clock()
+    engine = TimedEngine(profile, clock, slots=setup.slots, max_prefill_length=setup.max_prefill_length,
+                         max_target_length=setup.max_target_length, decode_steps=setup.decode_steps,
+                         beside_train=setup.split)
+    driver = RolloutDriver(engine, overlap=setup.overlap, shared_prefix=setup.shared_prefix)
+    sched = Scheduler(policy, Ledger())
+    led = sched.ledger
+    sampling = RequestSampling()
+    waiting: dict[int, deque] = {}
+    prompt_of: dict[int, int] = {}
+    resident: set[int] = set()
+    rewards: deque = deque()  # (ready at, sample id)
+    updates: list[dict[str, Any]] = []
+    state = {"in_flight": None, "max_resident": 0}
+
+    def publish(version: int) -> None:
+        out = led.outstanding()
+        for v in sorted(resident):
+            if not out.get(v):
+                resident.discard(v)
+                driver.remove_version(v)
+        resident.add(version)
+        driver.add_version(version, version)
+        state["max_resident"] = max(state["max_resident"], len(resident), len(driver.held()))
+
+    def dispatch() -> int:
+        groups = sched.dispatch()
+        for g in groups:
+            ids = setup.prompt(g.prompt_index)
+            for sid in g.sample_ids:
+                prompt_of[sid] = g.prompt_index
+                waiting.setdefault(g.version, deque()).append(Request(
+                    sid, ids, version=g.version, max_new_tokens=setup.length(g.prompt_index), sampling=sampling))
+        return len(groups)
+
+    def has_waiting() -> bool:
+        return any(q for v, q in waiting.items() if v in resident)
+
+    def admit() -> list[int]:
+        free = setup.slots - sum(driver.in_flight().values())
+        pending = {v: len(q) for v, q in waiting.items() if q and v in resident}
+        started = []
+        for v, n in sched.assign_slots(free, pending).items():
+            for _ in range(n):
+                req = waiting[v].popleft()
+                driver.submit(req)
+                started.append(req.sample_id)
+        return started
+
+    def collect(wait: bool = False) -> None:
+        if wait and rewards and rewards[0][0] > clock.now:
+            clock.work(rewards[0][0] - clock.now, "reward_wait")
+        while rewards and rewards[0][0] <= clock.now:
+            led.finish(rewards.popleft()[1])
+
+    def train(group_ids: list[int]) -> None:
+        ids = [s for g in group_ids for s in led.groups[g].sample_ids]
+        longest = max(len(setup.prompt(prompt_of[s])) + setup.length(prompt_of[s]) for s in ids)
+        tokens = _padded_tokens(len(ids), longest, setup)
+        # The batch built and put on the trainer's devices, the step called (the host's share), then the step runs.
+        clock.work(profile.train_host_s + profile.train_dispatch_s, "train_host")
+        seconds = max(0.0, profile.train(tokens) - profile.train_dispatch_s)
+        dispatched = clock.now
+        clock.start_train(seconds)
+        sched.trained(group_ids)
+        state["in_flight"] = {"version": sched.version, "dispatched": dispatched, "tokens": tokens,
+                              "samples": len(ids), "train_alone_s": seconds}
+        if not setup.split:
+            clock.wait_train()
+
+    publish(0)
+    while not sched.done() or state["in_flight"] is not None:
+        dispatch()
+        started = admit()
+        if not driver.idle:
+            finished = driver.step()
+            for t in finished:
+                rewards.append((clock.now + profile.reward_latency_s, t.sample_id))
+            clock.work(profile.reward_host_s * len(finished), "reward_host")
+        for sid in started:
+            led.start(sid)
+        collect()
+        dispatch()
+        out = led.outstanding()
+        newest = sched.version if state["in_flight"] is None else state["in_flight"]["version"] - 1
+        for v in sorted(resident):
+            if v != newest and not out.get(v):
+                resident.discard(v)
+                driver.remove_version(v)
+        if state["in_flight"] is None and not sched.done():
+            batch = sched.next_batch()
+            if batch is not None:
+                train(batch)
+        nothing_to_decode = driver.idle and not has_waiting()
+        f = state["in_flight"]
+        if f is not None and (clock.train_ready() or not setup.split or nothing_to_decode):
+            clock.wait_train()
+            clock.end_train()
+            updates.append({**f, "train_s": clock.now - f["dispatched"], "end": clock.now})
+            state["in_flight"] = None
+            clock.work(profile.publish_s, "publish")
+            clock.work(profile.update_host_s, "update_host")
+            publish(f["version"])
+        elif nothing_to_decode and f is None:
+            if rewards:
+                collect(wait=True)
+            elif not dispatch() and not led.count("finished") and not sched.done():
+                raise RuntimeError(f"simulated run: no progress possible at version {sched.version}: "
+                                   f"ledger {led.counts()}")
+        clock.work(profile.iteration_host_s, "iteration_host")
+    led.check(policy.bound)
+    wall = clock.now
+    samples = led.count("consumed")
+    return {"mode": policy.mode, "max_staleness": policy.bound, "wall_s": wall, "samples": samples,
+            "samples_per_s": samples / wall if wall else 0.0, "train_s": sum(u["train_s"] for u in updates),
+            "decode_batch_steps": driver.batch_steps, "decode_batch_steps_per_sample": driver.batch_steps / max(samples, 1),
+            "slot_utilization": driver.slot_utilization, "max_resident_versions": max(state["max_resident"], driver.max_held),
+            "engine_calls": dict(engine.calls), "spent_s": dict(sorted(clock.spent.items())), "updates": updates}

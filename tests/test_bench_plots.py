@@ -1,0 +1,67 @@
+"""``bench modes`` and ``bench convergence`` results as drawn (titles, labelled axes, every mode or run shown), and
+their command-line options, from small synthetic results (the benchmarks themselves take minutes to hours)."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest  # noqa: E402
+
+from benchmarks import cli, convergence, modes  # noqa: E402
+
+
+def modes_result():
+    names = ["sync", "one_step_off", "dora_k2"]
+    return {"steps": 3, "repeats": 2, "train_batch": 16, "device": "test device",
+            "sync_reward_spread": {"mean": [0.1, 0.2, 0.3], "min": [0.0, 0.1, 0.2], "max": [0.2, 0.3, 0.4]},
+            "sync_reward_curves": [[0.1, 0.2, 0.3]] * 2,
+            "modes": {n: {"reward_per_step": [0.1, 0.2, 0.3], "samples_per_s": 10.0 + i, "measured_wall_s": 2.0 + i,
+                          "simulated_wall_s": 2.1 + i,
+                          "runs": {"samples_per_s": [9.0 + i, 11.0 + i], "wall_s": [1.9 + i, 2.2 + i]}}
+                      for i, n in enumerate(names)}}
+
+
+def drawn(monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig))
+    return figures, close
+
+
+def test_modes_plot_has_titles_labels_and_every_mode(tmp_path, monkeypatch):
+    figures, close = drawn(monkeypatch)
+    path = modes.plot_modes(modes_result(), str(tmp_path / "modes.png"))
+    assert (tmp_path / "modes.png").stat().st_size > 0 and path.endswith("modes.png")
+    (fig,) = figures
+    for ax in fig.axes:
+        assert ax.get_title() and ax.get_xlabel() and ax.get_ylabel()
+    walls = fig.axes[2]
+    assert [t.get_text() for t in walls.get_xticklabels()] == ["sync", "one_step_off", "dora_k2"]
+    assert len(walls.patches) == 6  # measured and simulated, per mode
+    close(fig)
+
+
+def test_convergence_plot_has_titles_labels_and_every_run(tmp_path, monkeypatch):
+    runs = {n: {"reward_mean": [0.1, 0.2], "reward_stderr": [0.01, 0.02], "accuracy_before": [0.1, 0.1],
+                "final_accuracy_stats": {"mean": 0.3, "stderr": 0.05}} for n, _ in convergence.RUNS}
+    figures, close = drawn(monkeypatch)
+    convergence.plot_convergence({"runs": runs, "seeds": 2, "samples_per_run": 32, "heldout_answers": 256},
+                                 str(tmp_path / "conv.png"))
+    (fig,) = figures
+    rewards, accuracy = fig.axes
+    for ax in fig.axes:
+        assert ax.get_title() and ax.get_xlabel() and ax.get_ylabel()
+    assert len(rewards.get_lines()) == len(convergence.RUNS) and len(accuracy.patches) == len(convergence.RUNS)
+    close(fig)
+
+
+def test_bench_options():
+    args = cli.build_parser().parse_args(["convergence", "--seeds", "2", "--steps", "3", "--eval-size", "128"])
+    assert (args.seeds, args.steps, args.eval_size) == (2, 3, 128)
+    args = cli.build_parser().parse_args(["modes", "--profile", "p.json", "--repeats", "5"])
+    assert (args.profile, args.repeats) == ("p.json", 5)
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["convergence", "--seeds", "0"])
+    assert "profile" in cli.WHAT and "convergence" in cli.WHAT
