@@ -286,3 +286,138 @@ def bench_train_accel(lengths: tuple[int, ...] | None = None, tokens_per_step: i
             del trainer, state, batch
     out["machine"] = machine()
     return out
+
+
+# ``bench_packing``'s workloads: each draws a batch's token counts (prompt + response) per sample.
+PACKING_WORKLOADS = {
+    # ``bench modes``: the longtail task at 256 tokens, groups of 4 that share a prompt and its budget (every
+    # response runs to its budget), 16 samples an update, one update an iteration, the bench's length buckets.
+    "longtail_256": dict(max_len=256, prompt=16, per_group=True, samples=16, minibatches=1,
+                         buckets=(64, 128, 192, 256, 320)),
+    # Reasoning rollouts of the 32k preset's shape: the same long-tailed law at 32256 response tokens, drawn per
+    # sample (a group's responses differ in length), 512-token prompts, 64 samples an iteration in 4 updates.
+    "reasoning_32k": dict(max_len=32256, prompt=512, per_group=False, samples=64, minibatches=4,
+                          buckets=(2048, 4096, 8192, 16384, 32768)),
+}
+
+
+def _workload_lengths(spec: dict, iteration: int, seed: int) -> list[int]:
+    from dora_jax.tasks.synthetic import LongTailTask
+
+    task = LongTailTask(seed=seed, eval_size=0, max_len=spec["max_len"])
+    n = spec["samples"]
+    if spec["per_group"]:
+        return [spec["prompt"] + task.train_item(iteration * n // 4 + i // 4).max_new_tokens for i in range(n)]
+    return [spec["prompt"] + task.train_item(iteration * n + i).max_new_tokens for i in range(n)]
+
+
+def bench_packing(iterations: int = 200, seed: int = 0, row_multiple: int = 1, timed: bool = True,
+                  repeats: int = 3) -> dict[str, Any]:
+    """``train.packing``: rows trained and padding, one sample per row against packed rows, on long-tailed
+    batches (:data:`PACKING_WORKLOADS`); and, with ``timed``, one iteration's train step on the CPU with the tiny
+    Llama on a ``longtail_256`` batch, both ways.
+
+    The counts come from the trainer's own planning (:func:`dora_jax.trainer.packing.iteration_plan`, what
+    ``Trainer.train_step`` runs): per update, the rows the forward runs on and the fraction of their token slots
+    that is padding (padded slots / all slots), averaged over ``iterations`` drawn batches. An update's groups
+    are consecutive in the batch (the split a minibatch shuffle makes, in distribution). ``row_multiple``:
+    micro-batches x data-parallel devices (each packs its own rows).
+
+    Returns:
+      Per workload: ``rows_per_update`` and ``padding_frac`` (mean over updates) for ``none`` and ``pack``,
+      ``slots_ratio`` (packed token slots / unpacked: what the forward and backward's per-token work scales
+      with; attention's scales with rows at a fixed length), the row-length buckets met; with ``timed``, the
+      step's seconds both ways (best of ``repeats`` after compiling) and ``machine``.
+    """
+    import numpy as np
+
+    from dora_jax.trainer.batch import bucket_length, bucket_rows
+    from dora_jax.trainer.packing import iteration_plan
+
+    out: dict[str, Any] = {"iterations": iterations, "seed": seed, "row_multiple": row_multiple, "workloads": {}}
+    for name, spec in PACKING_WORKLOADS.items():
+        per = spec["samples"] // spec["minibatches"]
+        rows = {"none": [], "pack": []}
+        padding = {"none": [], "pack": []}
+        slots = {"none": 0, "pack": 0}
+        lengths_met: dict[int, int] = {}
+        for it in range(iterations):
+            lengths = np.asarray(_workload_lengths(spec, it, seed), np.int32)
+            t = bucket_length(int(lengths.max()), spec["buckets"])
+            lengths_met[t] = lengths_met.get(t, 0) + 1
+            b = bucket_rows(per, row_multiple)
+            updates = [np.pad(lengths[j * per:(j + 1) * per], (0, b - per)) for j in range(spec["minibatches"])]
+            packs = iteration_plan(updates, t, row_multiple, 1)
+            for n, pk in zip(updates, packs):
+                real = int(n.sum())
+                for kind, r in (("none", b), ("pack", pk.source.shape[0])):
+                    rows[kind].append(r)
+                    padding[kind].append(1 - real / (r * t))
+                    slots[kind] += r * t
+        out["workloads"][name] = {
+            "spec": {k: list(v) if isinstance(v, tuple) else v for k, v in spec.items()},
+            "row_lengths_met": {str(k): v for k, v in sorted(lengths_met.items())},
+            **{f"rows_per_update_{k}": float(np.mean(v)) for k, v in rows.items()},
+            **{f"padding_frac_{k}": float(np.mean(v)) for k, v in padding.items()},
+            "slots_ratio": slots["pack"] / slots["none"],
+        }
+    if timed:
+        out["timed"] = _time_packing(seed, repeats)
+    out["machine"] = machine()
+    return out
+
+
+def _time_packing(seed: int, repeats: int) -> dict[str, Any]:
+    """One iteration's train step (tiny Llama, one CPU device, a ``longtail_256`` batch), unpacked and packed."""
+    import numpy as np
+
+    from dora_jax.config import MeshConfig, load_config
+    from dora_jax.trainer import Sample
+
+    spec = PACKING_WORKLOADS["longtail_256"]
+    lengths = _workload_lengths(spec, 0, seed)
+    rng = np.random.default_rng(seed)
+    cfg = load_config("tiny_llama")
+    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(MeshConfig(), logical_axis_rules=cfg.mesh.logical_axis_rules))
+    samples = [Sample(i, i // 4, 0, rng.integers(1, 256, spec["prompt"]).tolist(),
+                      rng.integers(1, 256, n - spec["prompt"]).tolist(),
+                      (-rng.uniform(0.5, 5.0, n - spec["prompt"])).tolist(), float(rng.normal()))
+               for i, n in enumerate(lengths)]
+    seq = next(b for b in spec["buckets"] if b >= max(lengths))
+    out: dict[str, Any] = {"lengths": lengths, "row_length": seq}
+    for kind in ("none", "pack"):
+        _, trainer, state, batch = bench_trainer(cfg, samples, seq, seq - spec["prompt"], 0, packing=kind,
+                                                 attention_impl="blockwise", attention_block=64)
+        last = {}
+
+        def step():
+            nonlocal state
+            state, last["metrics"] = trainer.train_step(state, batch)
+            return last["metrics"]
+
+        times = time_calls(step, repeats=repeats + 1, warmup=0)  # the first call compiles
+        out[kind] = {"step_s": min(times[1:]), "rows": float(last["metrics"]["rows"]),
+                     "padding_frac": float(last["metrics"]["padding_frac"])}
+        del trainer, state, batch
+    out["speedup"] = out["none"]["step_s"] / out["pack"]["step_s"]
+    return out
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+    import sys
+
+    from benchmarks.record import command_line, stamp, write_json
+
+    parser = argparse.ArgumentParser(description="train.packing: rows and padding, packed against unpacked")
+    parser.add_argument("--iterations", type=int, default=200)
+    parser.add_argument("--row-multiple", type=int, default=1)
+    parser.add_argument("--no-timing", action="store_true")
+    parser.add_argument("--json", help="write the result here")
+    args = parser.parse_args()
+    result = stamp(bench_packing(args.iterations, row_multiple=args.row_multiple, timed=not args.no_timing),
+                   command_line(".venv/bin/python -m benchmarks.train", sys.argv[1:]))
+    print(json.dumps(result, indent=1))
+    if args.json:
+        write_json(result, args.json)

@@ -324,6 +324,7 @@ class TrainConfig:
     attention_impl: str = "auto"
     attention_block: int = 512
     logprob_chunk: int = 0
+    packing: str = "none"  # "pack": several samples per training row of an update (trainer/packing.py)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self, path: str = "train") -> None:
@@ -397,6 +398,12 @@ class TrainConfig:
                 _fail(f"{path}.logprob_chunk", self.logprob_chunk, f"must divide every length bucket longer than "
                       f"it (a row is cut into equal chunks): {bad} in train.length_buckets "
                       f"{list(self.length_buckets)} are not multiples")
+        if self.packing not in ("none", "pack"):
+            _fail(f"{path}.packing", self.packing, "allowed: none, pack")
+        if self.packing == "pack" and self.attention_impl == "cudnn":
+            _fail(f"{path}.packing", self.packing, "packed rows hold several samples told apart by segment ids, and "
+                  "train.attention_impl = 'cudnn' takes only each row's length; use train.attention_impl "
+                  "'pallas_gpu' (GPU, segment ids) or 'blockwise', or train.packing 'none'")
         self.lora.validate(f"{path}.lora")
 
 

@@ -301,11 +301,12 @@ def _sgd_grads(cfg, n_devices):
 
 
 def test_trainer_long_sequence_settings_equal_the_plain_step_on_a_mesh():
-    """remat, blockwise attention and chunked log-probs from the config, on 8 devices (data x fsdp x tensor),
-    against the plain step on one device."""
+    """remat, blockwise attention, chunked log-probs and packing from the config, on 8 devices (data x fsdp x
+    tensor), against the plain step on one device. Each data-parallel device packs its own two samples (the
+    first two, 29 and 32 tokens, share a row of 64)."""
     plain, m_plain = _sgd_grads(_config(attention_impl="xla"), 1)
     long, m_long = _sgd_grads(_config(remat="dots", attention_impl="blockwise", attention_block=16,
-                                      logprob_chunk=16), 8)
+                                      logprob_chunk=16, packing="pack"), 8)
     assert np.abs(plain).max() > 0
     assert rel_err(long, plain) <= 1e-5  # 8 devices sum their shards in another order
     assert abs(float(m_long["loss"]) - float(m_plain["loss"])) <= 1e-6 * abs(float(m_plain["loss"]))
@@ -376,3 +377,155 @@ def test_temporary_memory_grows_linearly_with_length_and_never_holds_the_logits(
     big = _temp_bytes(1024, vocab=vocab, **long)
     chunk_logits, logits = 2 * 64 * vocab * 4, 2 * 1024 * vocab * 4
     assert big - four <= 4 * chunk_logits <= logits / 4, (four, big)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Packing: several samples per training row, the loss and gradients those of the unpacked rows.
+
+# Lengths (prompt of 4 + response) with a long tail: in rows of 64, one long sample and many short ones;
+# 154 tokens in all.
+TAIL = [54, 10, 12, 20, 8, 14, 30, 6]
+
+
+def _tail_samples(lengths=TAIL, versions=None, seed=0):
+    rng = np.random.default_rng(seed)
+    versions = versions or [0] * len(lengths)
+    return [Sample(sample_id=i, group_id=i // 4, version=versions[i], prompt_ids=rng.integers(1, 64, 4).tolist(),
+                   response_ids=rng.integers(1, 64, n - 4).tolist(), logprobs=(-rng.uniform(2, 6, n - 4)).tolist(),
+                   reward=float(rng.normal())) for i, n in enumerate(lengths)]
+
+
+def test_first_fit_decreasing_by_hand():
+    from dora_jax.trainer.packing import first_fit_decreasing, rows_per_cell
+
+    # Longest first: 8 opens bin 0 (room 2), 6 bin 1 (room 4), 5 bin 2, 3 joins bin 1, 2 fills bin 0; 0 is left out.
+    assert first_fit_decreasing([5, 3, 8, 2, 0, 6], 10) == [[2, 3], [5, 1], [0]]
+    assert first_fit_decreasing([4, 4, 4], 8) == [[0, 1], [2]]  # ties in index order
+    with pytest.raises(Exception, match="a sample of 11 tokens does not fit a packed row of 10"):
+        first_fit_decreasing([11], 10)
+    # The most rows a run needs, up to a power of two or 1.5 times one.
+    assert [rows_per_cell([[[0]] * n, [[0]]]) for n in (1, 2, 3, 4, 5, 6, 7, 9, 13)] == [1, 2, 3, 4, 6, 6, 8, 12, 16]
+
+
+def test_a_packing_puts_each_sample_in_its_own_segment_with_positions_from_zero():
+    from dora_jax.trainer.packing import pack_tokens, plan, unpack
+
+    t = 64
+    lengths = np.array(TAIL, np.int32)
+    tokens = np.zeros((8, t), np.int32)
+    for i, n in enumerate(lengths):
+        tokens[i, :n] = 100 * (i + 1) + np.arange(n)  # a token names its sample and position
+    pk = plan(lengths, t, cells=2, micro_batches=2)  # two micro-batches of 4 samples, indices local to each
+    # Run 0 (samples 54, 10, 12, 20): [54, 10], [20, 12]; run 1 (8, 14, 30, 6): [30, 14, 8, 6].
+    assert pk.source.shape == (4, t)
+    half = lambda x, m: np.asarray(x).reshape(2, -1, *np.shape(x)[1:])[m]  # noqa: E731  micro-batch m's slice
+    for m in range(2):
+        packed = np.asarray(pack_tokens(jnp.asarray(half(tokens, m)), jax.tree.map(lambda x: half(x, m), pk)))
+        seg, pos = half(pk.segment_ids, m), half(pk.positions, m)
+        for i in range(4):
+            n = lengths[4 * m + i]
+            r, o = int(half(pk.row, m)[i]), int(half(pk.offset, m)[i])
+            assert list(packed[r, o:o + n]) == list(tokens[4 * m + i, :n])
+            assert list(pos[r, o:o + n]) == list(range(n))
+            assert len(set(seg[r, o:o + n])) == 1 and seg[r, o] != 0
+            back = np.asarray(unpack(jnp.asarray(packed, jnp.float32), jax.tree.map(lambda x: half(x, m), pk), t))
+            assert back[i, 0] == 0 and list(back[i, 1:n]) == list(tokens[4 * m + i, 1:n]) and not back[i, n:].any()
+    assert np.asarray(pk.segment_ids)[2].tolist() == [1] * 30 + [2] * 14 + [3] * 8 + [4] * 6 + [0] * 6
+    assert not np.asarray(pk.segment_ids)[3].any()  # run 1's second row: padding
+    assert (np.asarray(pk.segment_ids) != 0).sum() == lengths.sum()
+
+
+def test_packed_logprobs_and_gradients_equal_unpacked(model):
+    """The forward on packed rows (segments, positions from 0 in each) returns every sample's unpacked
+    log-probs, and a loss on them has the unpacked gradient, float32."""
+    from dora_jax.trainer.packing import plan
+    from dora_jax.trainer.step import packed_sequence_logprobs
+
+    t, rng = 64, np.random.default_rng(4)
+    lengths = np.array(TAIL, np.int32)
+    seg = (np.arange(t)[None, :] < lengths[:, None]).astype(np.int32)
+    tokens = jnp.asarray(rng.integers(1, MODEL.vocab_size, (8, t)) * seg, jnp.int32)
+    weight = jnp.asarray(rng.normal(size=(8, t)) * seg * (np.arange(t) >= 4), jnp.float32)  # the responses
+    pk = jax.tree.map(jnp.asarray, plan(lengths, t, cells=1, micro_batches=1))
+    assert pk.source.shape == (3, t)
+    graphdef, params = nnx.split(model)
+
+    def loss(p, packed):
+        logp = (packed_sequence_logprobs(graphdef, p, tokens, pk, temperature=0.8) if packed else
+                sequence_logprobs(graphdef, p, tokens, jnp.asarray(seg), temperature=0.8))
+        return jnp.sum(logp * weight), logp
+
+    grads = {}
+    for packed in (False, True):
+        (value, logp), g = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, packed)
+        grads[packed] = (float(value), np.asarray(logp),
+                         np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(g)]))
+    (value, logp, g), (p_value, p_logp, p_g) = grads[False], grads[True]
+    for i, n in enumerate(lengths):  # position 0 predicts nothing; past the length is padding
+        assert rel_err(p_logp[i, 1:n], logp[i, 1:n]) <= 1e-5, i
+    assert abs(p_value - value) <= 1e-5 * abs(value)
+    assert np.abs(g).max() > 0 and rel_err(p_g, g) <= 1e-5
+
+
+def _packing_run(packing, samples, version=0, **train):
+    base = dict(group_size=4, length_buckets=(32, 64), max_response_tokens=60, max_staleness=1, grad_clip=0.0,
+                loss="grpo", advantage="grpo", packing=packing)
+    base.update(train)
+    cfg = Config(model=MODEL, train=TrainConfig(**base))
+    trainer, state = Trainer.create(cfg, model=init_model(MODEL, seed=5), mesh=create_mesh(MeshConfig(),
+                                                                                            jax.devices()[:1]),
+                                    tx=optax.sgd(1.0))
+    state = state.replace(version=jax.device_put(jnp.asarray(version, jnp.int32), state.version.sharding))
+    batch = trainer.put(make_batch(samples, group_size=4, length_buckets=cfg.train.length_buckets,
+                                   row_multiple=trainer.row_multiple))
+    old = jax.tree.map(np.asarray, state.params)
+    new, metrics = trainer.train_step(state, batch, iteration=1)
+    step = np.concatenate([np.ravel(o - np.asarray(n)) for o, n in zip(jax.tree.leaves(old),
+                                                                       jax.tree.leaves(new.params))])
+    return step, {k: float(v) for k, v in metrics.items()}
+
+
+def test_packed_iteration_equals_the_unpacked_one():
+    """Float32, GRPO advantages per group: a long-tailed batch of two groups, one sample too stale and one from
+    a version not reached yet; two minibatches (one group each) of two micro-batches and decoupled PPO's
+    proximal forward (blockwise attention, remat and chunking: the mesh test above). The packed iteration's parameter update, loss
+    and counts equal the unpacked one's, on half the rows. Padding (TAIL's 154 tokens): unpacked, each update's
+    4 rows of 64 (1 - 154/512 over the two); packed, each micro-batch's two samples in 1 row ([54, 10],
+    [12, 20]; [8, 14], [30, 6]: 1 - 154/256)."""
+    samples = _tail_samples(versions=[3, 2, 3, 0, 3, 3, 4, 2])
+    train = dict(loss="dapo", correction="decoupled", minibatches=2, micro_batches=2, attention_impl="xla")
+    step, m = _packing_run("none", samples, version=3, **train)
+    p_step, p_m = _packing_run("pack", samples, version=3, **train)
+    assert np.abs(step).max() > 0 and rel_err(p_step, step) <= 1e-5
+    # each update's count, averaged over the iteration's 2 updates
+    assert m["stale_samples"] * 2 == p_m["stale_samples"] * 2 == 2
+    for k in ("loss", "pg_loss", "kept_tokens", "clip_frac", "is_weight_mean", "reward_mean"):
+        assert abs(p_m[k] - m[k]) <= 1e-5 * max(abs(m[k]), 1e-6), k
+    assert (m["rows"], p_m["rows"]) == (4, 2)
+    assert m["padding_frac"] == pytest.approx(1 - 154 / 512, abs=1e-7)
+    assert p_m["padding_frac"] == pytest.approx(1 - 154 / 256, abs=1e-7)
+
+
+def test_padding_fraction_of_a_hand_built_batch():
+    """TAIL's 154 tokens: unpacked in 12 rows of 64 (1 - 154/768), the batch's padding rows counted as padding;
+    packed, first-fit decreasing makes 3 rows ([54, 10], [30, 20, 14], [12, 8, 6]): 1 - 154/192."""
+    from dora_jax.trainer.packing import padding_fraction, plan
+
+    batch = make_batch(_tail_samples(), group_size=4, length_buckets=(64,), row_multiple=3)  # 8 rows up to 12
+    assert batch.shape == (12, 64)
+    assert float(padding_fraction(batch.segment_ids, batch.valid)) == pytest.approx(1 - 154 / 768, abs=1e-7)
+    pk = plan(np.array(TAIL), 64, cells=1, micro_batches=1)
+    assert [sorted(np.asarray(pk.segment_ids)[r].tolist()).count(0) for r in range(3)] == [0, 0, 38]
+    assert float(padding_fraction(pk.segment_ids)) == pytest.approx(1 - 154 / 192, abs=1e-7)
+    # A copy of a sample in a padding row (how a minibatch fills its rows) counts as padding.
+    copied = np.asarray(batch.segment_ids).copy()
+    copied[8:] = copied[0]
+    assert float(padding_fraction(copied, batch.valid)) == pytest.approx(1 - 154 / 768, abs=1e-7)
+
+
+def test_packing_with_cudnn_or_an_unknown_value_is_refused():
+    with pytest.raises(ConfigError, match=r"'train.packing' = 'pack': .*'cudnn' takes only each row's length.*"
+                                          r"'pallas_gpu'"):
+        _config(packing="pack", attention_impl="cudnn").train.validate()
+    with pytest.raises(ConfigError, match=r"'train.packing' = 'first_fit': allowed: none, pack"):
+        _config(packing="first_fit").train.validate()

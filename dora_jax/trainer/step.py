@@ -25,28 +25,43 @@ from dora_jax.trainer.batch import BatchError, TrainBatch, bucket_rows, check_ba
 from dora_jax.models.decoder import TrainSettings, head_logits
 from dora_jax.trainer.losses import (LossTerms, chunked_token_logprobs, group_advantages, normalizers, policy_loss,
                                      staleness)
+from dora_jax.trainer import packing as packing_lib
+from dora_jax.trainer.packing import Packing, pack_tokens, padding_fraction, unpack
 from dora_jax.trainer.state import TrainState, learning_rate_schedule, make_optimizer
 
 
 def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, tokens_bt: jax.Array,
                       segment_ids_bt: jax.Array, lora: lora_lib.LoraParams | None = None,
                       lora_scale: float = 1.0, temperature: float = 1.0, *,
-                      settings: TrainSettings = TrainSettings(), logprob_chunk: int = 0) -> jax.Array:
+                      settings: TrainSettings = TrainSettings(), logprob_chunk: int = 0,
+                      positions_bt: jax.Array | None = None) -> jax.Array:
     """The training forward's log-prob of every token given its prefix at the rollout's ``temperature``,
     [B, T] float32 (column 0 is 0).
 
     With ``lora`` the adapters are applied on the activations (the same function as the merged weights, but
     the backward pass never forms the base weights' gradients). ``settings``: the forward's remat policy and
     attention (:class:`~dora_jax.models.decoder.TrainSettings`); ``logprob_chunk`` > 0: the output head and
-    log-softmax run over that many positions at a time (:func:`chunked_token_logprobs`)."""
+    log-softmax run over that many positions at a time (:func:`chunked_token_logprobs`). ``positions_bt``:
+    rotary positions (default ``0..T-1`` in every row; packed rows restart them per segment)."""
     b, t = tokens_bt.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    positions = positions_bt if positions_bt is not None else jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     model = nnx.merge(graphdef, params)
     hidden = model(tokens_bt, positions, segment_ids_bt, lora=lora, lora_scale=lora_scale, settings=settings,
                    hidden=True)
     head = model.head_params()
     return chunked_token_logprobs(hidden, lambda h: head_logits(model.cfg, head, h), tokens_bt, temperature,
                                   logprob_chunk)
+
+
+def packed_sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, tokens_nt: jax.Array, packing: Packing,
+                             lora: lora_lib.LoraParams | None = None, lora_scale: float = 1.0,
+                             temperature: float = 1.0, **forward: Any) -> jax.Array:
+    """:func:`sequence_logprobs` of the batch layout's rows [N, T], run on the packed rows of ``packing``
+    (:mod:`dora_jax.trainer.packing`) and returned in the batch layout: a sample's log-probs are its unpacked
+    ones up to float rounding (0 at its position 0 and past its length)."""
+    logp = sequence_logprobs(graphdef, params, pack_tokens(tokens_nt, packing), packing.segment_ids, lora,
+                             lora_scale, temperature, positions_bt=packing.positions, **forward)
+    return unpack(logp, packing, tokens_nt.shape[1])
 
 
 def check_train_forward(cfg: TrainConfig, devices) -> None:
@@ -85,7 +100,7 @@ def _tree_add(a: Any, b: Any) -> Any:
 
 def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig, tx: optax.GradientTransformation,
                     temperature: float = 1.0, use_prox: bool = False
-                    ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict]]:
+                    ) -> Callable[..., tuple[TrainState, dict]]:
     """One pure optimizer update for ``cfg``: advantages, staleness mask, micro-batched gradient, guarded update.
 
     The batch's rows are split into ``cfg.micro_batches`` equal micro-batches whose gradients are summed in a
@@ -94,12 +109,17 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig, tx: optax.Gradient
     ``skipped`` = 1). The version is the iteration's to advance (:meth:`Trainer.train_step`), not an update's.
     ``use_prox``: the proximal log-probs are the batch's ``prox_logprobs`` (several updates an iteration);
     otherwise the current policy's, exactly.
+
+    The step is ``step(state, batch, packing=None)``: with a :class:`~dora_jax.trainer.packing.Packing` of the
+    batch (its indices local to each of the ``cfg.micro_batches`` micro-batches), the forward runs on packed
+    rows and everything else on the batch's rows as they are, so the loss and gradient are the unpacked ones.
     """
     schedule = learning_rate_schedule(cfg)
     n_micro = cfg.micro_batches
     forward = dict(settings=TrainSettings.of(cfg), logprob_chunk=cfg.logprob_chunk)
 
-    def step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, jax.Array]]:
+    def step(state: TrainState, batch: TrainBatch, packing: Packing | None = None
+             ) -> tuple[TrainState, dict[str, jax.Array]]:
         valid = batch.valid
         keep, stale = staleness(batch.versions, valid, state.version, cfg.max_staleness)
         adv = group_advantages(batch.rewards, batch.group_ids, valid, cfg.advantage, cfg.std_eps)
@@ -111,15 +131,18 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig, tx: optax.Gradient
             return constrain(x, (None, "batch") + (None,) * (x.ndim - 2))
 
         micro = jax.tree.map(split, (batch.tokens, batch.segment_ids, batch.loss_mask, behaviour,
-                                     batch.ref_logprobs, batch.prox_logprobs, adv, keep))
+                                     batch.ref_logprobs, batch.prox_logprobs, adv, keep, packing))
 
         def loss_fn(trainable, mb):
-            tokens, seg, mask, beh, ref, prox, a, k = mb
+            tokens, seg, mask, beh, ref, prox, a, k, pk = mb
             if cfg.lora.rank > 0:
-                logp = sequence_logprobs(graphdef, state.frozen, tokens, seg, trainable, cfg.lora.alpha / cfg.lora.rank,
-                                         temperature, **forward)
+                params, adapters = state.frozen, (trainable, cfg.lora.alpha / cfg.lora.rank)
             else:
-                logp = sequence_logprobs(graphdef, trainable, tokens, seg, temperature=temperature, **forward)
+                params, adapters = trainable, (None, 1.0)
+            if pk is None:
+                logp = sequence_logprobs(graphdef, params, tokens, seg, *adapters, temperature, **forward)
+            else:
+                logp = packed_sequence_logprobs(graphdef, params, tokens, pk, *adapters, temperature, **forward)
             terms = policy_loss(logp, beh, ref, mask, a, k, norms, cfg, prox if use_prox else None)
             return terms.loss, terms
 
@@ -166,6 +189,10 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig, tx: optax.Gradient
             "reward_mean": (batch.rewards * valid_f).sum() / jnp.maximum(valid_f.sum(), 1.0),
             "lag_mean": ((state.version - batch.versions) * valid_f).sum() / jnp.maximum(valid_f.sum(), 1.0),
             "version": state.version.astype(f32),
+            # The rows the forward ran on: the batch's, or the packed ones.
+            "rows": jnp.asarray(batch.tokens.shape[0] if packing is None else packing.source.shape[0], f32),
+            "padding_frac": padding_fraction(batch.segment_ids, valid) if packing is None
+            else padding_fraction(packing.segment_ids),
         }
         return new_state, metrics
 
@@ -261,6 +288,8 @@ class Trainer:
             tokens=self._row_tok, segment_ids=self._row_tok, loss_mask=self._row_tok,
             behaviour_logprobs=self._row_tok, recomputed_logprobs=self._row_tok, ref_logprobs=self._row_tok,
             prox_logprobs=self._row_tok, versions=self._row, group_ids=self._row, rewards=self._row, valid=self._row)
+        self.packing_shardings = Packing(source=self._row_tok, segment_ids=self._row_tok, positions=self._row_tok,
+                                         row=self._row, offset=self._row, length=self._row)
         replicated = NamedSharding(mesh, P())
         t = cfg.train
         check_train_forward(t, list(mesh.devices.flat))
@@ -273,11 +302,23 @@ class Trainer:
         step = make_train_step(graphdef, t, self.tx, self.temperature, self._use_prox)
         self._step = serial_jit(step, in_shardings=(state_shardings, self.batch_shardings),
                                 out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+        self.packed = t.packing == "pack"
+        self._packed_step = serial_jit(step, in_shardings=(state_shardings, self.batch_shardings,
+                                                           self.packing_shardings),
+                                       out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+        # A plan is host data every process computes alike; it enters the mesh through a program (as the
+        # minibatch row indices do), not as numpy arguments of a sharded step.
+        self._place_packing = serial_jit(lambda p: p, out_shardings=self.packing_shardings)
+        self._lengths = serial_jit(lambda seg, valid: jnp.where(valid, (seg != 0).sum(1), 0).astype(jnp.int32),
+                                   out_shardings=self._row)
         temperature = self.temperature
         forward = dict(settings=TrainSettings.of(t), logprob_chunk=t.logprob_chunk)
         self._logprobs = serial_jit(lambda p, tokens, seg: sequence_logprobs(graphdef, p, tokens, seg,
                                                                              temperature=temperature, **forward),
                                     out_shardings=self._row_tok)
+        self._packed_logprobs = serial_jit(
+            lambda p, tokens, pk: packed_sequence_logprobs(graphdef, p, tokens, pk, temperature=temperature,
+                                                           **forward), out_shardings=self._row_tok)
         self._policy = serial_jit(lambda s: policy_params(s, t))
         self._take = serial_jit(_take_rows, out_shardings=self.batch_shardings)
         self._finish = serial_jit(_finish_iteration, out_shardings=(state_shardings, replicated),
@@ -371,18 +412,38 @@ class Trainer:
         """
         t = self.cfg.train
         with activate(self.mesh, self.rules):
+            lengths = _host(self._lengths(batch.segment_ids, batch.valid)) if self.packed else None
             if self._use_prox:  # the proximal policy: the weights at the iteration's start, for every update
-                prox = self._logprobs(self._policy(state), batch.tokens, batch.segment_ids) * batch.loss_mask
+                prox = self._forward(self._policy(state), batch.tokens, batch.segment_ids, lengths) * batch.loss_mask
                 batch = batch.replace(prox_logprobs=prox)
             plan = [None] * t.epochs if t.minibatches == 1 else _minibatch_rows(
                 _host(batch.group_ids), _host(batch.valid), t.minibatches, t.epochs,
                 np.random.default_rng([self.cfg.run.seed, iteration]), self.row_multiple)
+            packs = (self._update_packings(lengths, int(batch.tokens.shape[1]), plan) if self.packed
+                     else [None] * len(plan))
             history = []
-            for rows in plan:
+            for rows, pk in zip(plan, packs):
                 mb = batch if rows is None else self._take(batch, *rows)
-                state, metrics = self._step(state, mb)
+                state, metrics = self._step(state, mb) if pk is None else self._packed_step(state, mb, pk)
                 history.append(metrics)
             return self._finish(state, history)
+
+    def _update_packings(self, lengths: np.ndarray, t: int, plan: list[Any]) -> list[Packing]:
+        """Each update's packing (:func:`~dora_jax.trainer.packing.iteration_plan`): its samples in runs of one
+        micro-batch on one data-parallel device, packed into rows of the batch's length ``t``."""
+        per_update = [lengths if rows is None else lengths[rows[0]] * rows[1] for rows in plan]
+        return [self._place_packing(pk) for pk in packing_lib.iteration_plan(per_update, t, self.row_multiple,
+                                                                              self.cfg.train.micro_batches)]
+
+    def _forward(self, params: nnx.State, tokens: jax.Array, seg: jax.Array, lengths: np.ndarray | None
+                 ) -> jax.Array:
+        """Log-probs [B, T] of the rows ``tokens``: packed when ``train.packing`` says so (``lengths``: each
+        row's tokens, 0 for a row to leave out), in one run per data-parallel device."""
+        if lengths is None:
+            return self._logprobs(params, tokens, seg)
+        t = tokens.shape[1]
+        pk = self._place_packing(packing_lib.plan(lengths, t, self.data_parallel, 1))
+        return self._packed_logprobs(params, tokens, pk)
 
     # -- forwards around the step ------------------------------------------------------------------------------
 
@@ -391,8 +452,11 @@ class Trainer:
         return self._policy(state)
 
     def logprobs(self, params: nnx.State, batch: TrainBatch) -> jax.Array:
+        """The log-probs [B, T] of ``params`` on the batch's rows (packed under ``train.packing: pack``: then 0
+        at each sample's position 0 and past its length)."""
         with activate(self.mesh, self.rules):
-            return self._logprobs(params, batch.tokens, batch.segment_ids)
+            lengths = _host(self._lengths(batch.segment_ids, batch.valid)) if self.packed else None
+            return self._forward(params, batch.tokens, batch.segment_ids, lengths)
 
     def with_recomputed_behaviour(self, batch: TrainBatch, params_of: Callable[[int], nnx.State] | Mapping[int, nnx.State]
                                   ) -> TrainBatch:
@@ -411,9 +475,10 @@ class Trainer:
             sub_t = np.zeros((n, tokens.shape[1]), tokens.dtype)
             sub_s = np.zeros((n, tokens.shape[1]), seg.dtype)
             sub_t[:len(rows)], sub_s[:len(rows)] = tokens[rows], seg[rows]
+            lengths = (sub_s != 0).sum(1).astype(np.int32) if self.packed else None
             sub_t, sub_s = jax.device_put((sub_t, sub_s), self._row_tok)
             with activate(self.mesh, self.rules):
-                lp = np.asarray(self._logprobs(get(int(v)), sub_t, sub_s))
+                lp = np.asarray(self._forward(get(int(v)), sub_t, sub_s, lengths))
             out[rows] = lp[:len(rows)]
         out *= np.asarray(batch.loss_mask)
         return batch.replace(recomputed_logprobs=jax.device_put(out, self._row_tok))
