@@ -71,6 +71,23 @@ fake_device_flags() {
   echo "$out"
 }
 
+# Split placement over P processes, N devices of each training: the overrides to append to the dora-jax
+# command line. Arguments: the option or variable that set N (named in errors), N, P, and, when known, the
+# devices each process drives, which must leave some to decode. The trainer's mesh spans the N training devices
+# of every process; each process decodes on its others (docs/scale.md, "Roles").
+split_overrides() {
+  local name="$1" per_process="$2" processes="$3" devices="${4:-}"
+  if ! [[ "$per_process" =~ ^[0-9]+$ ]] || (( per_process < 1 )); then
+    echo "error: $name must be an integer >= 1, got '$per_process'" >&2
+    exit 2
+  fi
+  if [[ -n "$devices" ]] && (( per_process >= devices )); then
+    echo "error: $name=$per_process leaves none of a process's $devices devices to decode" >&2
+    exit 2
+  fi
+  echo "roles.placement=split roles.trainer_devices=$((per_process * processes))"
+}
+
 # The dora-jax executable of this checkout (or DORA_JAX_BIN).
 dora_bin() {
   local repo="$1"

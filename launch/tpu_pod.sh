@@ -9,6 +9,8 @@
 #   launch/tpu_pod.sh --dry-run train ...   (print the gcloud commands only)
 # Optional: PROJECT (gcloud's default otherwise), SPOT=1 (a preemptible slice), SKIP_CREATE=1, DORA_PYTHON (the
 # Python version of the workers' environment, default 3.11; dora-jax needs 3.11 or newer).
+# Split placement: --trainer-devices-per-host T with TPU_HOSTS (the slice's worker count, 8 for a v5p-64):
+# T chips of every worker train, the others decode.
 # TPU VM images ship an older Python (3.10), so each worker builds its environment with uv, which uses a
 # Python of that version when the VM has one and installs a standalone build of it otherwise.
 set -euo pipefail
@@ -16,19 +18,28 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source-path=SCRIPTDIR source=_lib.sh
 source "$here/_lib.sh"
 
+train_per_host=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --dry-run) DRY_RUN=1; shift ;;
+    --trainer-devices-per-host) need_value "$@"; train_per_host="$2"; shift 2 ;;
     --) shift; break ;;
     -*) echo "error: unknown option $1" >&2; exit 2 ;;
     *) break ;;
   esac
 done
 if [[ $# -eq 0 ]]; then
-  echo "usage: $0 [--dry-run] DORA_JAX_ARGS...   (see the variables at the top of this file)" >&2
+  echo "usage: $0 [--dry-run] [--trainer-devices-per-host T] DORA_JAX_ARGS...   (see the variables at the top of this file)" >&2
   exit 2
 fi
 need_vars TPU_NAME ZONE ACCELERATOR_TYPE RUNTIME_VERSION
+if [[ -n "$train_per_host" ]]; then
+  need_vars TPU_HOSTS
+  need_int TPU_HOSTS
+  overrides="$(split_overrides --trainer-devices-per-host "$train_per_host" "$TPU_HOSTS")"
+  read -r -a split <<<"$overrides"
+  set -- "$@" "${split[@]}"
+fi
 python="${DORA_PYTHON:-3.11}"
 if ! [[ "$python" =~ ^3\.([0-9]+)(\.[0-9]+)?$ ]] || (( BASH_REMATCH[1] < 11 )); then
   echo "error: DORA_PYTHON must be a Python version 3.11 or newer (e.g. 3.12), got '$python'" >&2

@@ -167,3 +167,38 @@ def test_tpu_pod_builds_its_environment_with_a_new_enough_python():
     assert _worker_python(_dry("tpu_pod.sh", ["train"], {**env, "DORA_PYTHON": "3.12"})) == (3, 12)
     for bad in ("3.10", "3", "python3"):
         _fails("tpu_pod.sh", ["train"], {**env, "DORA_PYTHON": bad}, "DORA_PYTHON must be a Python version 3.11")
+
+
+def test_split_placement_on_every_launcher():
+    """``--trainer-devices-per-host T`` (SLURM: ``DORA_TRAINER_DEVICES_PER_HOST``): every process's command
+    ends with split placement's overrides, T devices of each of the run's processes training; a T that leaves a
+    process nothing to decode, or processes that drive one GPU each, are refused before anything runs."""
+    split = lambda total: ["roles.placement=split", f"roles.trainer_devices={total}"]
+    cmds = _dry("local_cpu.sh", ["--processes", "2", "--devices", "2", "--trainer-devices-per-host", "1", "train",
+                                 "--config", "tiny_llama"])
+    assert len(cmds) == 2 and all(c[c.index(BIN):] == [BIN, "train", "--config", "tiny_llama", *split(2)] for c in cmds)
+    _fails("local_cpu.sh", ["--processes", "2", "--devices", "2", "--trainer-devices-per-host", "2", "train"], {},
+           "--trainer-devices-per-host=2 leaves none of a process's 2 devices to decode")
+    _fails("local_cpu.sh", ["--trainer-devices-per-host", "x", "train"], {}, "must be an integer >= 1, got 'x'")
+
+    env = {"DORA_COORDINATOR": "10.0.0.1:8476", "DORA_NUM_NODES": "8", "DORA_NODE_RANK": "3"}
+    (node,) = _dry("multinode_gpu.sh", ["--trainer-devices-per-host", "4", "train", "--config", "c"], env)
+    assert node == ["env", "DORA_COORDINATOR=10.0.0.1:8476", "DORA_NUM_PROCESSES=8", "DORA_PROCESS_ID=3", BIN,
+                    "train", "--config", "c", *split(32)]
+    _fails("multinode_gpu.sh", ["--trainer-devices-per-host", "4", "train"], {**env, "DORA_PROCS_PER_NODE": "8"},
+           "needs one process per node (DORA_PROCS_PER_NODE=1)")
+
+    env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "8", "SLURM_JOB_NODELIST": "gpu[01-08]"}
+    (srun,) = _dry("slurm_gpu.sbatch", ["train"], {**env, "DORA_TRAINER_DEVICES_PER_HOST": "4"})
+    assert srun[-3:] == ["train", *split(32)] and "DORA_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7" in srun
+    _fails("slurm_gpu.sbatch", ["train"], {**env, "DORA_TRAINER_DEVICES_PER_HOST": "8"},
+           "DORA_TRAINER_DEVICES_PER_HOST=8 leaves none of a process's 8 devices to decode")
+    _fails("slurm_gpu.sbatch", ["train"], {**env, "DORA_TRAINER_DEVICES_PER_HOST": "4", "DORA_PROCS_PER_NODE": "8"},
+           "needs one process per node (DORA_PROCS_PER_NODE=1)")
+
+    env = {"TPU_NAME": "t", "ZONE": "z", "ACCELERATOR_TYPE": "v5p-64", "RUNTIME_VERSION": "r", "TPU_HOSTS": "8"}
+    cmds = _dry("tpu_pod.sh", ["--trainer-devices-per-host", "2", "train", "--config", "llama3_1_8b_v5p64"], env)
+    (train,) = [a for c in cmds for a in c if a.startswith("--command=") and "dora-jax" in a]
+    assert ".venv/bin/dora-jax train --config llama3_1_8b_v5p64 roles.placement=split roles.trainer_devices=16 >" in train
+    _fails("tpu_pod.sh", ["--trainer-devices-per-host", "2", "train"], {k: v for k, v in env.items() if k != "TPU_HOSTS"},
+           "not set: TPU_HOSTS")
