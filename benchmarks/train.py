@@ -311,7 +311,7 @@ def _workload_lengths(spec: dict, iteration: int, seed: int) -> list[int]:
     return [spec["prompt"] + task.train_item(iteration * n + i).max_new_tokens for i in range(n)]
 
 
-def bench_packing(iterations: int = 200, seed: int = 0, row_multiple: int = 1, timed: bool = True,
+def bench_packing(iterations: int = 200, seed: int = 0, micro_batches: int = 1, timed: bool = True,
                   repeats: int = 3) -> dict[str, Any]:
     """``train.packing``: rows trained and padding, one sample per row against packed rows, on long-tailed
     batches (:data:`PACKING_WORKLOADS`); and, with ``timed``, one iteration's train step on the CPU with the tiny
@@ -320,8 +320,8 @@ def bench_packing(iterations: int = 200, seed: int = 0, row_multiple: int = 1, t
     The counts come from the trainer's own planning (:func:`dora_jax.trainer.packing.iteration_plan`, what
     ``Trainer.train_step`` runs): per update, the rows the forward runs on and the fraction of their token slots
     that is padding (padded slots / all slots), averaged over ``iterations`` drawn batches. An update's groups
-    are consecutive in the batch (the split a minibatch shuffle makes, in distribution). ``row_multiple``:
-    micro-batches x data-parallel devices (each packs its own rows).
+    are consecutive in the batch (the split a minibatch shuffle makes, in distribution). One data-parallel
+    device (with several, each packs its own share alike) and ``micro_batches`` per update.
 
     Returns:
       Per workload: ``rows_per_update`` and ``padding_frac`` (mean over updates) for ``none`` and ``pack``,
@@ -334,7 +334,7 @@ def bench_packing(iterations: int = 200, seed: int = 0, row_multiple: int = 1, t
     from dora_jax.trainer.batch import bucket_length, bucket_rows
     from dora_jax.trainer.packing import iteration_plan
 
-    out: dict[str, Any] = {"iterations": iterations, "seed": seed, "row_multiple": row_multiple, "workloads": {}}
+    out: dict[str, Any] = {"iterations": iterations, "seed": seed, "micro_batches": micro_batches, "workloads": {}}
     for name, spec in PACKING_WORKLOADS.items():
         per = spec["samples"] // spec["minibatches"]
         rows = {"none": [], "pack": []}
@@ -345,12 +345,12 @@ def bench_packing(iterations: int = 200, seed: int = 0, row_multiple: int = 1, t
             lengths = np.asarray(_workload_lengths(spec, it, seed), np.int32)
             t = bucket_length(int(lengths.max()), spec["buckets"])
             lengths_met[t] = lengths_met.get(t, 0) + 1
-            b = bucket_rows(per, row_multiple)
+            b = bucket_rows(per, micro_batches)
             updates = [np.pad(lengths[j * per:(j + 1) * per], (0, b - per)) for j in range(spec["minibatches"])]
-            packs = iteration_plan(updates, t, row_multiple, 1)
+            packs = iteration_plan(updates, t, 1, b // micro_batches, micro_batches)
             for n, pk in zip(updates, packs):
                 real = int(n.sum())
-                for kind, r in (("none", b), ("pack", pk.source.shape[0])):
+                for kind, r in (("none", b), ("pack", pk.source.shape[0] * pk.source.shape[1])):
                     rows[kind].append(r)
                     padding[kind].append(1 - real / (r * t))
                     slots[kind] += r * t
@@ -368,14 +368,16 @@ def bench_packing(iterations: int = 200, seed: int = 0, row_multiple: int = 1, t
 
 
 def _time_packing(seed: int, repeats: int) -> dict[str, Any]:
-    """One iteration's train step (tiny Llama, one CPU device, a ``longtail_256`` batch), unpacked and packed."""
+    """One iteration's train step (tiny Llama, one CPU device), unpacked and packed, on the first
+    ``longtail_256`` batch that meets the tail (a sample over half the task's length)."""
     import numpy as np
 
     from dora_jax.config import MeshConfig, load_config
     from dora_jax.trainer import Sample
 
     spec = PACKING_WORKLOADS["longtail_256"]
-    lengths = _workload_lengths(spec, 0, seed)
+    lengths = next(n for n in (_workload_lengths(spec, i, seed) for i in range(1000))
+                   if max(n) - spec["prompt"] > spec["max_len"] // 2)
     rng = np.random.default_rng(seed)
     cfg = load_config("tiny_llama")
     cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(MeshConfig(), logical_axis_rules=cfg.mesh.logical_axis_rules))
@@ -412,11 +414,11 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description="train.packing: rows and padding, packed against unpacked")
     parser.add_argument("--iterations", type=int, default=200)
-    parser.add_argument("--row-multiple", type=int, default=1)
+    parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--no-timing", action="store_true")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args()
-    result = stamp(bench_packing(args.iterations, row_multiple=args.row_multiple, timed=not args.no_timing),
+    result = stamp(bench_packing(args.iterations, micro_batches=args.micro_batches, timed=not args.no_timing),
                    command_line(".venv/bin/python -m benchmarks.train", sys.argv[1:]))
     print(json.dumps(result, indent=1))
     if args.json:

@@ -396,43 +396,48 @@ def _tail_samples(lengths=TAIL, versions=None, seed=0):
 
 
 def test_first_fit_decreasing_by_hand():
-    from dora_jax.trainer.packing import first_fit_decreasing, rows_per_cell
+    from dora_jax.trainer.packing import first_fit_decreasing, grid
 
     # Longest first: 8 opens bin 0 (room 2), 6 bin 1 (room 4), 5 bin 2, 3 joins bin 1, 2 fills bin 0; 0 is left out.
     assert first_fit_decreasing([5, 3, 8, 2, 0, 6], 10) == [[2, 3], [5, 1], [0]]
     assert first_fit_decreasing([4, 4, 4], 8) == [[0, 1], [2]]  # ties in index order
     with pytest.raises(Exception, match="a sample of 11 tokens does not fit a packed row of 10"):
         first_fit_decreasing([11], 10)
-    # The most rows a run needs, up to a power of two or 1.5 times one.
-    assert [rows_per_cell([[[0]] * n, [[0]]]) for n in (1, 2, 3, 4, 5, 6, 7, 9, 13)] == [1, 2, 3, 4, 6, 6, 8, 12, 16]
+    assert [grid(n) for n in (0, 1, 2, 3, 4, 5, 6, 7, 9, 13)] == [1, 1, 2, 3, 4, 6, 6, 8, 12, 16]
 
 
 def test_a_packing_puts_each_sample_in_its_own_segment_with_positions_from_zero():
-    from dora_jax.trainer.packing import pack_tokens, plan, unpack
+    from dora_jax.trainer.packing import iteration_plan, pack_tokens, unpack
 
     t = 64
     lengths = np.array(TAIL, np.int32)
     tokens = np.zeros((8, t), np.int32)
     for i, n in enumerate(lengths):
         tokens[i, :n] = 100 * (i + 1) + np.arange(n)  # a token names its sample and position
-    pk = plan(lengths, t, cells=2, micro_batches=2)  # two micro-batches of 4 samples, indices local to each
-    # Run 0 (samples 54, 10, 12, 20): [54, 10], [20, 12]; run 1 (8, 14, 30, 6): [30, 14, 8, 6].
-    assert pk.source.shape == (4, t)
-    half = lambda x, m: np.asarray(x).reshape(2, -1, *np.shape(x)[1:])[m]  # noqa: E731  micro-batch m's slice
+    # Two devices, one row each per micro-batch (up to 4 micro-batches, as unpacked). Device 0's samples (54, 10,
+    # 12, 20) make [54, 10], [20, 12]; device 1's (8, 14, 30, 6) make [30, 14, 8, 6]: 2 micro-batches.
+    (pk,) = iteration_plan([lengths], t, devices=2, rows=1, micro_batches=4)
+    assert pk.source.shape == (2, 2, t) and pk.length.shape == (2, 8)
+    assert ((np.asarray(pk.length) > 0).sum(0) == 1).all()  # every sample in exactly one micro-batch
+    assert np.asarray(pk.segment_ids)[0, 1].tolist() == [1] * 30 + [2] * 14 + [3] * 8 + [4] * 6 + [0] * 6
+    assert not np.asarray(pk.segment_ids)[1, 1].any()  # device 1 has nothing left for micro-batch 1
+    assert (np.asarray(pk.segment_ids) != 0).sum() == lengths.sum()
     for m in range(2):
-        packed = np.asarray(pack_tokens(jnp.asarray(half(tokens, m)), jax.tree.map(lambda x: half(x, m), pk)))
-        seg, pos = half(pk.segment_ids, m), half(pk.positions, m)
-        for i in range(4):
-            n = lengths[4 * m + i]
-            r, o = int(half(pk.row, m)[i]), int(half(pk.offset, m)[i])
-            assert list(packed[r, o:o + n]) == list(tokens[4 * m + i, :n])
+        one = jax.tree.map(lambda x: jnp.asarray(x[m]), pk)
+        packed = np.asarray(pack_tokens(jnp.asarray(tokens), one))
+        back = np.asarray(unpack(jnp.asarray(packed, jnp.float32), one, t))
+        seg, pos = np.asarray(one.segment_ids), np.asarray(one.positions)
+        for i in range(8):
+            n = int(one.length[i])
+            if n == 0:
+                assert not back[i].any()  # another micro-batch's sample
+                continue
+            r, o = int(one.row[i]), int(one.offset[i])
+            assert r == i // 4  # on its own device's row
+            assert list(packed[r, o:o + n]) == list(tokens[i, :n])
             assert list(pos[r, o:o + n]) == list(range(n))
             assert len(set(seg[r, o:o + n])) == 1 and seg[r, o] != 0
-            back = np.asarray(unpack(jnp.asarray(packed, jnp.float32), jax.tree.map(lambda x: half(x, m), pk), t))
-            assert back[i, 0] == 0 and list(back[i, 1:n]) == list(tokens[4 * m + i, 1:n]) and not back[i, n:].any()
-    assert np.asarray(pk.segment_ids)[2].tolist() == [1] * 30 + [2] * 14 + [3] * 8 + [4] * 6 + [0] * 6
-    assert not np.asarray(pk.segment_ids)[3].any()  # run 1's second row: padding
-    assert (np.asarray(pk.segment_ids) != 0).sum() == lengths.sum()
+            assert back[i, 0] == 0 and list(back[i, 1:n]) == list(tokens[i, 1:n]) and not back[i, n:].any()
 
 
 def test_packed_logprobs_and_gradients_equal_unpacked(model):
@@ -446,7 +451,7 @@ def test_packed_logprobs_and_gradients_equal_unpacked(model):
     seg = (np.arange(t)[None, :] < lengths[:, None]).astype(np.int32)
     tokens = jnp.asarray(rng.integers(1, MODEL.vocab_size, (8, t)) * seg, jnp.int32)
     weight = jnp.asarray(rng.normal(size=(8, t)) * seg * (np.arange(t) >= 4), jnp.float32)  # the responses
-    pk = jax.tree.map(jnp.asarray, plan(lengths, t, cells=1, micro_batches=1))
+    pk = jax.tree.map(lambda x: jnp.asarray(x[0]), plan(lengths, t, devices=1))
     assert pk.source.shape == (3, t)
     graphdef, params = nnx.split(model)
 
@@ -487,18 +492,17 @@ def _packing_run(packing, samples, version=0, **train):
 
 def test_packed_iteration_equals_the_unpacked_one():
     """Float32, GRPO advantages per group: a long-tailed batch of two groups, one sample too stale and one from
-    a version not reached yet; two minibatches (one group each) of two micro-batches and decoupled PPO's
-    proximal forward (blockwise attention, remat and chunking: the mesh test above). The packed iteration's parameter update, loss
-    and counts equal the unpacked one's, on half the rows. Padding (TAIL's 154 tokens): unpacked, each update's
-    4 rows of 64 (1 - 154/512 over the two); packed, each micro-batch's two samples in 1 row ([54, 10],
-    [12, 20]; [8, 14], [30, 6]: 1 - 154/256)."""
+    a version not reached yet, in two minibatches (one group each) of four micro-batches of one row, with
+    decoupled PPO's proximal forward (blockwise attention, remat and chunking: the mesh test above). The packed
+    iteration's parameter update, loss and counts equal the unpacked one's, in half the micro-batches. Padding
+    (TAIL's 154 tokens): unpacked, each update's 4 rows of 64 (1 - 154/512 over the two); packed, 2
+    micro-batches of one row ([54, 10], [20, 12]; [30, 14, 8, 6], []: 1 - 154/256)."""
     samples = _tail_samples(versions=[3, 2, 3, 0, 3, 3, 4, 2])
-    train = dict(loss="dapo", correction="decoupled", minibatches=2, micro_batches=2, attention_impl="xla")
+    train = dict(loss="dapo", correction="decoupled", minibatches=2, micro_batches=4, attention_impl="xla")
     step, m = _packing_run("none", samples, version=3, **train)
     p_step, p_m = _packing_run("pack", samples, version=3, **train)
     assert np.abs(step).max() > 0 and rel_err(p_step, step) <= 1e-5
-    # each update's count, averaged over the iteration's 2 updates
-    assert m["stale_samples"] * 2 == p_m["stale_samples"] * 2 == 2
+    assert m["stale_samples"] == p_m["stale_samples"] == 1  # one in each update's group
     for k in ("loss", "pg_loss", "kept_tokens", "clip_frac", "is_weight_mean", "reward_mean"):
         assert abs(p_m[k] - m[k]) <= 1e-5 * max(abs(m[k]), 1e-6), k
     assert (m["rows"], p_m["rows"]) == (4, 2)
@@ -514,8 +518,8 @@ def test_padding_fraction_of_a_hand_built_batch():
     batch = make_batch(_tail_samples(), group_size=4, length_buckets=(64,), row_multiple=3)  # 8 rows up to 12
     assert batch.shape == (12, 64)
     assert float(padding_fraction(batch.segment_ids, batch.valid)) == pytest.approx(1 - 154 / 768, abs=1e-7)
-    pk = plan(np.array(TAIL), 64, cells=1, micro_batches=1)
-    assert [sorted(np.asarray(pk.segment_ids)[r].tolist()).count(0) for r in range(3)] == [0, 0, 38]
+    pk = plan(np.array(TAIL), 64, devices=1)
+    assert [sorted(np.asarray(pk.segment_ids)[0, r].tolist()).count(0) for r in range(3)] == [0, 0, 38]
     assert float(padding_fraction(pk.segment_ids)) == pytest.approx(1 - 154 / 192, abs=1e-7)
     # A copy of a sample in a padding row (how a minibatch fills its rows) counts as padding.
     copied = np.asarray(batch.segment_ids).copy()

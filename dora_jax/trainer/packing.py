@@ -11,11 +11,13 @@ unpacked loss to the letter. Attention is kept within a segment by every trainin
 segment ids; the last token of one sample never predicts the first of the next (column 0 of every sample is
 0, as in an unpacked row, and a prompt token carries no loss).
 
-A plan splits the ``n`` rows into ``cells`` equal runs (one per micro-batch and data-parallel device: the
-split the train step's micro-batch scan and the batch sharding make), packs each run first-fit decreasing
-into rows of ``s`` positions, and gives every run the same number of packed rows, so a micro-batch's samples
-and their packed rows stay together and every device gets an equal share. Indices are local to a
-micro-batch (``cells // micro_batches`` runs), since the scan hands each micro-batch its own slices.
+An update is packed per data-parallel device (its rows of the batch, first-fit decreasing into rows of ``s``
+positions), and its micro-batches are made of packed rows: never more rows per device than an unpacked
+micro-batch holds, so the peak memory is at most the unpacked one's, in as few micro-batches as the fullest
+device's packed rows need (a power of two or 1.5 times one, at most ``train.micro_batches``), and as few rows
+per micro-batch as those need: short samples cost fewer micro-batches and fewer rows. A micro-batch's loss is taken on the whole update's
+batch layout with the samples of the other micro-batches masked out (elementwise work, no vocabulary), so it is
+an exact share of the unpacked loss.
 """
 
 from __future__ import annotations
@@ -32,14 +34,14 @@ from dora_jax.trainer.batch import BatchError, bucket_rows
 
 @flax.struct.dataclass
 class Packing:
-    """Where an update's samples sit in packed rows. Indices are local to a micro-batch."""
+    """Where an update's samples sit in its packed micro-batches (``M`` of them, ``R`` rows each)."""
 
-    source: jax.Array  # [R, S] int32: index n * t + position of the slot's token in the batch layout (0 on padding)
-    segment_ids: jax.Array  # [R, S] int32: 1, 2, ... per sample along a row, 0 on padding
-    positions: jax.Array  # [R, S] int32: rotary positions, from 0 in each sample
-    row: jax.Array  # [N] int32: the packed row of each sample (0 for a sample left out)
-    offset: jax.Array  # [N] int32: its first position there
-    length: jax.Array  # [N] int32: its token count (0: left out, e.g. a padding row)
+    source: jax.Array  # [M, R, S] int32: index n * t + position of the slot's token in the batch layout (0: padding)
+    segment_ids: jax.Array  # [M, R, S] int32: 1, 2, ... per sample along a row, 0 on padding
+    positions: jax.Array  # [M, R, S] int32: rotary positions, from 0 in each sample
+    row: jax.Array  # [M, N] int32: the sample's packed row in micro-batch m
+    offset: jax.Array  # [M, N] int32: its first position there
+    length: jax.Array  # [M, N] int32: its token count, 0 where micro-batch m does not hold it
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -63,82 +65,84 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
     return bins
 
 
-def cell_bins(lengths: np.ndarray, cells: int, capacity: int) -> list[list[list[int]]]:
-    """The bins of each of ``cells`` equal runs of ``lengths`` (indices local to the run)."""
-    n = len(lengths)
-    if n % cells:
-        raise BatchError(f"{n} rows do not split into {cells} equal runs (micro-batches x data-parallel devices)")
-    c = n // cells
-    return [first_fit_decreasing(lengths[k * c:(k + 1) * c].tolist(), capacity) for k in range(cells)]
-
-
-def rows_per_cell(bins: Sequence[Sequence[Sequence[int]]]) -> int:
-    """Packed rows each run gets: the most any run needs, up to the next power of two or 1.5 times one (two
-    sizes an octave: few programs, and at most a third of the rows left empty where a power of two alone would
-    leave up to half)."""
-    n = max([len(b) for b in bins] + [1])
-    p = bucket_rows(n, 1)
+def grid(n: int) -> int:
+    """The next power of two or 1.5 times one, at least ``n``: two sizes an octave, so programs stay few and at
+    most a third of what is sized is left empty (a power of two alone would leave up to half)."""
+    p = bucket_rows(max(n, 1), 1)
     return 3 * p // 4 if p >= 4 and n <= 3 * p // 4 else p
 
 
-def make_packing(lengths: np.ndarray, t: int, s: int, bins: Sequence[Sequence[Sequence[int]]], per_cell: int,
+def device_bins(lengths: np.ndarray, devices: int, capacity: int) -> list[list[list[int]]]:
+    """Each data-parallel device's bins (indices into ``lengths``) of its equal share of the rows."""
+    n = len(lengths)
+    if n % devices:
+        raise BatchError(f"{n} rows do not split over {devices} data-parallel devices")
+    c = n // devices
+    return [[[d * c + i for i in b] for b in first_fit_decreasing(lengths[d * c:(d + 1) * c].tolist(), capacity)]
+            for d in range(devices)]
+
+
+def make_packing(lengths: np.ndarray, t: int, bins: Sequence[Sequence[Sequence[int]]], rows: int,
                  micro_batches: int) -> Packing:
-    """The host arrays of a plan: ``bins`` from :func:`cell_bins` of ``lengths`` (each sample's tokens, a
-    right-padded row of the batch layout of length ``t``), ``per_cell`` packed rows of ``s`` positions to a run.
+    """The host arrays of a plan: each device's ``bins`` (from :func:`device_bins` of ``lengths``, the samples'
+    token counts in a batch layout of rows of ``t``) dealt ``rows`` at a time into ``micro_batches`` packed
+    micro-batches of ``rows`` rows of ``t`` positions per device.
 
     Raises:
-      BatchError: when a run needs more than ``per_cell`` rows, or ``micro_batches`` does not divide the runs.
+      BatchError: when a device's bins need more than ``micro_batches x rows`` rows.
     """
-    cells, n = len(bins), len(lengths)
-    if cells % micro_batches:
-        raise BatchError(f"{cells} runs do not split into {micro_batches} micro-batches")
-    span = cells // micro_batches  # runs per micro-batch: the index space of one micro-batch's slices
-    c = n // cells
-    r = cells * per_cell
-    source = np.zeros((r, s), np.int32)
-    seg = np.zeros((r, s), np.int32)
-    pos = np.zeros((r, s), np.int32)
-    row, offset, length = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, np.int32)
-    for k, cell in enumerate(bins):
-        if len(cell) > per_cell:
-            raise BatchError(f"run {k} needs {len(cell)} packed rows, more than the {per_cell} planned")
-        for j, members in enumerate(cell):
-            g = k * per_cell + j  # the packed row, in the whole update
+    devices, n = len(bins), len(lengths)
+    shape = (micro_batches, devices * rows, t)
+    source, seg, pos = np.zeros(shape, np.int32), np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+    row, offset, length = (np.zeros((micro_batches, n), np.int32) for _ in range(3))
+    for d, device in enumerate(bins):
+        if len(device) > micro_batches * rows:
+            raise BatchError(f"device {d} needs {len(device)} packed rows, more than {micro_batches} micro-batches "
+                             f"of {rows}")
+        for j, members in enumerate(device):
+            m, r = j // rows, d * rows + j % rows  # the micro-batch, and the row in it
             at = 0
             for segment, i in enumerate(members, start=1):
-                i_local = (k % span) * c + i  # the sample's row within its micro-batch
-                m = int(lengths[k * c + i])
-                source[g, at:at + m] = i_local * t + np.arange(m)
-                seg[g, at:at + m] = segment
-                pos[g, at:at + m] = np.arange(m)
-                row[k * c + i], offset[k * c + i], length[k * c + i] = g % (span * per_cell), at, m
-                at += m
+                k = int(lengths[i])
+                source[m, r, at:at + k] = i * t + np.arange(k)
+                seg[m, r, at:at + k] = segment
+                pos[m, r, at:at + k] = np.arange(k)
+                row[m, i], offset[m, i], length[m, i] = r, at, k
+                at += k
     return Packing(source=source, segment_ids=seg, positions=pos, row=row, offset=offset, length=length)
 
 
-def iteration_plan(lengths: Sequence[np.ndarray], t: int, cells: int, micro_batches: int) -> list[Packing]:
-    """The packings of an iteration's updates (``lengths``: each update's samples' token counts, 0 for a row
-    left out) into rows as long as the batch's (``t``, a length bucket). Every update gets as many packed rows
-    as the fullest run of any update needs, so an iteration runs one program."""
-    bins = [cell_bins(np.asarray(n), cells, t) for n in lengths]
-    per_cell = max(rows_per_cell(b) for b in bins)
-    return [make_packing(np.asarray(n), t, t, b, per_cell, micro_batches) for n, b in zip(lengths, bins)]
+def iteration_plan(lengths: Sequence[np.ndarray], t: int, devices: int, rows: int, micro_batches: int
+                   ) -> list[Packing]:
+    """The packings of an iteration's updates (``lengths``: each update's samples' token counts in its batch
+    layout, 0 for a row left out) into micro-batches of at most ``rows`` rows of ``t`` positions per device
+    (an unpacked micro-batch's). The fullest device of any update sets the shape, so an iteration runs one
+    program: as few micro-batches as hold its packed rows (on :func:`grid`, at most ``micro_batches``, the
+    unpacked count, which always suffices), then as few rows per micro-batch as hold them (on :func:`grid`,
+    so at most ``rows``: ``rows`` is on it)."""
+    bins = [device_bins(np.asarray(n), devices, t) for n in lengths]
+    most = max([len(b) for update in bins for b in update] + [1])
+    m = min(grid(-(-most // rows)), micro_batches)
+    r = grid(-(-most // m))
+    return [make_packing(np.asarray(n), t, b, r, m) for n, b in zip(lengths, bins)]
 
 
-def plan(lengths: np.ndarray, t: int, cells: int, micro_batches: int) -> Packing:
-    """One update's packing into rows as long as the batch's (``t``, a length bucket)."""
-    return iteration_plan([lengths], t, cells, micro_batches)[0]
+def plan(lengths: np.ndarray, t: int, devices: int) -> Packing:
+    """One pass over all rows at once (one micro-batch, as the unpacked forward of a whole batch runs): each
+    device's rows packed, as many packed rows per device as the fullest needs, on :func:`grid`."""
+    return iteration_plan([lengths], t, devices, len(lengths) // devices, 1)[0]
 
 
 def pack_tokens(tokens_nt: jax.Array, packing: Packing) -> jax.Array:
-    """The packed rows' tokens [R, S] (0 on padding) from the batch layout's [N, T]."""
+    """One micro-batch's packed tokens [R, S] (0 on padding) from the batch layout's [N, T] (``packing``: that
+    micro-batch's, without the leading M axis)."""
     return jnp.where(packing.segment_ids != 0, tokens_nt.reshape(-1)[packing.source], 0)
 
 
 def unpack(x_rs: jax.Array, packing: Packing, t: int) -> jax.Array:
-    """Per-token values of the packed rows [R, S] back in the batch layout [N, t]. Position 0 of each sample
-    (predicted from the sample before it, if any) and positions past its length are 0, as an unpacked row's
-    log-probs are at position 0."""
+    """Per-token values of one micro-batch's packed rows [R, S] back in the batch layout [N, t]. Position 0 of
+    each sample (predicted from the sample before it, if any), positions past its length and the samples of
+    other micro-batches are 0, as an unpacked row's log-probs are at position 0."""
     r, s = x_rs.shape
     pos = jnp.arange(t, dtype=jnp.int32)[None, :]
     idx = packing.row[:, None] * s + jnp.minimum(packing.offset[:, None] + pos, s - 1)

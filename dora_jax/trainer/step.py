@@ -111,8 +111,9 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig, tx: optax.Gradient
     otherwise the current policy's, exactly.
 
     The step is ``step(state, batch, packing=None)``: with a :class:`~dora_jax.trainer.packing.Packing` of the
-    batch (its indices local to each of the ``cfg.micro_batches`` micro-batches), the forward runs on packed
-    rows and everything else on the batch's rows as they are, so the loss and gradient are the unpacked ones.
+    batch, the micro-batches are its packed ones (the scan runs over them) and the forward runs on packed rows;
+    each micro-batch's loss is taken on the batch's rows as they are with the other micro-batches' samples
+    masked out, so the loss and gradient are the unpacked ones.
     """
     schedule = learning_rate_schedule(cfg)
     n_micro = cfg.micro_batches
@@ -130,19 +131,25 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig, tx: optax.Gradient
             x = x.reshape(n_micro, x.shape[0] // n_micro, *x.shape[1:])
             return constrain(x, (None, "batch") + (None,) * (x.ndim - 2))
 
-        micro = jax.tree.map(split, (batch.tokens, batch.segment_ids, batch.loss_mask, behaviour,
-                                     batch.ref_logprobs, batch.prox_logprobs, adv, keep, packing))
+        rows = (batch.tokens, batch.segment_ids, batch.loss_mask, behaviour, batch.ref_logprobs, batch.prox_logprobs,
+                adv, keep)
+        if packing is None:
+            micro = jax.tree.map(split, rows)
+        else:  # the scan runs over the packed micro-batches; each takes the update's rows whole
+            micro = jax.tree.map(lambda x: constrain(x, (None, "batch") + (None,) * (x.ndim - 2)), packing)
 
         def loss_fn(trainable, mb):
-            tokens, seg, mask, beh, ref, prox, a, k, pk = mb
             if cfg.lora.rank > 0:
                 params, adapters = state.frozen, (trainable, cfg.lora.alpha / cfg.lora.rank)
             else:
                 params, adapters = trainable, (None, 1.0)
-            if pk is None:
+            if packing is None:
+                tokens, seg, mask, beh, ref, prox, a, k = mb
                 logp = sequence_logprobs(graphdef, params, tokens, seg, *adapters, temperature, **forward)
             else:
-                logp = packed_sequence_logprobs(graphdef, params, tokens, pk, *adapters, temperature, **forward)
+                tokens, seg, mask, beh, ref, prox, a, k = rows
+                logp = packed_sequence_logprobs(graphdef, params, tokens, mb, *adapters, temperature, **forward)
+                k = k & (mb.length > 0)  # this micro-batch's samples: each sample's terms in exactly one
             terms = policy_loss(logp, beh, ref, mask, a, k, norms, cfg, prox if use_prox else None)
             return terms.loss, terms
 
@@ -190,7 +197,8 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig, tx: optax.Gradient
             "lag_mean": ((state.version - batch.versions) * valid_f).sum() / jnp.maximum(valid_f.sum(), 1.0),
             "version": state.version.astype(f32),
             # The rows the forward ran on: the batch's, or the packed ones.
-            "rows": jnp.asarray(batch.tokens.shape[0] if packing is None else packing.source.shape[0], f32),
+            "rows": jnp.asarray(batch.tokens.shape[0] if packing is None
+                                else packing.source.shape[0] * packing.source.shape[1], f32),
             "padding_frac": padding_fraction(batch.segment_ids, valid) if packing is None
             else padding_fraction(packing.segment_ids),
         }
@@ -288,8 +296,9 @@ class Trainer:
             tokens=self._row_tok, segment_ids=self._row_tok, loss_mask=self._row_tok,
             behaviour_logprobs=self._row_tok, recomputed_logprobs=self._row_tok, ref_logprobs=self._row_tok,
             prox_logprobs=self._row_tok, versions=self._row, group_ids=self._row, rewards=self._row, valid=self._row)
-        self.packing_shardings = Packing(source=self._row_tok, segment_ids=self._row_tok, positions=self._row_tok,
-                                         row=self._row, offset=self._row, length=self._row)
+        micro_row_tok, micro_row = NamedSharding(mesh, P(None, batch_axes, None)), NamedSharding(mesh, P(None, batch_axes))
+        self.packing_shardings = Packing(source=micro_row_tok, segment_ids=micro_row_tok, positions=micro_row_tok,
+                                         row=micro_row, offset=micro_row, length=micro_row)
         replicated = NamedSharding(mesh, P())
         t = cfg.train
         check_train_forward(t, list(mesh.devices.flat))
@@ -316,9 +325,10 @@ class Trainer:
         self._logprobs = serial_jit(lambda p, tokens, seg: sequence_logprobs(graphdef, p, tokens, seg,
                                                                              temperature=temperature, **forward),
                                     out_shardings=self._row_tok)
-        self._packed_logprobs = serial_jit(
-            lambda p, tokens, pk: packed_sequence_logprobs(graphdef, p, tokens, pk, temperature=temperature,
-                                                           **forward), out_shardings=self._row_tok)
+        self._packed_logprobs = serial_jit(  # one packed micro-batch: all rows at once
+            lambda p, tokens, pk: packed_sequence_logprobs(graphdef, p, tokens, jax.tree.map(lambda x: x[0], pk),
+                                                           temperature=temperature, **forward),
+            out_shardings=self._row_tok)
         self._policy = serial_jit(lambda s: policy_params(s, t))
         self._take = serial_jit(_take_rows, out_shardings=self.batch_shardings)
         self._finish = serial_jit(_finish_iteration, out_shardings=(state_shardings, replicated),
@@ -429,11 +439,14 @@ class Trainer:
             return self._finish(state, history)
 
     def _update_packings(self, lengths: np.ndarray, t: int, plan: list[Any]) -> list[Packing]:
-        """Each update's packing (:func:`~dora_jax.trainer.packing.iteration_plan`): its samples in runs of one
-        micro-batch on one data-parallel device, packed into rows of the batch's length ``t``."""
+        """Each update's packing (:func:`~dora_jax.trainer.packing.iteration_plan`): each data-parallel
+        device's samples packed into rows of the batch's length ``t``, micro-batches of as many rows per device
+        as an unpacked micro-batch holds."""
         per_update = [lengths if rows is None else lengths[rows[0]] * rows[1] for rows in plan]
-        return [self._place_packing(pk) for pk in packing_lib.iteration_plan(per_update, t, self.row_multiple,
-                                                                              self.cfg.train.micro_batches)]
+        micro = self.cfg.train.micro_batches
+        rows = len(per_update[0]) // self.row_multiple
+        return [self._place_packing(pk) for pk in packing_lib.iteration_plan(per_update, t, self.data_parallel, rows,
+                                                                              micro)]
 
     def _forward(self, params: nnx.State, tokens: jax.Array, seg: jax.Array, lengths: np.ndarray | None
                  ) -> jax.Array:
@@ -442,7 +455,7 @@ class Trainer:
         if lengths is None:
             return self._logprobs(params, tokens, seg)
         t = tokens.shape[1]
-        pk = self._place_packing(packing_lib.plan(lengths, t, self.data_parallel, 1))
+        pk = self._place_packing(packing_lib.plan(lengths, t, self.data_parallel))
         return self._packed_logprobs(params, tokens, pk)
 
     # -- forwards around the step ------------------------------------------------------------------------------
