@@ -30,14 +30,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dora_jax.config import ATTENTION_IMPLS, DECODE_WEIGHT_LAYOUTS, MAX_DECODE_STEPS, ROLLOUT_DTYPES
+from dora_jax.config import ATTENTION_IMPLS, DECODE_WEIGHT_LAYOUTS, DEFAULT_RULES, MAX_DECODE_STEPS, ROLLOUT_DTYPES
 from dora_jax.models.decoder import (FUSED_INPUTS, Decoder, DecodeSettings, KVCache, decode_forward,
                                      fuse_layer_params, head_logits, init_cache, resolve_decode_weights,
                                      transpose_decode_params, transpose_weights)
 from dora_jax.rollout.sampling import SamplingParams, needs_filter, row_keys, sample
-from dora_jax.sharding import serial_jit
+from dora_jax.sharding import Rules, logical_to_spec, serial_jit
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -232,6 +232,24 @@ def resolve_decode_steps(settings: DecodeSettings) -> int:
     return AUTO_DECODE_STEPS if settings.decode_steps == "auto" else int(settings.decode_steps)
 
 
+def mesh_processes(mesh: Mesh | None) -> tuple[int, ...]:
+    """The processes whose devices ``mesh`` holds, in order (this process alone without a mesh)."""
+    if mesh is None:
+        return (jax.process_index(),)
+    return tuple(sorted({d.process_index for d in mesh.devices.flat}))
+
+
+def fitting_sharding(mesh: Mesh, axes: Sequence[str | None], rules: Rules, shape: Sequence[int]) -> NamedSharding:
+    """``axes`` mapped through ``rules`` onto ``mesh``, each dimension sharded only where its mesh axes divide it
+    (a decode state of 1 slot on a data axis of 2 keeps its rows whole and still splits its heads)."""
+    spec = logical_to_spec(axes, rules)
+    out = []
+    for size, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        out.append(entry if names and size % int(np.prod([mesh.shape[a] for a in names])) == 0 else None)
+    return NamedSharding(mesh, PartitionSpec(*out))
+
+
 class Engine:
     """JetStream-style engine over a :class:`~dora_jax.models.decoder.Decoder` architecture.
 
@@ -249,12 +267,28 @@ class Engine:
         :class:`~dora_jax.config.RolloutConfig`). Resolved in ``self.dtype``.
       settings: how decode reads the cache and lays out the weights (``rollout.attention_impl``,
         ``pallas_interpret``, ``cache_read_buckets``, ``decode_weights``).
+      rules: the logical axis rules (``mesh.logical_axis_rules``) that lay out the decode state when ``mesh``
+        spans several processes.
+
+    A ``mesh`` over the devices of several processes (multi-controller ``jax.distributed``) makes one engine
+    of all of them (:attr:`spans_processes`): every process runs the same calls with the same host values, the
+    decode state is a global array laid out by ``rules`` (KV heads over the tensor axis, rows over the batch
+    axes, where they divide), and every result the host reads is replicated on every device, so each process
+    reads it from its own. On one process the programs are the same as without this.
     """
 
     def __init__(self, model: Decoder, *, max_concurrent_decodes: int = 8, max_prefill_length: int = 256,
                  max_target_length: int = 512, mesh: Mesh | None = None, dtype: str = "auto",
-                 settings: DecodeSettings = DecodeSettings()):
+                 settings: DecodeSettings = DecodeSettings(), rules: Rules = DEFAULT_RULES):
         _check_settings(dtype, settings)
+        self.processes = mesh_processes(mesh)
+        if jax.process_index() not in self.processes:
+            raise EngineError(f"the engine's mesh holds devices of processes {list(self.processes)} only, none of "
+                              f"this process ({jax.process_index()}): build each process's engine on a mesh of its "
+                              "own devices, or one mesh every process of it builds the engine on")
+        # Several processes decode as one engine: a trace-time switch, so one process's programs do not change.
+        self.spans_processes = len(self.processes) > 1
+        self.rules = tuple(rules)
         self.dtype = model.cfg.compute_dtype if dtype == "auto" else dtype
         # The architecture as the engine runs it: weights held and decode computed in the engine's dtype.
         cfg = dataclasses.replace(model.cfg, param_dtype=self.dtype, compute_dtype=self.dtype)
@@ -282,8 +316,10 @@ class Engine:
         self._generate_steps_jit = serial_jit(self._generate_steps_impl, donate_argnums=(1,),
                                               static_argnums=(7, 8))
         self._resize_jit = serial_jit(self._resize_impl, static_argnums=(2,))
-        self._free_jit = serial_jit(lambda state, slot: state._replace(active=state.active.at[slot].set(False)),
-                                 donate_argnums=(0,))
+        self._free_jit = serial_jit(
+            lambda state, slot: self._pin(state._replace(active=state.active.at[slot].set(False))),
+            donate_argnums=(0,))
+        self._zeros_jit = serial_jit(lambda b: self._pin(self._zeros(b)), static_argnums=(0,))
         self._fuse_jit = serial_jit(fuse_layer_params)
         self._transpose_jit = serial_jit(transpose_weights)
         self._cast_jit = serial_jit(lambda tree: jax.tree.map(lambda x: x.astype(self.dtype), tree))
@@ -302,6 +338,30 @@ class Engine:
     def mesh(self) -> Mesh | None:
         return self._mesh
 
+    # -- layout across processes -----------------------------------------------------------------------------
+
+    def _pin(self, state: DecodeState) -> DecodeState:
+        """A decode state in its layout on a mesh spanning processes (as is otherwise): the same layout in and
+        out of every program, so donation reuses the buffers and no program reshards the cache."""
+        if not self.spans_processes:
+            return state
+
+        def rows(x):
+            return fitting_sharding(self._mesh, ("batch",), self.rules, x.shape)
+
+        shardings = DecodeState(
+            KVCache(fitting_sharding(self._mesh, KVCache.k_axes(), self.rules, state.cache.k.shape),
+                    fitting_sharding(self._mesh, KVCache.axes(), self.rules, state.cache.v.shape)),
+            *(rows(x) for x in state[1:7]), SamplingParams(*(rows(x) for x in state.sampling)))
+        return jax.lax.with_sharding_constraint(state, shardings)
+
+    def _readable(self, packed: jax.Array) -> jax.Array:
+        """Results the host reads, replicated on a mesh spanning processes: each process reads its own copy (an
+        array split across processes cannot be read by any one of them)."""
+        if not self.spans_processes:
+            return packed
+        return jax.lax.with_sharding_constraint(packed, NamedSharding(self._mesh, PartitionSpec()))
+
     # -- pure implementations ------------------------------------------------------------------------------
 
     def _prefill_impl(self, params: PreparedParams, tokens_t, true_length, sample_id, version, seed, sampling):
@@ -316,7 +376,7 @@ class Engine:
         tok, lp = sample(last, keys, sampling)
         prefix = Prefix(cache, tok[0], lp[0], true_length, sample_id, version, sampling, seed)
         # The first token's result, packed here so that reading it costs one transfer and no extra dispatch.
-        return prefix, _pack(tok, jnp.ones((1,), bool), true_length[None], lp, version[None])
+        return prefix, self._readable(_pack(tok, jnp.ones((1,), bool), true_length[None], lp, version[None]))
 
     def _insert_impl(self, prefix: Prefix, state: DecodeState, slot) -> DecodeState:
         def put_row(big, row):
@@ -326,12 +386,12 @@ class Engine:
         def put(vec, value):
             return vec.at[slot].set(jnp.asarray(value, vec.dtype).reshape(()))
 
-        return DecodeState(
+        return self._pin(DecodeState(
             cache=KVCache(put_row(state.cache.k, prefix.cache.k), put_row(state.cache.v, prefix.cache.v)),
             tokens=put(state.tokens, prefix.token), positions=put(state.positions, prefix.length),
             sample_ids=put(state.sample_ids, prefix.sample_id), versions=put(state.versions, prefix.version),
             seeds=put(state.seeds, prefix.seed), active=put(state.active, True),
-            sampling=SamplingParams(*(put(a, b[0]) for a, b in zip(state.sampling, prefix.sampling))))
+            sampling=SamplingParams(*(put(a, b[0]) for a, b in zip(state.sampling, prefix.sampling)))))
 
     def _prefill_rows_impl(self, params: PreparedParams, tokens_pt, lengths_p, prefix: KVCache | None = None):
         """The model part of :meth:`prefill_batch`: each distinct prompt's cache and last-token logits.
@@ -359,8 +419,7 @@ class Engine:
                                   init_cache(self.cfg, 1, n), logits=False, settings=self.settings)
         return cache
 
-    @staticmethod
-    def _first_tokens_impl(logits_pv, lengths_p, rows_n, valid_n, sample_ids_n, version, seeds_n, sampling_n):
+    def _first_tokens_impl(self, logits_pv, lengths_p, rows_n, valid_n, sample_ids_n, version, seeds_n, sampling_n):
         """The sampling part of :meth:`prefill_batch` (a separate program: the model's is compiled per
         (distinct prompts, bucket), this one per number of requests)."""
         lengths_n = lengths_p[rows_n]
@@ -368,7 +427,7 @@ class Engine:
         tok, lp = sample(logits_pv[rows_n], keys, sampling_n)
         versions_n = jnp.full(rows_n.shape, version, jnp.int32)
         rest = (rows_n, tok, lp, lengths_n, sample_ids_n, versions_n, sampling_n, seeds_n)  # PrefixBatch order
-        return rest, _pack(tok, valid_n, lengths_n, lp, versions_n)
+        return rest, self._readable(_pack(tok, valid_n, lengths_n, lp, versions_n))
 
     def _insert_batch_impl(self, batch: PrefixBatch, state: DecodeState, slots_n) -> DecodeState:
         # Slot B (out of range) marks a request that is not inserted: its writes are dropped.
@@ -381,11 +440,11 @@ class Engine:
         def put(vec, values):
             return vec.at[slots_n].set(values.astype(vec.dtype), mode="drop")
 
-        return DecodeState(
+        return self._pin(DecodeState(
             cache=KVCache(k, v), tokens=put(state.tokens, batch.token), positions=put(state.positions, batch.length),
             sample_ids=put(state.sample_ids, batch.sample_id), versions=put(state.versions, batch.version),
             seeds=put(state.seeds, batch.seed), active=put(state.active, jnp.ones(slots_n.shape, bool)),
-            sampling=SamplingParams(*(put(a, b) for a, b in zip(state.sampling, batch.sampling))))
+            sampling=SamplingParams(*(put(a, b) for a, b in zip(state.sampling, batch.sampling)))))
 
     def _decode_step(self, params: PreparedParams, state: DecodeState, filtered: bool | None):
         """One step's model and sampling for every slot: (new cache, sampled tokens, their log-probs, the
@@ -404,11 +463,11 @@ class Engine:
         cache, tokens, logprobs, nxt = self._decode_step(params, state, filtered)
         tokens = jnp.where(state.active, tokens, 0)
         new = state._replace(cache=cache, tokens=tokens, positions=jnp.where(state.active, nxt, state.positions))
-        return new, _pack(tokens, state.active, nxt, logprobs, state.versions)
+        return self._pin(new), self._readable(_pack(tokens, state.active, nxt, logprobs, state.versions))
 
     def _generate_many_impl(self, params_seq, states_seq, filtered: bool | None):
         outs = [self._generate_impl(p, st, filtered) for p, st in zip(params_seq, states_seq)]
-        return tuple(o[0] for o in outs), jnp.concatenate([o[1] for o in outs], axis=0)
+        return tuple(o[0] for o in outs), self._readable(jnp.concatenate([o[1] for o in outs], axis=0))
 
     def _generate_steps_impl(self, params_seq, states_seq, budgets_seq, stops_seq, final_seq, end_after, limit,
                              steps: int, filtered: bool | None):
@@ -458,7 +517,7 @@ class Engine:
                            for st, stops in zip(states_seq, stops_seq))
         carry = (jnp.int32(0), states_seq, produced0, out0, jnp.zeros((len(sizes),), jnp.int32))
         _, states, _, out, _ = jax.lax.while_loop(cond, body, carry)
-        return states, out
+        return tuple(self._pin(st) for st in states), self._readable(out)
 
     def _resize_impl(self, state: DecodeState, rows, capacity: int) -> DecodeState:
         """Gathers ``rows`` (indices into the old state, -1 = empty) into a state of ``capacity`` slots."""
@@ -468,11 +527,11 @@ class Engine:
             return jnp.take(x, take, axis=axis)
 
         keep = rows >= 0
-        return DecodeState(
+        return self._pin(DecodeState(
             cache=KVCache(g(state.cache.k, 1), g(state.cache.v, 1)), tokens=g(state.tokens),
             positions=g(state.positions), sample_ids=g(state.sample_ids), versions=g(state.versions),
             seeds=g(state.seeds), active=g(state.active) & keep,
-            sampling=SamplingParams(*(g(a) for a in state.sampling)))
+            sampling=SamplingParams(*(g(a) for a in state.sampling))))
 
     # -- JetStream API ---------------------------------------------------------------------------------------
 
@@ -511,13 +570,18 @@ class Engine:
             return self._prepared
         return self.prepare_params(params)
 
-    def init_decode_state(self, capacity: int | None = None) -> DecodeState:
-        b = capacity or self._max_concurrent_decodes
+    def _zeros(self, b: int) -> DecodeState:
         def z():  # distinct buffers: the state is donated
             return jnp.zeros((b,), jnp.int32)
 
         return DecodeState(init_cache(self.cfg, b, self.max_target_length), z(), z(), z(), z(), z(),
                            jnp.zeros((b,), bool), SamplingParams.make(b))
+
+    def init_decode_state(self, capacity: int | None = None) -> DecodeState:
+        b = capacity or self._max_concurrent_decodes
+        if self.spans_processes:  # made in place, each device its own part: no host holds the whole cache
+            return self._zeros_jit(b)
+        return self._zeros(b)
 
     def prefill(self, *, params: Any = None, existing_prefix: SharedPrefix | None = None, padded_tokens: Any,
                 true_length: int, sample_id: int = 0, version: int = 0,
