@@ -27,17 +27,18 @@ _WORKER = textwrap.dedent("""
     from flax import nnx
     from jax.experimental import multihost_utils
     from dora_jax.config import DEFAULT_RULES, MeshConfig, load_config
-    from dora_jax.models.build import init_model
+    from dora_jax.models.build import abstract_model, init_model, state_shardings
     from dora_jax.rollout.driver import Request, RolloutDriver
     from dora_jax.rollout.engine import Engine, EngineError, RequestSampling
-    from dora_jax.sharding import create_mesh
+    from dora_jax.sharding import create_mesh, reshard
 
     out = sys.argv[1]
     cfg = load_config("tiny_llama").model
     # Rows split over "data" within each process, heads over "tensor" across the processes: each tensor pair is
     # one device of process 0 and one of process 1, so every decode step's matmuls reduce across processes.
     by_process = [[d for d in jax.devices() if d.process_index == p] for p in range(2)]
-    mesh = create_mesh(MeshConfig(data=2, fsdp=1, tensor=2), [d for pair in zip(*by_process) for d in pair])
+    devices = [d for pair in zip(*by_process) for d in pair]
+    mesh = create_mesh(MeshConfig(data=2, fsdp=1, tensor=2), devices)
     rng = np.random.default_rng(0)
     head = tuple(int(x) for x in rng.integers(1, cfg.vocab_size, 5))  # every prompt starts with it (a chat head)
     prompts = [head + tuple(int(x) for x in rng.integers(1, cfg.vocab_size, rng.integers(2, 12))) for _ in range(5)]
@@ -63,10 +64,16 @@ _WORKER = textwrap.dedent("""
         return [{"id": t.sample_id, "version": t.version, "tokens": t.tokens, "logprobs": t.logprobs,
                  "reason": t.finish_reason} for t in sorted(done, key=lambda t: t.sample_id)]
 
-    models = [init_model(cfg, mesh, DEFAULT_RULES, seed=s) for s in (0, 1)]
+    # Version 0 born on the rollout mesh; version 1 on a trainer's mesh (fsdp over the same four devices, in the
+    # same order) and moved to the rollout mesh's layout device to device, as a run publishes a version.
+    models = [init_model(cfg, mesh, DEFAULT_RULES, seed=0),
+              init_model(cfg, create_mesh(MeshConfig(data=1, fsdp=4, tensor=1), devices), DEFAULT_RULES, seed=1)]
     engine = Engine(models[0], mesh=mesh, **sizes)
-    params = [nnx.split(m)[1] for m in models]
+    rollout_shardings = state_shardings(abstract_model(cfg)[1], mesh, DEFAULT_RULES)
+    params = [nnx.split(models[0])[1], reshard(nnx.split(models[1])[1], rollout_shardings)[0]]
     rec = {"pid": jax.process_index(), "spans": engine.spans_processes,
+           "moved": all(x.sharding.is_equivalent_to(t, x.ndim)
+                        for x, t in zip(jax.tree.leaves(params[1]), jax.tree.leaves(rollout_shardings))),
            "tensor_pairs": [[d.process_index for d in row] for row in mesh.devices.reshape(2, 2)],
            "trajectories": decode(engine, params)}
     state = engine.init_decode_state(4)
@@ -129,7 +136,7 @@ def test_an_engine_spanning_two_processes_decodes_like_one_process(tmp_path):
     assert [t["id"] for t in reference] == list(range(6))
     assert reference[0]["tokens"][:14] != reference[2]["tokens"]  # the versions decode apart: a mix-up would show
     for r in recs:
-        assert r["spans"] and r["cache_processes"] == [0, 1]
+        assert r["spans"] and r["moved"] and r["cache_processes"] == [0, 1]
         assert r["tensor_pairs"] == [[0, 1], [0, 1]]  # each tensor pair spans both processes
         layers, rows, heads, head_dim, length = r["cache_shape"]
         # Each device holds half the rows and half the heads of the cache, not the whole of it.
