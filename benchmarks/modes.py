@@ -65,11 +65,12 @@ def _mode_result(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
                 ("decode_steps_per_sample", "decode_batch_steps_per_sample"), ("slot_utilization", "slot_utilization"))}
     return {
         "mode": s["mode"], "placement": s["placement"], "max_staleness": s["max_staleness"], "samples": s["samples"],
-        "measured_wall_s": np.median(per_run["wall_s"]), "samples_per_s": np.median(per_run["samples_per_s"]),
+        "measured_wall_s": float(np.median(per_run["wall_s"])),
+        "samples_per_s": float(np.median(per_run["samples_per_s"])),
         # Device-independent: decode batch-steps per trained sample and the share of computed rows that were
         # live (what predicts the speed-up where a decode step costs the same at any batch size).
-        "decode_steps_per_sample": np.median(per_run["decode_steps_per_sample"]),
-        "slot_utilization": np.median(per_run["slot_utilization"]), "runs": per_run,
+        "decode_steps_per_sample": float(np.median(per_run["decode_steps_per_sample"])),
+        "slot_utilization": float(np.median(per_run["slot_utilization"])), "runs": per_run,
         "decode_batch_steps": s["decode_batch_steps"], "train_s": s["train_s"],
         "tokens_per_s": sum(row["trained_tokens"] for row in rows) / s["wall_s"], "gen_tok_s": s["gen_tok_s"],
         "rollout_share": float(np.mean([row["rollout_share"] for row in rows])),
@@ -95,6 +96,32 @@ def simulate_modes(h: Harness, variants: list[Variant], profile: Any) -> dict[st
         out[v.name] = {k: r[k] for k in ("wall_s", "samples_per_s", "train_s", "decode_batch_steps",
                                          "decode_batch_steps_per_sample", "slot_utilization", "max_resident_versions")}
     return out
+
+
+def compare(results: dict[str, dict[str, Any]], simulated: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The simulator against the measurement: each mode of ``results`` gets ``simulated_wall_s``, the simulated
+    figures and ``simulated_error`` (simulated / measured wall time - 1); returns, against :data:`TARGET`, which
+    modes' wall times are within it and, per dora mode, the dora / sync wall-time ratio measured and simulated
+    with the ratio's error.
+
+    Args:
+      results: per mode, at least ``mode`` and ``measured_wall_s`` (a ``sync`` mode among them).
+      simulated: per mode of ``results``, at least ``wall_s``.
+    """
+    for name, r in results.items():
+        r["simulated"] = simulated[name]
+        r["simulated_wall_s"] = float(simulated[name]["wall_s"])
+        r["simulated_error"] = r["simulated_wall_s"] / r["measured_wall_s"] - 1
+    sync = results["sync"]
+    ratios = {}
+    for name, r in results.items():
+        if r["mode"] == "dora":
+            m, s = r["measured_wall_s"] / sync["measured_wall_s"], r["simulated_wall_s"] / sync["simulated_wall_s"]
+            ratios[name] = {"measured": m, "simulated": s, "error": s / m - 1}
+    return {"target": TARGET,
+            "wall_within_target": {n: bool(abs(r["simulated_error"]) <= TARGET) for n, r in results.items()},
+            "dora_over_sync_wall": ratios,
+            "ratio_within_target": {n: bool(abs(x["error"]) <= TARGET) for n, x in ratios.items()}}
 
 
 def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, noise_seeds: int = 3,
@@ -137,23 +164,12 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
     runs = h.rounds(variants, repeats, warmup=False, on_run=say)
     prof = parse_profile(measured_profile, source="measured by this run") if profile is None else load_profile(profile)
     results = {v.name: _mode_result(v.name, runs[v.name]) for v in variants}
-    simulated = simulate_modes(h, variants, prof)
-    for name, r in results.items():
-        sim = simulated[name]
-        r["simulated_wall_s"] = sim["wall_s"]
-        r["simulated"] = sim
-        r["simulated_error"] = sim["wall_s"] / r["measured_wall_s"] - 1
+    checked = compare(results, simulate_modes(h, variants, prof))
     noise = [[row["reward"] for row in h.run(Variant(f"sync_seed{seed}", _mode_overrides("sync", 0, TBS),
                                                      h.split), [f"rollout.seed={seed}"])["rows"]]
              for seed in range(1, noise_seeds)]
     curves = np.asarray([results["sync"]["reward_per_step"]] + noise)
     sync = results["sync"]
-    ratios = {}
-    for name, r in results.items():
-        if r["mode"] == "dora":
-            m, s = r["measured_wall_s"] / sync["measured_wall_s"], r["simulated_wall_s"] / sync["simulated_wall_s"]
-            ratios[name] = {"measured": m, "simulated": s, "error": s / m - 1}
-    within = {name: abs(r["simulated_error"]) <= TARGET for name, r in results.items()}
     return {"machine": machine(), "source": source_version(), "config": config, "steps": steps, "repeats": repeats,
             "train_batch": TBS,
             "group_size": 4, "devices": h.device_count,
@@ -164,9 +180,7 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
                 n: r["decode_steps_per_sample"] / sync["decode_steps_per_sample"] for n, r in results.items()},
             "simulator": {"profile": profile or "measured in this run, after an untimed round of the modes and "
                                                 "before the timed ones, its train costs sampled again before "
-                                                "every timed round (see 'profile')",
-                          "target": TARGET, "wall_within_target": within, "dora_over_sync_wall": ratios,
-                          "ratio_within_target": {n: abs(x["error"]) <= TARGET for n, x in ratios.items()}},
+                                                "every timed round (see 'profile')", **checked},
             "profile": measured_profile,
             "sync_reward_curves": curves.tolist(),
             "sync_reward_spread": {"mean": curves.mean(0).tolist(), "min": curves.min(0).tolist(),

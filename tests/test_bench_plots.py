@@ -5,6 +5,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import json  # noqa: E402
+
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from benchmarks import cli, convergence, modes  # noqa: E402
@@ -65,3 +68,20 @@ def test_bench_options():
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["convergence", "--seeds", "0"])
     assert "profile" in cli.WHAT and "convergence" in cli.WHAT
+
+
+def test_simulated_against_measured_by_hand():
+    # Measured medians as numpy floats (what np.median gives): every figure must still be plain JSON.
+    results = {"sync": {"mode": "sync", "measured_wall_s": np.float64(4.0)},
+               "one_step_off": {"mode": "one_step_off", "measured_wall_s": np.float64(3.0)},
+               "dora_k2": {"mode": "dora", "measured_wall_s": np.float64(2.0)}}
+    simulated = {"sync": {"wall_s": 4.4}, "one_step_off": {"wall_s": 2.4}, "dora_k2": {"wall_s": 1.8}}
+    out = modes.compare(results, simulated)
+    assert results["sync"]["simulated_error"] == pytest.approx(0.1)
+    assert results["one_step_off"]["simulated_error"] == pytest.approx(-0.2)
+    assert out["wall_within_target"] == {"sync": True, "one_step_off": False, "dora_k2": True}
+    # Each wall time within 15% (+10%, -10%), yet dora / sync: measured 0.5, simulated 1.8 / 4.4 = 0.409, 18% low.
+    ratio = out["dora_over_sync_wall"]["dora_k2"]
+    assert (ratio["measured"], ratio["simulated"]) == (pytest.approx(0.5), pytest.approx(1.8 / 4.4))
+    assert ratio["error"] == pytest.approx(-0.18182, abs=1e-5) and out["ratio_within_target"] == {"dora_k2": False}
+    json.loads(json.dumps({"results": results, "simulator": out}))
