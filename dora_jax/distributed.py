@@ -215,27 +215,35 @@ def broadcast_decision(obj: Any) -> Any:
     return json.loads(data.astype(np.uint8).tobytes().decode())
 
 
+_GATHERS = [0]  # gather_decisions calls so far: every process makes the same calls in the same order
+GATHER_TIMEOUT_S = 3600  # a process that never comes (a crash) stops the others after this long
+
+
 def gather_decisions(obj: Any) -> list[Any]:
     """Every process's ``obj``, in process order, on every process: to check that a decision each process
     took on its own is the same everywhere (and fail on every process at once when it is not).
 
     ``obj`` must be JSON-serializable; entries are ``json.loads(json.dumps(obj))`` (also with one process).
-    Every process must call it at the same point of the program.
+    Every process must call it at the same point of the program. The values go through ``jax.distributed``'s
+    key-value store (the coordinator), not through the devices: a decision never waits behind device work, such
+    as a train step still running on the trainer's devices while the rollout devices decode.
     """
     import jax
 
-    payload = json.dumps(obj, sort_keys=True).encode()
+    payload = json.dumps(obj, sort_keys=True)
     if jax.process_count() == 1:
         return [json.loads(payload)]
-    from jax.experimental import multihost_utils
+    from jax._src import distributed as jax_distributed
 
-    lengths = np.asarray(multihost_utils.process_allgather(np.int32(len(payload)))).reshape(-1)
-    # A power-of-two buffer: the gather is compiled once per size class, not once per payload length.
-    size = max(64, 1 << (int(lengths.max()) - 1).bit_length())
-    buf = np.zeros((size,), np.uint8)
-    buf[:len(payload)] = np.frombuffer(payload, np.uint8)
-    data = np.asarray(multihost_utils.process_allgather(buf)).reshape(len(lengths), size)
-    return [json.loads(data[i, :n].astype(np.uint8).tobytes().decode()) for i, n in enumerate(lengths)]
+    client, me, n = jax_distributed.global_state.client, jax.process_index(), jax.process_count()
+    call = _GATHERS[0]
+    _GATHERS[0] += 1
+    client.key_value_set(f"dora_jax/decisions/{call}/{me}", payload)
+    client.wait_at_barrier(f"dora_jax/decisions/{call}", GATHER_TIMEOUT_S * 1000)
+    values = dict(client.key_value_dir_get(f"dora_jax/decisions/{call}/"))
+    if call:  # every process has read the previous call's values (it set this call's only after)
+        client.key_value_delete(f"dora_jax/decisions/{call - 1}/{me}")
+    return [json.loads(values[f"dora_jax/decisions/{call}/{p}"]) for p in range(n)]
 
 
 def process_shard(items: Sequence[T], *, index: int | None = None, count: int | None = None,

@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -220,7 +221,7 @@ def settle(tree: Any) -> Any:
 
     XLA:CPU's in-process collectives hold a thread of the shared pool per participant while they wait for the
     others, so on CPU one multi-device program runs at a time and a stuck collective is the one the host waits
-    for (its stack names it). Single-device arrays are not waited for. Programs get this through
+    for (its stack names it). Arrays with one device in this process are not waited for. Programs get this through
     :func:`serial_jit`.
     """
     for leaf in jax.tree.leaves(tree):
@@ -229,7 +230,10 @@ def settle(tree: Any) -> Any:
                 devices = leaf.sharding.device_set
             except AttributeError:  # a tracer (the call is being traced, e.g. by eval_shape): nothing runs
                 break
-            if len(devices) > 1 and next(iter(devices)).platform == "cpu":
+            # Only this process's devices share its thread pool: a program spanning processes with one device
+            # here (a trainer step beside this process's rollout device) may run while the host goes on.
+            here = [d for d in devices if d.process_index == jax.process_index()]
+            if len(here) > 1 and here[0].platform == "cpu":
                 jax.block_until_ready(tree)
             break
     return tree
@@ -343,23 +347,63 @@ def process_meshes(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = 
     return tuple(out)
 
 
+def process_role_meshes(mesh_cfg: MeshConfig, roles: RolesConfig, devices: Sequence[jax.Device] | None = None
+                        ) -> tuple[Mesh, tuple[Mesh, ...]]:
+    """Under several processes: the trainer's mesh and one rollout mesh per process (indexed by process index).
+
+    ``shared``: the trainer's ``mesh_cfg`` mesh spans every device and each process decodes on all of its own.
+    ``split``: each process gives its first ``roles.trainer_devices / process_count`` devices to the trainer,
+    whose mesh spans those of every process, and decodes on the rest (a :func:`rollout_mesh_config` mesh), so
+    every host trains and decodes at once and a new version moves between devices of the same host.
+
+    Raises:
+      ConfigError: naming the roles field when the devices do not split that way.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    rollout_cfg = rollout_mesh_config(roles)
+    if roles.placement == "shared":
+        return create_mesh(mesh_cfg, devices), process_meshes(rollout_cfg, devices)
+    n, total = jax.process_count(), roles.trainer_devices
+    if total % n:
+        raise ConfigError(f"roles.trainer_devices = {total} is not a multiple of the {n} processes: each process "
+                          "gives the trainer the same number of its devices")
+    trainer, local = [], []
+    for p in range(n):
+        mine = [d for d in devices if d.process_index == p]
+        if len(mine) <= total // n:
+            raise ConfigError(f"roles.trainer_devices = {total}: process {p} has {len(mine)} devices, "
+                              f"{total // n} of which would train, leaving none to decode")
+        trainer += mine[:total // n]
+        try:
+            local.append(create_mesh(rollout_cfg, mine[total // n:]))
+        except ConfigError as e:
+            raise ConfigError(f"roles.rollout_data/rollout_tensor: process {p}'s {len(mine) - total // n} rollout "
+                              f"devices: {e}") from None
+    return create_mesh(mesh_cfg, trainer), tuple(local)
+
+
 class ProcessLocalCopy:
     """Makes each process's own copy of a tree whose arrays span every process's devices.
 
     ``local_shardings`` are this process's target shardings (a tree of NamedShardings on
-    ``meshes[jax.process_index()]``). One jitted program moves the tree onto a mesh that stacks every
-    process's mesh along a ``process`` axis, with the same partition specs: each device receives exactly the
-    shard its process's copy needs (XLA's collectives, device to device, never through host memory). The
-    shards a process holds then form its copy, an array on its own devices only, usable by programs that
-    never span processes (the rollout engine's decode).
+    ``meshes[jax.process_index()]``). When the tree lives on the devices of ``meshes`` (``shared`` placement),
+    one jitted program moves it onto a mesh that stacks every process's mesh along a ``process`` axis, with the
+    same partition specs: each device receives exactly the shard its process's copy needs (XLA's collectives,
+    device to device, never through host memory). When it lives on other devices (``split``: the trainer's),
+    :class:`_Across` sends each rollout device its block. The shards a process holds then form its copy, an
+    array on its own devices only, usable by programs that never span processes (the rollout engine's decode).
+    Every process calls it at the same point, with the same tree.
     """
 
     def __init__(self, local_shardings: Any, meshes: Sequence[Mesh]):
         self.local = jax.tree.leaves(local_shardings)
+        self.meshes = tuple(meshes)
         names = meshes[0].axis_names
         stacked = Mesh(np.stack([m.devices for m in meshes]), ("process",) + tuple(names))
+        self._devices = frozenset(stacked.devices.flat)
         spread = [NamedSharding(stacked, s.spec) for s in self.local]
         self._spread = jax.jit(lambda xs: list(xs), out_shardings=spread)
+        self._across: dict[Any, _Across] = {}
 
     def __call__(self, tree: Any) -> tuple[Any, float]:
         """``(this process's copy of tree, seconds)``, the time including the wait for the last copy."""
@@ -367,10 +411,127 @@ class ProcessLocalCopy:
         leaves, treedef = jax.tree.flatten(tree)
         if len(leaves) != len(self.local):
             raise ValueError(f"ProcessLocalCopy: the tree has {len(leaves)} arrays, the shardings {len(self.local)}")
-        out = []
-        for x, sharding in zip(self._spread(leaves), self.local):
-            by_device = {s.device: s.data for s in x.addressable_shards}
-            shards = [by_device[d] for d in sharding.addressable_devices_indices_map(x.shape)]
-            out.append(jax.make_array_from_single_device_arrays(x.shape, sharding, shards))
+        sources = {frozenset(x.sharding.device_set) for x in leaves}
+        if len(sources) == 1 and not sources.pop() & self._devices:  # disjoint devices: send the blocks
+            key = tuple((x.shape, x.dtype, x.sharding) for x in leaves)
+            if key not in self._across:
+                self._across[key] = _Across(leaves, [s.spec for s in self.local], self.meshes)
+            out = self._across[key](leaves)
+        else:
+            out = []
+            for x, sharding in zip(self._spread(leaves), self.local):
+                out.append(_local_array(x, sharding, x.shape))
         out = jax.block_until_ready(jax.tree.unflatten(treedef, out))
         return out, time.perf_counter() - t0
+
+
+def _local_array(x: jax.Array, sharding: NamedSharding, shape: tuple[int, ...]) -> jax.Array:
+    """The array of ``sharding`` (this process's devices) made of ``x``'s shards on those devices."""
+    by_device = {s.device: s.data for s in x.addressable_shards}
+    shards = [by_device[d] for d in sharding.addressable_devices_indices_map(shape)]
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
+class _Across:
+    """The move of a tree from devices of every process (the trainer's) to each process's rollout mesh, other
+    devices of every process, for one layout of the tree.
+
+    One program on the source devices lays every array out in the target's blocks, as many copies of each as
+    the source devices allow, every process holding each block when its share of the source devices does; one
+    program over both device sets then hands every target device its block with collective permutes, from a
+    source device of the same process where one holds it (so under ``split`` placement the weights cross no
+    host boundary), in as many rounds as one source device has receivers. When the target's blocks do not fit
+    the source devices, the whole array goes over and is cut on the target. Only XLA's collectives move data:
+    nothing passes through host memory, and the source devices are busy only for the two programs.
+    """
+
+    def __init__(self, leaves: list[jax.Array], specs: list[Any], meshes: Sequence[Mesh]):
+        src = sorted(leaves[0].sharding.device_set, key=lambda d: (d.process_index, d.id))
+        dst = [d for m in meshes for d in m.devices.flat]
+        self.mesh = Mesh(np.array(src + dst, dtype=object), ("all",))
+        index = {d: i for i, d in enumerate(self.mesh.devices.flat)}
+        here = meshes[jax.process_index()]
+        self.stagings, self.blocks, self.targets, self.received = [], [], [], []
+        routes = []
+        for x, spec in zip(leaves, specs):
+            targets = [NamedSharding(m, spec) for m in meshes]
+            shape = tuple(x.shape) or (1,)  # a scalar travels as one element
+            block = targets[0].shard_shape(shape)
+            staging = _stage(src, [n // b for n, b in zip(shape, block)]) if x.ndim else None
+            whole = staging is None
+            if whole:  # every target device receives the whole array and cuts its own block
+                block, staging = shape, _stage(src, [1] * len(shape))
+            holders: dict[tuple[int, ...], list[jax.Device]] = {}
+            for d, idx in staging.devices_indices_map(shape).items():
+                holders.setdefault(tuple(s.start or 0 for s in idx), []).append(d)
+            load: dict[jax.Device, int] = {}
+            recv, perms = np.full(len(index), -1, np.int32), {}
+            for t in targets:
+                for d, idx in sorted(t.devices_indices_map(tuple(x.shape)).items(), key=lambda kv: index[kv[0]]):
+                    key = (0,) * len(shape) if whole else tuple(s.start or 0 for s in idx)
+                    s = min(holders[key], key=lambda h: (h.process_index != d.process_index, load.get(h, 0), index[h]))
+                    r = load[s] = load.get(s, 0)
+                    load[s] += 1
+                    perms.setdefault(r, []).append((index[s], index[d]))
+                    recv[index[d]] = r
+            routes.append((recv, [perms[r] for r in sorted(perms)]))
+            self.stagings.append(staging)
+            self.blocks.append(block)
+            local = targets[jax.process_index()]
+            self.targets.append(local)
+            self.received.append((shape, NamedSharding(here, P())) if whole else None)
+        self.shape_of = [tuple(x.shape) or (1,) for x in leaves]
+        self._stage = serial_jit(lambda xs: [x.reshape(s) for x, s in zip(xs, self.shape_of)],
+                                 out_shardings=self.stagings)
+        dtypes, self.shapes = [x.dtype for x in leaves], [tuple(x.shape) for x in leaves]
+        self._blank = serial_jit(lambda: [jnp.zeros(b, t) for b, t in zip(self.blocks, dtypes)],
+                                 out_shardings=[NamedSharding(here, P())] * len(leaves))
+        self._send = jax.jit(jax.shard_map(functools.partial(_route, routes=routes), mesh=self.mesh,
+                                           in_specs=(P("all"),), out_specs=P("all")))
+        cut = [(i, t) for i, (t, w) in enumerate(zip(self.targets, self.received)) if w is not None]
+        self._cut_at = [i for i, _ in cut]
+        shapes = [tuple(leaves[i].shape) for i in self._cut_at]
+        self._cut = serial_jit(lambda ys: [y.reshape(s) for y, s in zip(ys, shapes)],
+                               out_shardings=[t for _, t in cut]) if cut else None
+        self.gsharding = NamedSharding(self.mesh, P("all"))
+
+    def __call__(self, leaves: list[jax.Array]) -> list[jax.Array]:
+        staged, blank = self._stage(leaves), self._blank()
+        n = self.mesh.devices.size
+        glob = []
+        for x, b, block in zip(staged, blank, self.blocks):
+            shards = [s.data for s in x.addressable_shards] + [s.data for s in b.addressable_shards]
+            glob.append(jax.make_array_from_single_device_arrays((n * block[0],) + tuple(block[1:]),
+                                                                 self.gsharding, shards))
+        sent = self._send(glob)
+        out = []
+        for y, target, received, shape in zip(sent, self.targets, self.received, self.shapes):
+            out.append(_local_array(y, target, shape) if received is None else _local_array(y, received[1], received[0]))
+        if self._cut is not None:
+            for i, y in zip(self._cut_at, self._cut([out[i] for i in self._cut_at])):
+                out[i] = y
+        return out
+
+
+def _stage(devices: list[jax.Device], pieces: Sequence[int]) -> NamedSharding | None:
+    """A sharding over ``devices`` (process by process) that cuts dimension i into ``pieces[i]`` blocks, the
+    blocks on consecutive devices and their copies along a leading axis (so each process holds every block when
+    its device count allows); None when the blocks do not divide the devices."""
+    n = math.prod(pieces)
+    if len(devices) % n:
+        return None
+    names = tuple(f"d{i}" for i in range(len(pieces)))
+    mesh = Mesh(np.array(devices, dtype=object).reshape(len(devices) // n, *pieces), ("copies",) + names)
+    return NamedSharding(mesh, P(*(names[i] if k > 1 else None for i, k in enumerate(pieces))))
+
+
+def _route(xs: list[jax.Array], routes: list[Any]) -> list[jax.Array]:
+    """Inside ``shard_map``: every receiving device's block from its source, one permute per round."""
+    i = jax.lax.axis_index("all")
+    out = []
+    for x, (recv, rounds) in zip(xs, routes):
+        y = x
+        for r, perm in enumerate(rounds):
+            y = jnp.where(jnp.asarray(recv)[i] == r, jax.lax.ppermute(x, "all", perm), y)
+        out.append(y)
+    return out

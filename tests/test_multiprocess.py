@@ -75,6 +75,72 @@ _WORKER = textwrap.dedent("""
 """)
 
 
+# Split placement: each process gives one of its two devices to the trainer (whose mesh spans both processes)
+# and decodes on the other while the trainer trains; decoupled PPO on recomputed behaviour log-probs, two
+# minibatches per iteration (so the proximal policy is not the current one), a reward that differs within groups.
+SPLIT = [o for o in OVERRIDES if not o.startswith(("mesh.", "roles."))] + [
+    "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=1", "roles.placement=split", "roles.trainer_devices=2",
+    "roles.rollout_data=1", "roles.rollout_tensor=1", "target.num_devices=4", "train.correction=decoupled",
+    "train.behaviour_logprobs=recompute", "train.minibatches=2", "task.reward=test_multiprocess:spread_reward"]
+
+_SPLIT_WORKER = textwrap.dedent("""
+    import json, sys
+    from dora_jax.distributed import initialize
+    initialize()
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from dora_jax.config import load_config
+    from dora_jax.run import Runner
+    from dora_jax.run.training import recompute_on_devices
+    from dora_jax.trainer import Sample, make_batch
+
+    run_dir, out, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    runner = Runner(load_config("tiny_llama", overrides), run_dir, progress=False)
+    resumed_at = runner.sched.version
+    summary = runner.run()
+    gather = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    v, trainer = runner.sched.version, runner.trainer
+    local = jax.tree.leaves(runner.versions.rollout_params(v)[0])
+    full = [gather(x) for x in jax.tree.leaves(runner.versions.params(v))]
+    # Every trained token's behaviour log-prob recomputed on the trainer's devices from its own version's
+    # snapshot, against the log-prob the engine recorded when it sampled the token; and from another version.
+    with open(f"{run_dir}/samples.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    samples = [Sample(r["sample_id"], r["group_id"], r["version"], r["prompt_ids"], r["tokens"], r["logprobs"],
+                      r["reward"]) for r in rows]
+    host = make_batch(samples, group_size=4, length_buckets=(64,), row_multiple=trainer.row_multiple)
+    batch = trainer.put(host)
+    like = trainer.policy_params(runner.state)
+    snaps = {u: runner.store.restore_version(u, like) for u in sorted({r["version"] for r in rows})}
+    versions = np.asarray(host.versions)[np.asarray(host.valid)]
+    own = gather(recompute_on_devices(trainer, batch, versions, snaps.__getitem__).recomputed_logprobs)
+    newest = max(snaps)
+    other = gather(recompute_on_devices(trainer, batch, versions,
+                                        lambda u: snaps[newest if u != newest else min(snaps)]).recomputed_logprobs)
+    mask, recorded = np.asarray(host.loss_mask) > 0, np.asarray(host.behaviour_logprobs)
+    err = lambda a: float(np.max(np.abs(a[mask] - recorded[mask])) / np.max(np.abs(recorded[mask])))
+    rec = {"pid": jax.process_index(), "resumed_at": resumed_at, "generated": runner.rollout.generated,
+           "trainer_devices": sorted(d.id for d in runner.trainer.mesh.devices.flat),
+           "rollout_devices": sorted(d.id for d in runner.placement.engine.mesh.devices.flat),
+           "local_devices": sorted(d.id for d in jax.local_devices()),
+           "updates": runner.updates, "ledger": runner.sched.state_dict(),
+           "copy_max_diff": max(float(np.max(np.abs(np.asarray(a) - b))) for a, b in zip(local, full)),
+           "copy_on_own_devices": all({d.process_index for d in x.sharding.device_set} == {jax.process_index()}
+                                      for x in local),
+           "own_err": err(own), "other_err": err(other), "versions_trained": sorted(snaps),
+           "summary": summary}
+    with open(out, "w") as f:
+        json.dump(rec, f)
+""")
+
+
+def spread_reward(prompt, response, answer):
+    """A reward that differs between a group's responses, however short (the tiny model's are often one
+    token), so that every update moves the policy."""
+    return sum(map(ord, response)) % 7 / 6
+
+
 def reward_refused_on_process_1(prompt, response, answer):
     """A reward that fails on process 1 only: its ledger filters what process 0's finishes. Rewards run in worker
     processes that never join the cluster, so the process is read from the launch's DORA_PROCESS_ID."""
@@ -89,19 +155,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path, overrides_of, timeout=240):
-    """Runs the worker in two processes (``overrides_of(pid)`` each); returns their return codes and outputs."""
+def _launch(tmp_path, overrides_of, timeout=240, worker=_WORKER, devices=4):
+    """Runs ``worker`` in two processes of ``devices`` CPU devices each (``overrides_of(pid)`` each); returns
+    their return codes and outputs."""
     port, run_dir = _free_port(), tmp_path / "run"
     procs = []
     for pid in range(2):
         # Four CPU devices per process; the CPU compiler's backend optimizations off: compiling dominates a run
         # this small, and both processes compile the same programs with the same flags.
         env = {**os.environ, "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": cpu_device_flags(4, "--xla_backend_optimization_level=0"),
+               "XLA_FLAGS": cpu_device_flags(devices, "--xla_backend_optimization_level=0"),
                "DORA_COORDINATOR": f"127.0.0.1:{port}", "DORA_NUM_PROCESSES": "2", "DORA_PROCESS_ID": str(pid),
                "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
         procs.append(subprocess.Popen(
-            [sys.executable, "-c", _WORKER, str(run_dir), str(tmp_path / f"rec{pid}.json"),
+            [sys.executable, "-c", worker, str(run_dir), str(tmp_path / f"rec{pid}.json"),
              json.dumps(overrides_of(pid))],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     deadline, outs, late = time.monotonic() + timeout, [], []
@@ -207,3 +274,65 @@ def test_processes_that_cannot_agree_stop_together_naming_the_cause(tmp_path, ex
         assert message in out, out[-3000:]
     if "startup" in message:
         assert not (tmp_path / "run" / "config.json").exists()  # stopped before anything was written
+
+
+def test_split_placement_across_processes_trains_while_decoding(tmp_path):
+    """Each process trains on one device and decodes on the other; the run keeps every promise, every
+    process's rollout copy is the trainer's newest version on its own devices, decoupled PPO runs on behaviour
+    log-probs recomputed on the trainer's devices from each sample's own version, and a run resumed from a
+    checkpoint under this layout redoes the lost update exactly."""
+    run_dir = tmp_path / "run"
+    codes, outs = _launch(tmp_path, lambda pid: SPLIT, worker=_SPLIT_WORKER, devices=2)
+    for pid, (code, out) in enumerate(zip(codes, outs)):
+        assert code == 0, f"process {pid} failed:\n{out[-6000:]}"
+    recs = [json.loads((tmp_path / f"rec{pid}.json").read_text()) for pid in range(2)]
+    for pid, r in enumerate(recs):
+        # The trainer's mesh: the first device of each process; this process decodes on its second.
+        assert len(r["trainer_devices"]) == 2 and r["trainer_devices"][pid] == r["local_devices"][0]
+        assert r["rollout_devices"] == r["local_devices"][1:]
+        ledger = Ledger.from_dict(r["ledger"]["ledger"])
+        ledger.check(K)  # every sample consumed once or filtered with a reason, groups whole, staleness <= K
+        counts = ledger.counts()
+        assert counts["consumed"] == STEPS * TBS and counts["pending"] == counts["in_flight"] == 0
+        for u in r["updates"]:
+            assert len(u["samples"]) == TBS and all(0 <= u["step"] - 1 - v <= K for _, v in u["samples"])
+        s = r["summary"]
+        assert (s["placement"], s["processes"], s["steps"], s["samples"]) == ("split", 2, STEPS, STEPS * TBS)
+        assert s["max_resident_versions"] <= K + 1 and s["sync_s"] > 0
+        assert r["copy_max_diff"] == 0.0 and r["copy_on_own_devices"]
+        # Recomputed from each sample's own version: the engine's log-probs up to float32 rounding (the
+        # single-process runner test's bound); another version's are detectably different.
+        assert r["own_err"] <= 1e-4 and r["other_err"] > 1e-3, (r["own_err"], r["other_err"])
+        # Decoupled PPO's ratio statistics: behaviour -> proximal weights, recorded for every update.
+        for u in r["updates"]:
+            t = u["train"]
+            assert {"is_weight_mean", "is_weight_mean_min", "is_weight_mean_max", "is_dropped_frac"} <= set(t)
+            assert 0 < t["is_weight_mean_min"] <= t["is_weight_mean"] <= t["is_weight_mean_max"]
+    # Some update trained samples of an older version whose weights had moved: their weights are not all 1.
+    assert any(abs(u["train"]["is_weight_mean"] - 1) > 1e-6 for u in recs[0]["updates"])
+    assert max(u["step"] - 1 - v for u in recs[0]["updates"] for _, v in u["samples"]) >= 1
+    assert all(r["generated"] > 0 for r in recs)
+    counts = Ledger.from_dict(recs[0]["ledger"]["ledger"]).counts()
+    assert sum(r["generated"] for r in recs) == counts["consumed"] + counts["finished"]
+    assert recs[0]["updates"] == recs[1]["updates"] and recs[0]["ledger"] == recs[1]["ledger"]
+
+    # Resume under this layout: the last checkpoint and the run's end taken away, two processes continue from
+    # update 2. Which samples update 3 trains depends on when the trainer finished relative to decoding, so the
+    # audit is the ledger's: nothing lost or trained twice, staleness within K, the first two updates as they were.
+    shutil.rmtree(run_dir / "checkpoints" / f"step_{STEPS:08d}")
+    (run_dir / "summary.json").unlink()
+    codes, outs = _launch(tmp_path, lambda pid: SPLIT + ["run.resume=true"], worker=_SPLIT_WORKER, devices=2)
+    for pid, (code, out) in enumerate(zip(codes, outs)):
+        assert code == 0, f"resumed process {pid} failed:\n{out[-6000:]}"
+    again = [json.loads((tmp_path / f"rec{pid}.json").read_text()) for pid in range(2)]
+    assert again[0]["updates"] == again[1]["updates"] and again[0]["ledger"] == again[1]["ledger"]
+    r = again[0]
+    assert r["resumed_at"] == STEPS - 1 and [u["step"] for u in r["updates"]] == [STEPS]
+    assert r["copy_max_diff"] == 0.0 and r["own_err"] <= 1e-4
+    ledger = Ledger.from_dict(r["ledger"]["ledger"])
+    ledger.check(K)
+    assert ledger.counts()["consumed"] == STEPS * TBS
+    trained = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert len({t["sample_id"] for t in trained}) == len(trained) == STEPS * TBS
+    before = sorted(sid for u in recs[0]["updates"][:STEPS - 1] for sid, _ in u["samples"])
+    assert sorted(t["sample_id"] for t in trained if t["trained_at"] < STEPS - 1) == before

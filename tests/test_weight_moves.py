@@ -114,3 +114,29 @@ def test_process_local_copy_in_one_process_stays_on_device():
     for got, ref in zip(jax.tree.leaves(copy), jax.tree.leaves(params)):
         assert got.sharding.mesh.shape == meshes[0].shape
         assert np.array_equal(np.asarray(got), np.asarray(ref))
+
+
+@pytest.mark.parametrize("trainer_shape,rollout", [((1, 4, 1), (1, 1, 4)), ((1, 2, 2), (2, 1, 2)), ((1, 2, 1), (1, 1, 4))],
+                         ids=["fsdp4_to_tensor4", "fsdp2xtensor2_to_data2xtensor2", "fsdp2_to_tensor4_whole"])
+def test_process_local_copy_from_the_trainers_devices_stays_on_device(trainer_shape, rollout):
+    """Split placement's move in one process: the trainer's params to a rollout mesh on other devices (one
+    program over both device sets hands each rollout device its block), under the guards; every array equal to
+    the trainer's and in the rollout mesh's shardings. In the last case four tensor blocks do not fit the two
+    trainer devices, so each rollout device receives whole arrays and cuts its own block."""
+    cfg = load_config("tiny_llama").model
+    rules = load_config("tiny_llama").mesh.logical_axis_rules
+    trainer_mesh = create_mesh(MeshConfig(*trainer_shape), D[:int(np.prod(trainer_shape))])
+    from flax import nnx
+
+    params = nnx.state(init_model(cfg, trainer_mesh, rules, seed=0))
+    n = int(np.prod(rollout))
+    mesh = create_mesh(MeshConfig(*rollout), D[8 - n:])
+    shardings = state_shardings(abstract_model(cfg)[1], mesh, rules)
+    local = ProcessLocalCopy(shardings, (mesh,))
+    with no_host_copies():
+        copy, _ = local(params)
+        again, _ = local(params)  # the compiled programs reused
+    for got, same, ref, want in zip(jax.tree.leaves(copy), jax.tree.leaves(again), jax.tree.leaves(params),
+                                    jax.tree.leaves(shardings)):
+        assert got.sharding.is_equivalent_to(want, got.ndim) and set(got.sharding.device_set) == set(mesh.devices.flat)
+        assert np.array_equal(np.asarray(got), np.asarray(ref)) and np.array_equal(np.asarray(same), np.asarray(ref))

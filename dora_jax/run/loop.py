@@ -119,11 +119,11 @@ class Runner:
         self._in_flight = TrainInFlight(self.sched.version, group_ids, done, metrics,
                                         batch_row(done, version, in_flight), dispatched)
 
-    def _complete(self, wait: bool) -> tuple[dict[str, Any], float] | None:
-        """Publishes the in-flight train step's version once the step has finished (``wait``: blocks for it);
-        returns its metrics row and its time from dispatch, or None when nothing finished."""
+    def _complete(self) -> tuple[dict[str, Any], float] | None:
+        """Publishes the in-flight train step's version, waiting for the step to finish; returns its metrics
+        row and its time from dispatch (None when no step is in flight)."""
         f = self._in_flight
-        if f is None or (not wait and not f.ready()):
+        if f is None:
             return None
         metrics = {k: float(v) for k, v in jax.device_get(f.metrics).items()}
         train_s, self._in_flight, sync_before = time.perf_counter() - f.dispatched, None, self.versions.sync_s
@@ -212,9 +212,11 @@ class Runner:
             # Shared placement completes the step now; split placement only when it has finished, or when the
             # rollout has nothing left to do without it.
             nothing_to_decode = self.driver.idle and not rollout.has_waiting(loaded)
+            finished = self._in_flight is not None and (not self.placement.disjoint or self._in_flight.ready())
             if self.multi:  # the branches below take decisions: every process must take the same one
-                nothing_to_decode = all(gather_decisions(nothing_to_decode))
-            if (done_step := self._complete(wait=not self.placement.disjoint or nothing_to_decode)) is not None:
+                votes = gather_decisions([nothing_to_decode, finished])
+                nothing_to_decode, finished = all(v[0] for v in votes), all(v[1] for v in votes)
+            if (finished or nothing_to_decode) and (done_step := self._complete()) is not None:
                 row, train_s = done_step
                 row = meter.update(row, train_s)
                 row.update(step=self.sched.version, version=self.sched.version, filtered=led.count("filtered"),

@@ -4,8 +4,10 @@
 set, and a version's weights are used where the trainer left them. Under ``split`` the trainer has its own
 devices and each of ``roles.rollout_groups`` engines its own; a new version's weights move to every group
 device to device (:func:`~dora_jax.sharding.reshard`), never through the host. Under several processes
-(``jax.distributed``) the trainer spans every process's devices and each process decodes on its own: a
-version reaches each process's engine through :class:`~dora_jax.sharding.ProcessLocalCopy`.
+(``jax.distributed``) the trainer spans every process's devices (under ``split``, the first
+``roles.trainer_devices / process_count`` of each) and each process decodes on its own (the others): a
+version reaches each process's engine through :class:`~dora_jax.sharding.ProcessLocalCopy`, one program over
+the devices of both roles.
 
 The learner side (:mod:`dora_jax.run.loop`) never looks at meshes: it asks the placement for the trainer,
 the drivers and :meth:`Placement.to_rollout`.
@@ -51,7 +53,7 @@ class Placement:
       trainer: the :class:`~dora_jax.trainer.Trainer` (its mesh spans every process's devices).
       engines: one rollout engine per rollout group (under several processes: this process's own).
       disjoint: whether the engines' devices are not the trainer's (``roles.placement = split``: a version is
-        copied to them).
+        copied to them, and decoding goes on while the trainer trains).
       multi: whether the run spans several processes.
     """
 
@@ -63,13 +65,14 @@ class Placement:
         self.cfg, self.trainer, self.engines = cfg, trainer, list(engines)
         self.tokenizer = None  # the weights' own tokenizer, when build loaded them
         self.multi = jax.process_count() > 1
-        self.disjoint = (not self.multi and _device_set(self.engines[0].mesh) is not None
-                      and _device_set(self.engines[0].mesh) != _device_set(trainer.mesh))
+        engine_devices = _device_set(self.engines[0].mesh)
+        self.disjoint = engine_devices is not None and not engine_devices & _device_set(trainer.mesh)
         self._state = state
         # A pristine copy, only when several runs start from it (the first train step donates the state).
         self._initial = jax.tree.map(lambda x: x.copy(), state) if keep_initial else None
         self._shardings = ([state_shardings(abstract_model(cfg.model)[1], e.mesh, cfg.mesh.logical_axis_rules)
                             for e in self.engines] if self.disjoint or self.multi else None)
+        # Several processes: each process's copy, from the trainer's devices or those it shares with them.
         self._to_local = ProcessLocalCopy(self._shardings[0], local_meshes) if self.multi else None
 
     @classmethod
@@ -83,16 +86,20 @@ class Placement:
             mesh; their tokenizer is then :attr:`tokenizer`).
         """
         from dora_jax.models.weights import load_model
-        from dora_jax.sharding import process_meshes, role_meshes, rollout_mesh_config
+        from dora_jax.sharding import RoleMeshes, process_role_meshes, role_meshes
 
-        meshes = role_meshes(cfg.mesh, cfg.roles, devices)
+        local = None
+        if jax.process_count() > 1:  # each process decodes on its own devices (no decode program spans processes)
+            trainer_mesh, local = process_role_meshes(cfg.mesh, cfg.roles, devices)
+            meshes = RoleMeshes(trainer_mesh, (local[jax.process_index()],))
+        else:
+            meshes = role_meshes(cfg.mesh, cfg.roles, devices)
         tokenizer = None
         if model is None:
             model, tokenizer = load_model(cfg.model, meshes.trainer, cfg.mesh.logical_axis_rules, seed=cfg.run.seed,
                                           progress=progress)
         trainer, state = Trainer.create(cfg, model=model, mesh=meshes.trainer)
-        if jax.process_count() > 1:  # each process decodes on its own devices (no decode program spans processes)
-            local = process_meshes(rollout_mesh_config(cfg.roles), devices)
+        if local is not None:
             placement = cls(cfg, trainer, state, [make_engine(cfg, model, local[jax.process_index()])],
                             local_meshes=local, keep_initial=keep_initial)
         else:
@@ -126,7 +133,7 @@ class Placement:
     def to_rollout(self, params: Any) -> tuple[list[Any], float]:
         """A version's params (on the trainer's mesh) as each rollout group takes them, and the seconds spent
         moving them (0 when the engines share the trainer's devices)."""
-        if self.disjoint:  # device to device, never through the host; one copy per rollout group
+        if self.disjoint and not self.multi:  # device to device, never through the host; one copy per group
             copies, secs = [], 0.0
             for shardings in self._shardings:
                 copy, s = reshard(params, shardings)

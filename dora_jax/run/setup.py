@@ -90,19 +90,10 @@ def no_empty_run_dir(run_dir: str) -> Iterator[None]:
 
 
 def check_multiprocess(cfg: Config, placement: Any) -> None:
-    """Refuses what a run under several processes does not support yet, naming the setting."""
-    where = f"with {jax.process_count()} processes (jax.process_count())"
-    if cfg.roles.placement != "shared":
-        raise RunError(f"roles.placement = {cfg.roles.placement!r}: {where} the trainer uses every process's "
-                       "devices and each process decodes on its own (time-sharing); use roles.placement=shared")
-    t = cfg.train
-    if t.behaviour_logprobs == "recompute" or t.correction == "decoupled":
-        raise RunError(f"train.behaviour_logprobs = {t.behaviour_logprobs!r}, train.correction = {t.correction!r}: "
-                       f"recomputed behaviour log-probs are not supported {where} yet; use "
-                       "train.behaviour_logprobs=engine and a correction other than decoupled")
+    """Refuses what a run under several processes does not support, naming the setting."""
     if placement is not None:
-        raise RunError(f"Runner(placement=...) {where}: build the run from the config (each process's rollout "
-                       "engine must be on its own devices)")
+        raise RunError(f"Runner(placement=...) with {jax.process_count()} processes (jax.process_count()): build "
+                       "the run from the config (each process's rollout engine must be on its own devices)")
 
 
 def check_placement(cfg: Config, multi: bool, placement: Any) -> None:
