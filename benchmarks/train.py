@@ -380,7 +380,8 @@ def _time_packing(seed: int, repeats: int) -> dict[str, Any]:
                    if max(n) - spec["prompt"] > spec["max_len"] // 2)
     rng = np.random.default_rng(seed)
     cfg = load_config("tiny_llama")
-    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(MeshConfig(), logical_axis_rules=cfg.mesh.logical_axis_rules))
+    one_device = dataclasses.replace(MeshConfig(), logical_axis_rules=cfg.mesh.logical_axis_rules)
+    cfg = dataclasses.replace(cfg, mesh=one_device)
     samples = [Sample(i, i // 4, 0, rng.integers(1, 256, spec["prompt"]).tolist(),
                       rng.integers(1, 256, n - spec["prompt"]).tolist(),
                       (-rng.uniform(0.5, 5.0, n - spec["prompt"])).tolist(), float(rng.normal()))

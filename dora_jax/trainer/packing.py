@@ -1,23 +1,23 @@
 """Several samples per training row: a deterministic host plan, and the device gathers around it.
 
 Shape letters: ``n`` samples of an update in the batch layout (one sample per row, right-padded to ``t``),
-``r`` packed rows of ``s`` positions.
+``m`` packed micro-batches of ``r`` rows of ``s`` positions.
 
 The batch keeps its one-sample-per-row layout: every per-token array the loss reads (masks, behaviour,
 proximal and reference log-probs) stays where it is. Only the model's forward runs on packed rows: the
 tokens are gathered into them, each sample with its own segment id (1, 2, ... along a row, 0 on padding) and
 its rotary positions restarting at 0, and the log-probs come back to the batch layout, where the loss is the
 unpacked loss to the letter. Attention is kept within a segment by every training attention path that takes
-segment ids; the last token of one sample never predicts the first of the next (column 0 of every sample is
-0, as in an unpacked row, and a prompt token carries no loss).
+segment ids. The log-prob of a sample's first token, which the row computes from the sample before it, is set
+to 0, as an unpacked row's column 0 is (a prompt token: it carries no loss).
 
 An update is packed per data-parallel device (its rows of the batch, first-fit decreasing into rows of ``s``
 positions), and its micro-batches are made of packed rows: never more rows per device than an unpacked
 micro-batch holds, so the peak memory is at most the unpacked one's, in as few micro-batches as the fullest
 device's packed rows need (a power of two or 1.5 times one, at most ``train.micro_batches``), and as few rows
-per micro-batch as those need: short samples cost fewer micro-batches and fewer rows. A micro-batch's loss is taken on the whole update's
-batch layout with the samples of the other micro-batches masked out (elementwise work, no vocabulary), so it is
-an exact share of the unpacked loss.
+per micro-batch as those need: short samples cost fewer micro-batches and fewer rows. A micro-batch's loss is
+taken on the whole update's batch layout with the samples of the other micro-batches masked out (elementwise
+work, no vocabulary), so it is an exact share of the unpacked loss.
 """
 
 from __future__ import annotations

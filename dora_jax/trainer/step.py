@@ -44,7 +44,9 @@ def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, tokens_bt: jax.
     log-softmax run over that many positions at a time (:func:`chunked_token_logprobs`). ``positions_bt``:
     rotary positions (default ``0..T-1`` in every row; packed rows restart them per segment)."""
     b, t = tokens_bt.shape
-    positions = positions_bt if positions_bt is not None else jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    positions = positions_bt
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     model = nnx.merge(graphdef, params)
     hidden = model(tokens_bt, positions, segment_ids_bt, lora=lora, lora_scale=lora_scale, settings=settings,
                    hidden=True)
@@ -296,7 +298,8 @@ class Trainer:
             tokens=self._row_tok, segment_ids=self._row_tok, loss_mask=self._row_tok,
             behaviour_logprobs=self._row_tok, recomputed_logprobs=self._row_tok, ref_logprobs=self._row_tok,
             prox_logprobs=self._row_tok, versions=self._row, group_ids=self._row, rewards=self._row, valid=self._row)
-        micro_row_tok, micro_row = NamedSharding(mesh, P(None, batch_axes, None)), NamedSharding(mesh, P(None, batch_axes))
+        micro_row_tok = NamedSharding(mesh, P(None, batch_axes, None))  # [micro-batch, packed row, position]
+        micro_row = NamedSharding(mesh, P(None, batch_axes))
         self.packing_shardings = Packing(source=micro_row_tok, segment_ids=micro_row_tok, positions=micro_row_tok,
                                          row=micro_row, offset=micro_row, length=micro_row)
         replicated = NamedSharding(mesh, P())
@@ -443,10 +446,9 @@ class Trainer:
         device's samples packed into rows of the batch's length ``t``, micro-batches of as many rows per device
         as an unpacked micro-batch holds."""
         per_update = [lengths if rows is None else lengths[rows[0]] * rows[1] for rows in plan]
-        micro = self.cfg.train.micro_batches
-        rows = len(per_update[0]) // self.row_multiple
-        return [self._place_packing(pk) for pk in packing_lib.iteration_plan(per_update, t, self.data_parallel, rows,
-                                                                              micro)]
+        per_device = len(per_update[0]) // self.row_multiple  # rows of an unpacked micro-batch on a device
+        plans = packing_lib.iteration_plan(per_update, t, self.data_parallel, per_device, self.cfg.train.micro_batches)
+        return [self._place_packing(pk) for pk in plans]
 
     def _forward(self, params: nnx.State, tokens: jax.Array, seg: jax.Array, lengths: np.ndarray | None
                  ) -> jax.Array:
