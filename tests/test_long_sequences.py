@@ -442,7 +442,7 @@ def test_a_packing_puts_each_sample_in_its_own_segment_with_positions_from_zero(
 
 def test_packed_logprobs_and_gradients_equal_unpacked(model):
     """The forward on packed rows (segments, positions from 0 in each) returns every sample's unpacked
-    log-probs, and a loss on them has the unpacked gradient, float32."""
+    log-probs, and a loss on them has the unpacked gradient, float32: the full weights' and LoRA adapters'."""
     from dora_jax.trainer.packing import plan
     from dora_jax.trainer.step import packed_sequence_logprobs
 
@@ -454,22 +454,28 @@ def test_packed_logprobs_and_gradients_equal_unpacked(model):
     pk = jax.tree.map(lambda x: jnp.asarray(x[0]), plan(lengths, t, devices=1))
     assert pk.source.shape == (3, t)
     graphdef, params = nnx.split(model)
+    adapters = lora_lib.init_lora(params, LoraConfig(rank=4, alpha=2.0), jax.random.key(1))
+    adapters = jax.tree.map(lambda x: x + 0.05, adapters)  # b starts at zero: move it so every path counts
 
-    def loss(p, packed):
-        logp = (packed_sequence_logprobs(graphdef, p, tokens, pk, temperature=0.8) if packed else
-                sequence_logprobs(graphdef, p, tokens, jnp.asarray(seg), temperature=0.8))
+    def loss(p, a, packed):
+        forward = packed_sequence_logprobs if packed else sequence_logprobs
+        logp = forward(graphdef, p, tokens, pk if packed else jnp.asarray(seg), a, 0.5, 0.8)  # LoRA scale 0.5, T 0.8
         return jnp.sum(logp * weight), logp
 
-    grads = {}
+    def flat(tree):
+        return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
+
+    out = {}
     for packed in (False, True):
-        (value, logp), g = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, packed)
-        grads[packed] = (float(value), np.asarray(logp),
-                         np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(g)]))
-    (value, logp, g), (p_value, p_logp, p_g) = grads[False], grads[True]
+        (value, logp), (g, g_lora) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True),
+                                             static_argnums=2)(params, adapters, packed)
+        out[packed] = (float(value), np.asarray(logp), flat(g), flat(g_lora))
+    (value, logp, g, g_lora), (p_value, p_logp, p_g, p_g_lora) = out[False], out[True]
     for i, n in enumerate(lengths):  # position 0 predicts nothing; past the length is padding
         assert rel_err(p_logp[i, 1:n], logp[i, 1:n]) <= 1e-5, i
     assert abs(p_value - value) <= 1e-5 * abs(value)
     assert np.abs(g).max() > 0 and rel_err(p_g, g) <= 1e-5
+    assert np.abs(g_lora).max() > 0 and rel_err(p_g_lora, g_lora) <= 1e-5
 
 
 def _packing_run(packing, samples, version=0, **train):
