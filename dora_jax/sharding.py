@@ -469,10 +469,12 @@ class _Across:
             for t in targets:
                 for d, idx in sorted(t.devices_indices_map(tuple(x.shape)).items(), key=lambda kv: index[kv[0]]):
                     key = (0,) * len(shape) if whole else tuple(s.start or 0 for s in idx)
-                    s = min(holders[key], key=lambda h: (h.process_index != d.process_index, load.get(h, 0), index[h]))
-                    r = load[s] = load.get(s, 0)
-                    load[s] += 1
-                    perms.setdefault(r, []).append((index[s], index[d]))
+                    # A holder on the receiver's own host first, then the least loaded (fewest rounds).
+                    source = min(holders[key], key=lambda h: (h.process_index != d.process_index, load.get(h, 0),
+                                                              index[h]))
+                    r = load[source] = load.get(source, 0)
+                    load[source] += 1
+                    perms.setdefault(r, []).append((index[source], index[d]))
                     recv[index[d]] = r
             routes.append((recv, [perms[r] for r in sorted(perms)]))
             self.stagings.append(staging)
