@@ -43,8 +43,9 @@ _WORKER = textwrap.dedent("""
     head = tuple(int(x) for x in rng.integers(1, cfg.vocab_size, 5))  # every prompt starts with it (a chat head)
     prompts = [head + tuple(int(x) for x in rng.integers(1, cfg.vocab_size, rng.integers(2, 12))) for _ in range(5)]
     greedy = RequestSampling(temperature=0.0)
-    # (sample id, prompt, version, max new tokens) in three waves, each submitted while the earlier ones decode;
-    # the last wave waits for free slots. Sample 2 is sample 0's prompt on the other version.
+    # (sample id, prompt, version, max new tokens) in three waves, each submitted while the earlier ones decode:
+    # the last finds three of the four slots taken (only sample 1 can have ended), so one of its requests waits
+    # for a slot. Sample 2 is sample 0's prompt on the other version.
     waves = [[(0, prompts[0], 0, 20), (1, prompts[1], 0, 6)],
              [(2, prompts[0], 1, 14), (3, prompts[2], 1, 19)],
              [(4, prompts[3], 0, 9), (5, prompts[4], 1, 11)]]
@@ -64,16 +65,16 @@ _WORKER = textwrap.dedent("""
         return [{"id": t.sample_id, "version": t.version, "tokens": t.tokens, "logprobs": t.logprobs,
                  "reason": t.finish_reason} for t in sorted(done, key=lambda t: t.sample_id)]
 
-    # Version 0 born on the rollout mesh; version 1 on a trainer's mesh (fsdp over the same four devices, in the
-    # same order) and moved to the rollout mesh's layout device to device, as a run publishes a version.
-    models = [init_model(cfg, mesh, DEFAULT_RULES, seed=0),
-              init_model(cfg, create_mesh(MeshConfig(data=1, fsdp=4, tensor=1), devices), DEFAULT_RULES, seed=1)]
+    # Both versions born on a trainer's mesh (fsdp over the same four devices, in the same order) and moved to
+    # the rollout mesh's layout device to device, as a run publishes a version.
+    trainer_mesh = create_mesh(MeshConfig(data=1, fsdp=4, tensor=1), devices)
+    models = [init_model(cfg, trainer_mesh, DEFAULT_RULES, seed=s) for s in (0, 1)]
     engine = Engine(models[0], mesh=mesh, **sizes)
     rollout_shardings = state_shardings(abstract_model(cfg)[1], mesh, DEFAULT_RULES)
-    params = [nnx.split(models[0])[1], reshard(nnx.split(models[1])[1], rollout_shardings)[0]]
+    params = [reshard(nnx.split(m)[1], rollout_shardings)[0] for m in models]
     rec = {"pid": jax.process_index(), "spans": engine.spans_processes,
-           "moved": all(x.sharding.is_equivalent_to(t, x.ndim)
-                        for x, t in zip(jax.tree.leaves(params[1]), jax.tree.leaves(rollout_shardings))),
+           "moved": all(x.sharding.is_equivalent_to(t, x.ndim) for p in params
+                        for x, t in zip(jax.tree.leaves(p), jax.tree.leaves(rollout_shardings))),
            "tensor_pairs": [[d.process_index for d in row] for row in mesh.devices.reshape(2, 2)],
            "trajectories": decode(engine, params)}
     state = engine.init_decode_state(4)
