@@ -14,7 +14,6 @@ import textwrap
 import time
 
 import numpy as np
-import pytest
 
 from dora_jax.xla_flags import cpu_device_flags
 
