@@ -9,7 +9,8 @@ Each part runs as its own ``dora-jax bench`` process with what is left of the bu
 part that runs long is stopped and the next ones are skipped cleanly; ``summary.json`` says which parts ran,
 how long each took, and which were cut or skipped. The order is what the project most needs measured on an
 accelerator: the rollout engine against transformers, one decode step against its roofline, the modes side by
-side on a long-tailed workload (DORA's speed-up), the trainer's throughput and MFU.
+side on a long-tailed workload (DORA's speed-up, simulated beside it with this machine's cost profile), the cost
+profile alone (for ``dora-jax simulate --profile``), the trainer's throughput and MFU.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from benchmarks.record import device, machine
 PARTS = [
     ("engine", ["engine", "--config", "smollm2_135m", "--repeats", "3"], 120),
     ("decode", ["decode", "--config", "smollm2_135m"], 45),
-    ("modes", ["modes", "--steps", "8"], 180),
+    ("modes", ["modes", "--steps", "8"], 180),  # with this machine's cost profile and the simulator beside
+    ("profile", ["profile"], 90),  # the profile alone, for dora-jax simulate --profile
     ("train", ["train", "--config", "smollm2_135m"], 60),
     ("snapshot", ["snapshot", "--config", "smollm2_135m"], 45),
     ("kernel", ["kernel"], 45),
