@@ -390,7 +390,7 @@ class ProcessLocalCopy:
     one jitted program moves it onto a mesh that stacks every process's mesh along a ``process`` axis, with the
     same partition specs: each device receives exactly the shard its process's copy needs (XLA's collectives,
     device to device, never through host memory). When it lives on other devices (``split``: the trainer's),
-    :class:`_Across` sends each rollout device its block. The shards a process holds then form its copy, an
+    :class:`_Across` sends each rollout device its block, a part of the tree at a time (:func:`_parts`). The shards a process holds then form its copy, an
     array on its own devices only, usable by programs that never span processes (the rollout engine's decode).
     Every process calls it at the same point, with the same tree.
     """
@@ -403,7 +403,7 @@ class ProcessLocalCopy:
         self._devices = frozenset(stacked.devices.flat)
         spread = [NamedSharding(stacked, s.spec) for s in self.local]
         self._spread = jax.jit(lambda xs: list(xs), out_shardings=spread)
-        self._across: dict[Any, _Across] = {}
+        self._across: dict[Any, list[tuple[list[int], _Across]]] = {}
 
     def __call__(self, tree: Any) -> tuple[Any, float]:
         """``(this process's copy of tree, seconds)``, the time including the wait for the last copy."""
@@ -412,17 +412,43 @@ class ProcessLocalCopy:
         if len(leaves) != len(self.local):
             raise ValueError(f"ProcessLocalCopy: the tree has {len(leaves)} arrays, the shardings {len(self.local)}")
         sources = {frozenset(x.sharding.device_set) for x in leaves}
-        if len(sources) == 1 and not sources.pop() & self._devices:  # disjoint devices: send the blocks
+        if len(sources) == 1 and not (source := sources.pop()) & self._devices:  # disjoint: send the blocks
             key = tuple((x.shape, x.dtype, x.sharding) for x in leaves)
             if key not in self._across:
-                self._across[key] = _Across(leaves, [s.spec for s in self.local], self.meshes)
-            out = self._across[key](leaves)
+                specs = [s.spec for s in self.local]
+                self._across[key] = [(part, _Across([leaves[i] for i in part], [specs[i] for i in part], self.meshes))
+                                     for part in _parts(leaves, self.local, len(source))]
+            out = [None] * len(leaves)
+            for part, move in self._across[key]:
+                # One part at a time: what a move stages on the trainer's devices stays within MOVE_PART_BYTES.
+                for i, y in zip(part, jax.block_until_ready(move([leaves[i] for i in part]))):
+                    out[i] = y
         else:
             out = []
             for x, sharding in zip(self._spread(leaves), self.local):
                 out.append(_local_array(x, sharding, x.shape))
         out = jax.block_until_ready(jax.tree.unflatten(treedef, out))
         return out, time.perf_counter() - t0
+
+
+MOVE_PART_BYTES = 1 << 30  # per trainer device: what a split move stages at once beside the trainer's state
+
+
+def _parts(leaves: list[jax.Array], targets: list[NamedSharding], sources: int) -> list[list[int]]:
+    """``leaves``' indices in consecutive parts, each staging at most :data:`MOVE_PART_BYTES` on a source
+    device (an array above it alone): its target block, or the whole array when the blocks do not fit the
+    ``sources`` devices."""
+    parts, part, size = [], [], 0
+    for i, (x, target) in enumerate(zip(leaves, targets)):
+        block = target.shard_shape(x.shape)
+        fits = x.ndim and sources % math.prod(n // b for n, b in zip(x.shape, block)) == 0
+        nbytes = (math.prod(block) if fits else x.size) * x.dtype.itemsize
+        if part and size + nbytes > MOVE_PART_BYTES:
+            parts.append(part)
+            part, size = [], 0
+        part.append(i)
+        size += nbytes
+    return parts + [part] if part else parts
 
 
 def _local_array(x: jax.Array, sharding: NamedSharding, shape: tuple[int, ...]) -> jax.Array:

@@ -140,3 +140,29 @@ def test_process_local_copy_from_the_trainers_devices_stays_on_device(trainer_sh
                                     jax.tree.leaves(shardings)):
         assert got.sharding.is_equivalent_to(want, got.ndim) and set(got.sharding.device_set) == set(mesh.devices.flat)
         assert np.array_equal(np.asarray(got), np.asarray(ref)) and np.array_equal(np.asarray(same), np.asarray(ref))
+
+
+def test_process_local_copy_from_the_trainers_devices_moves_a_part_at_a_time(monkeypatch):
+    """With a staging budget of 16 KiB per trainer device the move runs in several parts (what it stages at
+    once stays within the budget), and the copy is still the trainer's params, under the guards."""
+    from flax import nnx
+
+    import dora_jax.sharding as sharding
+
+    cfg = load_config("tiny_llama").model
+    rules = load_config("tiny_llama").mesh.logical_axis_rules
+    params = nnx.state(init_model(cfg, create_mesh(MeshConfig(1, 4, 1), D[:4]), rules, seed=0))
+    mesh = create_mesh(MeshConfig(1, 1, 4), D[4:])
+    shardings = state_shardings(abstract_model(cfg)[1], mesh, rules)
+    monkeypatch.setattr(sharding, "MOVE_PART_BYTES", 16 << 10)
+    leaves, targets = jax.tree.leaves(params), jax.tree.leaves(shardings)
+    parts = sharding._parts(leaves, targets, 4)
+    assert len(parts) > 2 and sorted(i for p in parts for i in p) == list(range(len(leaves)))
+    for p in parts:
+        staged = [int(np.prod(targets[i].shard_shape(leaves[i].shape))) * leaves[i].dtype.itemsize for i in p]
+        assert len(p) == 1 or sum(staged) <= 16 << 10
+    with no_host_copies():
+        copy, _ = ProcessLocalCopy(shardings, (mesh,))(params)
+    for got, ref, want in zip(jax.tree.leaves(copy), leaves, targets):
+        assert got.sharding.is_equivalent_to(want, got.ndim)
+        assert np.array_equal(np.asarray(got), np.asarray(ref))
