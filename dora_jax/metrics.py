@@ -184,11 +184,15 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     steps = [r["step"] for r in rows]
+    run = os.path.basename(os.path.normpath(run_dir))
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [r["reward"] for r in rows], label="reward (trained batch)")
     ax.plot(steps, [r["accuracy"] for r in rows], label="accuracy (trained batch)")
+    ax.set_title(f"{run}: reward per update")
     ax.set_xlabel("update")
+    ax.set_ylabel("mean over the trained batch")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.legend()
     ax.grid(alpha=0.3)
     paths.append(_save(fig, out_dir, "reward.png"))
@@ -200,6 +204,7 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     fig, ax = plt.subplots(figsize=(4, 3))
     lags = sorted(hist)
     ax.bar([str(k) for k in lags], [hist[k] for k in lags])
+    ax.set_title(f"{run}: staleness of trained samples")
     ax.set_xlabel("staleness (trainer version - sample version)")
     ax.set_ylabel("trained samples")
     paths.append(_save(fig, out_dir, "staleness.png"))
@@ -209,6 +214,7 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     t = [r["wall_s"] for r in rows]
     for v in versions:
         ax.plot(t, [r["in_flight"].get(str(v), 0) for r in rows], label=f"v{v}")
+    ax.set_title(f"{run}: samples in flight per policy version")
     ax.set_xlabel("seconds")
     ax.set_ylabel("samples in flight")
     if len(versions) <= 12:

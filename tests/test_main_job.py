@@ -128,17 +128,21 @@ def test_the_plots_show_the_run(run):
     metrics = _lines(run_dir / "metrics.jsonl")
     assert sorted(figures) == ["reward.png", "staleness.png", "versions.png"]
     (reward,) = figures["reward.png"]
-    assert reward["xlabel"] == "update"
+    title = run_dir.name + ": "
+    assert (reward["title"], reward["xlabel"], reward["ylabel"]) == (title + "reward per update", "update",
+                                                                     "mean over the trained batch")
     assert [(label, x) for label, x, _ in reward["lines"]] == [("reward (trained batch)", [1, 2]),
                                                               ("accuracy (trained batch)", [1, 2])]
     assert reward["lines"][0][2] == [m["reward"] for m in metrics]
     assert reward["lines"][1][2] == [m["accuracy"] for m in metrics]
     (stale,) = figures["staleness.png"]
-    assert (stale["xlabel"], stale["ylabel"]) == ("staleness (trainer version - sample version)", "trained samples")
+    assert (stale["title"], stale["xlabel"], stale["ylabel"]) == (
+        title + "staleness of trained samples", "staleness (trainer version - sample version)", "trained samples")
     lags = sorted({int(lag) for m in metrics for lag in m["staleness"]})
     assert stale["xticks"] == [str(lag) for lag in lags] and sum(h for _, h in stale["bars"]) == STEPS * TBS
     (versions,) = figures["versions.png"]
-    assert (versions["xlabel"], versions["ylabel"]) == ("seconds", "samples in flight")
+    assert (versions["title"], versions["xlabel"], versions["ylabel"]) == (
+        title + "samples in flight per policy version", "seconds", "samples in flight")
     in_flight = sorted({int(v) for m in metrics for v in m["in_flight"]})
     assert [label for label, _, _ in versions["lines"]] == [f"v{v}" for v in in_flight] and in_flight
     assert all(x == [m["wall_s"] for m in metrics] for _, x, _ in versions["lines"])
