@@ -98,21 +98,18 @@ class Harness:
                                         tokenizer=self.tokenizer, progress=False).run)
         return {"summary": summary, "rows": read_metrics(run_dir), "run_dir": run_dir, "bench_s": bench_s}
 
-    def rounds(self, plan: Sequence[Variant], rounds: int, warmup: bool = True,
-               extra: Sequence[str] = (), on_run: Any = None) -> dict[str, list[dict[str, Any]]]:
-        """Every variant of ``plan`` once per round, ``rounds`` rounds; with ``warmup`` one untimed round first
-        (it compiles every shape the runs meet, so no variant pays for compilation the others do not).
+    def rounds(self, plan: Sequence[Variant], rounds: int, on_run: Any = None) -> dict[str, list[dict[str, Any]]]:
+        """Every variant of ``plan`` once per round, ``rounds`` rounds; ``on_run(variant, round, run)`` after each.
+        Rounds to be compared come after an untimed one (:meth:`run` of each variant): it compiles every shape the
+        runs meet, so no variant pays for compilation the others do not.
 
         Returns:
           Each variant's runs (:meth:`run`'s results), in order.
         """
-        if warmup:
-            for v in plan:
-                self.run(v, extra)
         out: dict[str, list[dict[str, Any]]] = {v.name: [] for v in plan}
         for r in range(rounds):
             for v in plan:
-                out[v.name].append(self.run(v, extra))
+                out[v.name].append(self.run(v))
                 if on_run is not None:
                     on_run(v, r, out[v.name][-1])
         return out

@@ -161,7 +161,7 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
 
     if measured_profile is not None:  # the train costs sampled again before every timed round (the largest cost)
         state[0] = add_train_samples(measured_profile, placement.trainer, state[0], cfg)
-    runs = h.rounds(variants, repeats, warmup=False, on_run=say)
+    runs = h.rounds(variants, repeats, on_run=say)
     prof = parse_profile(measured_profile, source="measured by this run") if profile is None else load_profile(profile)
     results = {v.name: _mode_result(v.name, runs[v.name]) for v in variants}
     checked = compare(results, simulate_modes(h, variants, prof))
