@@ -390,8 +390,9 @@ class ProcessLocalCopy:
     one jitted program moves it onto a mesh that stacks every process's mesh along a ``process`` axis, with the
     same partition specs: each device receives exactly the shard its process's copy needs (XLA's collectives,
     device to device, never through host memory). When it lives on other devices (``split``: the trainer's),
-    :class:`_Across` sends each rollout device its block, a part of the tree at a time (:func:`_parts`). The shards a process holds then form its copy, an
-    array on its own devices only, usable by programs that never span processes (the rollout engine's decode).
+    :class:`_Across` sends each rollout device its block, a part of the tree at a time (:func:`_parts`). The
+    shards a process holds then form its copy, an array on its own devices only, usable by programs that never
+    span processes (the rollout engine's decode).
     Every process calls it at the same point, with the same tree.
     """
 
@@ -534,7 +535,8 @@ class _Across:
         sent = self._send(glob)
         out = []
         for y, target, received, shape in zip(sent, self.targets, self.received, self.shapes):
-            out.append(_local_array(y, target, shape) if received is None else _local_array(y, received[1], received[0]))
+            out.append(_local_array(y, target, shape) if received is None
+                       else _local_array(y, received[1], received[0]))
         if self._cut is not None:
             for i, y in zip(self._cut_at, self._cut([out[i] for i in self._cut_at])):
                 out[i] = y

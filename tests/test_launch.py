@@ -199,6 +199,7 @@ def test_split_placement_on_every_launcher():
     env = {"TPU_NAME": "t", "ZONE": "z", "ACCELERATOR_TYPE": "v5p-64", "RUNTIME_VERSION": "r", "TPU_HOSTS": "8"}
     cmds = _dry("tpu_pod.sh", ["--trainer-devices-per-host", "2", "train", "--config", "llama3_1_8b_v5p64"], env)
     (train,) = [a for c in cmds for a in c if a.startswith("--command=") and "dora-jax" in a]
-    assert ".venv/bin/dora-jax train --config llama3_1_8b_v5p64 roles.placement=split roles.trainer_devices=16 >" in train
-    _fails("tpu_pod.sh", ["--trainer-devices-per-host", "2", "train"], {k: v for k, v in env.items() if k != "TPU_HOSTS"},
-           "not set: TPU_HOSTS")
+    assert (".venv/bin/dora-jax train --config llama3_1_8b_v5p64 roles.placement=split roles.trainer_devices=16 >"
+            in train)
+    _fails("tpu_pod.sh", ["--trainer-devices-per-host", "2", "train"],
+           {k: v for k, v in env.items() if k != "TPU_HOSTS"}, "not set: TPU_HOSTS")

@@ -341,7 +341,8 @@ def test_split_placement_across_processes_survives_kills(tmp_path):
         assert 1 <= r["resumed_at"] < SPLIT_STEPS, kills
         assert [u["step"] for u in r["updates"]] == list(range(r["resumed_at"] + 1, SPLIT_STEPS + 1))
         s = r["summary"]
-        assert (s["placement"], s["processes"], s["steps"], s["samples"]) == ("split", 2, SPLIT_STEPS, SPLIT_STEPS * TBS)
+        assert (s["placement"], s["processes"], s["steps"]) == ("split", 2, SPLIT_STEPS)
+        assert s["samples"] == SPLIT_STEPS * TBS
         assert s["max_resident_versions"] <= K + 1 and s["sync_s"] > 0 and s["resumed"]
         assert r["copy_max_diff"] == 0.0 and r["copy_on_own_devices"]
         # Recomputed from each sample's own version: the engine's log-probs up to float32 rounding (the

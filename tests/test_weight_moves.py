@@ -116,7 +116,8 @@ def test_process_local_copy_in_one_process_stays_on_device():
         assert np.array_equal(np.asarray(got), np.asarray(ref))
 
 
-@pytest.mark.parametrize("trainer_shape,rollout", [((1, 4, 1), (1, 1, 4)), ((1, 2, 2), (2, 1, 2)), ((1, 2, 1), (1, 1, 4))],
+@pytest.mark.parametrize("trainer_shape,rollout",
+                         [((1, 4, 1), (1, 1, 4)), ((1, 2, 2), (2, 1, 2)), ((1, 2, 1), (1, 1, 4))],
                          ids=["fsdp4_to_tensor4", "fsdp2xtensor2_to_data2xtensor2", "fsdp2_to_tensor4_whole"])
 def test_process_local_copy_from_the_trainers_devices_stays_on_device(trainer_shape, rollout):
     """Split placement's move in one process: the trainer's params to a rollout mesh on other devices (one

@@ -12,9 +12,9 @@ placements, alternated ROUNDS times:
 
 Run from the repository root: ``.venv/bin/python -m benchmarks.experiments.multihost_placement [ROUNDS [STEPS
 [DEVICES [PROCESSES]]]]`` (default 2 rounds, 8 updates, 2 devices per process, 2 processes). Prints and writes
-``benchmarks/results/multihost_placement_cpu_DATE[_pN].json`` (``_pN`` for N processes other than 2): per placement and round, process 0's
-``trainer_idle_fraction`` (1 - train time / wall time), wall time, train time, samples/s and the time spent
-moving versions (``sync_s``); the command, the machine and the date. The fake devices share this host's cores,
+``benchmarks/results/multihost_placement_cpu_DATE[_pN].json`` (``_pN`` for N processes other than 2): per
+placement and round, process 0's ``trainer_idle_fraction`` (1 - train time / wall time), wall time, train time,
+samples/s and the time spent moving versions (``sync_s``); the command, the machine and the date. The fake devices share this host's cores,
 so the figures show the schedule (what the trainer waits for), not an accelerator's speed.
 """
 
@@ -82,7 +82,8 @@ def run(overrides: list[str], devices: int, processes: int) -> dict:
         port, procs = _free_port(), []
         for pid in range(processes):
             env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_device_flags(devices),
-                   "DORA_COORDINATOR": f"127.0.0.1:{port}", "DORA_NUM_PROCESSES": str(processes), "DORA_PROCESS_ID": str(pid)}
+                   "DORA_COORDINATOR": f"127.0.0.1:{port}", "DORA_NUM_PROCESSES": str(processes),
+                   "DORA_PROCESS_ID": str(pid)}
             procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, os.path.join(tmp, "run"),
                                            json.dumps(overrides), os.path.join(tmp, f"s{pid}.json")],
                                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -111,7 +112,8 @@ def main() -> None:
     out = {"command": " ".join([".venv/bin/python -m benchmarks.experiments.multihost_placement"] + sys.argv[1:]),
            "processes": processes, "devices_per_process": devices, "workload": common, "placements": placements,
            "results": results, "machine": machine()}
-    path = os.path.join("benchmarks", "results", f"multihost_placement_cpu_{time.strftime('%Y-%m-%d')}{'' if processes == 2 else f'_p{processes}'}.json")
+    suffix = "" if processes == 2 else f"_p{processes}"
+    path = os.path.join("benchmarks", "results", f"multihost_placement_cpu_{time.strftime('%Y-%m-%d')}{suffix}.json")
     print(write_json(out, path))
 
 
