@@ -574,6 +574,7 @@ class TaskConfig:
 
 
 _PLACEMENTS = ("shared", "split")
+ROLLOUT_SPANS = ("process", "all")  # roles.rollout_span: one engine per process, or one over every process
 _TASK_NAMES = ("arithmetic", "gsm8k", "math", "longtail")
 _REWARD_NAMES = ("math",)
 
@@ -601,13 +602,20 @@ class RolesConfig:
     """Where trainer and rollout run. ``shared``: both time-share every device on ``mesh``. ``split``: the
     trainer's ``mesh`` covers the first ``trainer_devices`` devices and the rest form ``rollout_groups`` equal
     rollout groups, each a ``(data, fsdp=1, tensor)`` mesh of ``rollout_data`` x ``rollout_tensor`` devices
-    (one of them may be -1) holding its own copy of the policy."""
+    (one of them may be -1) holding its own copy of the policy.
+
+    ``rollout_span`` matters under several processes (``jax.distributed``): ``process`` (default) gives each
+    process its own rollout engine on its own devices, generating every P-th group; ``all`` builds one engine
+    on a ``(rollout_data, 1, rollout_tensor)`` mesh over the rollout devices of every process, which every
+    process drives with the same calls, so a policy larger than one host's devices can be served (shared
+    placement only; docs/scale.md)."""
 
     placement: str = "shared"
     trainer_devices: int = 0
     rollout_groups: int = 1
     rollout_data: int = 1
     rollout_tensor: int = -1
+    rollout_span: str = "process"
 
     def validate(self, path: str = "roles") -> None:
         if self.placement not in _PLACEMENTS:
@@ -621,6 +629,9 @@ class RolesConfig:
                 _fail(f"{path}.{name}", getattr(self, name), "must be a positive integer or -1 (the rest)")
         if self.rollout_data == -1 and self.rollout_tensor == -1:
             _fail(f"{path}.rollout_data", self.rollout_data, "at most one of rollout_data, rollout_tensor is -1")
+        if self.rollout_span not in ROLLOUT_SPANS:
+            _fail(f"{path}.rollout_span", self.rollout_span, f"allowed: {', '.join(ROLLOUT_SPANS)} (process: an "
+                  "engine per process on its own devices; all: one engine over every process's rollout devices)")
 
 
 @dataclass(frozen=True)

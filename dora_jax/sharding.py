@@ -294,7 +294,14 @@ def _move(x: Any, target: Any) -> Any:
     if not isinstance(x, jax.Array):
         return jax.device_put(x, target)
     if x.sharding.device_set == target.device_set:
-        return x if x.sharding.is_equivalent_to(target, x.ndim) else _relayout(target)(x)
+        if x.sharding.is_equivalent_to(target, x.ndim):
+            # Each device already holds its block: the same buffers, named by the target's sharding (compiled
+            # programs are keyed by mesh, so an array left on the source's mesh would compile them again).
+            return x if x.sharding == target else _local_array(x, target, x.shape)
+        if _ordered_devices(x.sharding) == _ordered_devices(target):
+            return _relayout(target)(x)
+        # A compiled relayout needs one device order on both sides; jax.device_put permutes on the devices.
+        return settle(jax.device_put(x, target))
     pieces = [n // s if s else 1 for n, s in zip(x.shape, target.shard_shape(x.shape))]
     staging = _cut(_ordered_devices(x.sharding), pieces)
     if staging is not None:
@@ -453,7 +460,7 @@ def _parts(leaves: list[jax.Array], targets: list[NamedSharding], sources: int) 
 
 
 def _local_array(x: jax.Array, sharding: NamedSharding, shape: tuple[int, ...]) -> jax.Array:
-    """The array of ``sharding`` (this process's devices) made of ``x``'s shards on those devices."""
+    """The array of ``sharding`` made of ``x``'s shards on this process's devices of it (no copy)."""
     by_device = {s.device: s.data for s in x.addressable_shards}
     shards = [by_device[d] for d in sharding.addressable_devices_indices_map(shape)]
     return jax.make_array_from_single_device_arrays(shape, sharding, shards)

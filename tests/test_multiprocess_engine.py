@@ -14,8 +14,20 @@ import textwrap
 import time
 
 import numpy as np
+import pytest
 
+from dora_jax.dora.ledger import Ledger
 from dora_jax.xla_flags import cpu_device_flags
+
+STEPS, TBS, K = 2, 8, 2
+# The run on the spanning engine: dora with staleness bound K, the trainer on fsdp over the four devices, the
+# engine's data x tensor mesh over the same four; no checkpoints (the engine is what is tried here).
+RUN = ["dora.mode=dora", f"dora.steps={STEPS}", f"dora.train_batch={TBS}", "dora.rollout_batch=16",
+       f"train.max_staleness={K}", "train.group_size=4", "train.learning_rate=0.003", "rollout.slots=8",
+       "rollout.max_new_tokens=16", "rollout.max_prompt_len=32", "task.name=longtail", "task.longtail_max_len=16",
+       "task.eval_size=2", "train.length_buckets=[64]", "train.max_response_tokens=16", "run.checkpoint_every=0",
+       "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=1", "roles.rollout_span=all", "roles.rollout_data=2",
+       "roles.rollout_tensor=2"]
 
 _WORKER = textwrap.dedent("""
     import json, sys
@@ -91,6 +103,48 @@ _WORKER = textwrap.dedent("""
     if jax.process_index() == 0:  # the reference: the engine of one process on one device, the same weights
         local = [jax.device_put(p, jax.local_devices()[0]) for p in host]
         rec["reference"] = decode(Engine(nnx.merge(nnx.split(models[0])[0], local[0]), **sizes), local)
+
+    # A short dora run whose one rollout engine spans both processes (roles.rollout_span=all): the trainer's fsdp
+    # mesh and the engine's data x tensor mesh over the same four devices, tensor pairs across the processes.
+    import os
+    from dora_jax.models.build import abstract_model
+    from dora_jax.rollout.driver import RolloutDriver as Driver
+    from dora_jax.run import Runner
+    from dora_jax.run.placement import make_engine
+    run_dir = os.path.join(os.path.dirname(out), "run")
+    runner = Runner(load_config("tiny_llama", json.loads(sys.argv[2])), run_dir, devices=devices, progress=False)
+    first = jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)),
+                         runner.versions.params(0))
+    summary = runner.run()
+    v, eng = runner.sched.version, runner.placement.engine
+    copy = runner.versions.rollout_params(v)[0]
+    gathered = lambda t: [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in jax.tree.leaves(t)]
+    rec["run"] = {"spans": runner.placement.spans and eng.spans_processes, "generated": runner.rollout.generated,
+                  "updates": runner.updates, "ledger": runner.sched.state_dict(), "summary": summary,
+                  "engine_processes": sorted({d.process_index for d in eng.mesh.devices.flat}),
+                  # The moved version is the trainer's, every array on the engine's own mesh (none left on the
+                  # trainer's, which would compile the engine's programs again).
+                  "copy_max_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(gathered(copy),
+                                                                                     gathered(runner.versions.params(v)))),
+                  "copy_on_engine_mesh": all(x.sharding.mesh == eng.mesh for x in jax.tree.leaves(copy))}
+    if jax.process_index() == 0:  # version 0's trained samples again on one device of one process, same weights
+        with open(os.path.join(run_dir, "samples.jsonl")) as f:
+            rows = [r for r in map(json.loads, f) if r["version"] == 0]
+        led, cfg = runner.sched.ledger, runner.cfg
+        one = make_engine(cfg, nnx.merge(abstract_model(cfg.model)[0], jax.device_put(first, jax.local_devices()[0])))
+        driver = Driver(one)
+        driver.add_version(0, jax.device_put(first, jax.local_devices()[0]))
+        for r in rows:
+            item = runner.task.train_item(led.entries[r["sample_id"]].prompt_index)
+            budget = min(item.max_new_tokens or cfg.rollout.max_new_tokens, cfg.rollout.max_new_tokens)
+            driver.submit(Request(r["sample_id"], tuple(r["prompt_ids"]), version=0, max_new_tokens=budget,
+                                  sampling=runner.rollout.sampling))
+        done = []
+        while not driver.idle:
+            done += driver.step()
+        ref = {t.sample_id: t for t in done}
+        rec["run"]["version0"] = [[r["tokens"], ref[r["sample_id"]].tokens, r["logprobs"], ref[r["sample_id"]].logprobs]
+                                  for r in rows]
     with open(out, "w") as f:
         json.dump(rec, f)
 """)
@@ -110,7 +164,8 @@ def _launch(tmp_path, timeout=180):
         env = {**os.environ, "JAX_PLATFORMS": "cpu",
                "XLA_FLAGS": cpu_device_flags(2, "--xla_backend_optimization_level=0"),
                "DORA_COORDINATOR": f"127.0.0.1:{port}", "DORA_NUM_PROCESSES": "2", "DORA_PROCESS_ID": str(pid)}
-        procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, str(tmp_path / f"rec{pid}.json")], env=env,
+        procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, str(tmp_path / f"rec{pid}.json"),
+                                       json.dumps(RUN)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     deadline, outs = time.monotonic() + timeout, []
     try:
@@ -130,8 +185,14 @@ def _launch(tmp_path, timeout=180):
     return [json.loads((tmp_path / f"rec{pid}.json").read_text()) for pid in range(2)]
 
 
-def test_an_engine_spanning_two_processes_decodes_like_one_process(tmp_path):
-    recs = _launch(tmp_path)
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    """One launch of the worker serves both tests (each start of two processes compiles everything)."""
+    return _launch(tmp_path_factory.mktemp("engine"))
+
+
+def test_an_engine_spanning_two_processes_decodes_like_one_process(records):
+    recs = records
     reference = recs[0]["reference"]
     assert [t["id"] for t in reference] == list(range(6))
     assert reference[0]["tokens"][:14] != reference[2]["tokens"]  # the versions decode apart: a mix-up would show
@@ -151,3 +212,32 @@ def test_an_engine_spanning_two_processes_decodes_like_one_process(tmp_path):
         assert got["tokens"] == want["tokens"], where
         # Sums split over devices round apart from one device's.
         np.testing.assert_allclose(got["logprobs"], want["logprobs"], rtol=0, atol=1e-5, err_msg=where)
+
+
+def test_a_run_decodes_on_one_engine_spanning_both_processes(records):
+    """``roles.rollout_span=all``: every process drives the same engine over both processes' devices and generates
+    every group; the run keeps its promises, the processes agree, and the samples of the first version are the
+    single-process engine's."""
+    recs = [r["run"] for r in records]
+    assert recs[0]["updates"] == recs[1]["updates"] and recs[0]["ledger"] == recs[1]["ledger"]
+    ledger = Ledger.from_dict(recs[0]["ledger"]["ledger"])
+    ledger.check(K)  # every sample consumed once or filtered with a reason, groups whole, staleness <= K
+    counts = ledger.counts()
+    assert counts["consumed"] == STEPS * TBS and counts["pending"] == counts["in_flight"] == 0
+    for r in recs:
+        assert r["spans"] and r["engine_processes"] == [0, 1]
+        # One engine: each process's driver returned every sample (none was split off to the other process).
+        assert r["generated"] == counts["consumed"] + counts["finished"]
+        assert [u["step"] for u in r["updates"]] == list(range(1, STEPS + 1))
+        assert all(0 <= u["step"] - 1 - v <= K for u in r["updates"] for _, v in u["samples"])
+        s = r["summary"]
+        assert (s["placement"], s["processes"], s["steps"], s["samples"]) == ("shared", 2, STEPS, STEPS * TBS)
+        assert s["max_resident_versions"] <= K + 1 and s["sync_s"] > 0
+        assert r["copy_max_diff"] == 0.0 and r["copy_on_engine_mesh"]
+    assert max(u["step"] - 1 - v for u in recs[0]["updates"] for _, v in u["samples"]) >= 1  # versions overlapped
+    # Version 0's trained samples, decoded again from their prompts and sampling streams on one device of one
+    # process with the same weights: the same tokens, log-probs within the cross-device rounding.
+    assert recs[0]["version0"], "no sample of version 0 was trained"
+    for tokens, ref_tokens, logprobs, ref_logprobs in recs[0]["version0"]:
+        assert tokens == ref_tokens
+        np.testing.assert_allclose(logprobs, ref_logprobs, rtol=0, atol=1e-5)

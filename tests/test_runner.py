@@ -22,6 +22,7 @@ from invariants import check_trained_samples
 from dora_jax.config import ConfigError, load_config
 from dora_jax.dora.ledger import Ledger
 from dora_jax.run import Placement, Runner, RunError
+from dora_jax.run.setup import check_multiprocess
 from dora_jax.tasks import load_task
 from dora_jax.trainer import make_batch, Sample
 
@@ -297,6 +298,16 @@ def test_bad_run_configs_are_named(tmp_path):
         Runner(tiny("task.reward=test_runner:missing"), str(tmp_path / "r2"), progress=False)
     with pytest.raises(RunError, match=r"roles.rollout_groups = 2: .* not with roles.placement='shared'"):
         Runner(tiny("roles.rollout_groups=2"), str(tmp_path / "r3"), progress=False)
+    # Checked under several processes only (one process has no engine to span), before anything is built.
+    with pytest.raises(RunError, match=r"roles.rollout_span=all with roles.placement='split': .* Use "
+                                       r"roles.placement=shared, or roles.rollout_span=process"):
+        check_multiprocess(tiny("roles.rollout_span=all", "roles.placement=split", "roles.trainer_devices=4",
+                                "target.num_devices=8"), None)
+    with pytest.raises(RunError, match=r"rollout.attention_impl='pallas' with roles.rollout_span=all: .* set "
+                                       r"rollout.attention_impl=xla"):
+        check_multiprocess(tiny("roles.rollout_span=all", "rollout.attention_impl=pallas"), None)
+    with pytest.raises(ConfigError, match=r"roles.rollout_span' = 'host': allowed: process, all"):
+        tiny("roles.rollout_span=host")
 
 
 def test_an_iteration_with_no_applied_update_publishes_nothing_and_loses_nothing(tmp_path, shared, monkeypatch):

@@ -46,6 +46,10 @@ TARGETS = {
     "disjoint, fewer devices, columns cut": NamedSharding(_mesh(D[4:6], (2,), ("t",)), P(None, "t")),
     "disjoint, replicated": NamedSharding(_mesh(D[4:], (4,), ("r",)), P()),
     "the same devices, another layout": NamedSharding(_mesh(D[:4], (4,), ("z",)), P(None, "z")),
+    # A compiled relayout needs one device order on both sides; reshard permutes these on the devices.
+    "the same devices in another order, another layout": NamedSharding(_mesh(D[3::-1], (4,), ("z",)), P(None, "z")),
+    # Every device already holds its block: the result is named by the target's mesh (programs are keyed by it).
+    "the same blocks on another mesh": NamedSharding(_mesh(D[:4], (2, 2), ("a", "b")), P("b", "a")),
     "more blocks than source devices": NamedSharding(_mesh(D[2:8], (6,), ("z",)), P(None, None)),
     "eight blocks from four devices": NamedSharding(_mesh(D, (8,), ("z",)), P("z")),
 }

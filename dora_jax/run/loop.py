@@ -83,7 +83,7 @@ class Runner:
         self.driver = self.placement.drivers(tokenizer.eos_ids, cfg.rollout.overlap, self.shared_prefix)
         self.sched = Scheduler(self.policy)
         self.rollout = RolloutSide(cfg, self.sched, self.task, tokenizer, self.driver,
-                                   cfg.rollout.slots * len(self.engines))
+                                   cfg.rollout.slots * len(self.engines), spans=self.placement.spans)
         self.versions = Residency(self.policy.bound + 1, self.placement, self.driver)
         self.updates: list[dict[str, Any]] = []  # per update: step, trained groups and samples, train metrics
         self._in_flight: TrainInFlight | None = None

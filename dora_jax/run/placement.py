@@ -7,7 +7,9 @@ device to device (:func:`~dora_jax.sharding.reshard`), never through the host. U
 (``jax.distributed``) the trainer spans every process's devices (under ``split``, the first
 ``roles.trainer_devices / process_count`` of each) and each process decodes on its own (the others): a
 version reaches each process's engine through :class:`~dora_jax.sharding.ProcessLocalCopy`, one program over
-the devices of both roles.
+the devices of both roles. With ``roles.rollout_span = all`` (shared placement) one engine spans the devices
+of every process instead, driven by every process alike, and a version reaches it by
+:func:`~dora_jax.sharding.reshard` onto that engine's mesh.
 
 The learner side (:mod:`dora_jax.run.loop`) never looks at meshes: it asks the placement for the trainer,
 the drivers and :meth:`Placement.to_rollout`.
@@ -34,7 +36,8 @@ def make_engine(cfg: Config, model: Any, mesh: Any = None) -> Engine:
     r = cfg.rollout
     target = min(bucket(r.max_prompt_len + r.max_new_tokens), cfg.model.max_seq_len)
     return Engine(model, max_concurrent_decodes=r.slots, max_prefill_length=r.max_prompt_len,
-                  max_target_length=target, mesh=mesh, dtype=r.dtype, settings=DecodeSettings.of(r))
+                  max_target_length=target, mesh=mesh, dtype=r.dtype, settings=DecodeSettings.of(r),
+                  rules=cfg.mesh.logical_axis_rules)
 
 
 def _device_set(mesh: Any) -> frozenset[Any] | None:
@@ -55,6 +58,8 @@ class Placement:
       disjoint: whether the engines' devices are not the trainer's (``roles.placement = split``: a version is
         copied to them, and decoding goes on while the trainer trains).
       multi: whether the run spans several processes.
+      spans: whether the one rollout engine's mesh holds devices of several processes (``roles.rollout_span =
+        all``): every process drives it with the same calls and generates every group.
     """
 
     def __init__(self, cfg: Config, trainer: Trainer, state: Any, engines: Sequence[Engine], *,
@@ -67,13 +72,14 @@ class Placement:
         self.multi = jax.process_count() > 1
         engine_devices = _device_set(self.engines[0].mesh)
         self.disjoint = engine_devices is not None and not engine_devices & _device_set(trainer.mesh)
+        self.spans = self.engines[0].spans_processes
         self._state = state
         # A pristine copy, only when several runs start from it (the first train step donates the state).
         self._initial = jax.tree.map(lambda x: x.copy(), state) if keep_initial else None
         self._shardings = ([state_shardings(abstract_model(cfg.model)[1], e.mesh, cfg.mesh.logical_axis_rules)
                             for e in self.engines] if self.disjoint or self.multi else None)
         # Several processes: each process's copy, from the trainer's devices or those it shares with them.
-        self._to_local = ProcessLocalCopy(self._shardings[0], local_meshes) if self.multi else None
+        self._to_local = ProcessLocalCopy(self._shardings[0], local_meshes) if self.multi and not self.spans else None
 
     @classmethod
     def build(cls, cfg: Config, model: Any = None, devices: list[jax.Device] | None = None, *,
@@ -86,10 +92,20 @@ class Placement:
             mesh; their tokenizer is then :attr:`tokenizer`).
         """
         from dora_jax.models.weights import load_model
-        from dora_jax.sharding import RoleMeshes, process_role_meshes, role_meshes
+        from dora_jax.config import ConfigError
+        from dora_jax.sharding import RoleMeshes, create_mesh, process_role_meshes, role_meshes, rollout_mesh_config
 
         local = None
-        if jax.process_count() > 1:  # each process decodes on its own devices (no decode program spans processes)
+        if jax.process_count() > 1 and cfg.roles.rollout_span == "all":
+            # One engine over every process's devices, listed in the trainer's order so that a version moves by
+            # one compiled relayout on the same devices.
+            trainer_mesh = create_mesh(cfg.mesh, devices)
+            try:
+                rollout_mesh = create_mesh(rollout_mesh_config(cfg.roles), list(trainer_mesh.devices.flat))
+            except ConfigError as e:
+                raise ConfigError(f"roles.rollout_data/rollout_tensor with roles.rollout_span=all: {e}") from None
+            meshes = RoleMeshes(trainer_mesh, (rollout_mesh,))
+        elif jax.process_count() > 1:  # each process decodes on its own devices (no decode program spans processes)
             trainer_mesh, local = process_role_meshes(cfg.mesh, cfg.roles, devices)
             meshes = RoleMeshes(trainer_mesh, (local[jax.process_index()],))
         else:
@@ -133,7 +149,7 @@ class Placement:
     def to_rollout(self, params: Any) -> tuple[list[Any], float]:
         """A version's params (on the trainer's mesh) as each rollout group takes them, and the seconds spent
         moving them (0 when the engines share the trainer's devices)."""
-        if self.disjoint and not self.multi:  # device to device, never through the host; one copy per group
+        if (self.disjoint and not self.multi) or self.spans:  # device to device; one copy per group
             copies, secs = [], 0.0
             for shardings in self._shardings:
                 copy, s = reshard(params, shardings)

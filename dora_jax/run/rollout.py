@@ -4,7 +4,9 @@
 admits waiting requests to free decode slots as the scheduler shares them between versions, runs one decode
 step at a time, and hands finished trajectories to the reward pool; scored samples are recorded in the
 scheduler's ledger. Under several processes each process generates every ``nproc``-th group and the
-started and finished samples are shared after every decode step, so every process's ledger stays the same.
+started and finished samples are shared after every decode step, so every process's ledger stays the same;
+with one engine spanning every process (``roles.rollout_span = all``) every process submits every group to its
+copy of the same driver, which returns the same samples everywhere, and nothing is exchanged.
 """
 
 from __future__ import annotations
@@ -37,25 +39,30 @@ class RolloutSide:
       tokenizer: the policy's tokenizer.
       driver: the rollout driver (or driver groups) that decodes.
       slots: decode slots of every rollout group together.
+      spans: whether the engine spans every process (each process then generates every group with the same
+        calls, and its driver returns every finished sample).
     """
 
-    def __init__(self, cfg: Config, sched: Scheduler, task: Task, tokenizer: Any, driver: Any, slots: int):
+    def __init__(self, cfg: Config, sched: Scheduler, task: Task, tokenizer: Any, driver: Any, slots: int,
+                 spans: bool = False):
         import jax
 
         self.cfg, self.sched, self.task, self.tokenizer, self.driver, self.slots = cfg, sched, task, tokenizer, driver, slots
         self.rank, self.nproc = jax.process_index(), jax.process_count()
+        # Groups shared out by process, and samples exchanged after each step, only with an engine per process.
+        self.shares = self.nproc > 1 and not spans
         r = cfg.rollout
         self.sampling = RequestSampling(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=r.seed)
         self.rewards = RewardPool(cfg.task.reward_workers, cfg.task.reward_timeout_s)
         self.waiting: dict[int, deque[Request]] = {}
         self.items: dict[int, tuple[int, Item]] = {}  # sample id -> (group id, item)
         self.done: dict[int, Finished] = {}  # finished samples not yet trained
-        self.generated = 0  # trajectories this process's engine generated
+        self.generated = 0  # trajectories this process's engine generated (a spanning engine's, all of them)
 
     def generates(self, group_id: int) -> bool:
         """Whether this process generates the group: each generates every ``nproc``-th group (strided, so
-        long-tailed prompts spread evenly)."""
-        return group_id % self.nproc == self.rank
+        long-tailed prompts spread evenly); every group under a spanning engine."""
+        return not self.shares or group_id % self.nproc == self.rank
 
     def enqueue(self, sample_id: int, group_id: int, version: int, item: Item, ids: list[int]) -> None:
         """Queues one sample on its version (when this process generates its group)."""
@@ -131,7 +138,7 @@ class RolloutSide:
             secs, rows = time.perf_counter() - ts, self.driver.rows_live - before_rows
             batch_steps = self.driver.batch_steps - before_steps
             self.generated += len(finished)
-        if self.nproc > 1:
+        if self.shares:
             everyone = gather_decisions({"started": started, "finished": [dataclasses.asdict(t) for t in finished]})
             started = sorted(sid for e in everyone for sid in e["started"])
             finished = sorted((Trajectory(**d) for e in everyone for d in e["finished"]), key=lambda t: t.sample_id)

@@ -94,6 +94,15 @@ def check_multiprocess(cfg: Config, placement: Any) -> None:
     if placement is not None:
         raise RunError(f"Runner(placement=...) with {jax.process_count()} processes (jax.process_count()): build "
                        "the run from the config (each process's rollout engine must be on its own devices)")
+    roles, impl = cfg.roles, cfg.rollout.attention_impl
+    if roles.rollout_span == "all" and roles.placement != "shared":
+        raise RunError(f"roles.rollout_span=all with roles.placement={roles.placement!r}: one engine over every "
+                       "process's devices is built on the trainer's devices (shared placement) only; a version "
+                       "would have to cross from the trainer's devices to other processes' rollout devices. Use "
+                       "roles.placement=shared, or roles.rollout_span=process")
+    if roles.rollout_span == "all" and (impl == "pallas" or (impl == "auto" and jax.default_backend() == "tpu")):
+        raise RunError(f"rollout.attention_impl={impl!r} with roles.rollout_span=all: the Pallas decode kernel does "
+                       "not run on a mesh that spans processes; set rollout.attention_impl=xla")
 
 
 def check_placement(cfg: Config, multi: bool, placement: Any) -> None:
