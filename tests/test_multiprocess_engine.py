@@ -3,7 +3,8 @@
 Two processes on localhost with two fake CPU devices each build one engine on a mesh of all four devices and
 run the same driver calls. Its greedy trajectories (two policy versions, requests submitted at staggered steps,
 a shared prompt head) are compared with those of the single-process engine on one device, given the same
-weights gathered to the host."""
+weights gathered to the host. The same processes then run a short training run whose one rollout engine spans
+both (``roles.rollout_span=all``)."""
 
 import json
 import os
@@ -124,8 +125,8 @@ _WORKER = textwrap.dedent("""
                   "engine_processes": sorted({d.process_index for d in eng.mesh.devices.flat}),
                   # The moved version is the trainer's, every array on the engine's own mesh (none left on the
                   # trainer's, which would compile the engine's programs again).
-                  "copy_max_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(gathered(copy),
-                                                                                     gathered(runner.versions.params(v)))),
+                  "copy_max_diff": max(float(np.max(np.abs(a - b)))
+                                       for a, b in zip(gathered(copy), gathered(runner.versions.params(v)))),
                   "copy_on_engine_mesh": all(x.sharding.mesh == eng.mesh for x in jax.tree.leaves(copy))}
     if jax.process_index() == 0:  # version 0's trained samples again on one device of one process, same weights
         with open(os.path.join(run_dir, "samples.jsonl")) as f:
