@@ -202,8 +202,60 @@ def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
     return RoleMemory("rollout", mesh.size, parts, temp, args)
 
 
-def run_check(cfg: Any, *, do_compile: bool = True, log: Callable[[str], None] = print) -> list[RoleMemory]:
-    """Checks ``cfg`` on this process's devices (there must be ``cfg.target.num_devices`` of them).
+def role_meshes_of_run(cfg: Any, processes: int = 1) -> tuple[Any, Any, bool]:
+    """The trainer's mesh and one rollout engine's mesh as a run of ``cfg`` lays them out over this process's
+    devices taken as ``processes`` hosts of equal device counts, in order (docs/scale.md: under several
+    processes each decodes on its own devices, or with ``roles.rollout_span=all`` one engine spans them all), and
+    whether the two roles share devices.
+
+    Raises:
+      ConfigError: naming the field (or ``--processes``) when the devices do not split that way.
+    """
+    import jax
+
+    from dora_jax.config import ConfigError
+    from dora_jax.sharding import create_mesh, role_meshes, rollout_mesh_config
+
+    roles = cfg.roles
+    if processes < 1:
+        raise ConfigError(f"--processes {processes}: must be a positive number of processes")
+    if processes == 1:
+        meshes = role_meshes(cfg.mesh, roles)
+        return meshes.trainer, meshes.rollout[0], meshes.shared
+    devices = jax.devices()
+    if len(devices) % processes:
+        raise ConfigError(f"--processes {processes} does not divide target.num_devices = {len(devices)}")
+    per = len(devices) // processes
+    hosts = [devices[p * per:(p + 1) * per] for p in range(processes)]
+    if roles.rollout_groups > 1:
+        raise ConfigError(f"roles.rollout_groups = {roles.rollout_groups}: under several processes each process "
+                          "has one rollout engine; use roles.rollout_groups=1")
+    if roles.placement == "split":
+        if roles.rollout_span == "all":
+            raise ConfigError("roles.rollout_span=all with roles.placement='split': one engine over every "
+                              "process's devices needs shared placement")
+        mine = roles.trainer_devices // processes
+        if roles.trainer_devices % processes or per <= mine:
+            raise ConfigError(f"roles.trainer_devices = {roles.trainer_devices} over {processes} processes of "
+                              f"{per} devices: each process gives the trainer the same number of its devices "
+                              "and keeps some to decode")
+        trainer = create_mesh(cfg.mesh, [d for h in hosts for d in h[:mine]])
+        rollout_devices = hosts[0][mine:]
+    else:
+        trainer = create_mesh(cfg.mesh, devices)
+        rollout_devices = list(trainer.devices.flat) if roles.rollout_span == "all" else hosts[0]
+    try:
+        rollout = create_mesh(rollout_mesh_config(roles), rollout_devices)
+    except ConfigError as e:
+        raise ConfigError(f"roles.rollout_data/rollout_tensor: a rollout engine of {len(rollout_devices)} "
+                          f"devices: {e}") from None
+    return trainer, rollout, roles.placement == "shared"
+
+
+def run_check(cfg: Any, *, do_compile: bool = True, log: Callable[[str], None] = print,
+              processes: int = 1) -> list[RoleMemory]:
+    """Checks ``cfg`` on this process's devices (there must be ``cfg.target.num_devices`` of them), laid out as a
+    run of ``processes`` processes (hosts) lays them out (:func:`role_meshes_of_run`).
 
     Returns:
       The memory of each role (one per device set: trainer and rollout share a set under ``shared``).
@@ -216,23 +268,28 @@ def run_check(cfg: Any, *, do_compile: bool = True, log: Callable[[str], None] =
 
     from dora_jax.models.build import abstract_model
     from dora_jax.rollout.pages import plan_pool
-    from dora_jax.sharding import role_meshes
 
     tgt = cfg.target
     if jax.device_count() != tgt.num_devices:
         raise CheckError(f"{jax.device_count()} devices present but target.num_devices = {tgt.num_devices}; "
                          "run through check_in_subprocess (dora-jax check), which sets the device count")
-    meshes = role_meshes(cfg.mesh, cfg.roles)
+    trainer_mesh, rollout_mesh, shared = role_meshes_of_run(cfg, processes)
     m = cfg.model
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_model(m)[1]))
     rollout_dtype = m.compute_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
     log(f"config {cfg.run.name}: {n_params / 1e9:.2f}B parameters ({m.param_dtype}; rollout {rollout_dtype}), target "
         f"{tgt.num_devices} x {tgt.device_kind}" + (f" with {tgt.memory_gib:g} GiB each" if tgt.memory_gib else ""))
-    log(f"roles: {cfg.roles.placement}; trainer mesh {dict(meshes.trainer.shape)}"
-        + ("" if meshes.shared else f"; {len(meshes.rollout)} rollout groups of mesh {dict(meshes.rollout[0].shape)}"))
-    train = trainer_memory(cfg, meshes.trainer, do_compile)
-    roll = rollout_memory(cfg, meshes.rollout[0], do_compile)
-    if meshes.shared:
+    if processes > 1:
+        where = "over every process" if cfg.roles.rollout_span == "all" else "per process"
+        log(f"roles: {cfg.roles.placement}, {processes} processes; trainer mesh {dict(trainer_mesh.shape)}; rollout "
+            f"mesh {dict(rollout_mesh.shape)} {where}")
+    else:
+        groups = cfg.roles.rollout_groups
+        log(f"roles: {cfg.roles.placement}; trainer mesh {dict(trainer_mesh.shape)}"
+            + ("" if shared else f"; {groups} rollout groups of mesh {dict(rollout_mesh.shape)}"))
+    train = trainer_memory(cfg, trainer_mesh, do_compile)
+    roll = rollout_memory(cfg, rollout_mesh, do_compile)
+    if shared:
         both = RoleMemory("trainer + rollout (shared devices)", train.devices,
                           {**{f"train {k}": v for k, v in train.parts.items()},
                            **{f"rollout {k}": v for k, v in roll.parts.items()}},
@@ -269,9 +326,11 @@ def run_check(cfg: Any, *, do_compile: bool = True, log: Callable[[str], None] =
     return roles
 
 
-def check_in_subprocess(config: str, overrides: list[str] | tuple[str, ...] = (), *, do_compile: bool = True) -> int:
-    """Runs the check in a fresh Python on ``target.num_devices`` fake CPU devices; returns its exit status
-    (0 fits, 1 does not fit, 2 bad config). Output goes to this process's stdout and stderr."""
+def check_in_subprocess(config: str, overrides: list[str] | tuple[str, ...] = (), *, do_compile: bool = True,
+                        processes: int = 1) -> int:
+    """Runs the check in a fresh Python on ``target.num_devices`` fake CPU devices, laid out for a run of
+    ``processes`` processes; returns its exit status (0 fits, 1 does not fit, 2 bad config). Output goes to this
+    process's stdout and stderr."""
     from dora_jax.config import load_config
     from dora_jax.xla_flags import cpu_device_flags
 
@@ -280,7 +339,7 @@ def check_in_subprocess(config: str, overrides: list[str] | tuple[str, ...] = ()
     for name in ("DORA_COORDINATOR", "DORA_NUM_PROCESSES", "DORA_PROCESS_ID", "DORA_CLUSTER"):
         env.pop(name, None)  # the check is one process, whatever cluster it is started from
     cmd = [sys.executable, "-m", "dora_jax.check", "--config", config, *([] if do_compile else ["--no-compile"]),
-           *overrides]
+           "--processes", str(processes), *overrides]
     return subprocess.run(cmd, env=env).returncode
 
 
@@ -291,10 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dora_jax.check")
     p.add_argument("--config", required=True)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--processes", type=int, default=1)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     try:
-        run_check(load_config(args.config, args.overrides), do_compile=not args.no_compile)
+        run_check(load_config(args.config, args.overrides), do_compile=not args.no_compile, processes=args.processes)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

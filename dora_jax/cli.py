@@ -128,7 +128,7 @@ def cmd_export(args) -> int:
 def cmd_check(args) -> int:
     from dora_jax.check import check_in_subprocess
 
-    return check_in_subprocess(args.config, args.overrides, do_compile=not args.no_compile)
+    return check_in_subprocess(args.config, args.overrides, do_compile=not args.no_compile, processes=args.processes)
 
 
 def _benchmarks_main():
@@ -265,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--config", required=True, help="YAML file or shipped preset name")
     c.add_argument("overrides", nargs="*", help="key=value overrides, e.g. target.num_devices=16")
     c.add_argument("--no-compile", action="store_true", help="lower only: shardings and shapes, no activation sizes")
+    c.add_argument("--processes", type=int, default=1, metavar="N",
+                   help="lay the roles out as a run of N processes (hosts) does, each with target.num_devices / N")
     c.set_defaults(fn=cmd_check)
 
     # The benchmarks parse their own arguments (benchmarks/cli.py, in a source checkout): everything after

@@ -108,6 +108,29 @@ def test_full_compile_on_the_tiny_model_split_roles():
     assert all(float(x[1]) > 0 for x in m)
 
 
+def test_roles_laid_out_per_process_with_processes():
+    """``--processes 2``: split placement gives each process's rollout engine its own non-trainer devices (2 of a
+    host's 4, where one process would decode on all 4 of them); ``roles.rollout_span=all`` spans every device."""
+    # The tiny model widened, so that a device's share of the weights shows in the printed GiB.
+    base = ("--config", "tiny_llama", "--no-compile", "target.num_devices=8", "model.hidden_size=512",
+            "model.intermediate_size=2048", "model.num_layers=8", "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=1",
+            "roles.placement=split", "roles.trainer_devices=4")
+    one, two = _check(*base), _check(*base, "--processes", "2")
+    assert one.returncode == 0 and two.returncode == 0, one.stdout + one.stderr + two.stdout + two.stderr
+    assert "1 rollout groups of mesh {'data': 1, 'fsdp': 1, 'tensor': 4}" in one.stdout
+    assert ("roles: split, 2 processes; trainer mesh {'data': 1, 'fsdp': 4, 'tensor': 1}; rollout mesh "
+            "{'data': 1, 'fsdp': 1, 'tensor': 2} per process") in two.stdout
+    assert "per device, rollout (2 devices)" in two.stdout
+    # Half the devices for the engine's tensor axis: each holds twice the share of every resident version.
+    label = "params x2 versions"
+    assert _gib(two.stdout, label) == pytest.approx(2 * _gib(one.stdout, label), rel=0.05)
+    span = _check(*base[:-2], "mesh.fsdp=8", "roles.rollout_span=all", "roles.rollout_data=2", "--processes", "2")
+    assert span.returncode == 0, span.stdout + span.stderr
+    assert "rollout mesh {'data': 2, 'fsdp': 1, 'tensor': 4} over every process" in span.stdout
+    bad = _check(*base, "roles.rollout_span=all", "--processes", "2")
+    assert bad.returncode == 2 and "roles.rollout_span=all with roles.placement='split'" in bad.stderr, bad.stderr
+
+
 def test_bad_config_fails_before_starting_jax():
     r = _check("--config", "qwen2_5_7b_8gpu", "roles.placement=everywhere")
     assert r.returncode == 2 and "roles.placement" in r.stderr
