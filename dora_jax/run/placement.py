@@ -54,7 +54,8 @@ class Placement:
 
     Attributes:
       trainer: the :class:`~dora_jax.trainer.Trainer` (its mesh spans every process's devices).
-      engines: one rollout engine per rollout group (under several processes: this process's own).
+      engines: one rollout engine per rollout group (under several processes: this process's own, or with
+        ``roles.rollout_span = all`` the one engine over every process's devices).
       disjoint: whether the engines' devices are not the trainer's (``roles.placement = split``: a version is
         copied to them, and decoding goes on while the trainer trains).
       multi: whether the run spans several processes.
