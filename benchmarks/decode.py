@@ -34,7 +34,7 @@ def bench_decode(config: str = "smollm2_135m", batch: int = 32, cache_length: in
     from flax import nnx
 
     from dora_jax.config import load_config
-    from dora_jax.models.decoder import DecodeSettings, decode_forward, init_cache, resolve_decode_weights
+    from dora_jax.models.decoder import DecodeSettings, decode_forward, init_cache
     from dora_jax.models.weights import load_model
     from dora_jax.rollout.sampling import SamplingParams, row_keys, sample
 
@@ -45,10 +45,9 @@ def bench_decode(config: str = "smollm2_135m", batch: int = 32, cache_length: in
     tokens = jnp.zeros((batch, 1), jnp.int32)
     positions = jnp.full((batch, 1), cache_length // 2, jnp.int32)
     caches = [init_cache(cfg.model, batch, cache_length)]
-    # As in the engine: fused params prepared once in the layout of the rollout section's decode settings, the
-    # cache donated and threaded from step to step.
+    # As in the engine: fused params prepared once, the cache donated and threaded from step to step.
     settings = DecodeSettings.of(cfg.rollout)
-    prepared = model.decode_params(fuse=True, transpose=resolve_decode_weights(settings) == "out_in")
+    prepared = model.decode_params(fuse=True)
     step = jax.jit(lambda p, t, pos, c: decode_forward(cfg.model, p, t, pos, c, settings=settings),
                    donate_argnums=(3,))
     dense = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))

@@ -90,9 +90,7 @@ def measure_decode(engine: Any, params: Any, prompt: tuple[int, ...], head: tupl
                    rounds: int = 3) -> dict[str, Any]:
     """The decode grid: seconds of one device step by (versions, rows each, cache slots read), and a dispatch's
     own cost; each point from ``rounds`` sweeps from the prompt to position ``last``."""
-    from dora_jax.models.decoder import cache_read_lengths
-
-    reads = [r for r in cache_read_lengths(engine.settings, engine.max_target_length)]
+    reads = [engine.max_target_length]  # a decode step reads the whole cache
     kv = [r for r in reads if r < last] + [next(r for r in reads if r >= last)]
     # A dispatch's own cost: one step per dispatch against the engine's N steps per dispatch, same rows and
     # reads: t1 = o + p, tN = o + N p.

@@ -57,11 +57,10 @@ def measure_matmul_chain(model_cfg, batch: int, rounds: int = 5, torch_device: s
     used, no norms, attention, cache or sampling. Random weights of the model's shapes and compute dtype (the
     time does not depend on the values).
 
-    Timed as one jitted XLA program in each weight layout of ``rollout.decode_weights`` (``in_out``: ``x @ W``;
-    ``out_in``: ``W^T @ x^T`` as the decode step computes it) and, with ``torch_device``, as the same chain of
-    ``torch.nn.functional.linear`` calls in torch (the library transformers runs); alternated, best of
-    ``rounds`` each. No decode step of this model at this batch can be faster than its matmuls, so ``batch`` /
-    the faster layout's time bounds the tokens/s a decode step built this way reaches here.
+    Timed as one jitted XLA program (``x @ W``, as the decode step computes it) and, with ``torch_device``, as
+    the same chain of ``torch.nn.functional.linear`` calls in torch (the library transformers runs);
+    alternated, best of ``rounds`` each. No decode step of this model at this batch can be faster than its
+    matmuls, so ``batch`` / the XLA time bounds the tokens/s a decode step built this way reaches here.
 
     Args:
       model_cfg: the model's ``ModelConfig``.
@@ -70,13 +69,11 @@ def measure_matmul_chain(model_cfg, batch: int, rounds: int = 5, torch_device: s
       torch_device: also time torch on this device (``"cpu"`` or ``"cuda"``); None: XLA only.
 
     Returns:
-      ``matmul_only_*`` figures (FLOPs, step ms, tokens/s, FLOP/s, each layout's ms) and, with torch,
+      ``matmul_only_*`` figures (FLOPs, step ms, tokens/s, FLOP/s) and, with torch,
       ``torch_matmul_only_step_ms``.
     """
     import jax.numpy as jnp
     import numpy as np
-
-    from dora_jax.models.decoder import _dot_out_in
 
     c = model_cfg
     q, kv, d, f = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
@@ -88,27 +85,21 @@ def measure_matmul_chain(model_cfg, batch: int, rounds: int = 5, torch_device: s
     x0 = rng.standard_normal((batch, d)).astype(np.float32)
     cast = lambda a: jnp.asarray(a, c.compute_dtype)  # noqa: E731
     layers, w_head, x_in = jax.tree.map(cast, host), cast(head), cast(x0)
-    layers_t = jax.tree.map(lambda a: cast(np.ascontiguousarray(a.T)), host)  # [out, in]
 
-    def chain(x, layers, w_head, dot):
+    def dot(x, w):
+        return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+    @jax.jit
+    def chain(x, layers, w_head):
         for w in layers:  # q times the k|v mean and gate times up: every output of a product is used
             h = dot(x, w["qkv"])
             x = x + dot(h[:, :q] * jnp.mean(h[:, q:], axis=1, keepdims=True), w["o"])
             g = dot(x, w["gate_up"])
             x = x + dot(g[:, :f] * g[:, f:], w["down"])
-        return dot(x, w_head.T if dot is in_out else w_head)
+        return dot(x, w_head.T)
 
-    def in_out(x, w):
-        return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-
-    def out_in(x, w):
-        return _dot_out_in(x[:, None], w, 1, jnp.float32)[:, 0].astype(x.dtype)
-
-    runs = {}
-    for name, dot, ws in (("in_out", in_out, layers), ("out_in", out_in, layers_t)):
-        fn = jax.jit(lambda x, ws, h, dot=dot: chain(x, ws, h, dot))
-        fn(x_in, ws, w_head).block_until_ready()  # compile
-        runs[name] = lambda fn=fn, ws=ws: fn(x_in, ws, w_head)
+    chain(x_in, layers, w_head).block_until_ready()  # compile
+    runs = {"xla": lambda: chain(x_in, layers, w_head)}
     if torch_device is not None:
         import torch
 
@@ -134,11 +125,10 @@ def measure_matmul_chain(model_cfg, batch: int, rounds: int = 5, torch_device: s
         torch_chain()
         runs["torch"] = torch_chain
     times = alternated_times(runs, rounds)
-    best = min(min(times["in_out"]), min(times["out_in"]))
+    best = min(times["xla"])
     flops = 2 * batch * (c.num_layers * sum(a * b for a, b in shapes.values()) + c.vocab_size * d)
     out = {"matmul_only_flops": flops, "matmul_only_step_ms": 1e3 * best, "matmul_only_tok_s": batch / best,
-           "matmul_only_flop_s": flops / best, "matmul_only_in_out_ms": 1e3 * min(times["in_out"]),
-           "matmul_only_out_in_ms": 1e3 * min(times["out_in"])}
+           "matmul_only_flop_s": flops / best}
     if "torch" in times:
         out["torch_matmul_only_step_ms"] = 1e3 * min(times["torch"])
     return out

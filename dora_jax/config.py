@@ -88,14 +88,22 @@ class RopeScaling:
 
 
 ATTENTION_IMPLS = ("xla", "pallas", "auto")
-DECODE_WEIGHT_LAYOUTS = ("auto", "in_out", "out_in")
 MAX_DECODE_STEPS = 256  # rollout.decode_steps: results hold [steps, slots] tokens, compiled in
 ROLLOUT_DTYPES = ("auto",) + _DTYPES
 
 # Rollout engine settings a config may name under ``model``: refused there with the key that holds them,
 # rather than as unknown fields.
-MOVED_FIELDS = {f"model.{name}": f"rollout.{name}"
-                for name in ("attention_impl", "pallas_interpret", "cache_read_buckets", "decode_weights")}
+MOVED_FIELDS = {f"model.{name}": f"rollout.{name}" for name in ("attention_impl", "pallas_interpret")}
+
+# Settings that no longer exist, refused with what replaced them rather than as unknown fields. Decode runs one
+# weight layout and reads the whole cache on every platform (docs/rollout.md).
+_NO_DECODE_WEIGHTS = ("was removed: decode has one weight layout on every platform (q|k|v and gate|up fused, "
+                      "x @ W); delete the key")
+_NO_CACHE_READ_BUCKETS = ("was removed: the xla decode path reads the whole cache on every platform; delete "
+                          "the key (rollout.attention_impl=pallas reads only each row's valid slots)")
+REMOVED_FIELDS = {f"{section}.{name}": why for section in ("rollout", "model")
+                  for name, why in (("decode_weights", _NO_DECODE_WEIGHTS),
+                                    ("cache_read_buckets", _NO_CACHE_READ_BUCKETS))}
 
 
 @dataclass(frozen=True)
@@ -432,15 +440,8 @@ class RolloutConfig:
     ``attention_impl`` picks how a one-token decode step attends over the cache: ``"xla"`` (masked attention
     over every slot), ``"pallas"`` (``dora_jax.kernels.ragged_decode_attention``, reading only each row's
     valid positions) or ``"auto"`` (pallas on TPU; xla on CPU and GPU, where XLA measured faster).
-    ``pallas_interpret`` runs the kernel in the Pallas interpreter (CPU tests). ``cache_read_buckets`` is how
-    many cache prefixes the xla path chooses among on every step (lengths S/n, 2S/n, ..., S; the shortest
-    that holds every live row's context is read, picked on device inside one program): ``0`` resolves to 8 on
-    CPU for caches of 256 slots or more, where reading the cache is a large share of a decode step, and to 1
-    (always the whole cache) otherwise. ``decode_weights`` is the layout of the weights the engine prepares
-    for decode: ``"in_out"`` (as stored, ``x @ W``), ``"out_in"`` (each projection transposed once per version
-    into one buffer per layer, each product computed as ``W^T @ x^T``: XLA:CPU runs the few-row products of
-    decode 1.1-2.8x faster that way, docs/rollout.md) or ``"auto"`` (out_in on CPU, in_out elsewhere).
-    These four change no result beyond float rounding.
+    ``pallas_interpret`` runs the kernel in the Pallas interpreter (CPU tests). These two change no result
+    beyond float rounding.
 
     ``decode_steps`` is how many decode steps one dispatched program runs (``RolloutDriver(decode_steps=...)``):
     each slot stops on the device at an end-of-sequence or stop id or at its token budget, and the host admits
@@ -466,8 +467,6 @@ class RolloutConfig:
     dtype: str = "auto"
     attention_impl: str = "xla"
     pallas_interpret: bool = False
-    cache_read_buckets: int = 0
-    decode_weights: str = "auto"
     decode_steps: int | str = "auto"
 
     def validate(self, path: str = "rollout") -> None:
@@ -485,11 +484,6 @@ class RolloutConfig:
             _fail(f"{path}.dtype", self.dtype, f"allowed: {', '.join(ROLLOUT_DTYPES)} (auto: model.compute_dtype)")
         if self.attention_impl not in ATTENTION_IMPLS:
             _fail(f"{path}.attention_impl", self.attention_impl, f"allowed: {', '.join(map(repr, ATTENTION_IMPLS))}")
-        if not 0 <= self.cache_read_buckets <= 8:
-            _fail(f"{path}.cache_read_buckets", self.cache_read_buckets, "must be 0 (auto) .. 8")
-        if self.decode_weights not in DECODE_WEIGHT_LAYOUTS:
-            _fail(f"{path}.decode_weights", self.decode_weights,
-                  f"allowed: {', '.join(map(repr, DECODE_WEIGHT_LAYOUTS))}")
         if self.decode_steps != "auto" and not (isinstance(self.decode_steps, int)
                                                 and 1 <= self.decode_steps <= MAX_DECODE_STEPS):
             _fail(f"{path}.decode_steps", self.decode_steps, f"must be 'auto' or an integer in 1..{MAX_DECODE_STEPS}")
@@ -870,6 +864,8 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
         if where in MOVED_FIELDS:
             _fail(where, data[name], f"the rollout engine's settings are in the rollout section: set "
                   f"'{MOVED_FIELDS[where]}' instead")
+        if where in REMOVED_FIELDS:
+            _fail(where, data[name], REMOVED_FIELDS[where])
     if unknown:
         where = f"{path}.{unknown[0]}" if path else unknown[0]
         raise ConfigError(f"unknown config field '{where}' = {data[unknown[0]]!r}; fields of "

@@ -41,9 +41,7 @@ def test_overrides_and_types():
     ("model.family=gpt2", "'model.family' = 'gpt2': allowed: 'llama', 'qwen2', 'qwen3'"),
     ("model.compute_dtype=int8", "'model.compute_dtype' = 'int8': allowed: float32, bfloat16, float16"),
     ("model.head_dim=7", "'model.head_dim' = 7: must be even"),
-    ("rollout.cache_read_buckets=9", "'rollout.cache_read_buckets' = 9: must be 0 (auto) .. 8"),
     ("rollout.attention_impl=triton", "'rollout.attention_impl' = 'triton': allowed: 'xla', 'pallas', 'auto'"),
-    ("rollout.decode_weights=rows", "'rollout.decode_weights' = 'rows': allowed: 'auto', 'in_out', 'out_in'"),
     ("rollout.pallas_interpret=1", "'rollout.pallas_interpret' = 1: must be true or false"),
     ("rollout.dtype=int8", "'rollout.dtype' = 'int8': allowed: auto, float32, bfloat16, float16 "
                            "(auto: model.compute_dtype)"),
@@ -72,8 +70,26 @@ def test_validation_messages(override, message):
     assert str(e.value).startswith(f"override {override!r}: ") or "expected key=value" in message
 
 
-@pytest.mark.parametrize("name,value", [("attention_impl", "pallas"), ("pallas_interpret", True),
-                                        ("cache_read_buckets", 4), ("decode_weights", "out_in")])
+@pytest.mark.parametrize("key,value,why", [
+    ("rollout.decode_weights", "out_in", "decode has one weight layout on every platform"),
+    ("rollout.cache_read_buckets", 8, "the xla decode path reads the whole cache on every platform"),
+    ("model.decode_weights", "in_out", "decode has one weight layout on every platform"),
+])
+def test_removed_decode_settings_are_refused_naming_the_removal(tmp_path, key, value, why):
+    """The decode settings that chose CPU-only layouts are refused, from an override or a file, with a message
+    that names the key and says it was removed, not as an unknown field."""
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny_llama", [f"{key}={value}"])
+    assert str(e.value).startswith(f"override '{key}={value}': config field '{key}' = {value!r}: was removed: ")
+    assert why in str(e.value) and "delete the key" in str(e.value) and e.value.field == key
+    section, name = key.split(".")
+    p = tmp_path / "old.yaml"
+    p.write_text(f"{section}:\n  {name}: {value}\n")
+    with pytest.raises(ConfigError, match=rf"old.yaml: config field '{key}' = .*: was removed: "):
+        load_config(str(p))
+
+
+@pytest.mark.parametrize("name,value", [("attention_impl", "pallas"), ("pallas_interpret", True)])
 def test_engine_settings_under_model_point_to_rollout(tmp_path, name, value):
     """The rollout engine's settings are refused under ``model``, from an override or a file, with the key
     that holds them; under ``rollout`` the same value loads."""

@@ -195,23 +195,6 @@ def test_sampled_logprobs_match_recompute(models):
     assert any(rel_err(t.logprobs, _recompute(m0, t, temperature=0.7)[0]) > 1e-3 for t in out)  # truncation shows
 
 
-def test_both_decode_weight_layouts_give_the_same_trajectories():
-    """``rollout.decode_weights``: the in_out and out_in layouts decode the same tokens from the same stream, and
-    each one's log-probs match a full forward of the stored weights."""
-    model = init_model(CFG, seed=0)
-    out = {}
-    reqs = _requests(6, seed=7, sampling=RequestSampling(temperature=0.8, seed=2))
-    for layout in ("in_out", "out_in"):
-        d = RolloutDriver(_engine(model, settings=DecodeSettings(decode_weights=layout)))
-        d.add_version(0, nnx.state(model))
-        out[layout] = sorted(d.run(reqs), key=lambda t: t.sample_id)
-        for t in out[layout]:
-            assert rel_err(t.logprobs, _recompute(model, t, temperature=0.8)[0]) <= 1e-4, layout
-    for a, b, r in zip(out["out_in"], out["in_out"], reqs):
-        _assert_same_trajectory(a, b, r, model)
-    assert sum(len(t.tokens) for t in out["out_in"]) > 20
-
-
 def test_bfloat16_rollout_of_a_float32_model_follows_the_float32_engine(models):
     """``rollout.dtype=bfloat16`` on a float32 model: the engine holds the version's weights in bfloat16 (the
     model's own stay float32: the trainer's) and decodes in it, KV cache included. Greedy decoding follows the
@@ -515,54 +498,37 @@ def test_driver_with_a_shared_prefix_gives_the_same_trajectories(models, engine4
         RolloutDriver(engine4, shared_prefix=range(32))
 
 
-@pytest.mark.parametrize("layout,tied", [("in_out", False), ("out_in", False), ("out_in", True)])
-def test_prepared_params_are_the_fused_weights_ready_on_the_mesh(layout, tied):
+@pytest.mark.parametrize("tied", [False, True])
+def test_prepared_params_are_the_fused_weights_ready_on_the_mesh(tied):
     """A version's decode weights on a 2 x 2 x 2 mesh: q|k|v (and their biases) concatenated on the head axis,
-    gate|up stacked on a new axis, values equal to a numpy concatenation; in the out_in layout those and the
-    output and down projections transposed (output axes first) and stored one buffer per layer, the head
-    transposed or, when tied, the embedding itself; the other weights are the stored arrays themselves (not
-    copies); the new ones come back finished (settled programs, not eager collectives)."""
+    gate|up stacked on a new axis, values equal to a numpy concatenation; the other weights, the head
+    included, are the stored arrays themselves (not copies); the new ones come back finished (settled
+    programs, not eager collectives)."""
     from dora_jax.config import DEFAULT_RULES, MeshConfig
     from dora_jax.sharding import create_mesh
 
     mesh = create_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     cfg = dataclasses.replace(CFG, num_heads=4, num_kv_heads=2, tie_embeddings=tied)
     model = init_model(cfg, mesh, DEFAULT_RULES, seed=3)
-    engine = Engine(model, max_concurrent_decodes=4, max_prefill_length=32, max_target_length=64, mesh=mesh,
-                    settings=DecodeSettings(decode_weights=layout))
+    engine = Engine(model, max_concurrent_decodes=4, max_prefill_length=32, max_target_length=64, mesh=mesh)
     prepared = engine.prepare_params(engine.params).tree
     stored = model.decode_params(fuse=False)
     layers, fused = stored["layers"], prepared["layers"]
     w = {n: np.asarray(layers[n]) for n in layers}
     expected = {"wqkv": np.concatenate([w["wq"], w["wk"], w["wv"]], axis=2),
-                "w_gate_up": np.stack([w["w_gate"], w["w_up"]], axis=2)}
-    kept = ["attn_norm", "mlp_norm"]
-    if layout == "out_in":  # [L, *in, *out] -> [L, *out, *in]
-        expected = {"wqkv_t": expected["wqkv"].transpose(0, 2, 3, 1), "wo_t": w["wo"].transpose(0, 3, 1, 2),
-                    "w_gate_up_t": expected["w_gate_up"].transpose(0, 2, 3, 1),
-                    "w_down_t": w["w_down"].transpose(0, 2, 1)}
-        if tied:
-            assert prepared["head_t"] is stored["embed"]
-        else:
-            assert "lm_head" not in prepared and prepared["head_t"].is_ready()
-            np.testing.assert_array_equal(np.asarray(prepared["head_t"]), np.asarray(stored["lm_head"]).T)
-    else:
-        kept += ["wo", "w_down"]
-    expected["bqkv"] = np.concatenate([w["bq"], w["bk"], w["bv"]], axis=1)
+                "w_gate_up": np.stack([w["w_gate"], w["w_up"]], axis=2),
+                "bqkv": np.concatenate([w["bq"], w["bk"], w["bv"]], axis=1)}
+    kept = ["attn_norm", "mlp_norm", "wo", "w_down"]
     assert set(fused) == set(kept) | set(expected)
     for name, value in expected.items():
-        got = fused[name]
-        if layout == "out_in" and name != "bqkv":  # one buffer per layer
-            assert isinstance(got, tuple) and len(got) == cfg.num_layers, name
-        else:
-            got = (got,)
-            value = value[None]
-        for i, layer in enumerate(got):
-            np.testing.assert_array_equal(np.asarray(layer), value[i], err_msg=f"{name}[{i}]")
-            assert layer.is_ready() and len(layer.sharding.device_set) == 8
+        np.testing.assert_array_equal(np.asarray(fused[name]), value, err_msg=name)
+        assert fused[name].is_ready() and len(fused[name].sharding.device_set) == 8
     for name in kept:
         assert fused[name] is layers[name]
     assert prepared["embed"] is stored["embed"]
+    assert ("lm_head" in prepared) == (not tied)
+    if not tied:
+        assert prepared["lm_head"] is stored["lm_head"]
     once = engine.prepare_params(engine.params)
     assert engine.prepare_params(once) is once  # already prepared: returned as is
 

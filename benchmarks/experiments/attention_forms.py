@@ -9,8 +9,7 @@ every form gives the first one's result.
   ``[L, B, K, d, S]`` keys and ``[L, B, K, S, d]`` values (XLA:CPU copies the slices), then two batched dots.
 - ``stacked, 128, multiply-reduce``: the same slices consumed by multiply-reduces (the slices fuse in).
 - ``stacked, 128, cache first``: keys stored ``[S, d]`` and values ``[d, S]``, so that each dot has the
-  cache as its first operand and the queries as the columns of the second (the form ``out_in`` uses for
-  weights).
+  cache as its first operand and the queries as the columns of the second.
 - ``stacked, 256``: every slot, sliced by layer only.
 - ``per-layer, 128`` / ``per-layer, 256``: one cache buffer per layer, picked by a ``lax.switch`` on the
   layer index; 256 reads the buffer in place (no copy at all).

@@ -1,7 +1,7 @@
 """The decode step with its layer scan unrolled, against the loop as shipped.
 
 Run from the repository root: ``.venv/bin/python -m benchmarks.experiments.layer_unroll [ROUNDS] [UNROLLS]``
-(defaults 4 and ``1,2,30``). SmolLM2-135M float32, ``rollout.decode_weights=out_in``, the weights as
+(defaults 4 and ``1,2,30``). SmolLM2-135M float32, the weights as
 ``Engine.prepare_params`` makes them, batch 32, 256-slot cache, every row at one position. Each unroll factor
 is ``jax.lax.scan(..., unroll=u)`` for the step's layer scan (``1`` is the shipped loop; ``30`` is every layer
 in line, the form a python loop over the layers compiles to). Prints each step's compile time, then best and
@@ -30,8 +30,8 @@ UNROLLS = [int(u) for u in (sys.argv[2] if len(sys.argv) > 2 else "1,2,30").spli
 B, S = 32, 256
 model, _ = load_model(load_config("smollm2_135m").model, progress=False)
 cfg = model.cfg
-params = Engine(model, max_concurrent_decodes=B, max_prefill_length=64, max_target_length=S,
-                settings=decoder.DecodeSettings(decode_weights="out_in")).prepare_params(nnx.state(model))
+params = Engine(model, max_concurrent_decodes=B, max_prefill_length=64,
+                max_target_length=S).prepare_params(nnx.state(model))
 scan = jax.lax.scan
 
 

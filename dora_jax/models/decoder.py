@@ -187,17 +187,13 @@ class DecodeSettings:
     """How the rollout engine runs decode: its serving settings, apart from the architecture.
 
     The fields and their meaning are those of the same names in :class:`~dora_jax.config.RolloutConfig`
-    (``rollout.attention_impl``, ``rollout.pallas_interpret``, ``rollout.cache_read_buckets``,
-    ``rollout.decode_weights``, ``rollout.decode_steps``). :func:`decode_forward` reads the first three;
-    ``decode_weights`` is read where the engine prepares a version's weights (:func:`decode_forward`
-    recognizes the layout from the params), ``decode_steps`` by the rollout driver (decode steps per
+    (``rollout.attention_impl``, ``rollout.pallas_interpret``, ``rollout.decode_steps``).
+    :func:`decode_forward` reads the first two, the rollout driver ``decode_steps`` (decode steps per
     dispatched program). None of them changes a result beyond float rounding.
     """
 
     attention_impl: str = "xla"
     pallas_interpret: bool = False
-    cache_read_buckets: int = 0
-    decode_weights: str = "auto"
     decode_steps: int | str = "auto"
 
     @classmethod
@@ -253,19 +249,8 @@ def write_cache(cache: KVCache, k_lbtkd: jax.Array, v_lbtkd: jax.Array, position
     return KVCache(constrain(k, KVCache.k_axes()), constrain(v, KVCache.axes()))
 
 
-def cache_read_lengths(settings: DecodeSettings | RolloutConfig, cache_len: int) -> tuple[int, ...]:
-    """The cache prefixes the xla decode path chooses among: ``n = settings.cache_read_buckets`` evenly spaced
-    lengths ``S/n, 2S/n, ..., S`` (rounded up; 0 = auto), shortest first; always ends with the whole cache."""
-    # Auto: on CPU, for caches long enough that reading them is a real share of a step (below 256 slots the
-    # whole read is cheap, and each prefix is one more copy of the attention in the compiled step). Even
-    # spacing reads at most S/n slots more than the longest live context needs.
-    n = settings.cache_read_buckets or (8 if jax.default_backend() == "cpu" and cache_len >= 256 else 1)
-    return tuple(sorted({max(1, -(-cache_len * i // n)) for i in range(1, n + 1)}))
-
-
 def decode_forward(cfg: ModelConfig, p: dict, tokens_bt: jax.Array, positions_bt: jax.Array, cache: KVCache,
-                   *, logits: bool = True, read_upto: jax.Array | None = None,
-                   settings: DecodeSettings = DecodeSettings()) -> tuple[jax.Array, KVCache]:
+                   *, logits: bool = True, settings: DecodeSettings = DecodeSettings()) -> tuple[jax.Array, KVCache]:
     """Forward of T new tokens per row against the cache, as a pure function of ``Decoder.decode_params()``.
 
     Row ``b``'s new tokens sit at positions ``positions_bt[b]`` (distinct within a row); a query at position
@@ -274,21 +259,16 @@ def decode_forward(cfg: ModelConfig, p: dict, tokens_bt: jax.Array, positions_bt
     written once after all layers. With one token per row and ``settings.attention_impl`` resolving to
     ``"pallas"``, the cached part is read by the ragged decode-attention kernel
     (:func:`attention_with_cache_kernel`), which loads only each row's valid slots. Otherwise the masked
-    attention reads the shortest of :func:`cache_read_lengths` that covers every row's visible slots, chosen
-    on device (``lax.switch``), so one compiled program serves every context length.
+    attention reads every slot of the cache.
 
     Args:
       cfg: the architecture; activations and the new cache entries are in ``cfg.compute_dtype`` (the rollout
         engine passes its architecture with its own dtype).
-      p: ``Decoder.decode_params(fuse=..., transpose=...)``: stacked layer params are scanned over, those
-        stored one buffer per layer (the ``out_in`` layout's tuples) read through :class:`LayerWeights`.
+      p: ``Decoder.decode_params(fuse=...)``: the stacked layer params are scanned over.
       tokens_bt, positions_bt: int [B, T].
       cache: [L, B, K, S, d] each; donate it to update it in place.
       logits: return float32 logits [B, T, V]; else the final hidden states [B, T, D] (for
         :func:`head_logits` on the rows that need it).
-      read_upto: int scalar: no row that matters sees a cached slot at or beyond it (the engine passes its
-        live rows' largest position, so that empty slots' stale positions do not lengthen the read). Default:
-        every row's first new position.
       settings: how the cache is read (the rollout engine's :class:`DecodeSettings`).
 
     Returns:
@@ -299,46 +279,27 @@ def decode_forward(cfg: ModelConfig, p: dict, tokens_bt: jax.Array, positions_bt
         # One token per row: the cached slots it sees are exactly 0 .. position - 1.
         lengths_b = jnp.clip(positions_bt[:, 0], 0, s_len).astype(jnp.int32)
 
-        def attend(q, k_c, v_c, k, v, n):
+        def attend(q, k_c, v_c, k, v):
             return attention_with_cache_kernel(q, k_c, v_c, k, v, lengths_b, interpret=settings.pallas_interpret)
-        reads = (s_len,)
     else:
-        def attend(q, k_c, v_c, k, v, n):
-            return attention_with_cache(q, k_c, v_c, k, v, mask_cache_bts[..., :n], mask_new_btt)
-        reads = cache_read_lengths(settings, s_len)
+        def attend(q, k_c, v_c, k, v):
+            return attention_with_cache(q, k_c, v_c, k, v, mask_cache_bts, mask_new_btt)
     slots = jnp.arange(s_len)
     written_bs = jnp.any(slots[None, None, :] == positions_bt[:, :, None], axis=1)
     mask_cache_bts = (slots[None, None, :] <= positions_bt[:, :, None]) & ~written_bs[:, None, :]
     mask_new_btt = positions_bt[:, None, :] <= positions_bt[:, :, None]
-    if read_upto is None:  # slots at or after a row's first new position are written by the chunk or unseen
-        read_upto = jnp.max(jnp.min(positions_bt, axis=1))
-    branch = jnp.sum(jnp.asarray(reads[:-1], jnp.int32) < read_upto.astype(jnp.int32)) if len(reads) > 1 else 0
-
-    def read(layer, n):
-        """Layer ``layer``'s first ``n`` cache slots: one slice of the stacked cache, sized to what is read."""
-        k_c = jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(cache.k, layer, keepdims=False), 0, n, 3)
-        v_c = jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(cache.v, layer, keepdims=False), 0, n, 2)
-        return k_c, v_c
 
     def block(x, layer):
         lp, i = layer
+        # The cache is closed over, not carried: layers only read it, and write_cache writes all layers once.
+        k_c = jax.lax.dynamic_index_in_dim(cache.k, i, keepdims=False)
+        v_c = jax.lax.dynamic_index_in_dim(cache.v, i, keepdims=False)
         q, k, v = qkv_projection(cfg, lp, x, positions_bt)
-        if len(reads) == 1:
-            attn = attend(q, *read(i, reads[0]), k, v, reads[0])
-        else:
-            attn = jax.lax.switch(branch, [lambda q, k, v, i, n=n: attend(q, *read(i, n), k, v, n) for n in reads],
-                                  q, k, v, i)
-        x = finish_block(cfg, lp, x, attn)
+        x = finish_block(cfg, lp, x, attend(q, k_c, v_c, k, v))
         return x, (k, v)
 
-    stacked, per_layer = split_layer_params(p["layers"])
-
-    def scanned(x, layer):
-        lp, i = layer
-        return block(x, ({**lp, **{n: LayerWeights(ws, i) for n, ws in per_layer.items()}}, i))
-
     layers = jnp.arange(cache.k.shape[0], dtype=jnp.int32)
-    x, (k_new, v_new) = jax.lax.scan(scanned, embed_tokens(cfg, p["embed"], tokens_bt), (stacked, layers))
+    x, (k_new, v_new) = jax.lax.scan(block, embed_tokens(cfg, p["embed"], tokens_bt), (p["layers"], layers))
     cache = write_cache(cache, k_new, v_new, positions_bt)
     return (head_logits(cfg, p, x) if logits else x), cache
 
@@ -377,109 +338,6 @@ def fuse_layer_params(p: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return p
 
 
-def resolve_decode_weights(settings: DecodeSettings | RolloutConfig) -> str:
-    """``settings.decode_weights`` with ``"auto"`` resolved: ``"out_in"`` on CPU, ``"in_out"`` elsewhere."""
-    if settings.decode_weights != "auto":
-        return settings.decode_weights
-    return "out_in" if jax.default_backend() == "cpu" else "in_out"
-
-
-# Weight -> (its transposed name, how many leading axes after the layer axis are inputs).
-_TRANSPOSED = {"wqkv": ("wqkv_t", 1), "wo": ("wo_t", 2), "w_gate_up": ("w_gate_up_t", 1),
-               "w_down": ("w_down_t", 1)}
-
-
-def transpose_weights(ws: dict[str, jax.Array]) -> dict:
-    """The projections of :data:`TRANSPOSED_INPUTS` (stacked [L, *in, *out]) -> one array per layer, output
-    axes first and input axes last: ``wqkv_t`` L x [H + 2K, d, D], ``wo_t`` L x [D, H, d], ``w_gate_up_t``
-    L x [2, F, D], ``w_down_t`` L x [D, F] (tuples); an untied ``lm_head`` [D, V] -> ``head_t`` [V, D].
-
-    One buffer per layer, not one stacked array: a scanned layer reads its weights through
-    :class:`LayerWeights` (a ``lax.switch`` over the buffers), which XLA:CPU runs on the buffer itself, where
-    a slice of a stacked array is first copied out (the whole model's projections, every step)."""
-    out = {}
-    for name, w in ws.items():
-        if name == "lm_head":
-            out["head_t"] = w.T
-            continue
-        new, n_in = _TRANSPOSED[name]
-        src, dst = tuple(range(n_in)), tuple(range(w.ndim - 1 - n_in, w.ndim - 1))
-        out[new] = tuple(jnp.moveaxis(w[i], src, dst) for i in range(w.shape[0]))
-    return out
-
-
-TRANSPOSED_INPUTS = tuple(_TRANSPOSED)
-
-
-def transpose_decode_params(p: dict, transpose=transpose_weights) -> dict:
-    """Fused decode params (``Decoder.decode_params(fuse=True)``) -> the ``out_in`` layout
-    (:func:`transpose_weights`, or ``transpose``: the same function jitted), with ``head_t`` [V, D] the tied
-    embedding itself, not a copy. The blocks then compute every product as ``W^T @ x^T``
-    (:func:`_dot_out_in`)."""
-    layers = dict(p["layers"])
-    moved = {n: layers.pop(n) for n in TRANSPOSED_INPUTS}
-    if "lm_head" in p:
-        moved["lm_head"] = p["lm_head"]
-    moved = transpose(moved)
-    head = moved.pop("head_t", p["embed"])
-    return {**{k: v for k, v in p.items() if k != "lm_head"}, "layers": {**layers, **moved}, "head_t": head}
-
-
-class LayerWeights(NamedTuple):
-    """Layer ``index``'s weight out of ``weights``, one buffer per layer (:func:`transpose_weights`), inside a
-    scan over layers; :func:`_dot_out_in` multiplies by it."""
-
-    weights: tuple[jax.Array, ...]
-    index: jax.Array
-
-
-def split_layer_params(layers: dict) -> tuple[dict, dict]:
-    """``(stacked, per_layer)``: the layer params scanned over their leading axis, and those stored one buffer
-    per layer (tuples, read through :class:`LayerWeights`)."""
-    per_layer = {k: v for k, v in layers.items() if isinstance(v, tuple)}
-    return {k: v for k, v in layers.items() if k not in per_layer}, per_layer
-
-
-# Above this many rows (B x T) an out_in product contracts both operands on their minor axis instead: the
-# two activation transposes of the W^T @ x^T form grow with the rows, and from ~96 rows XLA:CPU runs the
-# contraction as fast as x @ W (benchmarks/experiments/out_in_rows.py measures both).
-OUT_IN_MAX_ROWS = 64
-
-
-def _dot_out_in(x: jax.Array, w_t: jax.Array | LayerWeights, n_in: int, out_dtype=None) -> jax.Array:
-    """``x`` [B, T, *in] times ``w_t`` [*out, *in] -> [B, T, *out], computed as ``w_t @ x^T``.
-
-    XLA:CPU runs a product with few rows (decode: B x T is the batch) 1.1-2.8x faster with the rows as the
-    second operand's columns than as the first operand's rows. Left to itself XLA folds the transposes into
-    the product and picks the slow form again; the barriers keep the product as written, and the two
-    transposes only move activations, which are small. With more than :data:`OUT_IN_MAX_ROWS` rows (prefill)
-    the product contracts ``x`` and ``w_t`` on their minor axes, with no transposes. A :class:`LayerWeights`
-    is multiplied inside a ``lax.switch`` with one branch per layer, so each product reads its layer's
-    buffer in place."""
-    b, t = x.shape[:2]
-    k = math.prod(x.shape[2:])
-    w0 = w_t.weights[0] if isinstance(w_t, LayerWeights) else w_t
-    out = w0.shape[:w0.ndim - n_in]
-    few = b * t <= OUT_IN_MAX_ROWS
-    x2 = x.reshape(b * t, k)
-    if few:
-        x2 = jax.lax.optimization_barrier(x2.T)
-
-    def product(w, x2):
-        w = w.reshape(-1, k).astype(x.dtype)
-        if few:
-            return jnp.matmul(w, x2, preferred_element_type=out_dtype)
-        return jnp.einsum("ri,oi->ro", x2, w, preferred_element_type=out_dtype)
-
-    if isinstance(w_t, LayerWeights):
-        y = jax.lax.switch(w_t.index, [lambda x2, w=w: product(w, x2) for w in w_t.weights], x2)
-    else:
-        y = product(w_t, x2)
-    if few:
-        y = jax.lax.optimization_barrier(y).T
-    return y.reshape(b, t, *out)
-
-
 def embed_tokens(cfg: ModelConfig, embed_vd: jax.Array, tokens_bt: jax.Array) -> jax.Array:
     x = jnp.take(embed_vd, tokens_bt, axis=0).astype(cfg.compute_dtype)
     return constrain(x, ("batch", "length", "act_embed"))
@@ -488,9 +346,7 @@ def embed_tokens(cfg: ModelConfig, embed_vd: jax.Array, tokens_bt: jax.Array) ->
 def head_logits(cfg: ModelConfig, p: dict[str, jax.Array], x_btd: jax.Array) -> jax.Array:
     """Final norm and output head: float32 logits [B, T, V]."""
     x = rms_norm(x_btd, p["final_norm"], cfg.rms_norm_eps)
-    if "head_t" in p:  # decode params in the out_in layout
-        logits = _dot_out_in(x, p["head_t"], 1, jnp.float32)
-    elif cfg.tie_embeddings:
+    if cfg.tie_embeddings:
         logits = jnp.einsum("btd,vd->btv", x, p["embed"].astype(x.dtype), preferred_element_type=jnp.float32)
     else:
         logits = jnp.einsum("btd,dv->btv", x, p["lm_head"].astype(x.dtype), preferred_element_type=jnp.float32)
@@ -501,9 +357,8 @@ def qkv_projection(cfg: ModelConfig, p: dict[str, jax.Array], x_btd: jax.Array, 
     """Normed input -> rotated q [B, T, H, d], rotated k and v [B, T, K, d] (fused or separate weights)."""
     dt = x_btd.dtype
     h = rms_norm(x_btd, p["attn_norm"], cfg.rms_norm_eps)
-    if "wqkv" in p or "wqkv_t" in p:
-        qkv = (_dot_out_in(h, p["wqkv_t"], 1) if "wqkv_t" in p
-               else jnp.einsum("btd,dhk->bthk", h, p["wqkv"].astype(dt)))
+    if "wqkv" in p:
+        qkv = jnp.einsum("btd,dhk->bthk", h, p["wqkv"].astype(dt))
         if cfg.qkv_bias:
             qkv = qkv + p["bqkv"].astype(dt)
         q, k, v = jnp.split(qkv, [cfg.num_heads, cfg.num_heads + cfg.num_kv_heads], axis=2)
@@ -528,22 +383,19 @@ def qkv_projection(cfg: ModelConfig, p: dict[str, jax.Array], x_btd: jax.Array, 
 def finish_block(cfg: ModelConfig, p: dict[str, jax.Array], x_btd: jax.Array, attn_bthd: jax.Array) -> jax.Array:
     """Output projection, residual, SwiGLU MLP (fused or separate gate/up), residual."""
     dt = x_btd.dtype
-    x = x_btd + (_dot_out_in(attn_bthd, p["wo_t"], 2) if "wo_t" in p
-                 else _proj(p, "wo", "bthk,hkd->btd", attn_bthd))
+    x = x_btd + _proj(p, "wo", "bthk,hkd->btd", attn_bthd)
     if cfg.o_bias:
         x = x + p["bo"].astype(dt)
     x = constrain(x, ("batch", "length", "act_embed"))
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    if "w_gate_up" in p or "w_gate_up_t" in p:
-        gate_up = (_dot_out_in(h, p["w_gate_up_t"], 1) if "w_gate_up_t" in p
-                   else jnp.einsum("btd,dcf->btcf", h, p["w_gate_up"].astype(dt)))
+    if "w_gate_up" in p:
+        gate_up = jnp.einsum("btd,dcf->btcf", h, p["w_gate_up"].astype(dt))
         gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
     else:
         gate = _proj(p, "w_gate", "btd,df->btf", h)
         up = _proj(p, "w_up", "btd,df->btf", h)
     act = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-    x = x + (_dot_out_in(act, p["w_down_t"], 1) if "w_down_t" in p
-             else _proj(p, "w_down", "btf,fd->btd", act))
+    x = x + _proj(p, "w_down", "btf,fd->btd", act)
     return constrain(x, ("batch", "length", "act_embed"))
 
 
@@ -628,21 +480,16 @@ class Decoder(nnx.Module):
             out["lm_head"] = self.lm_head[...]
         return out
 
-    def decode_params(self, fuse: bool = False, transpose: bool = False) -> dict:
+    def decode_params(self, fuse: bool = False) -> dict:
         """Everything :func:`decode_forward` needs: ``{"layers": stacked layer params, **head_params()}``.
 
         Args:
           fuse: concatenate q|k|v and gate|up into one weight each (:func:`fuse_layer_params`), so that a
             decode step runs two larger matmuls instead of five smaller ones. Do it once per set of weights
             (``Engine.prepare_params``), not inside a step.
-          transpose: also store each projection output axes first (:func:`transpose_decode_params`, the
-            ``out_in`` layout of ``rollout.decode_weights``; needs ``fuse``).
         """
-        if transpose and not fuse:
-            raise ValueError("decode_params: transpose=True needs fuse=True (the out_in layout is of fused weights)")
         layers = self._layer_params()
-        p = {"layers": fuse_layer_params(layers) if fuse else layers, **self.head_params()}
-        return transpose_decode_params(p) if transpose else p
+        return {"layers": fuse_layer_params(layers) if fuse else layers, **self.head_params()}
 
     # -- entry points --------------------------------------------------------------------------------------
 

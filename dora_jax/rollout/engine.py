@@ -32,10 +32,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dora_jax.config import ATTENTION_IMPLS, DECODE_WEIGHT_LAYOUTS, DEFAULT_RULES, MAX_DECODE_STEPS, ROLLOUT_DTYPES
+from dora_jax.config import ATTENTION_IMPLS, DEFAULT_RULES, MAX_DECODE_STEPS, ROLLOUT_DTYPES
 from dora_jax.models.decoder import (FUSED_INPUTS, Decoder, DecodeSettings, KVCache, decode_forward,
-                                     fuse_layer_params, head_logits, init_cache, resolve_decode_weights,
-                                     transpose_decode_params, transpose_weights)
+                                     fuse_layer_params, head_logits, init_cache)
 from dora_jax.rollout.sampling import SamplingParams, needs_filter, row_keys, sample
 from dora_jax.sharding import Rules, logical_to_spec, serial_jit
 
@@ -69,8 +68,7 @@ class RequestSampling:
 
 class PreparedParams(NamedTuple):
     """One policy version's weights in the engine's dtype and the layout decode runs on
-    (``Decoder.decode_params(fuse=True)``, with each projection transposed where ``decode_weights`` resolves to
-    ``out_in``)."""
+    (``Decoder.decode_params(fuse=True)``)."""
 
     tree: dict
 
@@ -210,12 +208,9 @@ def _pack(tokens, valid, positions, logprobs, versions) -> jax.Array:
 def _check_settings(dtype: str, settings: DecodeSettings) -> None:
     """Refuses serving settings the engine does not know, naming the setting, its value and what is allowed."""
     for name, value, allowed in (("dtype", dtype, ROLLOUT_DTYPES),
-                                 ("attention_impl", settings.attention_impl, ATTENTION_IMPLS),
-                                 ("decode_weights", settings.decode_weights, DECODE_WEIGHT_LAYOUTS)):
+                                 ("attention_impl", settings.attention_impl, ATTENTION_IMPLS)):
         if value not in allowed:
             raise EngineError(f"{name} {value!r}: allowed {', '.join(map(repr, allowed))}")
-    if not 0 <= settings.cache_read_buckets <= 8:
-        raise EngineError(f"cache_read_buckets {settings.cache_read_buckets!r}: allowed 0 (auto) .. 8")
     steps = settings.decode_steps
     if steps != "auto" and not (isinstance(steps, (int, np.integer)) and 1 <= steps <= MAX_DECODE_STEPS):
         raise EngineError(f"decode_steps {steps!r}: allowed 'auto' or 1 .. {MAX_DECODE_STEPS}")
@@ -265,8 +260,8 @@ class Engine:
         version) and computes decode in, its KV cache included: ``"float32"``, ``"bfloat16"``, ``"float16"``,
         or ``"auto"``, the model's ``compute_dtype`` (``rollout.dtype``; why that default: its docstring in
         :class:`~dora_jax.config.RolloutConfig`). Resolved in ``self.dtype``.
-      settings: how decode reads the cache and lays out the weights (``rollout.attention_impl``,
-        ``pallas_interpret``, ``cache_read_buckets``, ``decode_weights``).
+      settings: how decode reads the cache and how many steps a program runs (``rollout.attention_impl``,
+        ``pallas_interpret``, ``decode_steps``).
       rules: the logical axis rules (``mesh.logical_axis_rules``) that lay out the decode state when ``mesh``
         spans several processes.
 
@@ -321,7 +316,6 @@ class Engine:
             donate_argnums=(0,))
         self._zeros_jit = serial_jit(lambda b: self._pin(self._zeros(b)), static_argnums=(0,))
         self._fuse_jit = serial_jit(fuse_layer_params)
-        self._transpose_jit = serial_jit(transpose_weights)
         self._cast_jit = serial_jit(lambda tree: jax.tree.map(lambda x: x.astype(self.dtype), tree))
 
     # -- JetStream API properties --------------------------------------------------------------------------
@@ -449,10 +443,8 @@ class Engine:
     def _decode_step(self, params: PreparedParams, state: DecodeState, filtered: bool | None):
         """One step's model and sampling for every slot: (new cache, sampled tokens, their log-probs, the
         position of each sampled token, held below the cache length)."""
-        # Empty slots keep stale positions: only live rows decide how much of the cache is read.
         logits, cache = decode_forward(self.cfg, params.tree, state.tokens[:, None], state.positions[:, None],
-                                       state.cache, read_upto=jnp.max(jnp.where(state.active, state.positions, 0)),
-                                       settings=self.settings)
+                                       state.cache, settings=self.settings)
         nxt = state.positions + 1
         keys = jax.vmap(lambda s, i, p: row_keys(s, i[None], p[None])[0])(state.seeds, state.sample_ids, nxt)
         tokens, logprobs = sample(logits[:, 0], keys, state.sampling, filtered)
@@ -554,10 +546,7 @@ class Engine:
         layers = dict(tree["layers"])
         # One program for the whole fusion, not one eager concatenate per weight.
         fused = self._fuse_jit({n: layers.pop(n) for n in FUSED_INPUTS if n in layers})
-        tree = {**tree, "layers": {**layers, **fused}}
-        if resolve_decode_weights(self.settings) == "out_in":  # each projection transposed once per version
-            tree = transpose_decode_params(tree, self._transpose_jit)
-        return PreparedParams(tree)
+        return PreparedParams({**tree, "layers": {**layers, **fused}})
 
     def load_params(self, params: Any) -> PreparedParams:
         """JetStream's name for :meth:`prepare_params`."""
