@@ -209,8 +209,7 @@ class Runner:
                               f"before update {self.sched.version + 1}")
                 if batch is not None:
                     self._train(batch)
-            # Shared placement completes the step now; split placement only when it has finished, or when the
-            # rollout has nothing left to do without it.
+            # Shared placement completes the step now; split placement once it has finished or rollout is idle.
             nothing_to_decode = self.driver.idle and not rollout.has_waiting(loaded)
             finished = self._in_flight is not None and (not self.placement.disjoint or self._in_flight.ready())
             if self.multi:  # the branches below take decisions: every process must take the same one
