@@ -39,6 +39,7 @@ class RoleMemory:
     temp: int | None
     compiled_args: int | None = None
     notes: tuple[str, ...] = ()
+    token_bytes: float = 0.0  # per device, of one token in the KV cache (the rollout's)
 
     @property
     def total(self) -> int:
@@ -163,12 +164,15 @@ def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
     the parameters in ``rollout.dtype`` and the rollout shardings; the KV cache is in ``rollout.dtype`` too.
     """
     import jax
+    import jax.numpy as jnp
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from dora_jax.models.build import state_shardings
     from dora_jax.models.decoder import Decoder, DecodeSettings
+    from dora_jax.models.paged import PagedKV
     from dora_jax.rollout.engine import Engine, bucket
+    from dora_jax.run.placement import kv_pages
     from dora_jax.sharding import named_sharding
 
     rules = cfg.mesh.logical_axis_rules
@@ -176,30 +180,34 @@ def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
     r = cfg.rollout
     engine = Engine(model, max_concurrent_decodes=r.slots, max_prefill_length=r.max_prompt_len,
                     max_target_length=min(bucket(r.max_prompt_len + r.max_new_tokens), cfg.model.max_seq_len),
-                    mesh=mesh, dtype=r.dtype, settings=DecodeSettings.of(r))
+                    mesh=mesh, dtype=r.dtype, settings=DecodeSettings.of(r), page_tokens=r.page_tokens,
+                    num_pages=kv_pages(cfg))
     params = _with_shardings(engine.params, state_shardings(engine.params, mesh, rules))
     # A resident version is held in the rollout dtype (Engine.prepare_params casts it once per version).
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, engine.dtype, sharding=x.sharding), params)
-    decode = jax.eval_shape(engine.init_decode_state)
+    decode = jax.eval_shape(lambda: engine._zeros(r.slots))
     replicated = NamedSharding(mesh, P())
-    # Cache [L, B, K, ., .]: slots over the batch axes, KV heads over tensor; per-slot vectors are tiny.
-    cache_axes = ("layers", "batch", "act_kv_heads", None, None)
-    cache_sh = jax.tree.map(lambda x: named_sharding(mesh, cache_axes, rules, x.shape, where="rollout KV cache"),
-                            decode.cache)
-    decode_sh = decode._replace(cache=cache_sh,
-                                **{f: jax.tree.map(lambda _: replicated, getattr(decode, f))
-                                   for f in decode._fields if f != "cache"})
-    decode = _with_shardings(decode, decode_sh)
-    # The engine's public decode step traced on abstract arguments: exactly what a rollout runs per step.
-    def decode_step(p, state):
-        new_state, result = engine.generate(p, state)
-        return new_state, result.data
+    decode = _with_shardings(decode, jax.tree.map(lambda _: replicated, decode))  # per-slot vectors are tiny
+    # The page pool: pages over the batch axes, KV heads over the tensor axes (PagedKV.axes).
+    pool = engine.pool_shape()
+    pool = _with_shardings(pool, jax.tree.map(
+        lambda x: named_sharding(mesh, PagedKV.axes(), rules, x.shape, where="rollout KV pages"), pool))
+    # Every slot's table at its longest: the step that reads the most.
+    tables = jax.ShapeDtypeStruct((r.slots, engine.table_width), jnp.int32, sharding=replicated)
 
-    temp, args = _compile(jax.jit(decode_step, donate_argnums=(1,)), (params, decode), mesh, rules, do_compile)
+    # The engine's decode step traced on abstract arguments: exactly what a rollout runs per step.
+    def decode_step(p, state, pool, tables):
+        new_state, new_pool, result = engine._generate_impl(engine.prepare_params(p), state, pool, tables, None)
+        return new_state, new_pool, result
+
+    temp, args = _compile(jax.jit(decode_step, donate_argnums=(1, 2)), (params, decode, pool, tables), mesh, rules,
+                          do_compile)
+    # The rollout side holds K + 1 versions at once (the design's promise), each in its decode layout.
     versions = cfg.train.max_staleness + 1
     parts = {f"params x{versions} versions": versions * per_device_bytes(params),
-             "kv cache": per_device_bytes(decode.cache)}
-    return RoleMemory("rollout", mesh.size, parts, temp, args)
+             "kv cache": per_device_bytes(pool)}
+    pool_tokens = pool.k.shape[2] * pool.k.shape[3]
+    return RoleMemory("rollout", mesh.size, parts, temp, args, token_bytes=parts["kv cache"] / pool_tokens)
 
 
 def role_meshes_of_run(cfg: Any, processes: int = 1) -> tuple[Any, Any, bool]:
@@ -268,6 +276,7 @@ def run_check(cfg: Any, *, do_compile: bool = True, log: Callable[[str], None] =
 
     from dora_jax.models.build import abstract_model
     from dora_jax.rollout.pages import plan_pool
+    from dora_jax.run.placement import kv_pages
 
     tgt = cfg.target
     if jax.device_count() != tgt.num_devices:
@@ -314,10 +323,12 @@ def run_check(cfg: Any, *, do_compile: bool = True, log: Callable[[str], None] =
         if tgt.memory_gib and role.total > tgt.memory_gib * GIB:
             failures.append(f"{role.name} needs {role.total / GIB:.2f} GiB per device, more than target.memory_gib "
                             f"= {tgt.memory_gib:g} GiB of {tgt.device_kind}")
-    # The paged KV cache's pool for the same rollout (dora_jax/rollout/pages.py), next to the dense cache the
-    # engine holds today; bytes per device at the dense cache's cost per token.
-    log("\nKV cache per device, dense (today) and paged:")
-    for line in plan_pool(cfg).lines(roll.parts["kv cache"]):
+    # The pool the rollout holds, against a dense cache of every slot at the engine's length and the pool a
+    # run would need if each prompt's pages were shared by its group (dora_jax/rollout/pages.py).
+    plan = plan_pool(cfg)
+    log(f"\nKV cache per device: a pool of {kv_pages(cfg)} pages (rollout.kv_pages"
+        + (" = 0: every slot at its longest sequence)" if not cfg.rollout.kv_pages else ")"))
+    for line in plan.lines(round(roll.token_bytes * plan.dense_tokens)):
         log(f"  {line}")
     if failures:
         raise CheckError("; ".join(failures) + ". Use more devices (target.num_devices and the mesh), shard "

@@ -87,7 +87,7 @@ class RopeScaling:
                       "must be > 0")
 
 
-ATTENTION_IMPLS = ("xla", "pallas", "auto")
+ATTENTION_IMPLS = ("xla", "pallas_gpu", "pallas_tpu", "auto")
 MAX_DECODE_STEPS = 256  # rollout.decode_steps: results hold [steps, slots] tokens, compiled in
 ROLLOUT_DTYPES = ("auto",) + _DTYPES
 
@@ -99,8 +99,8 @@ MOVED_FIELDS = {f"model.{name}": f"rollout.{name}" for name in ("attention_impl"
 # weight layout and reads the whole cache on every platform (docs/rollout.md).
 _NO_DECODE_WEIGHTS = ("was removed: decode has one weight layout on every platform (q|k|v and gate|up fused, "
                       "x @ W); delete the key")
-_NO_CACHE_READ_BUCKETS = ("was removed: the xla decode path reads the whole cache on every platform; delete "
-                          "the key (rollout.attention_impl=pallas reads only each row's valid slots)")
+_NO_CACHE_READ_BUCKETS = ("was removed: decode reads each slot's pages up to the longest live slot on every "
+                          "platform; delete the key")
 REMOVED_FIELDS = {f"{section}.{name}": why for section in ("rollout", "model")
                   for name, why in (("decode_weights", _NO_DECODE_WEIGHTS),
                                     ("cache_read_buckets", _NO_CACHE_READ_BUCKETS))}
@@ -437,11 +437,16 @@ class RolloutConfig:
     ``train.behaviour_logprobs: recompute`` included) keeps ``model.param_dtype`` / ``model.compute_dtype``.
     The CPU presets compute in float32, so they decode in float32.
 
-    ``attention_impl`` picks how a one-token decode step attends over the cache: ``"xla"`` (masked attention
-    over every slot), ``"pallas"`` (``dora_jax.kernels.ragged_decode_attention``, reading only each row's
-    valid positions) or ``"auto"`` (pallas on TPU; xla on CPU and GPU, where XLA measured faster).
-    ``pallas_interpret`` runs the kernel in the Pallas interpreter (CPU tests). These two change no result
-    beyond float rounding.
+    The KV cache is a pool of ``kv_pages`` pages of ``page_tokens`` tokens shared by every resident version's
+    slots (``0``: room for every slot at its longest sequence, ``max_prompt_len + max_new_tokens``); a request
+    reserves its pages up to its own length when it is admitted and waits while the pool has no room, so
+    nothing is ever evicted (docs/rollout.md). ``dora-jax check`` prints the pool a config needs.
+
+    ``attention_impl`` picks how a one-token decode step attends over a slot's pages: ``"xla"`` (gather the
+    slot's pages, masked attention; the reference), ``"pallas_gpu"`` / ``"pallas_tpu"`` (JAX's shipped paged
+    attention kernels, :mod:`dora_jax.kernels.paged_attention`) or ``"auto"`` (pallas_tpu on TPU, xla
+    elsewhere). ``pallas_interpret`` runs a kernel in the Pallas interpreter (CPU tests). These two change no
+    result beyond float rounding.
 
     ``decode_steps`` is how many decode steps one dispatched program runs (``RolloutDriver(decode_steps=...)``):
     each slot stops on the device at an end-of-sequence or stop id or at its token budget, and the host admits
@@ -468,6 +473,8 @@ class RolloutConfig:
     attention_impl: str = "xla"
     pallas_interpret: bool = False
     decode_steps: int | str = "auto"
+    page_tokens: int = 16
+    kv_pages: int = 0
 
     def validate(self, path: str = "rollout") -> None:
         for name in ("slots", "max_prompt_len", "max_new_tokens"):
@@ -483,7 +490,22 @@ class RolloutConfig:
         if self.dtype not in ROLLOUT_DTYPES:
             _fail(f"{path}.dtype", self.dtype, f"allowed: {', '.join(ROLLOUT_DTYPES)} (auto: model.compute_dtype)")
         if self.attention_impl not in ATTENTION_IMPLS:
-            _fail(f"{path}.attention_impl", self.attention_impl, f"allowed: {', '.join(map(repr, ATTENTION_IMPLS))}")
+            hint = (" ('pallas' was the dense cache's kernel; the paged cache uses JAX's shipped kernels)"
+                    if self.attention_impl == "pallas" else "")
+            _fail(f"{path}.attention_impl", self.attention_impl,
+                  f"allowed: {', '.join(map(repr, ATTENTION_IMPLS))}{hint}")
+        if not (isinstance(self.page_tokens, int) and self.page_tokens >= 1):
+            _fail(f"{path}.page_tokens", self.page_tokens, "must be an integer >= 1")
+        if not (isinstance(self.kv_pages, int) and self.kv_pages >= 0):
+            _fail(f"{path}.kv_pages", self.kv_pages, "must be an integer >= 0 (0: every slot at its longest sequence)")
+        if self.kv_pages and self.kv_pages < self.slots:
+            _fail(f"{path}.kv_pages", self.kv_pages, f"a pool of {self.kv_pages} pages cannot hold one page per "
+                  f"slot ({self.slots} slots)")
+        longest = -(-(self.max_prompt_len + self.max_new_tokens) // self.page_tokens)
+        if self.kv_pages and self.kv_pages < longest:
+            _fail(f"{path}.kv_pages", self.kv_pages, f"a request of max_prompt_len + max_new_tokens = "
+                  f"{self.max_prompt_len + self.max_new_tokens} tokens needs {longest} pages of {self.page_tokens} "
+                  "tokens: it could never be admitted")
         if self.decode_steps != "auto" and not (isinstance(self.decode_steps, int)
                                                 and 1 <= self.decode_steps <= MAX_DECODE_STEPS):
             _fail(f"{path}.decode_steps", self.decode_steps, f"must be 'auto' or an integer in 1..{MAX_DECODE_STEPS}")

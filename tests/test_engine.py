@@ -33,6 +33,8 @@ def models():
 
 
 def _engine(model, slots=4, **serving):
+    # Tests decode two or three full decode states of one engine side by side: a pool for three.
+    serving.setdefault("num_pages", 3 * slots * 64 // 16)
     return Engine(model, max_concurrent_decodes=slots, max_prefill_length=32, max_target_length=64, **serving)
 
 
@@ -210,7 +212,7 @@ def test_bfloat16_rollout_of_a_float32_model_follows_the_float32_engine(models):
         prepared = engine.prepare_params(state)
         assert engine.dtype == dtype and engine.cfg.compute_dtype == dtype
         assert {x.dtype for x in jax.tree.leaves(prepared.tree)} == {jnp.dtype(dtype)}
-        assert engine.init_decode_state().cache.k.dtype == jnp.dtype(dtype)
+        assert engine.pool.k.dtype == jnp.dtype(dtype)
         d = RolloutDriver(engine)
         d.add_version(0, prepared)
         runs[dtype] = sorted(d.run(_requests(8, seed=3)), key=lambda t: t.sample_id)

@@ -188,8 +188,8 @@ class DecodeSettings:
 
     The fields and their meaning are those of the same names in :class:`~dora_jax.config.RolloutConfig`
     (``rollout.attention_impl``, ``rollout.pallas_interpret``, ``rollout.decode_steps``).
-    :func:`decode_forward` reads the first two, the rollout driver ``decode_steps`` (decode steps per
-    dispatched program). None of them changes a result beyond float rounding.
+    :func:`dora_jax.models.paged.decode_forward_paged` reads the first two, the rollout driver ``decode_steps``
+    (decode steps per dispatched program). None of them changes a result beyond float rounding.
     """
 
     attention_impl: str = "xla"
@@ -203,38 +203,14 @@ class DecodeSettings:
 
 
 def resolve_attention_impl(settings: DecodeSettings | RolloutConfig) -> str:
-    """``settings.attention_impl`` with ``"auto"`` resolved: ``"pallas"`` on TPU, ``"xla"`` on CPU and GPU.
+    """``settings.attention_impl`` with ``"auto"`` resolved: ``"pallas_tpu"`` on TPU, ``"xla"`` elsewhere.
 
-    GPU resolves to XLA because that is what measured faster there: on an H100 the Triton kernel read full
-    caches slower than XLA's masked attention, which reads every slot (docs/performance.md);
-    it stays available as ``attention_impl="pallas"``.
+    GPU resolves to XLA until a GPU measurement of the shipped paged kernel against it says otherwise
+    (docs/performance.md); the kernel stays available as ``attention_impl="pallas_gpu"``.
     """
     if settings.attention_impl != "auto":
         return settings.attention_impl
-    return "pallas" if jax.default_backend() == "tpu" else "xla"
-
-
-def attention_with_cache_kernel(q_b1hd: jax.Array, k_bkds: jax.Array, v_bksd: jax.Array, k_new_b1kd: jax.Array,
-                                v_new_b1kd: jax.Array, lengths_b: jax.Array, *, interpret: bool) -> jax.Array:
-    """:func:`attention_with_cache` for one new token per row, with the cached part read by the Pallas kernel.
-
-    The kernel covers cache slots ``0 .. lengths[b] - 1`` and returns its softmax statistics (row max ``m``,
-    sum of exponentials ``l``); the current token's own key and value are merged here in float32, so the
-    result is the same single softmax over cache plus current token. Returns [B, 1, H, d].
-    """
-    from dora_jax.kernels.ragged_decode_attention import ragged_decode_attention
-
-    b, _, h, d = q_b1hd.shape
-    kv = k_bkds.shape[1]
-    f32 = jnp.float32
-    q_bkgd = q_b1hd.reshape(b, kv, h // kv, d)
-    out_c, m_c, l_c = ragged_decode_attention(q_bkgd, k_bkds, v_bksd, lengths_b, interpret=interpret,
-                                              return_stats=True)
-    s_n = jnp.sum(q_bkgd.astype(f32) * k_new_b1kd[:, 0, :, None, :].astype(f32), axis=-1) * (1.0 / math.sqrt(d))
-    m = jnp.maximum(m_c, s_n)
-    w_c, w_n = l_c * jnp.exp(m_c - m), jnp.exp(s_n - m)  # w_c = 0 for an empty cache part
-    out = (out_c * w_c[..., None] + v_new_b1kd[:, 0, :, None, :].astype(f32) * w_n[..., None]) / (w_c + w_n)[..., None]
-    return out.astype(q_b1hd.dtype).reshape(b, 1, h, d)
+    return "pallas_tpu" if jax.default_backend() == "tpu" else "xla"
 
 
 def write_cache(cache: KVCache, k_lbtkd: jax.Array, v_lbtkd: jax.Array, positions_bt: jax.Array) -> KVCache:
@@ -256,10 +232,8 @@ def decode_forward(cfg: ModelConfig, p: dict, tokens_bt: jax.Array, positions_bt
     Row ``b``'s new tokens sit at positions ``positions_bt[b]`` (distinct within a row); a query at position
     ``p`` sees the cached slots ``s <= p`` that this chunk does not overwrite, plus the chunk's own tokens at
     positions ``<= p``: exactly slots ``0..p`` after the write. Layers read the cache and the new entries are
-    written once after all layers. With one token per row and ``settings.attention_impl`` resolving to
-    ``"pallas"``, the cached part is read by the ragged decode-attention kernel
-    (:func:`attention_with_cache_kernel`), which loads only each row's valid slots. Otherwise the masked
-    attention reads every slot of the cache.
+    written once after all layers. Prefill runs here, over a dense cache of the prompt's own length; the
+    rollout engine's one-token steps read its page pool (:func:`dora_jax.models.paged.decode_forward_paged`).
 
     Args:
       cfg: the architecture; activations and the new cache entries are in ``cfg.compute_dtype`` (the rollout
@@ -274,16 +248,11 @@ def decode_forward(cfg: ModelConfig, p: dict, tokens_bt: jax.Array, positions_bt
     Returns:
       ``(logits or hidden states, new cache)``.
     """
+    del settings  # one path: the cache here is a prompt's own, read whole
     s_len = cache.v.shape[3]
-    if positions_bt.shape[1] == 1 and resolve_attention_impl(settings) == "pallas":
-        # One token per row: the cached slots it sees are exactly 0 .. position - 1.
-        lengths_b = jnp.clip(positions_bt[:, 0], 0, s_len).astype(jnp.int32)
 
-        def attend(q, k_c, v_c, k, v):
-            return attention_with_cache_kernel(q, k_c, v_c, k, v, lengths_b, interpret=settings.pallas_interpret)
-    else:
-        def attend(q, k_c, v_c, k, v):
-            return attention_with_cache(q, k_c, v_c, k, v, mask_cache_bts, mask_new_btt)
+    def attend(q, k_c, v_c, k, v):
+        return attention_with_cache(q, k_c, v_c, k, v, mask_cache_bts, mask_new_btt)
     slots = jnp.arange(s_len)
     written_bs = jnp.any(slots[None, None, :] == positions_bt[:, :, None], axis=1)
     mask_cache_bts = (slots[None, None, :] <= positions_bt[:, :, None]) & ~written_bs[:, None, :]

@@ -133,6 +133,11 @@ class RolloutDriver:
             raise EngineError(f"shared_prefix of {len(self.shared_prefix)} tokens; it must be shorter than "
                               f"max_prefill_length ({engine.max_prefill_length})")
         self.engine = engine
+        # Slots split over batch shards keep their pages in their shard: rows never move between shards, so a
+        # group keeps every slot (no compaction) on such an engine.
+        self.shards = getattr(engine, "shards", 1)
+        if self.shards > 1:
+            compact = False
         # None: overlap where the host's share of a step is large (accelerators; docs/rollout.md), not on CPU,
         # where a step's compute dwarfs the host's work and the discarded rows would cost more than it hides.
         self.overlap = default_overlap(engine) if overlap is None else bool(overlap)
@@ -159,6 +164,10 @@ class RolloutDriver:
         self.prefill_rows = 0  # distinct prompts prefilled (a GRPO group's members count once)
         self.prefilled_tokens = 0  # prompt tokens run through prefill (shared prefixes once per version)
         self.max_held = 0  # the most versions held at once (held()), counted at every load and step dispatched
+        # The KV cache's pages against its live tokens in the steady state (every slot live), summed over the
+        # dispatches: kv_bytes_ratio.
+        self.kv_page_tokens = 0
+        self.kv_live_tokens = 0
 
     # -- versions -------------------------------------------------------------------------------------------
 
@@ -216,8 +225,39 @@ class RolloutDriver:
         if request.max_new_tokens < 1 or n + request.max_new_tokens > self.engine.max_target_length:
             raise EngineError(f"request {request.sample_id}: prompt ({n}) + max_new_tokens ({request.max_new_tokens}) "
                               f"must fit max_target_length ({self.engine.max_target_length})")
+        pool = getattr(self.engine, "shard_pages", None)
+        need = self._pages(request)
+        if pool is not None and need > pool - 1:
+            raise EngineError(f"request {request.sample_id}: prompt ({n}) + max_new_tokens ({request.max_new_tokens}) "
+                              f"tokens need {need} pages of {self.engine.page_tokens} tokens; the page pool holds "
+                              f"{pool - 1} per batch shard (rollout.kv_pages): it could never be admitted")
         request.sampling.validate()
         self._pending.append((request, time.perf_counter()))
+
+    def _pages(self, request: Request) -> int:
+        """Pages the request reserves when admitted (its prompt's sharing with its group aside)."""
+        return self.engine.pages_needed(len(request.prompt_ids) + request.max_new_tokens)
+
+    @property
+    def kv_bytes_ratio(self) -> float | None:
+        """KV cache bytes held against the live tokens' own KV bytes, in the steady state (every slot live;
+        all dispatches when it never was): pages held by live slots (a group's shared prompt pages once) times
+        page bytes, over live tokens (prompt, tokens produced and in flight) times one token's bytes."""
+        return self.kv_page_tokens / self.kv_live_tokens if self.kv_live_tokens else None
+
+    def _count_kv(self) -> None:
+        held = getattr(self.engine, "pages_held", None)
+        if held is None:
+            return
+        lives = [s for g in self._groups.values() for s in g.slots if s is not None]
+        steady = len(lives) == self.engine.max_concurrent_decodes
+        if steady and not self._kv_steady:  # the first steady sample: drop what came before
+            self._kv_steady, self.kv_page_tokens, self.kv_live_tokens = True, 0, 0
+        if steady or not self._kv_steady:
+            self.kv_page_tokens += held * self.engine.page_tokens
+            self.kv_live_tokens += sum(len(s.request.prompt_ids) + len(s.tokens) + s.in_flight for s in lives)
+
+    _kv_steady = False
 
     @property
     def idle(self) -> bool:
@@ -273,8 +313,14 @@ class RolloutDriver:
         update of the version's decode state. With ``overlap`` every admitted request is inserted without
         waiting for its first token, which is read with the next step's results (``admitted``)."""
         free = self.engine.max_concurrent_decodes - sum(g.live for g in self._groups.values())
+        pages = getattr(self.engine, "pages_available", None)
         taken: dict[int, list[tuple[Request, float]]] = {}
         while self._pending and free > 0:
+            # The oldest request waits until the pool has room for its pages (nothing is evicted for it).
+            if pages is not None:
+                if self._pages(self._pending[0][0]) > pages:
+                    break
+                pages -= self._pages(self._pending[0][0])
             request, submitted = self._pending.popleft()
             taken.setdefault(request.version, []).append((request, submitted))
             free -= 1
@@ -345,13 +391,34 @@ class RolloutDriver:
         if need == g.live:
             return
         if need > len(g.slots):
-            self._resize(g, min(bucket(need, minimum=1), self.engine.max_concurrent_decodes))
-        free = iter([i for i, s in enumerate(g.slots) if s is None])
-        slots = [None if live is None else next(free) for live in lives]
-        g.state = self.engine.insert_batch(batch, g.state, slots)
+            full = self.engine.max_concurrent_decodes
+            self._resize(g, full if self.shards > 1 else min(bucket(need, minimum=1), full))
+        slots = self._free_rows(g, lives)
+        limits = [len(r.prompt_ids) + r.max_new_tokens for r in requests]
+        g.state = self.engine.insert_batch(batch, g.state, slots, limits)
         for slot, live in zip(slots, lives):
             if slot is not None:
                 g.slots[slot] = live
+
+    def _free_rows(self, g: _Group, lives: list[_Live | None]) -> list[int | None]:
+        """A free row of ``g`` for each live request, in order; across batch shards, each in the shard with
+        the most pages left (a shard's pages serve only its rows)."""
+        free = [i for i, s in enumerate(g.slots) if s is None]
+        if self.shards == 1:
+            it = iter(free)
+            return [None if live is None else next(it) for live in lives]
+        cap = len(g.slots)
+        room = {k: self.engine.shard_pages_available(k) for k in range(self.shards)}
+        out: list[int | None] = []
+        for live in lives:
+            if live is None:
+                out.append(None)
+                continue
+            row = max(free, key=lambda i: (room[self.engine.row_shard(cap, i)], -i))
+            free.remove(row)
+            room[self.engine.row_shard(cap, row)] -= self._pages(live.request)
+            out.append(row)
+        return out
 
     def step(self) -> list[Trajectory]:
         """Admits pending requests, runs one decode dispatch of every version group (``decode_steps`` steps at
@@ -399,6 +466,7 @@ class RolloutDriver:
         filtered = needs_filter([s.top_k for s in live_sampling], [s.top_p for s in live_sampling])
         if self.decode_steps > 1:
             return self._launch_steps(done, active, filtered, admitted)
+        self._count_kv()
         if len(active) == 1 or not self.fuse:
             results = []
             for g in active:
@@ -463,6 +531,7 @@ class RolloutDriver:
             for live, b in zip(slots, bs):
                 if live is not None:
                     live.in_flight += b
+        self._count_kv()
         return _Launched(done, active, results, floor, fused=fused, rows=rows, admitted=admitted, budgets=budgets)
 
     def _dispatched(self, active: list[_Group]) -> list[list[_Live | None]]:

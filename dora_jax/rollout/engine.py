@@ -24,6 +24,7 @@ Shape legend: B slots, T prompt bucket, S cache length (``max_target_length``).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -34,7 +35,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dora_jax.config import ATTENTION_IMPLS, DEFAULT_RULES, MAX_DECODE_STEPS, ROLLOUT_DTYPES
 from dora_jax.models.decoder import (FUSED_INPUTS, Decoder, DecodeSettings, KVCache, decode_forward,
-                                     fuse_layer_params, head_logits, init_cache)
+                                     fuse_layer_params, head_logits, init_cache, resolve_attention_impl)
+from dora_jax.models.paged import (SCRATCH_PAGE, PagedKV, decode_forward_paged, init_pages, token_bytes,
+                                   write_prompt_pages)
+from dora_jax.rollout.pages import DEFAULT_PAGE_TOKENS, PageError, PagePool, pages_for
 from dora_jax.rollout.sampling import SamplingParams, needs_filter, row_keys, sample
 from dora_jax.sharding import Rules, logical_to_spec, serial_jit
 
@@ -84,6 +88,7 @@ class Prefix(NamedTuple):
     version: jax.Array
     sampling: SamplingParams  # fields of shape [1]
     seed: jax.Array
+    host_length: int | None = None  # ``length`` on the host: the tokens insert writes
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -121,12 +126,16 @@ class PrefixBatch(NamedTuple):
     version: jax.Array  # [N]
     sampling: SamplingParams  # [N] each
     seed: jax.Array  # [N]
+    host: tuple | None = None  # (each request's prompt length, its cache row): what insert writes, on the host
 
 
 class DecodeState(NamedTuple):
-    """Every slot's cache and the token it will feed next. ``positions[b]`` is where ``tokens[b]`` sits."""
+    """Every slot's next token to feed and its request. ``positions[b]`` is where ``tokens[b]`` sits.
 
-    cache: KVCache  # k [L, B, K, d, S], v [L, B, K, S, d]
+    The slots' keys and values live in the engine's page pool (:attr:`Engine.pool`), shared by every decode
+    state of the engine; which pages a slot holds is the engine's host-side record of this state, carried from
+    each call's state to the state it returns."""
+
     tokens: jax.Array  # [B] int32
     positions: jax.Array  # [B] int32
     sample_ids: jax.Array  # [B] int32
@@ -234,6 +243,16 @@ def mesh_processes(mesh: Mesh | None) -> tuple[int, ...]:
     return tuple(sorted({d.process_index for d in mesh.devices.flat}))
 
 
+def batch_shards(mesh: Mesh | None, rules: Rules, slots: int) -> int:
+    """How many shards the mesh's batch axes split ``slots`` decode slots into (1 where they do not divide)."""
+    if mesh is None:
+        return 1
+    entry = logical_to_spec(("batch",), rules)[0]
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    n = int(np.prod([mesh.shape[a] for a in names])) if names else 1
+    return n if n > 1 and slots % n == 0 else 1
+
+
 def fitting_sharding(mesh: Mesh, axes: Sequence[str | None], rules: Rules, shape: Sequence[int]) -> NamedSharding:
     """``axes`` mapped through ``rules`` onto ``mesh``, each dimension sharded only where its mesh axes divide it
     (a decode state of 1 slot on a data axis of 2 keeps its rows whole and still splits its heads)."""
@@ -243,6 +262,15 @@ def fitting_sharding(mesh: Mesh, axes: Sequence[str | None], rules: Rules, shape
         names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
         out.append(entry if names and size % int(np.prod([mesh.shape[a] for a in names])) == 0 else None)
     return NamedSharding(mesh, PartitionSpec(*out))
+
+
+class _Rows:
+    """The host side of one decode state: the page-pool request each row holds (``None``: empty)."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, n: int):
+        self.ids: list[int | None] = [None] * n
 
 
 class Engine:
@@ -264,6 +292,17 @@ class Engine:
         ``pallas_interpret``, ``decode_steps``).
       rules: the logical axis rules (``mesh.logical_axis_rules``) that lay out the decode state when ``mesh``
         spans several processes.
+      page_tokens: tokens per page of the KV cache (``rollout.page_tokens``).
+      num_pages: pages in the pool (``rollout.kv_pages``); default: every slot at ``max_target_length``.
+
+    The KV cache is one pool of pages for every decode state of the engine (:attr:`pool`); a slot holds the
+    pages its tokens fill, taken as it grows (:mod:`dora_jax.rollout.pages` decides which, on the host). A
+    request reserves its pages up to its limit when it is inserted, so a live slot never runs out of pages and
+    nothing is evicted; a request that does not fit now is refused at insertion, and the driver admits only
+    what fits (:meth:`pages_needed`, :attr:`pages_available`). Requests inserted together with the same prompt
+    (a GRPO group) share its full pages read-only. A decode state's host record (which pages each row holds)
+    passes from the state given to a call to the state it returns; a state dropped without being passed on
+    returns its pages when it is garbage collected.
 
     A ``mesh`` over the devices of several processes (multi-controller ``jax.distributed``) makes one engine
     of all of them (:attr:`spans_processes`): every process runs the same calls with the same host values, the
@@ -274,7 +313,8 @@ class Engine:
 
     def __init__(self, model: Decoder, *, max_concurrent_decodes: int = 8, max_prefill_length: int = 256,
                  max_target_length: int = 512, mesh: Mesh | None = None, dtype: str = "auto",
-                 settings: DecodeSettings = DecodeSettings(), rules: Rules = DEFAULT_RULES):
+                 settings: DecodeSettings = DecodeSettings(), rules: Rules = DEFAULT_RULES,
+                 page_tokens: int = DEFAULT_PAGE_TOKENS, num_pages: int | None = None):
         _check_settings(dtype, settings)
         self.processes = mesh_processes(mesh)
         if jax.process_index() not in self.processes:
@@ -300,16 +340,39 @@ class Engine:
         self.max_target_length = max_target_length
         self._mesh = mesh
         self._prepared: PreparedParams | None = None
+        if not (isinstance(page_tokens, (int, np.integer)) and page_tokens >= 1):
+            raise EngineError(f"page_tokens must be an integer >= 1, got {page_tokens!r}")
+        self.page_tokens = int(page_tokens)
+        self.table_width = pages_for(max_target_length, self.page_tokens)  # the most pages one slot holds
+        self.num_pages = max_concurrent_decodes * self.table_width if num_pages is None else num_pages
+        if not (isinstance(self.num_pages, (int, np.integer)) and self.num_pages >= max_concurrent_decodes):
+            raise EngineError(f"a pool of {self.num_pages!r} pages cannot hold one page per slot "
+                              f"({max_concurrent_decodes} slots of {self.page_tokens}-token pages): give it at "
+                              f"least {max_concurrent_decodes} pages")
+        self.num_pages = int(self.num_pages)
+        # Slots split over the mesh's batch shards hold pages of their own shard (dora_jax.models.paged): one
+        # allocator per shard, each with its scratch page. Allocator slots: one per possible live request.
+        self.shards = batch_shards(mesh, self.rules, max_concurrent_decodes)
+        if self.shards > 1 and resolve_attention_impl(settings) != "xla":
+            raise EngineError(f"attention_impl {settings.attention_impl!r} reads one pool, but the mesh splits the "
+                              f"slots over {self.shards} batch shards: use attention_impl='xla' there")
+        self.shard_pages = -(-self.num_pages // self.shards) + 1  # device pages per shard, scratch included
+        self.allocators = [PagePool(self.shard_pages - 1, self.page_tokens, self.shard_pages - 1)
+                           for _ in range(self.shards)]
+        self._free_ids = [list(range(self.shard_pages - 2, -1, -1)) for _ in range(self.shards)]
+        self._records: dict[int, tuple[_Rows, weakref.finalize]] = {}
+        self._pool: PagedKV | None = None
+        self.token_bytes = token_bytes(cfg)  # one token's keys and values, every layer
         self._prefill_jit = serial_jit(self._prefill_impl)
-        self._insert_jit = serial_jit(self._insert_impl, donate_argnums=(1,))
         self._prefill_rows_jit = serial_jit(self._prefill_rows_impl)
         self._shared_prefix_jit = serial_jit(self._shared_prefix_impl)
         self._first_tokens_jit = serial_jit(self._first_tokens_impl)
-        self._insert_batch_jit = serial_jit(self._insert_batch_impl, donate_argnums=(1,))
-        self._generate_jit = serial_jit(self._generate_impl, donate_argnums=(1,), static_argnums=(2,))
-        self._generate_many_jit = serial_jit(self._generate_many_impl, donate_argnums=(1,), static_argnums=(2,))
-        self._generate_steps_jit = serial_jit(self._generate_steps_impl, donate_argnums=(1,),
-                                              static_argnums=(7, 8))
+        self._insert_batch_jit = serial_jit(self._insert_batch_impl, donate_argnums=(1, 2))
+        self._generate_jit = serial_jit(self._generate_impl, donate_argnums=(1, 2), static_argnums=(4,))
+        self._generate_many_jit = serial_jit(self._generate_many_impl, donate_argnums=(1, 2), static_argnums=(4,))
+        self._generate_steps_jit = serial_jit(self._generate_steps_impl, donate_argnums=(1, 2),
+                                              static_argnums=(9, 10))
+        self._pool_jit = serial_jit(lambda: self._pin_pool(self._new_pool()))
         self._resize_jit = serial_jit(self._resize_impl, static_argnums=(2,))
         self._free_jit = serial_jit(
             lambda state, slot: self._pin(state._replace(active=state.active.at[slot].set(False))),
@@ -343,11 +406,15 @@ class Engine:
         def rows(x):
             return fitting_sharding(self._mesh, ("batch",), self.rules, x.shape)
 
-        shardings = DecodeState(
-            KVCache(fitting_sharding(self._mesh, KVCache.k_axes(), self.rules, state.cache.k.shape),
-                    fitting_sharding(self._mesh, KVCache.axes(), self.rules, state.cache.v.shape)),
-            *(rows(x) for x in state[1:7]), SamplingParams(*(rows(x) for x in state.sampling)))
+        shardings = DecodeState(*(rows(x) for x in state[:6]), SamplingParams(*(rows(x) for x in state.sampling)))
         return jax.lax.with_sharding_constraint(state, shardings)
+
+    def _pin_pool(self, pool: PagedKV) -> PagedKV:
+        """The page pool in one layout on a mesh spanning processes: KV heads over the tensor axes."""
+        if not self.spans_processes:
+            return pool
+        sharding = fitting_sharding(self._mesh, PagedKV.axes(), self.rules, pool.k.shape)
+        return jax.lax.with_sharding_constraint(pool, PagedKV(sharding, sharding))
 
     def _readable(self, packed: jax.Array) -> jax.Array:
         """Results the host reads, replicated on a mesh spanning processes: each process reads its own copy (an
@@ -360,7 +427,7 @@ class Engine:
 
     def _prefill_impl(self, params: PreparedParams, tokens_t, true_length, sample_id, version, seed, sampling):
         t = tokens_t.shape[0]
-        cache = init_cache(self.cfg, 1, self.max_target_length)
+        cache = init_cache(self.cfg, 1, t)
         x, cache = decode_forward(self.cfg, params.tree, tokens_t[None], jnp.arange(t, dtype=jnp.int32)[None], cache,
                                   logits=False, settings=self.settings)
         # Only the last prompt token's logits are needed: the head runs on one row, not on the whole bucket.
@@ -371,21 +438,6 @@ class Engine:
         prefix = Prefix(cache, tok[0], lp[0], true_length, sample_id, version, sampling, seed)
         # The first token's result, packed here so that reading it costs one transfer and no extra dispatch.
         return prefix, self._readable(_pack(tok, jnp.ones((1,), bool), true_length[None], lp, version[None]))
-
-    def _insert_impl(self, prefix: Prefix, state: DecodeState, slot) -> DecodeState:
-        def put_row(big, row):
-            start = (0, slot) + (0,) * (big.ndim - 2)
-            return jax.lax.dynamic_update_slice(big, row.astype(big.dtype), start)
-
-        def put(vec, value):
-            return vec.at[slot].set(jnp.asarray(value, vec.dtype).reshape(()))
-
-        return self._pin(DecodeState(
-            cache=KVCache(put_row(state.cache.k, prefix.cache.k), put_row(state.cache.v, prefix.cache.v)),
-            tokens=put(state.tokens, prefix.token), positions=put(state.positions, prefix.length),
-            sample_ids=put(state.sample_ids, prefix.sample_id), versions=put(state.versions, prefix.version),
-            seeds=put(state.seeds, prefix.seed), active=put(state.active, True),
-            sampling=SamplingParams(*(put(a, b[0]) for a, b in zip(state.sampling, prefix.sampling)))))
 
     def _prefill_rows_impl(self, params: PreparedParams, tokens_pt, lengths_p, prefix: KVCache | None = None):
         """The model part of :meth:`prefill_batch`: each distinct prompt's cache and last-token logits.
@@ -423,46 +475,53 @@ class Engine:
         rest = (rows_n, tok, lp, lengths_n, sample_ids_n, versions_n, sampling_n, seeds_n)  # PrefixBatch order
         return rest, self._readable(_pack(tok, valid_n, lengths_n, lp, versions_n))
 
-    def _insert_batch_impl(self, batch: PrefixBatch, state: DecodeState, slots_n) -> DecodeState:
-        # Slot B (out of range) marks a request that is not inserted: its writes are dropped.
-        t = batch.cache.v.shape[3]
-        k_rows = batch.cache.k[:, batch.rows].astype(state.cache.k.dtype)  # [L, N, K, d, T]
-        v_rows = batch.cache.v[:, batch.rows].astype(state.cache.v.dtype)  # [L, N, K, T, d]
-        k = state.cache.k.at[:, slots_n, :, :, :t].set(k_rows, mode="drop")
-        v = state.cache.v.at[:, slots_n, :, :t, :].set(v_rows, mode="drop")
+    def _insert_batch_impl(self, batch: PrefixBatch, state: DecodeState, pool: PagedKV, slots_n, page_nt, row_nt
+                           ) -> tuple[DecodeState, PagedKV]:
+        """Writes each inserted request's prompt entries at (page, row) per token (scratch for what it does not
+        write: padding, pages it shares with a request before it) and sets its slot. Slot B (out of range)
+        marks a request that is not inserted."""
+        k_rows = batch.cache.k[:, batch.rows].swapaxes(3, 4)  # [L, N, K, T, d]
+        pool = self._pin_pool(write_prompt_pages(pool, k_rows, batch.cache.v[:, batch.rows], page_nt, row_nt))
 
         def put(vec, values):
             return vec.at[slots_n].set(values.astype(vec.dtype), mode="drop")
 
         return self._pin(DecodeState(
-            cache=KVCache(k, v), tokens=put(state.tokens, batch.token), positions=put(state.positions, batch.length),
+            tokens=put(state.tokens, batch.token), positions=put(state.positions, batch.length),
             sample_ids=put(state.sample_ids, batch.sample_id), versions=put(state.versions, batch.version),
             seeds=put(state.seeds, batch.seed), active=put(state.active, jnp.ones(slots_n.shape, bool)),
-            sampling=SamplingParams(*(put(a, b) for a, b in zip(state.sampling, batch.sampling)))))
+            sampling=SamplingParams(*(put(a, b) for a, b in zip(state.sampling, batch.sampling))))), pool
 
-    def _decode_step(self, params: PreparedParams, state: DecodeState, filtered: bool | None):
-        """One step's model and sampling for every slot: (new cache, sampled tokens, their log-probs, the
-        position of each sampled token, held below the cache length)."""
-        logits, cache = decode_forward(self.cfg, params.tree, state.tokens[:, None], state.positions[:, None],
-                                       state.cache, settings=self.settings)
+    def _decode_step(self, params: PreparedParams, state: DecodeState, pool: PagedKV, tables, write,
+                     filtered: bool | None):
+        """One step's model and sampling for every slot: (new pool, sampled tokens, their log-probs, the
+        position of each sampled token, held below the cache length). Rows where ``write`` is off write their
+        entries to scratch."""
+        logits, pool = decode_forward_paged(self.cfg, params.tree, state.tokens, state.positions, pool, tables,
+                                            write, settings=self.settings, shards=self.shards)
         nxt = state.positions + 1
         keys = jax.vmap(lambda s, i, p: row_keys(s, i[None], p[None])[0])(state.seeds, state.sample_ids, nxt)
-        tokens, logprobs = sample(logits[:, 0], keys, state.sampling, filtered)
+        tokens, logprobs = sample(logits, keys, state.sampling, filtered)
         # A full row stops advancing (the driver finishes it with reason "length" before that matters).
-        return cache, tokens, logprobs, jnp.minimum(nxt, self.max_target_length - 1)
+        return self._pin_pool(pool), tokens, logprobs, jnp.minimum(nxt, self.max_target_length - 1)
 
-    def _generate_impl(self, params: PreparedParams, state: DecodeState, filtered: bool | None):
-        cache, tokens, logprobs, nxt = self._decode_step(params, state, filtered)
+    def _generate_impl(self, params: PreparedParams, state: DecodeState, pool: PagedKV, tables,
+                       filtered: bool | None):
+        pool, tokens, logprobs, nxt = self._decode_step(params, state, pool, tables, state.active, filtered)
         tokens = jnp.where(state.active, tokens, 0)
-        new = state._replace(cache=cache, tokens=tokens, positions=jnp.where(state.active, nxt, state.positions))
-        return self._pin(new), self._readable(_pack(tokens, state.active, nxt, logprobs, state.versions))
+        new = state._replace(tokens=tokens, positions=jnp.where(state.active, nxt, state.positions))
+        return self._pin(new), pool, self._readable(_pack(tokens, state.active, nxt, logprobs, state.versions))
 
-    def _generate_many_impl(self, params_seq, states_seq, filtered: bool | None):
-        outs = [self._generate_impl(p, st, filtered) for p, st in zip(params_seq, states_seq)]
-        return tuple(o[0] for o in outs), self._readable(jnp.concatenate([o[1] for o in outs], axis=0))
+    def _generate_many_impl(self, params_seq, states_seq, pool: PagedKV, tables_seq, filtered: bool | None):
+        states, rows = [], []
+        for p, st, tables in zip(params_seq, states_seq, tables_seq):
+            st, pool, row = self._generate_impl(p, st, pool, tables, filtered)
+            states.append(st)
+            rows.append(row)
+        return tuple(states), pool, self._readable(jnp.concatenate(rows, axis=0))
 
-    def _generate_steps_impl(self, params_seq, states_seq, budgets_seq, stops_seq, final_seq, end_after, limit,
-                             steps: int, filtered: bool | None):
+    def _generate_steps_impl(self, params_seq, states_seq, pool, tables_seq, budgets_seq, stops_seq, final_seq,
+                             end_after, limit, steps: int, filtered: bool | None):
         """Up to ``steps`` decode steps of several decode states in one ``lax.while_loop``.
 
         A slot is live in a step while it is active, has produced fewer tokens than its budget and has not
@@ -471,10 +530,8 @@ class Engine:
         its results are read produces nothing for it. A slot is freed when it stops, or when it produces its
         budget's last token and ``final`` says that token ends its request. The loop ends after ``limit``
         steps, when no slot is live, or after the step at which some state ``g`` with ``end_after[g] > 0``
-        has had that many slots freed. Every slot's cache is written
-        at its current position each step, as one step of :meth:`generate` does: a slot that is not live
-        writes the entries of the token it will feed next, which its next live step writes again before any
-        query reads them."""
+        has had that many slots freed. Only live slots write their entries to their pages (the others write
+        to scratch), so a slot's pages need cover only the tokens its budget lets it produce."""
         sizes = [st.tokens.shape[0] for st in states_seq]
         out0 = jnp.zeros((steps, sum(sizes), 5), jnp.int32)
         produced0 = tuple(jnp.zeros((n,), jnp.int32) for n in sizes)
@@ -483,36 +540,37 @@ class Engine:
             return st.active & (produced < budget)
 
         def cond(carry):
-            i, states, produced, _, freed = carry
+            i, states, _, produced, _, freed = carry
             anyone = jnp.any(jnp.stack([jnp.any(live(st, n, b)) for st, n, b in zip(states, produced, budgets_seq)]))
             return (i < limit) & anyone & ~jnp.any((end_after > 0) & (freed >= end_after))
 
         def body(carry):
-            i, states, produced, out, freed = carry
+            i, states, pool, produced, out, freed = carry
             new_states, new_produced, rows, frees = [], [], [], []
-            for p, st, n, budget, stops, final in zip(params_seq, states, produced, budgets_seq, stops_seq,
-                                                      final_seq):
+            for p, st, tables, n, budget, stops, final in zip(params_seq, states, tables_seq, produced, budgets_seq,
+                                                              stops_seq, final_seq):
                 on = live(st, n, budget)
-                cache, tok, lp, nxt = self._decode_step(p, st, filtered)
+                pool, tok, lp, nxt = self._decode_step(p, st, pool, tables, on, filtered)
                 hit = on & jnp.any(tok[:, None] == stops, axis=1)
                 frees.append(jnp.sum(hit | (on & final & (n + 1 == budget)), dtype=jnp.int32))
-                new_states.append(st._replace(cache=cache, tokens=jnp.where(on, tok, st.tokens),
+                new_states.append(st._replace(tokens=jnp.where(on, tok, st.tokens),
                                               positions=jnp.where(on, nxt, st.positions), active=st.active & ~hit))
                 new_produced.append(n + on.astype(jnp.int32))
                 rows.append(_pack(jnp.where(on, tok, 0), on, nxt, lp, st.versions))
             out = jax.lax.dynamic_update_index_in_dim(out, jnp.concatenate(rows, axis=0), i, axis=0)
-            return i + 1, tuple(new_states), tuple(new_produced), out, freed + jnp.stack(frees)
+            return i + 1, tuple(new_states), pool, tuple(new_produced), out, freed + jnp.stack(frees)
 
         # A slot whose next token to feed is one of its stop ids has already ended (a request whose first
         # token, sampled at prefill, stops it): it produces nothing.
         states_seq = tuple(st._replace(active=st.active & ~jnp.any(st.tokens[:, None] == stops, axis=1))
                            for st, stops in zip(states_seq, stops_seq))
-        carry = (jnp.int32(0), states_seq, produced0, out0, jnp.zeros((len(sizes),), jnp.int32))
-        _, states, _, out, _ = jax.lax.while_loop(cond, body, carry)
-        return tuple(self._pin(st) for st in states), self._readable(out)
+        carry = (jnp.int32(0), states_seq, pool, produced0, out0, jnp.zeros((len(sizes),), jnp.int32))
+        _, states, pool, _, out, _ = jax.lax.while_loop(cond, body, carry)
+        return tuple(self._pin(st) for st in states), pool, self._readable(out)
 
     def _resize_impl(self, state: DecodeState, rows, capacity: int) -> DecodeState:
-        """Gathers ``rows`` (indices into the old state, -1 = empty) into a state of ``capacity`` slots."""
+        """Gathers ``rows`` (indices into the old state, -1 = empty) into a state of ``capacity`` slots: the
+        slots' pages stay where they are."""
         take = jnp.maximum(rows, 0)
 
         def g(x, axis=0):
@@ -520,7 +578,7 @@ class Engine:
 
         keep = rows >= 0
         return self._pin(DecodeState(
-            cache=KVCache(g(state.cache.k, 1), g(state.cache.v, 1)), tokens=g(state.tokens),
+            tokens=g(state.tokens),
             positions=g(state.positions), sample_ids=g(state.sample_ids), versions=g(state.versions),
             seeds=g(state.seeds), active=g(state.active) & keep,
             sampling=SamplingParams(*(g(a) for a in state.sampling))))
@@ -563,14 +621,14 @@ class Engine:
         def z():  # distinct buffers: the state is donated
             return jnp.zeros((b,), jnp.int32)
 
-        return DecodeState(init_cache(self.cfg, b, self.max_target_length), z(), z(), z(), z(), z(),
-                           jnp.zeros((b,), bool), SamplingParams.make(b))
+        return DecodeState(z(), z(), z(), z(), z(), jnp.zeros((b,), bool), SamplingParams.make(b))
 
     def init_decode_state(self, capacity: int | None = None) -> DecodeState:
         b = capacity or self._max_concurrent_decodes
-        if self.spans_processes:  # made in place, each device its own part: no host holds the whole cache
-            return self._zeros_jit(b)
-        return self._zeros(b)
+        if b % self.shards:
+            raise EngineError(f"a decode state of {b} slots does not split over the {self.shards} batch shards")
+        state = self._zeros_jit(b) if self.spans_processes else self._zeros(b)
+        return self._track(state, _Rows(b))
 
     def prefill(self, *, params: Any = None, existing_prefix: SharedPrefix | None = None, padded_tokens: Any,
                 true_length: int, sample_id: int = 0, version: int = 0,
@@ -600,7 +658,7 @@ class Engine:
         prefix, packed = self._prefill_jit(self._prepared_params(params), tokens, np.int32(true_length),
                                                   np.int32(sample_id), np.int32(version), np.int32(sampling.seed),
                                                   sp)
-        return prefix, ResultTokens(packed)
+        return prefix._replace(host_length=int(true_length)), ResultTokens(packed)
 
     def _prefill_after(self, params, shared: SharedPrefix, tokens: np.ndarray, sample_id, version,
                        sampling) -> tuple[Prefix, ResultTokens]:
@@ -612,15 +670,22 @@ class Engine:
         row = jax.tree.map(lambda x: x[0], (batch.token, batch.logprob, batch.length, batch.sample_id, batch.version,
                                             batch.seed))
         prefix = Prefix(batch.cache, row[0], row[1], row[2], row[3], row[4],
-                        SamplingParams(*(x[:1] for x in batch.sampling)), row[5])
+                        SamplingParams(*(x[:1] for x in batch.sampling)), row[5], int(batch.host[0][0]))
         return prefix, ResultTokens(first.data[:1])
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
-        """Places a prefilled request into ``slot`` of the decode state (donated)."""
-        b = decode_state.tokens.shape[0]
-        if not (isinstance(slot, (int, np.integer)) and 0 <= slot < b):
-            raise EngineError(f"slot {slot!r} does not exist (decode state has slots 0..{b - 1})")
-        return self._insert_jit(prefix, decode_state, np.int32(slot))
+        """Places a prefilled request into ``slot`` of the decode state (donated), replacing what the slot held.
+
+        The request may grow to ``max_target_length`` tokens: its pages up to that are reserved (use
+        :meth:`insert_batch` with ``limits`` to reserve less)."""
+        if prefix.host_length is None:
+            raise EngineError("insert: the prefix has no host length; pass what Engine.prefill returned")
+        batch = PrefixBatch(jax.tree.map(lambda x: x, prefix.cache), np.zeros((1,), np.int32),
+                            *(jnp.reshape(x, (1,)) for x in (prefix.token, prefix.logprob, prefix.length,
+                                                              prefix.sample_id, prefix.version)),
+                            prefix.sampling, jnp.reshape(prefix.seed, (1,)),
+                            (np.array([prefix.host_length], np.int32), np.zeros((1,), np.int32)))
+        return self.insert_batch(batch, decode_state, [slot])
 
     def prefill_shared_prefix(self, *, params: Any = None, tokens: Sequence[int], version: int = 0) -> SharedPrefix:
         """Prefills ``tokens`` once for the policy version of ``params``, for :meth:`prefill_batch` to continue
@@ -703,27 +768,75 @@ class Engine:
         ids, seeds = col(sample_ids, np.int32, 0), col([s.seed for s in samplings], np.int32, 0)
         rest, packed = self._first_tokens_jit(logits, lengths + skip, rows, valid, ids, np.int32(version),
                                                      seeds, sp)
-        return PrefixBatch(cache, *rest), ResultTokens(packed)
+        host_lengths = np.array([len(p) for p in prompts], np.int32)
+        return PrefixBatch(cache, *rest, host=(host_lengths, rows[:n].copy())), ResultTokens(packed)
 
-    def insert_batch(self, batch: PrefixBatch, decode_state: DecodeState, slots: Sequence[int | None]
-                     ) -> DecodeState:
+    def insert_batch(self, batch: PrefixBatch, decode_state: DecodeState, slots: Sequence[int | None],
+                     limits: Sequence[int] | None = None) -> DecodeState:
         """Places request ``i`` of a :meth:`prefill_batch` result into ``slots[i]`` of the decode state
-        (donated); ``None`` (or a missing entry) skips the request, e.g. one that finished at its first token."""
+        (donated), replacing what the slot held; ``None`` (or a missing entry) skips the request, e.g. one that
+        finished at its first token.
+
+        Each request takes pages for its prompt and reserves them up to ``limits[i]`` tokens (its prompt plus
+        the most tokens it may produce; default ``max_target_length``). Requests with the same prompt share
+        its full pages: only the first of them writes them.
+
+        Raises:
+          EngineError: a bad slot, or a pool without room for the requests now (nothing is inserted then; the
+            driver admits only what :meth:`pages_needed` says fits).
+        """
         b = decode_state.tokens.shape[0]
         nb = batch.rows.shape[0]
         if len(slots) > nb:
             raise EngineError(f"insert_batch: {len(slots)} slots for a batch of {nb} requests")
+        if batch.host is None:
+            raise EngineError("insert_batch: the batch has no host lengths; pass what Engine.prefill_batch returned")
+        lengths, prompt_rows = batch.host
+        limits = [self.max_target_length] * len(slots) if limits is None else list(limits)
+        if len(limits) < len(slots):
+            raise EngineError(f"insert_batch: {len(limits)} limits for {len(slots)} slots")
         idx = np.full((nb,), b, np.int32)  # b: dropped
         for i, slot in enumerate(slots):
             if slot is None:
                 continue
             if not (isinstance(slot, (int, np.integer)) and 0 <= slot < b):
                 raise EngineError(f"slot {slot!r} does not exist (decode state has slots 0..{b - 1})")
+            if not lengths[i] <= limits[i] <= self.max_target_length:
+                raise EngineError(f"insert_batch: request {i}: limit {limits[i]} must be in [its prompt's "
+                                  f"{lengths[i]} tokens, max_target_length {self.max_target_length}]")
             idx[i] = slot
         taken = [s for s in slots if s is not None]
         if len(set(taken)) != len(taken):
             raise EngineError(f"insert_batch: slots {list(slots)} repeat a slot")
-        return self._insert_batch_jit(batch, decode_state, idx)
+        rec = self._record(decode_state)
+        for slot in taken:  # a slot's previous request ends here (JetStream's insert overwrites)
+            self._release_row(rec, slot)
+        p, t = self.page_tokens, batch.cache.v.shape[3]
+        page_nt, row_nt = np.zeros((nb, t), np.int32), np.zeros((nb, t), np.int32)  # scratch
+        first: dict[tuple[int, int], tuple[int, int]] = {}  # (cache row, shard) -> the request writing its pages
+        done: list[int] = []
+        try:
+            for i, slot in enumerate(slots):
+                if slot is None:
+                    continue
+                shard = self.row_shard(b, slot)
+                n, src = int(lengths[i]), first.get((int(prompt_rows[i]), shard))
+                shared = (n // p) * p if src is not None else 0
+                ref = self._admit(shard, n, int(limits[i]), fork=src if shared else None, fork_tokens=shared)
+                done.append(slot)
+                rec.ids[slot] = ref
+                first.setdefault((int(prompt_rows[i]), shard), ref)
+                table = np.asarray(self._table(ref), np.int32)
+                pos = np.arange(shared, n)
+                page_nt[i, pos] = shard * self.shard_pages + table[pos // p] + 1  # pool-wide page ids
+                row_nt[i, pos] = pos % p
+        except EngineError:
+            for slot in done:
+                self._release_row(rec, slot)
+            raise
+        state, self._pool = self._insert_batch_jit(batch._replace(host=None), decode_state, self.pool, idx,
+                                                   page_nt, row_nt)
+        return self._handoff(decode_state, state)
 
     def generate(self, params: Any, decode_state: DecodeState, *, filtered: bool | None = None
                  ) -> tuple[DecodeState, ResultTokens]:
@@ -738,8 +851,11 @@ class Engine:
             choice that keeps the promise (see :func:`~dora_jax.rollout.sampling.sample`); the driver picks
             from its requests' settings with :func:`~dora_jax.rollout.sampling.needs_filter`.
         """
-        state, data = self._generate_jit(self._prepared_params(params), decode_state, filtered)
-        return state, ResultTokens(data)
+        rec = self._record(decode_state)
+        self._grow(rec, [1 if i is not None else 0 for i in rec.ids])
+        state, self._pool, data = self._generate_jit(self._prepared_params(params), decode_state, self.pool,
+                                                     self._tables([rec])[0], filtered)
+        return self._handoff(decode_state, state), ResultTokens(data)
 
     def generate_many(self, params_seq: Sequence[Any], states_seq: Sequence[DecodeState], *,
                       filtered: bool | None = None) -> tuple[tuple[DecodeState, ...], ResultTokens]:
@@ -752,9 +868,12 @@ class Engine:
         """
         if len(params_seq) != len(states_seq) or not states_seq:
             raise EngineError(f"generate_many: {len(params_seq)} params for {len(states_seq)} decode states")
-        states, data = self._generate_many_jit(tuple(self._prepared_params(p) for p in params_seq),
-                                                      tuple(states_seq), filtered)
-        return states, ResultTokens(data)
+        recs = [self._record(st) for st in states_seq]
+        for rec in recs:
+            self._grow(rec, [1 if i is not None else 0 for i in rec.ids])
+        states, self._pool, data = self._generate_many_jit(tuple(self._prepared_params(p) for p in params_seq),
+                                                           tuple(states_seq), self.pool, self._tables(recs), filtered)
+        return tuple(self._handoff(a, b) for a, b in zip(states_seq, states)), ResultTokens(data)
 
     def generate_steps(self, params_seq: Sequence[Any], states_seq: Sequence[DecodeState], *, steps: int,
                        budgets: Sequence[Any], stop_ids: Sequence[Sequence[Sequence[int]]],
@@ -814,17 +933,166 @@ class Engine:
             final_arrays.append(ends)
         width = max(x.shape[1] for x in stop_arrays)  # one width for all states: one program per mix
         stop_arrays = [np.pad(x, ((0, 0), (0, width - x.shape[1])), constant_values=-1) for x in stop_arrays]
-        states, data = self._generate_steps_jit(tuple(self._prepared_params(p) for p in params_seq),
-                                                tuple(states_seq), tuple(budget_arrays), tuple(stop_arrays),
-                                                tuple(final_arrays), end_after, np.int32(limit), int(steps), filtered)
-        return states, ResultSteps(data)
+        recs = [self._record(st) for st in states_seq]
+        for rec, budget in zip(recs, budget_arrays):  # pages for every token a slot may produce
+            self._grow(rec, np.minimum(budget, limit))
+        states, self._pool, data = self._generate_steps_jit(
+            tuple(self._prepared_params(p) for p in params_seq), tuple(states_seq), self.pool, self._tables(recs),
+            tuple(budget_arrays), tuple(stop_arrays), tuple(final_arrays), end_after, np.int32(limit), int(steps),
+            filtered)
+        return tuple(self._handoff(a, b) for a, b in zip(states_seq, states)), ResultSteps(data)
 
     def free_slot(self, decode_state: DecodeState, slot: int) -> DecodeState:
-        """Marks ``slot`` empty (the decode state is donated); its row is computed but never reported."""
-        return self._free_jit(decode_state, np.int32(slot))
+        """Marks ``slot`` empty (the decode state is donated) and returns its pages to the pool; its row is
+        computed but never reported."""
+        rec = self._record(decode_state)
+        self._release_row(rec, slot)
+        return self._handoff(decode_state, self._free_jit(decode_state, np.int32(slot)))
 
     def resize(self, decode_state: DecodeState, rows: list[int], capacity: int) -> DecodeState:
-        """Compacts or grows a decode state: new slot ``i`` holds old slot ``rows[i]`` (-1 or missing: empty)."""
+        """Compacts or grows a decode state: new slot ``i`` holds old slot ``rows[i]`` (-1 or missing: empty).
+        A slot left out ends its request. Pages stay where they are: only the slots' rows move."""
         idx = np.full((capacity,), -1, np.int32)
         idx[:len(rows)] = rows
-        return self._resize_jit(decode_state, idx, capacity)
+        rec = self._record(decode_state)
+        old = decode_state.tokens.shape[0]
+        if capacity % self.shards:
+            raise EngineError(f"resize: {capacity} slots do not split over the {self.shards} batch shards")
+        moved_shard = [(int(r), i) for i, r in enumerate(idx) if r >= 0 and rec.ids[r] is not None
+                       and self.row_shard(old, int(r)) != self.row_shard(capacity, i)]
+        if moved_shard:
+            r, i = moved_shard[0]
+            raise EngineError(f"resize: slot {r} would move from batch shard {self.row_shard(old, r)} to "
+                              f"{self.row_shard(capacity, i)}; a slot's pages stay in its shard")
+        kept = {int(r) for r in idx if r >= 0}
+        for r, rid in enumerate(rec.ids):
+            if rid is not None and r not in kept:
+                self._release_row(rec, r)
+        moved = [rec.ids[r] if r >= 0 else None for r in idx]
+        state = self._handoff(decode_state, self._resize_jit(decode_state, idx, capacity))
+        rec.ids = moved
+        return state
+
+    # -- the page pool --------------------------------------------------------------------------------------
+
+    def _new_pool(self) -> PagedKV:
+        return init_pages(self.cfg, self.shards * self.shard_pages, self.page_tokens)
+
+    @property
+    def pool(self) -> PagedKV:
+        """The KV cache of every decode state: ``num_pages`` pages and the scratch page (made at first use)."""
+        if self._pool is None:
+            self._pool = self._pool_jit() if self.spans_processes else self._new_pool()
+        return self._pool
+
+    def pool_shape(self) -> PagedKV:
+        """The pool's shapes and dtypes, without making it."""
+        return jax.eval_shape(self._new_pool)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_tokens * self.token_bytes
+
+    @property
+    def pages_available(self) -> int:
+        """Free pages not reserved by live requests: what admission may give out (all shards)."""
+        return sum(a.available_pages for a in self.allocators)
+
+    def shard_pages_available(self, shard: int) -> int:
+        return self.allocators[shard].available_pages
+
+    @property
+    def pages_held(self) -> int:
+        """Pages live requests hold now (shared pages once)."""
+        return sum(a.num_pages - a.free_pages for a in self.allocators)
+
+    def row_shard(self, capacity: int, row: int) -> int:
+        """The batch shard of slot ``row`` in a decode state of ``capacity`` slots."""
+        return row * self.shards // capacity
+
+    def pages_needed(self, limit: int) -> int:
+        """Pages a request of up to ``limit`` tokens reserves (sharing with its group aside)."""
+        return pages_for(limit, self.page_tokens)
+
+    def _admit(self, shard: int, prompt_tokens: int, limit: int, fork: tuple[int, int] | None = None,
+               fork_tokens: int = 0) -> tuple[int, int]:
+        """A pool request in ``shard``: (shard, allocator slot)."""
+        if fork is not None and fork[0] != shard:
+            fork, fork_tokens = None, 0  # pages are shared within a shard only
+        alloc, rid = self.allocators[shard], self._free_ids[shard].pop()
+        try:
+            copies = alloc.admit(rid, prompt_tokens=prompt_tokens, max_tokens=limit,
+                                 fork=None if fork is None else fork[1], fork_tokens=fork_tokens or None)
+        except PageError as e:
+            self._free_ids[shard].append(rid)
+            raise EngineError(f"{e}{f' (batch shard {shard} of {self.shards})' if self.shards > 1 else ''}") from None
+        if copies is None:
+            self._free_ids[shard].append(rid)
+            where = f" in batch shard {shard} of {self.shards}" if self.shards > 1 else ""
+            raise EngineError(f"the page pool has no room now{where} for a request of up to {limit} tokens "
+                              f"({self.pages_needed(limit)} pages of {self.page_tokens} tokens): "
+                              f"{alloc.available_pages} of {alloc.num_pages} pages are not held or reserved by live "
+                              f"requests; free slots first, or give the engine more pages (rollout.kv_pages)")
+        assert not copies, "only full pages are shared: nothing to copy"
+        return shard, rid
+
+    def _release_row(self, rec: _Rows, row: int) -> None:
+        ref = rec.ids[row]
+        if ref is not None:
+            rec.ids[row] = None
+            self.allocators[ref[0]].finish(ref[1])
+            self._free_ids[ref[0]].append(ref[1])
+
+    def _table(self, ref: tuple[int, int] | None) -> list[int]:
+        return [] if ref is None else self.allocators[ref[0]].table(ref[1])
+
+    def _grow(self, rec: _Rows, tokens: Sequence[int]) -> None:
+        """Pages for ``tokens[b]`` more tokens of each live row, up to its limit."""
+        for ref, n in zip(rec.ids, tokens):
+            if ref is not None and n > 0:
+                alloc = self.allocators[ref[0]]
+                room = alloc.limit(ref[1]) - alloc.length(ref[1])
+                if room > 0:
+                    copies = alloc.append(ref[1], min(int(n), room))
+                    assert not copies, "only full pages are shared: nothing to copy"
+
+    def _tables(self, recs: Sequence[_Rows]) -> list[np.ndarray]:
+        """Each record's page tables as the device reads them (page ids within the row's shard: the
+        allocator's + 1, scratch past a row's pages), at one width for all of them: a power of two of the
+        longest table, so the programs stay few and a step reads only as far as its longest slot."""
+        tables = [[self._table(ref) for ref in rec.ids] for rec in recs]
+        longest = max((len(t) for ts in tables for t in ts), default=0)
+        width = min(bucket(longest, minimum=min(8, self.table_width)), self.table_width)
+        out = []
+        for ts in tables:
+            arr = np.full((len(ts), width), SCRATCH_PAGE, np.int32)
+            for b, t in enumerate(ts):
+                arr[b, :len(t)] = np.asarray(t, np.int32) + 1
+            out.append(arr)
+        return out
+
+    def _track(self, state: DecodeState, rows: _Rows) -> DecodeState:
+        key = id(state.tokens)
+        fin = weakref.finalize(state.tokens, self._drop_record, key, rows)
+        fin.atexit = False
+        self._records[key] = (rows, fin)
+        return state
+
+    def _drop_record(self, key: int, rows: _Rows) -> None:
+        """A decode state dropped without being passed on: its requests end, their pages return to the pool."""
+        self._records.pop(key, None)
+        for r in range(len(rows.ids)):
+            self._release_row(rows, r)
+
+    def _record(self, state: DecodeState) -> _Rows:
+        entry = self._records.get(id(state.tokens))
+        if entry is None:
+            raise EngineError("a decode state this engine does not know: pass the state its last call returned "
+                              "(each call donates the state it is given), made by init_decode_state")
+        return entry[0]
+
+    def _handoff(self, old: DecodeState, new: DecodeState) -> DecodeState:
+        """Moves the host record of ``old`` to ``new`` (what a call returns for the state it was given)."""
+        rows, fin = self._records.pop(id(old.tokens))
+        fin.detach()
+        return self._track(new, rows)

@@ -113,6 +113,10 @@ class PagePool:
         """Tokens written to the slot."""
         return self._live(slot).length
 
+    def limit(self, slot: int) -> int:
+        """The most tokens the slot may hold (its ``max_tokens``)."""
+        return self._live(slot).limit
+
     def refs(self, page: int) -> int:
         """Slots and prefixes referencing ``page``."""
         return self._refs[page]
@@ -148,7 +152,7 @@ class PagePool:
     # -- slots ---------------------------------------------------------------------------------------------
 
     def admit(self, slot: int, *, prompt_tokens: int, max_tokens: int, prefix: SharedPrefix | None = None,
-              fork: int | None = None) -> list[Copy] | None:
+              fork: int | None = None, fork_tokens: int | None = None) -> list[Copy] | None:
         """Places a request in an empty slot: its prompt's pages and a reservation for the rest.
 
         Args:
@@ -159,6 +163,9 @@ class PagePool:
             partial last page of the prefix is copied first).
           fork: a live slot whose first ``prompt_tokens`` tokens are this prompt (a GRPO group's first
             member): those pages are shared, nothing is written.
+          fork_tokens: with ``fork``, share only the fork's first ``fork_tokens`` tokens (a multiple of the page
+            size: its full pages); the slot writes the rest of its prompt into pages of its own, so no page is
+            ever copied. Default: the whole prompt.
 
         Returns:
           The copies the device makes before the prefill writes (a prefix's partial last page, when the prompt
@@ -194,7 +201,11 @@ class PagePool:
             if prompt_tokens > src.length:
                 raise PageError(f"admit: slot {fork} holds {src.length} tokens, fewer than the prompt's "
                                 f"{prompt_tokens}")
-            shared, shared_tokens = src.table[:self.pages_for(prompt_tokens)], prompt_tokens
+            shared_tokens = prompt_tokens if fork_tokens is None else fork_tokens
+            if fork_tokens is not None and not (0 < fork_tokens <= prompt_tokens and fork_tokens % p == 0):
+                raise PageError(f"admit: fork_tokens {fork_tokens!r} must be a multiple of the page size "
+                                f"({p}) in [1, prompt_tokens = {prompt_tokens}]")
+            shared = src.table[:self.pages_for(shared_tokens)]
         else:
             shared, shared_tokens = [], 0
         copies_now = 1 if shared_tokens % p and prompt_tokens > shared_tokens else 0

@@ -37,7 +37,14 @@ def make_engine(cfg: Config, model: Any, mesh: Any = None) -> Engine:
     target = min(bucket(r.max_prompt_len + r.max_new_tokens), cfg.model.max_seq_len)
     return Engine(model, max_concurrent_decodes=r.slots, max_prefill_length=r.max_prompt_len,
                   max_target_length=target, mesh=mesh, dtype=r.dtype, settings=DecodeSettings.of(r),
-                  rules=cfg.mesh.logical_axis_rules)
+                  rules=cfg.mesh.logical_axis_rules, page_tokens=r.page_tokens, num_pages=kv_pages(cfg))
+
+
+def kv_pages(cfg: Config) -> int:
+    """``rollout.kv_pages``, ``0`` resolved: room for every slot at its longest sequence."""
+    r = cfg.rollout
+    longest = -(-(r.max_prompt_len + r.max_new_tokens) // r.page_tokens)
+    return r.kv_pages or r.slots * longest
 
 
 def _device_set(mesh: Any) -> frozenset[Any] | None:

@@ -137,6 +137,12 @@ class TimedEngine:
         self.settings = SimpleNamespace(decode_steps=decode_steps)  # the driver reads its steps per dispatch here
         self.mesh = None
         self.calls: dict[str, int] = {}
+        # No KV cache is simulated: the pool never holds admission back, and no page ratio is reported.
+        self.shards, self.page_tokens, self.pages_held = 1, 16, None
+        self.pages_available = self.shard_pages = 2 ** 62
+
+    def pages_needed(self, limit: int) -> int:
+        return 0
 
     @property
     def max_concurrent_decodes(self) -> int:
@@ -185,7 +191,8 @@ class TimedEngine:
         return lengths, _Result({"token": np.zeros(n, np.int64), "valid": np.ones(n, bool), "position": lengths,
                                  "logprob": np.zeros(n, np.float32), "version": np.full(n, version)})
 
-    def insert_batch(self, batch: np.ndarray, decode_state: _State, slots: Sequence[int | None]) -> _State:
+    def insert_batch(self, batch: np.ndarray, decode_state: _State, slots: Sequence[int | None],
+                     limits: Sequence[int] | None = None) -> _State:
         for length, slot in zip(batch, slots):
             if slot is not None:
                 decode_state.positions[slot], decode_state.active[slot] = length, True
