@@ -1,0 +1,169 @@
+"""The engine's paged KV cache: pages follow live tokens, a GRPO group shares its prompt's pages, a full pool makes
+admission wait without touching live samples, bad sizes are refused, and per-shard paging computes what one
+pool does."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import rel_err
+from dora_jax.config import ConfigError, ModelConfig, RolloutConfig
+from dora_jax.models.build import init_model
+from dora_jax.models.paged import paged_attention_with_current, sharded_attention, write_pages
+from dora_jax.rollout.driver import Request, RolloutDriver
+from dora_jax.rollout.engine import Engine, EngineError, RequestSampling
+from dora_jax.rollout.pages import pages_for
+
+CFG = ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=6, num_kv_heads=2,
+                  head_dim=8, init_std=0.3)
+P = 8  # tokens per page
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(CFG, seed=0)
+
+
+def _engine(model, slots=8, num_pages=None, target=96):
+    return Engine(model, max_concurrent_decodes=slots, max_prefill_length=min(48, target - 1), max_target_length=target,
+                  page_tokens=P, num_pages=num_pages)
+
+
+def _steps(engine, state, n):
+    out = []
+    for _ in range(n):
+        state, res = engine.generate(None, state)
+        out.append(np.asarray(res.to_host().data))
+    return state, np.stack(out)
+
+
+def test_group_shares_prompt_pages_and_decodes_as_alone(model):
+    """Four samples of a 20-token prompt (2 full pages and 4 tokens) and one other prompt, inserted together:
+    the group holds its 2 full pages once and each sample its own partial page; decoding crosses page
+    boundaries and gives each sample the tokens and log-probs it gets inserted alone into its own pages.
+    Freeing every slot returns every page."""
+    prompt, other = tuple(range(1, 21)), (7, 8, 9)
+    prompts = [prompt] * 4 + [other]
+    samplings = [RequestSampling(temperature=1.0, seed=5)] * 5
+    ids = [10, 11, 12, 13, 14]
+    limits = [len(p) + 24 for p in prompts]
+    eng = _engine(model)
+    batch, _ = eng.prefill_batch(prompts=prompts, sample_ids=ids, samplings=samplings)
+    state = eng.insert_batch(batch, eng.init_decode_state(8), [0, 1, 2, 3, 4], limits)
+    assert eng.pages_held == 2 + 4 * 1 + pages_for(len(other), P)
+    reserved = 2 + 4 * (pages_for(44, P) - 2) + pages_for(len(other) + 24, P)
+    assert eng.pages_available == eng.num_pages - reserved
+    state, grouped = _steps(eng, state, 20)
+
+    alone = _engine(model)
+    single = alone.init_decode_state(8)
+    for slot, (p, i) in enumerate(zip(prompts, ids)):
+        prefix, _ = alone.prefill(padded_tokens=np.array(p), true_length=len(p), sample_id=i, sampling=samplings[0])
+        single = alone.insert(prefix, single, slot)
+    assert alone.pages_held == 4 * 3 + 1  # 20 tokens: 3 pages each, nothing shared
+    single, separate = _steps(alone, single, 20)
+    assert (grouped[:, :5, 1] == 1).all() and (grouped[:, 5:, 1] == 0).all()
+    np.testing.assert_array_equal(grouped[..., [0, 2, 4]], separate[..., [0, 2, 4]])
+    np.testing.assert_allclose(grouped[..., 3].view(np.float32), separate[..., 3].view(np.float32), rtol=1e-5,
+                               atol=1e-6)
+    assert len(np.unique(grouped[:, :4, 0])) > 4  # the samples drew their own tokens
+    # 20 steps after 20 prompt tokens: positions up to 39 written, 5 pages per sample, 2 of them shared.
+    assert eng.pages_held == 2 + 4 * 3 + pages_for(len(other) + 20, P)
+    for slot in range(5):
+        state = eng.free_slot(state, slot)
+    assert eng.pages_held == 0 and eng.pages_available == eng.num_pages
+
+
+def test_dropped_state_returns_its_pages(model):
+    import gc
+
+    eng = _engine(model)
+    prefix, _ = eng.prefill(padded_tokens=np.arange(1, 12), true_length=11)
+    state = eng.insert(prefix, eng.init_decode_state(), 0)
+    assert eng.pages_held == 2
+    del state
+    gc.collect()
+    assert eng.pages_held == 0 and eng.pages_available == eng.num_pages
+    with pytest.raises(EngineError, match="decode state this engine does not know"):
+        eng.generate(None, _engine(model).init_decode_state())
+
+
+def test_full_pool_makes_admission_wait(model):
+    """A pool with room for two requests at a time under four slots: requests wait for pages, never more than
+    two are live, the pool is never over-committed, and every trajectory is the one a pool with room for all
+    gives (no live sample overwritten)."""
+    requests = [Request(i, tuple(range(1 + i, 6 + i)), max_new_tokens=19, sampling=RequestSampling(temperature=0.0))
+                for i in range(6)]
+    per_request = pages_for(5 + 19, P)  # 3 pages
+
+    def run(num_pages):
+        eng = _engine(model, slots=4, num_pages=num_pages, target=32)
+        d = RolloutDriver(eng, decode_steps=4)
+        d.add_version(0, eng.params)
+        for r in requests:
+            d.submit(r)
+        out, most = [], 0
+        while not d.idle:
+            out += d.step()
+            live = sum(g.live for g in d._groups.values())
+            most = max(most, live)
+            assert eng.pages_held <= live * per_request and eng.pages_available >= 0
+        assert eng.pages_held == 0
+        return {t.sample_id: t for t in out}, most
+
+    tight, most_tight = run(2 * per_request)
+    roomy, most_roomy = run(None)
+    assert most_tight == 2 and most_roomy == 4
+    assert sorted(tight) == list(range(6))
+    for i in range(6):
+        assert tight[i].tokens == roomy[i].tokens and len(tight[i].tokens) == 19
+        np.testing.assert_allclose(tight[i].logprobs, roomy[i].logprobs, rtol=1e-5, atol=1e-6)
+
+
+def test_sizes_that_cannot_work_are_refused(model):
+    with pytest.raises(EngineError, match="cannot hold one page per slot"):
+        _engine(model, slots=4, num_pages=3)
+    eng = _engine(model, slots=2, num_pages=4, target=64)
+    d = RolloutDriver(eng)
+    d.add_version(0, eng.params)
+    with pytest.raises(EngineError, match=r"need 5 pages of 8 tokens; the page pool holds 4"):
+        d.submit(Request(0, (1, 2, 3), max_new_tokens=34))
+    prefix, _ = eng.prefill(padded_tokens=np.array([1, 2, 3]), true_length=3)
+    with pytest.raises(EngineError, match="needs 8 pages of 8 tokens; the pool has 4 pages"):
+        eng.insert(prefix, eng.init_decode_state(), 0)  # a JetStream insert reserves max_target_length
+    assert eng.pages_held == 0
+    with pytest.raises(ConfigError, match="rollout.kv_pages.*one page per slot"):
+        RolloutConfig(slots=16, kv_pages=8).validate()
+    with pytest.raises(ConfigError, match="rollout.kv_pages.*needs 12 pages of 16 tokens"):
+        RolloutConfig(slots=4, max_prompt_len=128, max_new_tokens=64, kv_pages=8).validate()
+
+
+def test_per_shard_paging_is_one_pool_split():
+    """Slots and pages split over 2 shards (tables within each shard) compute what one pool with pool-wide
+    page ids does: attention, and the write of each slot's token; rows of a shard never touch the other's."""
+    rng = np.random.default_rng(0)
+    k_heads, g, d, n_shard, b, w = 2, 3, 8, 6, 4, 3
+    pool = [jnp.asarray(rng.normal(size=(1, k_heads, 2 * n_shard, P, d)), jnp.float32) for _ in range(2)]
+    local = np.array([[1, 2, 0], [3, 0, 0], [2, 4, 5], [1, 0, 0]], np.int32)  # rows 0, 1: shard 0; 2, 3: shard 1
+    shard_of = np.array([0, 0, 1, 1])
+    glob = local + (shard_of * n_shard)[:, None]
+    lengths = jnp.asarray([13, 5, 20, 1], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(b, k_heads * g, d)), jnp.float32)
+    k_new, v_new = (jnp.asarray(rng.normal(size=(b, k_heads, d)), jnp.float32) for _ in range(2))
+    want = paged_attention_with_current(q, pool[0][0], pool[1][0], jnp.asarray(glob), lengths, k_new, v_new)
+    got = sharded_attention(q, pool[0][0], pool[1][0], jnp.asarray(local), lengths, k_new, v_new, shards=2)
+    assert rel_err(got, want) <= 1e-6
+    wrong = sharded_attention(q, pool[0][0], pool[1][0], jnp.asarray(local), lengths, k_new, v_new, shards=1)
+    assert rel_err(wrong, want) > 0.1  # local ids read as pool-wide ones: the check can fail
+    from dora_jax.models.paged import PagedKV
+
+    page = jnp.asarray(local[np.arange(b), np.asarray(lengths) // P])
+    row = lengths % P
+    kv = PagedKV(*pool)
+    new = (k_new[None], v_new[None])
+    a = write_pages(kv, *new, page + jnp.asarray(shard_of * n_shard), row)
+    c = write_pages(kv, *new, page, row, shards=2)
+    np.testing.assert_array_equal(np.asarray(a.k), np.asarray(c.k))
+    np.testing.assert_array_equal(np.asarray(a.v), np.asarray(c.v))
+    assert not np.array_equal(np.asarray(a.k), np.asarray(kv.k))
