@@ -14,7 +14,7 @@ from benchmarks.timing import alternated_times, best_of
 
 def bench_decode(config: str = "smollm2_135m", batch: int = 32, cache_length: int = 256,
                  repeats: int = 5, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Where one decode step's time goes: the full step against a ``cache_length`` cache, the same forward
+    """Where one decode step's time goes: the full step against ``cache_length`` tokens of pages per row, the same forward
     without a cache (layers + head only), sampling alone, and the step's weight matmuls alone; best of
     ``repeats`` after compiling.
 
@@ -34,7 +34,8 @@ def bench_decode(config: str = "smollm2_135m", batch: int = 32, cache_length: in
     from flax import nnx
 
     from dora_jax.config import load_config
-    from dora_jax.models.decoder import DecodeSettings, decode_forward, init_cache
+    from dora_jax.models.decoder import DecodeSettings
+    from dora_jax.models.paged import decode_forward_paged, init_pages
     from dora_jax.models.weights import load_model
     from dora_jax.rollout.sampling import SamplingParams, row_keys, sample
 
@@ -43,13 +44,18 @@ def bench_decode(config: str = "smollm2_135m", batch: int = 32, cache_length: in
     graphdef, params = nnx.split(model)
 
     tokens = jnp.zeros((batch, 1), jnp.int32)
-    positions = jnp.full((batch, 1), cache_length // 2, jnp.int32)
-    caches = [init_cache(cfg.model, batch, cache_length)]
-    # As in the engine: fused params prepared once, the cache donated and threaded from step to step.
+    positions = jnp.full((batch,), cache_length // 2, jnp.int32)
+    # As in the engine: the page pool, each row's table of its own pages (cache_length tokens), page 0 scratch.
+    page = cfg.rollout.page_tokens
+    width = -(-cache_length // page)
+    caches = [init_pages(cfg.model, batch * width + 1, page)]
+    tables = jnp.asarray(1 + np.arange(batch * width, dtype=np.int32).reshape(batch, width))
+    write = jnp.ones((batch,), bool)
+    # As in the engine: fused params prepared once, the pool donated and threaded from step to step.
     settings = DecodeSettings.of(cfg.rollout)
     prepared = model.decode_params(fuse=True)
-    step = jax.jit(lambda p, t, pos, c: decode_forward(cfg.model, p, t, pos, c, settings=settings),
-                   donate_argnums=(3,))
+    step = jax.jit(lambda p, t, pos, c: decode_forward_paged(cfg.model, p, t[:, 0], pos, c, tables, write,
+                                                             settings=settings), donate_argnums=(3,))
     dense = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(batch, cfg.model.vocab_size)), jnp.float32)
     keys = row_keys(0, jnp.arange(batch), jnp.zeros(batch, jnp.int32))

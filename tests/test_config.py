@@ -41,7 +41,9 @@ def test_overrides_and_types():
     ("model.family=gpt2", "'model.family' = 'gpt2': allowed: 'llama', 'qwen2', 'qwen3'"),
     ("model.compute_dtype=int8", "'model.compute_dtype' = 'int8': allowed: float32, bfloat16, float16"),
     ("model.head_dim=7", "'model.head_dim' = 7: must be even"),
-    ("rollout.attention_impl=triton", "'rollout.attention_impl' = 'triton': allowed: 'xla', 'pallas', 'auto'"),
+    ("rollout.attention_impl=triton", "'rollout.attention_impl' = 'triton': allowed: 'xla', 'pallas_gpu', 'pallas_tpu', 'auto'"),
+    ("rollout.attention_impl=pallas", "'pallas' was the dense cache's kernel; the paged cache uses JAX's shipped kernels"),
+    ("rollout.kv_pages=3", "'rollout.kv_pages' = 3: a pool of 3 pages cannot hold one page per slot"),
     ("rollout.pallas_interpret=1", "'rollout.pallas_interpret' = 1: must be true or false"),
     ("rollout.dtype=int8", "'rollout.dtype' = 'int8': allowed: auto, float32, bfloat16, float16 "
                            "(auto: model.compute_dtype)"),
@@ -72,7 +74,7 @@ def test_validation_messages(override, message):
 
 @pytest.mark.parametrize("key,value,why", [
     ("rollout.decode_weights", "out_in", "decode has one weight layout on every platform"),
-    ("rollout.cache_read_buckets", 8, "the xla decode path reads the whole cache on every platform"),
+    ("rollout.cache_read_buckets", 8, "decode reads each slot's pages up to the longest live slot on every platform"),
     ("model.decode_weights", "in_out", "decode has one weight layout on every platform"),
 ])
 def test_removed_decode_settings_are_refused_naming_the_removal(tmp_path, key, value, why):
@@ -89,7 +91,7 @@ def test_removed_decode_settings_are_refused_naming_the_removal(tmp_path, key, v
         load_config(str(p))
 
 
-@pytest.mark.parametrize("name,value", [("attention_impl", "pallas"), ("pallas_interpret", True)])
+@pytest.mark.parametrize("name,value", [("attention_impl", "pallas_gpu"), ("pallas_interpret", True)])
 def test_engine_settings_under_model_point_to_rollout(tmp_path, name, value):
     """The rollout engine's settings are refused under ``model``, from an override or a file, with the key
     that holds them; under ``rollout`` the same value loads."""

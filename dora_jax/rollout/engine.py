@@ -249,7 +249,7 @@ def batch_shards(mesh: Mesh | None, rules: Rules, slots: int) -> int:
         return 1
     entry = logical_to_spec(("batch",), rules)[0]
     names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    n = int(np.prod([mesh.shape[a] for a in names])) if names else 1
+    n = int(np.prod([mesh.shape[a] for a in names if a in mesh.shape]))
     return n if n > 1 and slots % n == 0 else 1
 
 
@@ -680,7 +680,7 @@ class Engine:
         :meth:`insert_batch` with ``limits`` to reserve less)."""
         if prefix.host_length is None:
             raise EngineError("insert: the prefix has no host length; pass what Engine.prefill returned")
-        batch = PrefixBatch(jax.tree.map(lambda x: x, prefix.cache), np.zeros((1,), np.int32),
+        batch = PrefixBatch(prefix.cache, np.zeros((1,), np.int32),
                             *(jnp.reshape(x, (1,)) for x in (prefix.token, prefix.logprob, prefix.length,
                                                               prefix.sample_id, prefix.version)),
                             prefix.sampling, jnp.reshape(prefix.seed, (1,)),

@@ -97,25 +97,23 @@ def _make_class(engine_api) -> type:
             self._tokenizer = tokenizer
             self._tokenizer_params = tokenizer_params
             self._rewind_jit = serial_jit(_rewind)
-            self._insert_jit = serial_jit(self._insert_impl, donate_argnums=(1,))
-            self._generate_jit = serial_jit(self._generate_impl, donate_argnums=(1,), static_argnums=(2,))
+            self._start_jit = serial_jit(self._start_impl, donate_argnums=(0, 1))
+            self._lengths_jit = serial_jit(self._lengths_impl, donate_argnums=(0,))
 
         # -- pure implementations ----------------------------------------------------------------------------
 
-        def _insert_impl(self, prefix: Prefix, state: JetStreamDecodeState, slot) -> JetStreamDecodeState:
-            return JetStreamDecodeState(self.engine._insert_impl(prefix, state.engine, slot),
-                                        state.starts.at[slot].set(prefix.length + 1),
-                                        state.lengths.at[slot].set(0))
+        @staticmethod
+        def _start_impl(starts, lengths, slot, length):
+            return starts.at[slot].set(length + 1), lengths.at[slot].set(0)
 
-        def _generate_impl(self, params, state: JetStreamDecodeState, filtered):
-            new, packed = self.engine._generate_impl(params, state.engine, filtered)
+        def _lengths_impl(self, lengths, starts, packed):
             active = packed[:, 1] == 1
-            lengths = state.lengths + active.astype(jnp.int32)
+            lengths = lengths + active.astype(jnp.int32)
             # The token of this step sits at position starts + lengths - 1; the cache holds positions up to
             # max_target_length - 1, and a step past them (the engine holds the row there) reports nothing.
-            valid = active & (state.starts + lengths <= self.engine.max_target_length)
+            valid = active & (starts + lengths <= self.engine.max_target_length)
             data = jnp.stack([packed[:, 0], valid.astype(jnp.int32), lengths, packed[:, 3], packed[:, 4]], axis=-1)
-            return JetStreamDecodeState(new, state.starts, lengths), data
+            return lengths, data
 
         # -- computation -------------------------------------------------------------------------------------
 
@@ -126,17 +124,24 @@ def _make_class(engine_api) -> type:
             prefix, _ = self.engine.prefill(params=params, existing_prefix=existing_prefix, padded_tokens=padded,
                                             true_length=true_length, sample_id=sample_id, version=version,
                                             sampling=sampling)
-            return self._rewind_jit(prefix, padded[true_length - 1])
+            rewound = self._rewind_jit(prefix._replace(host_length=None), padded[true_length - 1])
+            return rewound._replace(host_length=prefix.host_length)
 
         def insert(self, prefix: Prefix, decode_state: JetStreamDecodeState, slot: int) -> JetStreamDecodeState:
             b = decode_state.starts.shape[0]
             if not (isinstance(slot, (int, np.integer)) and 0 <= slot < b):
                 raise EngineError(f"slot {slot!r} does not exist (decode state has slots 0..{b - 1})")
-            return self._insert_jit(prefix, decode_state, np.int32(slot))
+            # The engine writes the prompt into the slot's pages; the adapter keeps where its tokens start.
+            state = self.engine.insert(prefix, decode_state.engine, int(slot))
+            starts, lengths = self._start_jit(decode_state.starts, decode_state.lengths, np.int32(slot),
+                                              prefix.length)
+            return JetStreamDecodeState(state, starts, lengths)
 
         def generate(self, params: Any, decode_state: JetStreamDecodeState, *, filtered: bool | None = None
                      ) -> tuple[JetStreamDecodeState, Any]:
-            state, data = self._generate_jit(self.engine._prepared_params(params), decode_state, filtered)
+            state, result = self.engine.generate(params, decode_state.engine, filtered=filtered)
+            lengths, data = self._lengths_jit(decode_state.lengths, decode_state.starts, result.data)
+            state = JetStreamDecodeState(state, decode_state.starts, lengths)
             return state, engine_api.ResultTokens(data=data, tokens_idx=(TOKEN, TOKEN + 1),
                                                   valid_idx=(VALID, VALID + 1), length_idx=(LENGTH, LENGTH + 1),
                                                   samples_per_slot=1)
@@ -155,7 +160,7 @@ def _make_class(engine_api) -> type:
             s = NamedSharding(self.mesh, PartitionSpec())
             if self.engine.mesh is None:
                 s = SingleDeviceSharding(self.mesh.devices.flat[0])
-            return Prefix(KVCache(s, s), s, s, s, s, s, SamplingParams(s, s, s), s)
+            return Prefix(KVCache(s, s), s, s, s, s, s, SamplingParams(s, s, s), s, s)
 
         # -- tokenizer -----------------------------------------------------------------------------------------
 
