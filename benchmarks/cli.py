@@ -61,10 +61,14 @@ def build_parser(prog: str = "dora-jax bench") -> argparse.ArgumentParser:
                    "snapshot: rows per step (default 8); kernel: slots per call (default 8 and 32)")
     b.add_argument("--new-tokens", type=_positive_int, default=128, help="engine: new tokens per sequence")
     b.add_argument("--no-reference", action="store_true", help="engine: skip the transformers side")
-    b.add_argument("--preset", choices=("accel",), help="train: 'accel' = long sequences (remat, blockwise "
+    b.add_argument("--preset", choices=("cpu", "accel"), help="train: 'accel' = long sequences (remat, blockwise "
                    "attention, chunked log-probs, bf16 compute) on a Qwen2.5-1.5B-shaped model at 2k/8k/32k tokens "
                    "(tokens/s, MFU, compiled temporary bytes); on a CPU, the memory analysis of a tiny model at "
-                   "1k-8k")
+                   "1k-8k. engine: 'cpu' = SmolLM2-135M float32, the default workload with its summary on top; "
+                   "'accel' = a Qwen2.5-1.5B-shaped model (random weights, bf16) at 64 and 256 sequences, "
+                   "long-tailed outputs up to 4,096 tokens")
+    b.add_argument("--quick", action="store_true", help="engine --preset: a small form that runs in minutes on a "
+                   "CPU")
     return b
 
 
@@ -117,6 +121,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.what == "engine":
         from benchmarks import engine
 
+        if args.preset == "accel":
+            return engine.bench_engine_accel(quick=args.quick)
+        if args.preset == "cpu":
+            return engine.bench_engine_cpu(quick=args.quick, with_hf=not args.no_reference, rounds=args.repeats or 3)
         return engine.bench_engine(args.config, batch=args.batch or 32, new_tokens=args.new_tokens,
                                    with_hf=not args.no_reference, overrides=ov, rounds=args.repeats or 3)
     if args.what == "modes":
@@ -168,11 +176,15 @@ def main(argv: Sequence[str] | None = None, prog: str = "dora-jax bench") -> int
     problems = [p for p in (_unwritable(args.json, "--json"), _unwritable(args.plot, "--plot")) if p]
     if args.overrides and args.what in NO_OVERRIDES:
         problems.append(f"{prog} {args.what}: takes no key=value overrides (got {' '.join(args.overrides)})")
-    if args.preset and args.what != "train":
-        problems.append(f"{prog} {args.what}: --preset is for train only")
+    if args.preset and args.what not in ("train", "engine"):
+        problems.append(f"{prog} {args.what}: --preset is for train only (accel) and engine (cpu, accel)")
+    elif args.preset == "cpu" and args.what == "train":
+        problems.append(f"{prog} train: --preset cpu is for engine only")
     if args.preset and (args.overrides or args.config != DEFAULT_CONFIG):
-        problems.append(f"{prog} train --preset {args.preset}: builds its own model and settings; it takes no "
+        problems.append(f"{prog} {args.what} --preset {args.preset}: builds its own model and settings; it takes no "
                         "--config or key=value overrides")
+    if args.quick and not (args.what == "engine" and args.preset):
+        problems.append(f"{prog} {args.what}: --quick is for engine --preset only")
     if problems:
         print(f"error: {problems[0]}", file=sys.stderr)
         return 2

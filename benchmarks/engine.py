@@ -164,7 +164,8 @@ def compare_fixed_batches(runs: dict[str, Any], rounds: int) -> None:
 
 def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int = 128, tail_requests: int = 64,
                  tail_slots: int = 16, group_size: int = 4, seed: int = 0, with_hf: bool = True,
-                 overrides: tuple[str, ...] = (), rounds: int = 3) -> dict[str, Any]:
+                 overrides: tuple[str, ...] = (), rounds: int = 3, decode_summary: bool = False,
+                 all_parts: bool = True) -> dict[str, Any]:
     """The engine benchmark, side by side in one run: throughput at a fixed batch vs transformers (the two
     alternated ``rounds`` times: ``engine_tok_s`` and ``hf_tok_s`` are each one's best, every run is in
     ``fixed_batch_runs``, ``engine_vs_hf_median`` is the ratio of the medians) and vs the roofline;
@@ -192,6 +193,9 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
       with_hf: time transformers' ``generate`` beside the fixed batch (when installed).
       overrides: ``key=value`` config overrides.
       rounds: alternated runs of the fixed batch and of the long tail.
+      decode_summary: also ``decode_summary``, the fixed batch run once more with its decode steps timed apart
+        from prefill (:func:`measure_decode`) and their bandwidth roofline (:func:`decode_roofline_fraction`).
+      all_parts: False stops after the long tail (parts 1 and 2).
 
     Returns:
       The JSON-able figures of every part (``engine_tok_s``, ``hf_tok_s``, ``roofline_tok_s``,
@@ -288,6 +292,15 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
                roofline_prefill_s=prefill_s, roofline_decode_step_ms=1e3 * step_s,
                decode_only_roofline_tok_s=batch / step_s)
     out["roofline_fraction"] = out["engine_tok_s"] / out["roofline_tok_s"]
+    if decode_summary:
+        prepared = eng.prepare_params(params)
+        s = measure_decode(eng, prepared, [Request(i, tuple(p), max_new_tokens=new_tokens, sampling=sampling)
+                                           for i, p in enumerate(prompts[:batch])], prefix=head)
+        bw, source = memory_bandwidth()
+        weight_bytes, token_bytes = sum(x.nbytes for x in jax.tree.leaves(prepared.tree)), kv_token_bytes(c)
+        _roofline(s, weight_bytes, token_bytes, bw)
+        out["decode_summary"] = dict(s, weight_bytes=weight_bytes, kv_token_bytes=token_bytes,
+                                     bandwidth_bytes_s=bw, bandwidth_source=source)
 
     # The ceiling of both ratios above: a decode step built from these products (in the faster of the two
     # weight layouts) cannot beat its weight matmuls, so with every other part of the step free the engine
@@ -337,6 +350,11 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
                        "static_tok_s": recording("static", static)}, rounds)
     out.update({k: max(v) for k, v in seen.items()}, long_tail_runs=seen, slot_utilization=util)
     out["continuous_vs_static"] = out["continuous_tok_s"] / out["static_tok_s"]
+    if not all_parts:
+        bar.update(4)
+        bar.close()
+        out["machine"] = machine()
+        return out
 
     bar.update()
     bar.set_postfix_str("GRPO groups")
@@ -403,3 +421,222 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     bar.close()
     out["machine"] = machine()
     return out
+
+
+# Peak memory bandwidth (bytes/s) by device kind, from the vendors' data sheets. Matched as substrings of
+# ``device_kind`` in order, so the more specific names (H100 PCIe, TPU v5 lite) come before the ones they contain.
+PEAK_BANDWIDTH = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100 80GB", 2.0e12),
+                  ("A100-SXM4-80GB", 2.0e12), ("TPU v5 lite", 8.19e11), ("TPU v5e", 8.19e11), ("TPU v5p", 2.76e12),
+                  ("TPU v5", 2.76e12), ("TPU v6 lite", 1.64e12), ("TPU v6e", 1.64e12), ("TPU v4", 1.2e12))
+
+
+def peak_bandwidth(kind: str) -> tuple[float, str] | None:
+    """The data-sheet bandwidth of a device kind and the entry that matched it, or None for an unknown kind."""
+    for name, bw in PEAK_BANDWIDTH:
+        if name.lower() in kind.lower():
+            return bw, name
+    return None
+
+
+def measure_copy_bandwidth(mib: int = 256, host: bool = True) -> float:
+    """Bytes read plus written per second by a copy of a ``mib`` MiB float32 array, the best of five: decode's
+    memory traffic is this kind of streaming. ``host``: numpy in host memory (XLA's CPU elementwise loop
+    streams several times slower than a copy, which would flatter the roofline); else a jitted elementwise
+    pass on the default device."""
+    import numpy as np
+
+    from benchmarks.timing import best_of
+
+    if host:
+        src = np.ones(mib * 2**18, np.float32)
+        dst = np.empty_like(src)
+        return 2 * src.nbytes / best_of(lambda: np.copyto(dst, src), repeats=5)
+    x = jax.numpy.ones(mib * 2**18, jax.numpy.float32)
+    f = jax.jit(lambda a: a * 1.5)
+    return 2 * x.nbytes / best_of(lambda: f(x).block_until_ready(), repeats=5)
+
+
+def memory_bandwidth(dev=None) -> tuple[float, str]:
+    """The bandwidth the roofline divides by and where it came from: the data sheet for a known accelerator,
+    else (a CPU, an unknown kind) measured now."""
+    dev = dev or jax.devices()[0]
+    cpu = dev.platform == "cpu"
+    known = None if cpu else peak_bandwidth(str(dev.device_kind))
+    if known is not None:
+        return known[0], f"data sheet ({known[1]})"
+    how = "numpy copy in host memory" if cpu else f"jitted elementwise pass on {dev.device_kind}"
+    return measure_copy_bandwidth(host=cpu), f"measured ({how}, 256 MiB float32, bytes read + written)"
+
+
+def kv_token_bytes(cfg) -> int:
+    """KV cache bytes of one token: keys and values of every layer's KV heads, in the compute dtype."""
+    import numpy as np
+
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.compute_dtype).itemsize
+
+
+def live_token_steps(prompt_lens, out_lens) -> int:
+    """Tokens of live context read over every decode step of a run: a request of prompt ``p`` generating ``n``
+    tokens takes its first from prefill, then ``n - 1`` steps reading ``p + 1 .. p + n - 1`` tokens."""
+    return int(sum((n - 1) * p + n * (n - 1) // 2 for p, n in zip(prompt_lens, out_lens) if n > 0))
+
+
+def decode_roofline_fraction(weight_bytes: float, live_tokens_per_step: float, token_kv_bytes: float,
+                             bandwidth_bytes_s: float, step_s: float) -> float:
+    """Roofline decode step time over measured step time: a step must read the weights once and every live
+    token's keys and values at least once, so it cannot beat ``(weights + live KV) / bandwidth``.
+
+    Args:
+      weight_bytes: the prepared params' bytes (the engine's dtype and layout).
+      live_tokens_per_step: mean live context tokens per decode step.
+      token_kv_bytes: :func:`kv_token_bytes`.
+      bandwidth_bytes_s: :func:`memory_bandwidth`.
+      step_s: measured seconds per decode step.
+
+    Returns:
+      The fraction (1 = at the roofline).
+    """
+    return (weight_bytes + live_tokens_per_step * token_kv_bytes) / bandwidth_bytes_s / step_s
+
+
+def measure_decode(eng, prepared, requests, warmup=None, prefix=()) -> dict[str, Any]:
+    """One timed continuous-batching run of ``requests`` on fresh drivers, with its decode steps timed apart
+    from prefill: the same prompts run once more at one token each (that token comes from prefill, so no
+    decode step runs) and that time is taken off. ``warmup`` (default ``requests``) runs first, for the
+    programs to compile.
+
+    Returns:
+      ``tokens_per_s`` of the whole run, ``decode_step_ms``, ``live_tokens_per_step``, the driver's
+      ``decode_steps_per_dispatch`` (and the median dispatch's), ``slot_utilization`` and ``kv_bytes_ratio``
+      (None where the driver does not report it), the counts behind them.
+    """
+    import dataclasses
+
+    from dora_jax.rollout.driver import RolloutDriver
+
+    def run(reqs):
+        d = RolloutDriver(eng, shared_prefix=prefix)
+        d.add_version(0, prepared)
+        trajs, seconds = timed(lambda: (d.run(reqs), d.block_until_ready())[0])
+        return d, trajs, seconds
+
+    firsts = [dataclasses.replace(r, max_new_tokens=1) for r in requests]
+    run(warmup or requests), run(firsts)
+    d, trajs, seconds = run(requests)
+    prefill_s = run(firsts)[2]
+    by_id = {r.sample_id: len(r.prompt_ids) for r in requests}
+    tokens = [len(t.tokens) for t in trajs]
+    steps = max(d.steps, 1)
+    decode_s = max(seconds - prefill_s, 1e-9)
+    ratio = getattr(d, "kv_bytes_ratio", None)
+    return {"requests": len(requests), "tokens": sum(tokens), "seconds": seconds, "prefill_only_seconds": prefill_s,
+            "tokens_per_s": sum(tokens) / seconds, "decode_steps": d.steps, "decode_step_ms": 1e3 * decode_s / steps,
+            "live_tokens_per_step": live_token_steps([by_id[t.sample_id] for t in trajs], tokens) / steps,
+            **_per_dispatch(d), "slot_utilization": d.slot_utilization,
+            "kv_bytes_ratio": None if ratio is None else float(ratio)}
+
+
+def _roofline(summary: dict[str, Any], weight_bytes: int, token_bytes: int, bw: float) -> None:
+    step_s = summary["decode_step_ms"] / 1e3
+    summary["roofline_decode_step_ms"] = 1e3 * (weight_bytes + summary["live_tokens_per_step"] * token_bytes) / bw
+    summary["roofline_fraction"] = decode_roofline_fraction(weight_bytes, summary["live_tokens_per_step"],
+                                                            token_bytes, bw, step_s)
+
+
+# ``bench engine --preset accel``: Qwen2.5-1.5B's shape (Hugging Face config.json of Qwen/Qwen2.5-1.5B-Instruct)
+# with random weights, held in bf16 from the start (no float32 copy to cast from).
+ACCEL_ENGINE_MODEL = dict(family="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                          num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128, rope_theta=1000000.0,
+                          tie_embeddings=True, qkv_bias=True, param_dtype="bfloat16", compute_dtype="bfloat16")
+# Its --quick form, small enough for a CPU test: Qwen's vocabulary and head layout, a two-layer body.
+QUICK_ENGINE_MODEL = dict(ACCEL_ENGINE_MODEL, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=16)
+
+
+def _top_level(preset: str, summary: dict[str, Any], bw: float, source: str, hf: float | None) -> dict[str, Any]:
+    from benchmarks.record import today
+
+    dev = jax.devices()[0]
+    return {"preset": preset, "date": today(), "device": f"{dev.device_kind} ({dev.platform})",
+            "device_kind": str(dev.device_kind), "platform": dev.platform,
+            "tokens_per_s": summary["tokens_per_s"], "roofline_fraction": summary["roofline_fraction"],
+            "kv_bytes_ratio": summary["kv_bytes_ratio"],
+            "decode_steps_per_dispatch": summary["decode_steps_per_dispatch"],
+            "slot_utilization": summary["slot_utilization"], "hf_tokens_per_s": hf,
+            "bandwidth_bytes_s": bw, "bandwidth_source": source}
+
+
+def bench_engine_accel(quick: bool = False, batches: tuple[int, ...] | None = None, seed: int = 0) -> dict[str, Any]:
+    """``bench engine --preset accel``: the engine serving a Qwen2.5-1.5B-shaped model (random weights, bf16) at
+    64 and 256 concurrent sequences, each batch of slots fed twice as many requests of 256 random prompt tokens
+    with long-tailed output lengths (p50 256, up to 4,096), continuous batching as a training run's rollout
+    does. The top-level figures are the largest batch's; every batch's are under ``batches``.
+
+    ``quick``: a two-layer body of the same vocabulary, 4 and 8 sequences of 32-token prompts, outputs up to
+    64 tokens (a CPU check that the preset runs, not a measurement).
+    """
+    import dataclasses
+
+    import numpy as np
+
+    from dora_jax.config import ModelConfig, RolloutConfig
+    from dora_jax.models.build import init_model
+    from dora_jax.models.decoder import DecodeSettings, resolve_attention_impl
+    from dora_jax.rollout.driver import Request
+    from dora_jax.rollout.engine import Engine, RequestSampling
+
+    prompt, max_out, p50 = (32, 64, 8) if quick else (256, 4096, 256)
+    batches = batches or ((4, 8) if quick else (64, 256))
+    target = -(-(prompt + max_out) // 256) * 256  # whole 256-token blocks of cache
+    model = init_model(ModelConfig(**(QUICK_ENGINE_MODEL if quick else ACCEL_ENGINE_MODEL), max_seq_len=target),
+                       seed=seed)
+    settings = DecodeSettings.of(RolloutConfig())
+    bw, source = memory_bandwidth()
+    rng = np.random.default_rng(seed)
+    sampling = RequestSampling(temperature=1.0, seed=seed)
+    out: dict[str, Any] = {"model": "Qwen2.5-1.5B shape, random weights" + (" (quick: 2-layer body)" if quick else ""),
+                           "quick": quick, "prompt_tokens": prompt, "max_new_tokens": max_out, "batches": {}}
+    for b in batches:
+        eng = Engine(model, max_concurrent_decodes=b, max_prefill_length=prompt, max_target_length=target,
+                     dtype="bfloat16", settings=settings)
+        prepared = eng.prepare_params(eng.params)
+        n = 2 * b
+        lengths = _lengths(n, rng, p50=p50, tail=max_out, max_len=max_out)
+        reqs = [Request(i, tuple(rng.integers(3, eng.cfg.vocab_size, prompt).tolist()), max_new_tokens=int(k),
+                        sampling=sampling) for i, k in enumerate(lengths)]
+        # Compiles the programs the timed run reaches (every capacity down to one row) in a fraction of its steps.
+        warm = [dataclasses.replace(r, max_new_tokens=min(r.max_new_tokens, 16)) for r in reqs]
+        s = measure_decode(eng, prepared, reqs, warmup=warm)
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(prepared.tree))
+        token_bytes = kv_token_bytes(eng.cfg)
+        _roofline(s, weight_bytes, token_bytes, bw)
+        s.update(weight_bytes=weight_bytes, kv_token_bytes=token_bytes, dtype=eng.dtype,
+                 attention_impl=resolve_attention_impl(eng.settings),
+                 output_lengths={"p50": float(np.percentile(lengths, 50)), "p99": float(np.percentile(lengths, 99)),
+                                 "max": int(max(lengths)), "total": int(sum(lengths))})
+        out["batches"][str(b)] = s
+        print(f"accel batch {b}: {s['tokens_per_s']:.1f} tokens/s, decode step {s['decode_step_ms']:.2f} ms "
+              f"(roofline {s['roofline_decode_step_ms']:.2f} ms)", flush=True)
+        del eng, prepared
+    top = _top_level("accel", out["batches"][str(max(batches))], bw, source, None)
+    top["batch"] = max(batches)
+    return {**top, **out, "machine": machine()}
+
+
+def bench_engine_cpu(quick: bool = False, with_hf: bool = True, rounds: int = 3, seed: int = 0) -> dict[str, Any]:
+    """``bench engine --preset cpu``: SmolLM2-135M in float32, the workload of ``bench engine`` (its every part
+    under ``detail``), and the fixed batch once more on its own for the decode roofline and the driver's
+    figures. Top-level ``tokens_per_s`` and ``hf_tokens_per_s`` are the fixed batch's alternated best.
+
+    ``quick``: 8 sequences of 32 tokens and the long tail over 16 requests in 8 slots, one round each, the
+    later parts (GRPO groups, overlap, shared prefix, decode steps per program) left out.
+    """
+    sizes = (dict(batch=8, new_tokens=32, tail_requests=16, tail_slots=8, rounds=1, all_parts=False) if quick
+             else dict(rounds=rounds))
+    detail = bench_engine("smollm2_135m", with_hf=with_hf, overrides=("rollout.dtype=float32",), seed=seed,
+                          decode_summary=True, **sizes)
+    s = detail.pop("decode_summary")
+    top = _top_level("cpu", s, s.pop("bandwidth_bytes_s"), s.pop("bandwidth_source"), detail.get("hf_tok_s"))
+    top.update(tokens_per_s=detail["engine_tok_s"], batch=detail["batch"], quick=quick)
+    batch = detail["batch"]
+    return {**top, "batches": {str(batch): s}, "detail": detail, "machine": machine()}

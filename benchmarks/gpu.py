@@ -8,9 +8,10 @@ Accelerator time is rare: whoever has a GPU (or TPU) at hand runs this first thi
 Each part runs as its own ``dora-jax bench`` process with what is left of the budget as its time limit, so a
 part that runs long is stopped and the next ones are skipped cleanly; ``summary.json`` says which parts ran,
 how long each took, and which were cut or skipped. The order is what the project most needs measured on an
-accelerator: the rollout engine against transformers, one decode step against its roofline, the modes side by
-side on a long-tailed workload (DORA's speed-up, simulated beside it with this machine's cost profile), the cost
-profile alone (for ``dora-jax simulate --profile``), the trainer's throughput and MFU.
+accelerator: the rollout engine against transformers, the engine serving a 1.5B model at 64 and 256 sequences
+against its bandwidth roofline, one decode step against its roofline, the modes side by side on a long-tailed
+workload (DORA's speed-up, simulated beside it with this machine's cost profile), the cost profile alone (for
+``dora-jax simulate --profile``), the trainer's throughput and MFU.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ from benchmarks.record import device, machine
 
 # (name, arguments of `dora-jax bench`, the least time worth starting it with, seconds)
 PARTS = [
-    ("engine", ["engine", "--config", "smollm2_135m", "--repeats", "3"], 120),
+    ("engine", ["engine", "--preset", "cpu", "--repeats", "3"], 120),  # SmolLM2-135M float32, vs transformers
+    # A Qwen2.5-1.5B-shaped model in bf16 at 64 and 256 sequences, outputs up to 4,096 tokens: at least 4,096
+    # decode steps per batch size, plus compiling both
+    ("engine_accel", ["engine", "--preset", "accel"], 240),
     ("decode", ["decode", "--config", "smollm2_135m"], 45),
     ("modes", ["modes", "--steps", "8"], 180),  # with this machine's cost profile and the simulator beside
     ("profile", ["profile"], 90),  # the profile alone, for dora-jax simulate --profile

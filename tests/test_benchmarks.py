@@ -106,3 +106,54 @@ def test_the_accelerator_script_stops_at_its_budget(tmp_path):
     assert all(p["status"] == "skipped" and "left of the budget" in p["why"] for p in summary["parts"].values())
     with pytest.raises(SystemExit):
         gpu.main(["--only", "engine,nonsense", "--out", str(tmp_path)])
+
+
+def test_the_quick_accel_engine_preset_runs_on_cpu(tmp_path, capsys):
+    """``bench engine --preset accel --quick``: the Qwen2.5-1.5B-shaped preset, shrunk, runs end to end on a CPU
+    and its JSON carries the summary of its largest batch on top."""
+    out = tmp_path / "accel.json"
+    assert cli.main(["bench", "engine", "--preset", "accel", "--quick", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for key in ("device", "date", "preset", "tokens_per_s", "roofline_fraction", "kv_bytes_ratio",
+                "decode_steps_per_dispatch", "slot_utilization", "hf_tokens_per_s", "bandwidth_source"):
+        assert key in result, key
+    assert result["preset"] == "accel" and result["hf_tokens_per_s"] is None
+    assert list(result["batches"]) == ["4", "8"] and result["batch"] == 8
+    largest = result["batches"]["8"]
+    assert result["tokens_per_s"] == largest["tokens_per_s"] > 0
+    assert 0 < result["slot_utilization"] <= 1
+    assert result["decode_steps_per_dispatch"] >= 1
+    assert result["roofline_fraction"] > 0
+    assert result["kv_bytes_ratio"] is None or result["kv_bytes_ratio"] > 0
+    assert result["bandwidth_source"].startswith("measured")  # a CPU is not in the data-sheet table
+    assert largest["dtype"] == "bfloat16" and largest["kv_token_bytes"] == 2 * 2 * 2 * 16 * 2
+    assert largest["output_lengths"]["max"] <= result["max_new_tokens"]
+    capsys.readouterr()
+
+
+def test_the_engine_presets_are_refused_where_they_do_not_apply(capsys):
+    for argv in (["train", "--preset", "cpu"], ["engine", "--quick"], ["engine", "--preset", "accel", "--config",
+                                                                        "tiny_llama"]):
+        assert cli.main(["bench", *argv]) == 2, argv
+        assert "error:" in capsys.readouterr().err
+
+
+def test_the_decode_roofline_by_hand():
+    """Roofline step time over measured step time: (weights + live tokens x KV bytes per token) / bandwidth."""
+    from benchmarks.engine import decode_roofline_fraction, kv_token_bytes, live_token_steps, peak_bandwidth
+    from dora_jax.config import ModelConfig
+
+    cfg = ModelConfig(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4, compute_dtype="bfloat16")
+    assert kv_token_bytes(cfg) == 2 * 2 * 2 * 4 * 2 == 64  # keys and values, 2 layers, 2 KV heads, 4 dims, 2 bytes
+    # A prompt of 10 generating 3 tokens: the first from prefill, then steps reading 11 and 12 tokens.
+    assert live_token_steps([10, 5], [3, 1]) == 11 + 12
+    # 1 GB of weights and 1,000 live tokens (64,000 bytes) at 1 TB/s: 1.000064 ms; measured 2 ms.
+    assert decode_roofline_fraction(1e9, 1000, 64, 1e12, 2e-3) == pytest.approx(0.500032)
+    # Counting query heads instead of KV heads doubles the cache's bytes: a different answer.
+    wrong = ModelConfig(num_layers=2, num_heads=4, num_kv_heads=4, head_dim=4, compute_dtype="bfloat16")
+    assert decode_roofline_fraction(1e9, 1000, kv_token_bytes(wrong), 1e12, 2e-3) == pytest.approx(0.500064)
+    assert peak_bandwidth("NVIDIA H100 80GB HBM3")[0] == 3.35e12
+    assert peak_bandwidth("NVIDIA H100 PCIe")[0] == 2.0e12
+    assert peak_bandwidth("NVIDIA H200")[0] == 4.8e12
+    assert peak_bandwidth("TPU v5 lite")[0] == 8.19e11 and peak_bandwidth("TPU v5p")[0] == 2.76e12
+    assert peak_bandwidth("cpu") is None
