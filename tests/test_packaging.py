@@ -94,7 +94,7 @@ def module_set_problems(source: set[str], installed: set[str]) -> list[str]:
 
 def test_source_modules_cover_the_mapped_folders():
     mods = source_modules(REPO)
-    assert {"dora_jax.config", "dora_jax.tasks", "dora_jax.kernels.ragged_decode_attention",
+    assert {"dora_jax.config", "dora_jax.tasks", "dora_jax.kernels.paged_attention",
             "dora_jax.configs"} <= mods
     assert not any(m.startswith(("kernels", "configs")) for m in mods)
 

@@ -303,9 +303,9 @@ def test_bad_run_configs_are_named(tmp_path):
                                        r"roles.placement=shared, or roles.rollout_span=process"):
         check_multiprocess(tiny("roles.rollout_span=all", "roles.placement=split", "roles.trainer_devices=4",
                                 "target.num_devices=8"), None)
-    with pytest.raises(RunError, match=r"rollout.attention_impl='pallas' with roles.rollout_span=all: .* set "
+    with pytest.raises(RunError, match=r"rollout.attention_impl='pallas_tpu' with roles.rollout_span=all: .* set "
                                        r"rollout.attention_impl=xla"):
-        check_multiprocess(tiny("roles.rollout_span=all", "rollout.attention_impl=pallas"), None)
+        check_multiprocess(tiny("roles.rollout_span=all", "rollout.attention_impl=pallas_tpu"), None)
     with pytest.raises(ConfigError, match=r"roles.rollout_span' = 'host': allowed: process, all"):
         tiny("roles.rollout_span=host")
 

@@ -186,8 +186,8 @@ def decode_forward_paged(cfg: ModelConfig, p: dict, tokens_b: jax.Array, positio
             lp, i = layer
             q, k, v = qkv_projection(cfg, lp, x, positions_b[:, None])
             # The kernels read the current token from the pool: write this layer's entry first.
-            pk = pk.at[i, :, page_b, row_b].set(k[:, 0].transpose(1, 0, 2).astype(pk.dtype))
-            pv = pv.at[i, :, page_b, row_b].set(v[:, 0].transpose(1, 0, 2).astype(pv.dtype))
+            pk = pk.at[i, :, page_b, row_b].set(k[:, 0].astype(pk.dtype))  # indices apart: updates [B, K, d]
+            pv = pv.at[i, :, page_b, row_b].set(v[:, 0].astype(pv.dtype))
             att = paged_attention(q[:, 0], pk[i], pv[i], tables_bw, positions_b + 1, impl=impl,
                                   interpret=settings.pallas_interpret)
             return (finish_block(cfg, lp, x, att[:, None]), pk, pv), None
