@@ -42,7 +42,7 @@ def build_parser(prog: str = "dora-jax bench") -> argparse.ArgumentParser:
     b.add_argument("what", choices=WHAT)
     b.add_argument("--config", default=DEFAULT_CONFIG, help="YAML file or shipped preset name (modes, profile: "
                    "default tiny_llama; convergence: default smollm2_arith)")
-    b.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.attention_impl=pallas")
+    b.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.attention_impl=pallas_gpu")
     b.add_argument("--json", help="also write the result to this JSON file")
     b.add_argument("--steps", type=_positive_int, help="modes: updates per run (default 8); convergence: updates "
                    "per run (default: the config's dora.steps)")
