@@ -89,11 +89,10 @@ _WORKER = textwrap.dedent("""
                         for x, t in zip(jax.tree.leaves(p), jax.tree.leaves(rollout_shardings))),
            "tensor_pairs": [[d.process_index for d in row] for row in mesh.devices.reshape(2, 2)],
            "trajectories": decode(engine, params)}
-    state = engine.init_decode_state(4)
-    rec["cache_processes"] = sorted({d.process_index for d in state.cache.k.sharding.device_set})
-    rec["cache_shape"] = list(state.cache.k.shape)
-    rec["cache_shard"] = list(state.cache.k.addressable_shards[0].data.shape)
-    rec["one_slot_shard"] = list(engine.init_decode_state(1).cache.k.addressable_shards[0].data.shape)
+    rec["cache_processes"] = sorted({d.process_index for d in engine.pool.k.sharding.device_set})
+    rec["cache_shape"] = list(engine.pool.k.shape)
+    rec["cache_shard"] = list(engine.pool.k.addressable_shards[0].data.shape)
+    rec["shards"] = engine.shards
     other = [d for d in jax.devices() if d.process_index != jax.process_index()]
     try:  # a mesh of the other process's devices alone: this process cannot run that engine
         Engine(models[0], mesh=create_mesh(MeshConfig(data=1, fsdp=1, tensor=2), other), **sizes)
@@ -200,10 +199,10 @@ def test_an_engine_spanning_two_processes_decodes_like_one_process(records):
     for r in recs:
         assert r["spans"] and r["moved"] and r["cache_processes"] == [0, 1]
         assert r["tensor_pairs"] == [[0, 1], [0, 1]]  # each tensor pair spans both processes
-        layers, rows, heads, head_dim, length = r["cache_shape"]
-        # Each device holds half the rows and half the heads of the cache, not the whole of it.
-        assert r["cache_shard"] == [layers, rows // 2, heads // 2, head_dim, length]
-        assert r["one_slot_shard"] == [layers, 1, heads // 2, head_dim, length]  # one row is not split
+        layers, heads, pages, page, head_dim = r["cache_shape"]
+        # The slots split over the 2 batch shards, and with them the pool: each device holds half the pages
+        # (its shard's) and half the heads, not the whole of it.
+        assert r["shards"] == 2 and r["cache_shard"] == [layers, heads // 2, pages // 2, page, head_dim]
         assert r["refused"].startswith(f"the engine's mesh holds devices of processes [{1 - r['pid']}] only"), r
     # Both processes read the same results, bit for bit (replicated copies of one result).
     assert recs[0]["trajectories"] == recs[1]["trajectories"]
