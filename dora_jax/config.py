@@ -438,9 +438,10 @@ class RolloutConfig:
     The CPU presets compute in float32, so they decode in float32.
 
     The KV cache is a pool of ``kv_pages`` pages of ``page_tokens`` tokens shared by every resident version's
-    slots (``0``: room for every slot at its longest sequence, ``max_prompt_len + max_new_tokens``); a request
-    reserves its pages up to its own length when it is admitted and waits while the pool has no room, so
-    nothing is ever evicted (docs/rollout.md). ``dora-jax check`` prints the pool a config needs.
+    slots (``0``: room for every slot at its longest sequence, ``max_prompt_len + max_new_tokens``). Slots take
+    pages as they grow; a request is admitted, and a slot given pages, only while every live request could still
+    reach its limit, so a smaller pool makes requests and slots wait and never evicts one (docs/rollout.md).
+    ``dora-jax check`` prints the pool a config needs.
 
     ``attention_impl`` picks how a one-token decode step attends over a slot's pages: ``"xla"`` (gather the
     slot's pages, masked attention; the reference), ``"pallas_gpu"`` / ``"pallas_tpu"`` (JAX's shipped paged

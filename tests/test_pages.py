@@ -276,3 +276,15 @@ def test_plan_pool_sizes_a_config():
     # Each group of 4 shares its prompt's one full page; each sample holds the partial prompt page onward.
     assert plan.grouped_pages == 2 * 1 + 8 * (4 - 1)
     assert "32 pages = 512 tokens" in "\n".join(plan.lines())
+
+
+def test_safe_to_grow_is_the_bankers_test():
+    """Hand-worked cases of the banker's test for one resource: (pages it may still take, pages its end frees)."""
+    from dora_jax.rollout.pages import safe_to_grow
+
+    assert safe_to_grow(2, [(2, 1), (2, 1)])  # the first finishes on the 2 free pages, frees 1 + 2: 3 >= 2
+    assert not safe_to_grow(1, [(2, 1), (2, 1)])  # neither can finish first
+    assert safe_to_grow(1, [(4, 4), (1, 3)])  # in need order: the small one takes 1, then frees 3 + 1: 4 free
+    assert not safe_to_grow(0, [(1, 0)]) and safe_to_grow(0, [(0, 0), (0, 0)]) and safe_to_grow(0, [])
+    # A request freeing nothing of its own (all its pages shared) still lets the next one use what it took.
+    assert safe_to_grow(3, [(3, 0), (3, 0)])

@@ -168,6 +168,7 @@ class RolloutDriver:
         # dispatches: kv_bytes_ratio.
         self.kv_page_tokens = 0
         self.kv_live_tokens = 0
+        self.page_waits = 0  # dispatches of a live row cut short, or to nothing, to wait for KV pages
 
     # -- versions -------------------------------------------------------------------------------------------
 
@@ -235,7 +236,7 @@ class RolloutDriver:
         self._pending.append((request, time.perf_counter()))
 
     def _pages(self, request: Request) -> int:
-        """Pages the request reserves when admitted (its prompt's sharing with its group aside)."""
+        """Pages the request holds at its longest (its prompt's sharing with its group aside)."""
         return self.engine.pages_needed(len(request.prompt_ids) + request.max_new_tokens)
 
     @property
@@ -313,14 +314,15 @@ class RolloutDriver:
         update of the version's decode state. With ``overlap`` every admitted request is inserted without
         waiting for its first token, which is read with the next step's results (``admitted``)."""
         free = self.engine.max_concurrent_decodes - sum(g.live for g in self._groups.values())
-        pages = getattr(self.engine, "pages_available", None)
+        admissible = getattr(self.engine, "admissible", None)
         taken: dict[int, list[tuple[Request, float]]] = {}
+        sizes: list[tuple[int, int]] = []
         while self._pending and free > 0:
-            # The oldest request waits until the pool has room for its pages (nothing is evicted for it).
-            if pages is not None:
-                if self._pages(self._pending[0][0]) > pages:
-                    break
-                pages -= self._pages(self._pending[0][0])
+            # The oldest request waits until the pool can take it safely (nothing is evicted for it).
+            r = self._pending[0][0]
+            sizes.append((len(r.prompt_ids), len(r.prompt_ids) + r.max_new_tokens))
+            if admissible is not None and admissible(sizes) is None:
+                break
             request, submitted = self._pending.popleft()
             taken.setdefault(request.version, []).append((request, submitted))
             free -= 1
@@ -416,7 +418,7 @@ class RolloutDriver:
                 continue
             row = max(free, key=lambda i: (room[self.engine.row_shard(cap, i)], -i))
             free.remove(row)
-            room[self.engine.row_shard(cap, row)] -= self._pages(live.request)
+            room[self.engine.row_shard(cap, row)] -= self.engine.pages_needed(len(live.request.prompt_ids))
             out.append(row)
         return out
 
@@ -507,6 +509,10 @@ class RolloutDriver:
             return s.request.max_new_tokens - len(s.tokens) - s.in_flight
 
         budgets = [[0 if s is None or not s.needs_step else min(n, left(s)) for s in g.slots] for g in active]
+        if hasattr(self.engine, "grant_pages"):  # a slot the page pool cannot serve now runs fewer tokens, or none
+            granted = [list(map(int, b)) for b in self.engine.grant_pages([g.state for g in active], budgets)]
+            self.page_waits += sum(x < y for g, w in zip(granted, budgets) for x, y in zip(g, w))
+            budgets = granted
         final = [[s is not None and 0 < b == left(s) for s, b in zip(g.slots, bs)] for g, bs in zip(active, budgets)]
         stops = [[() if s is None else tuple(self.eos_ids) + tuple(s.request.stop_ids) for s in g.slots]
                  for g in active]
@@ -628,9 +634,12 @@ class RolloutDriver:
             live.in_flight -= 1
             if live.finished:
                 continue
+            if cols["version"][slot] != g.version:
+                raise RuntimeError(f"slot {slot} of version {g.version} returned another version")  # engine bug
+            if not cols["valid"][slot]:  # it waited for pages
+                self.page_waits += 1
+                continue
             self.rows_live += 1
-            if not cols["valid"][slot] or cols["version"][slot] != g.version:
-                raise RuntimeError(f"slot {slot} of version {g.version} returned no result")  # engine bug
             self._append(live, int(cols["token"][slot]), float(cols["logprob"][slot]), now, done)
         self._compact(g, floor)
 

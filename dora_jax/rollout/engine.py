@@ -38,7 +38,7 @@ from dora_jax.models.decoder import (FUSED_INPUTS, Decoder, DecodeSettings, KVCa
                                      fuse_layer_params, head_logits, init_cache, resolve_attention_impl)
 from dora_jax.models.paged import (SCRATCH_PAGE, PagedKV, decode_forward_paged, init_pages, token_bytes,
                                    write_prompt_pages)
-from dora_jax.rollout.pages import DEFAULT_PAGE_TOKENS, PageError, PagePool, pages_for
+from dora_jax.rollout.pages import DEFAULT_PAGE_TOKENS, PageError, PagePool, pages_for, safe_to_grow
 from dora_jax.rollout.sampling import SamplingParams, needs_filter, row_keys, sample
 from dora_jax.sharding import Rules, logical_to_spec, serial_jit
 
@@ -297,9 +297,10 @@ class Engine:
 
     The KV cache is one pool of pages for every decode state of the engine (:attr:`pool`); a slot holds the
     pages its tokens fill, taken as it grows (:mod:`dora_jax.rollout.pages` decides which, on the host). A
-    request reserves its pages up to its limit when it is inserted, so a live slot never runs out of pages and
-    nothing is evicted; a request that does not fit now is refused at insertion, and the driver admits only
-    what fits (:meth:`pages_needed`, :attr:`pages_available`). Requests inserted together with the same prompt
+    request is inserted, and a slot given pages before a program, only while every live request could still
+    reach its limit (:func:`~dora_jax.rollout.pages.safe_to_grow`): a slot the pool cannot serve safely runs
+    fewer tokens, or waits; nothing is evicted and some slot always progresses. A request that does not fit now
+    is refused at insertion, and the driver admits only what fits (:meth:`admissible`). Requests inserted together with the same prompt
     (a GRPO group) share its full pages read-only. A decode state's host record (which pages each row holds)
     passes from the state given to a call to the state it returns; a state dropped without being passed on
     returns its pages when it is garbage collected.
@@ -357,8 +358,12 @@ class Engine:
             raise EngineError(f"attention_impl {settings.attention_impl!r} reads one pool, but the mesh splits the "
                               f"slots over {self.shards} batch shards: use attention_impl='xla' there")
         self.shard_pages = -(-self.num_pages // self.shards) + 1  # device pages per shard, scratch included
-        self.allocators = [PagePool(self.shard_pages - 1, self.page_tokens, self.shard_pages - 1)
+        # No reservation: a slot takes pages as it grows, as long as every live request can still reach its
+        # limit one after another (_safe); a slot the pool cannot serve safely waits a program for pages.
+        self.allocators = [PagePool(self.shard_pages - 1, self.page_tokens, self.shard_pages - 1, reserve=False)
                            for _ in range(self.shards)]
+        self._asked: dict[tuple[int, int], int] = {}  # positions dispatched programs may write, per request
+        self.page_waits = 0  # dispatches of a live slot cut short (or to nothing) to wait for pages
         self._free_ids = [list(range(self.shard_pages - 2, -1, -1)) for _ in range(self.shards)]
         self._records: dict[int, tuple[_Rows, weakref.finalize]] = {}
         self._pool: PagedKV | None = None
@@ -368,8 +373,8 @@ class Engine:
         self._shared_prefix_jit = serial_jit(self._shared_prefix_impl)
         self._first_tokens_jit = serial_jit(self._first_tokens_impl)
         self._insert_batch_jit = serial_jit(self._insert_batch_impl, donate_argnums=(1, 2))
-        self._generate_jit = serial_jit(self._generate_impl, donate_argnums=(1, 2), static_argnums=(4,))
-        self._generate_many_jit = serial_jit(self._generate_many_impl, donate_argnums=(1, 2), static_argnums=(4,))
+        self._generate_jit = serial_jit(self._generate_impl, donate_argnums=(1, 2), static_argnums=(5,))
+        self._generate_many_jit = serial_jit(self._generate_many_impl, donate_argnums=(1, 2), static_argnums=(5,))
         self._generate_steps_jit = serial_jit(self._generate_steps_impl, donate_argnums=(1, 2),
                                               static_argnums=(9, 10))
         self._pool_jit = serial_jit(lambda: self._pin_pool(self._new_pool()))
@@ -505,17 +510,22 @@ class Engine:
         # A full row stops advancing (the driver finishes it with reason "length" before that matters).
         return self._pin_pool(pool), tokens, logprobs, jnp.minimum(nxt, self.max_target_length - 1)
 
-    def _generate_impl(self, params: PreparedParams, state: DecodeState, pool: PagedKV, tables,
+    def _generate_impl(self, params: PreparedParams, state: DecodeState, pool: PagedKV, tables, step,
                        filtered: bool | None):
-        pool, tokens, logprobs, nxt = self._decode_step(params, state, pool, tables, state.active, filtered)
-        tokens = jnp.where(state.active, tokens, 0)
-        new = state._replace(tokens=tokens, positions=jnp.where(state.active, nxt, state.positions))
-        return self._pin(new), pool, self._readable(_pack(tokens, state.active, nxt, logprobs, state.versions))
+        """One step of the active slots that ``step`` lets go (the others waited for pages: they keep their
+        token and position and report nothing)."""
+        on = state.active & step
+        pool, tokens, logprobs, nxt = self._decode_step(params, state, pool, tables, on, filtered)
+        new = state._replace(tokens=jnp.where(on, tokens, jnp.where(state.active, state.tokens, 0)),
+                             positions=jnp.where(on, nxt, state.positions))
+        return self._pin(new), pool, self._readable(_pack(jnp.where(on, tokens, 0), on, nxt, logprobs,
+                                                          state.versions))
 
-    def _generate_many_impl(self, params_seq, states_seq, pool: PagedKV, tables_seq, filtered: bool | None):
+    def _generate_many_impl(self, params_seq, states_seq, pool: PagedKV, tables_seq, steps_seq,
+                            filtered: bool | None):
         states, rows = [], []
-        for p, st, tables in zip(params_seq, states_seq, tables_seq):
-            st, pool, row = self._generate_impl(p, st, pool, tables, filtered)
+        for p, st, tables, step in zip(params_seq, states_seq, tables_seq, steps_seq):
+            st, pool, row = self._generate_impl(p, st, pool, tables, step, filtered)
             states.append(st)
             rows.append(row)
         return tuple(states), pool, self._readable(jnp.concatenate(rows, axis=0))
@@ -676,8 +686,8 @@ class Engine:
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         """Places a prefilled request into ``slot`` of the decode state (donated), replacing what the slot held.
 
-        The request may grow to ``max_target_length`` tokens: its pages up to that are reserved (use
-        :meth:`insert_batch` with ``limits`` to reserve less)."""
+        The request may grow to ``max_target_length`` tokens, which the pool's safety check counts (use
+        :meth:`insert_batch` with ``limits`` for a smaller limit)."""
         if prefix.host_length is None:
             raise EngineError("insert: the prefix has no host length; pass what Engine.prefill returned")
         batch = PrefixBatch(prefix.cache, np.zeros((1,), np.int32),
@@ -777,7 +787,7 @@ class Engine:
         (donated), replacing what the slot held; ``None`` (or a missing entry) skips the request, e.g. one that
         finished at its first token.
 
-        Each request takes pages for its prompt and reserves them up to ``limits[i]`` tokens (its prompt plus
+        Each request takes pages for its prompt and may grow to ``limits[i]`` tokens (its prompt plus
         the most tokens it may produce; default ``max_target_length``). Requests with the same prompt share
         its full pages: only the first of them writes them.
 
@@ -852,9 +862,9 @@ class Engine:
             from its requests' settings with :func:`~dora_jax.rollout.sampling.needs_filter`.
         """
         rec = self._record(decode_state)
-        self._grow(rec, [1 if i is not None else 0 for i in rec.ids])
+        step = self._dispatch(rec, [1 if i is not None else 0 for i in rec.ids]) > 0
         state, self._pool, data = self._generate_jit(self._prepared_params(params), decode_state, self.pool,
-                                                     self._tables([rec])[0], filtered)
+                                                     self._tables([rec])[0], step, filtered)
         return self._handoff(decode_state, state), ResultTokens(data)
 
     def generate_many(self, params_seq: Sequence[Any], states_seq: Sequence[DecodeState], *,
@@ -869,10 +879,10 @@ class Engine:
         if len(params_seq) != len(states_seq) or not states_seq:
             raise EngineError(f"generate_many: {len(params_seq)} params for {len(states_seq)} decode states")
         recs = [self._record(st) for st in states_seq]
-        for rec in recs:
-            self._grow(rec, [1 if i is not None else 0 for i in rec.ids])
+        steps = self._dispatch_all(recs, [[1 if i is not None else 0 for i in rec.ids] for rec in recs])
         states, self._pool, data = self._generate_many_jit(tuple(self._prepared_params(p) for p in params_seq),
-                                                           tuple(states_seq), self.pool, self._tables(recs), filtered)
+                                                           tuple(states_seq), self.pool, self._tables(recs),
+                                                           tuple(x > 0 for x in steps), filtered)
         return tuple(self._handoff(a, b) for a, b in zip(states_seq, states)), ResultTokens(data)
 
     def generate_steps(self, params_seq: Sequence[Any], states_seq: Sequence[DecodeState], *, steps: int,
@@ -934,8 +944,11 @@ class Engine:
         width = max(x.shape[1] for x in stop_arrays)  # one width for all states: one program per mix
         stop_arrays = [np.pad(x, ((0, 0), (0, width - x.shape[1])), constant_values=-1) for x in stop_arrays]
         recs = [self._record(st) for st in states_seq]
-        for rec, budget in zip(recs, budget_arrays):  # pages for every token a slot may produce
-            self._grow(rec, np.minimum(budget, limit))
+        # Pages for every token a slot may produce; a slot the pool cannot serve safely gets a smaller budget
+        # (what its pages cover), and its final flag only if it keeps its whole budget.
+        granted = self._dispatch_all(recs, [np.minimum(b, limit) for b in budget_arrays])
+        final_arrays = [f & (g == np.minimum(b, limit)) for f, g, b in zip(final_arrays, granted, budget_arrays)]
+        budget_arrays = [g.astype(np.int32) for g in granted]
         states, self._pool, data = self._generate_steps_jit(
             tuple(self._prepared_params(p) for p in params_seq), tuple(states_seq), self.pool, self._tables(recs),
             tuple(budget_arrays), tuple(stop_arrays), tuple(final_arrays), end_after, np.int32(limit), int(steps),
@@ -995,7 +1008,7 @@ class Engine:
 
     @property
     def pages_available(self) -> int:
-        """Free pages not reserved by live requests: what admission may give out (all shards)."""
+        """Free pages (all shards)."""
         return sum(a.available_pages for a in self.allocators)
 
     def shard_pages_available(self, shard: int) -> int:
@@ -1011,7 +1024,7 @@ class Engine:
         return row * self.shards // capacity
 
     def pages_needed(self, limit: int) -> int:
-        """Pages a request of up to ``limit`` tokens reserves (sharing with its group aside)."""
+        """Pages a request of up to ``limit`` tokens holds at its longest (sharing with its group aside)."""
         return pages_for(limit, self.page_tokens)
 
     def _admit(self, shard: int, prompt_tokens: int, limit: int, fork: tuple[int, int] | None = None,
@@ -1031,10 +1044,50 @@ class Engine:
             where = f" in batch shard {shard} of {self.shards}" if self.shards > 1 else ""
             raise EngineError(f"the page pool has no room now{where} for a request of up to {limit} tokens "
                               f"({self.pages_needed(limit)} pages of {self.page_tokens} tokens): "
-                              f"{alloc.available_pages} of {alloc.num_pages} pages are not held or reserved by live "
-                              f"requests; free slots first, or give the engine more pages (rollout.kv_pages)")
+                              f"{alloc.available_pages} of {alloc.num_pages} pages are free; free slots first, or give "
+                              f"the engine more pages (rollout.kv_pages)")
         assert not copies, "only full pages are shared: nothing to copy"
+        if not self._safe(shard):
+            alloc.finish(rid)
+            self._free_ids[shard].append(rid)
+            raise EngineError(f"the page pool has no room now for a request of up to {limit} tokens: with it, the "
+                              f"live requests could not all reach their limits ({alloc.free_pages} of "
+                              f"{alloc.num_pages} pages free{f' in batch shard {shard}' if self.shards > 1 else ''}); "
+                              "free slots first, or give the engine more pages (rollout.kv_pages)")
+        self._asked[(shard, rid)] = prompt_tokens
         return shard, rid
+
+    def _needs(self, shard: int) -> list[tuple[int, int]]:
+        alloc = self.allocators[shard]
+        return [(alloc.need(i), alloc.own_pages(i)) for i in alloc.live_slots()]
+
+    def _safe(self, shard: int, extra: Sequence[tuple[int, int]] = ()) -> bool:
+        """Whether every live request of the shard (and ``extra`` ones: (prompt tokens, limit), not admitted
+        yet) could still reach its limit (:func:`~dora_jax.rollout.pages.safe_to_grow`)."""
+        alloc = self.allocators[shard]
+        free, live = alloc.free_pages, self._needs(shard)
+        for prompt, limit in extra:
+            own = pages_for(prompt, self.page_tokens)
+            free -= own
+            live.append((pages_for(limit, self.page_tokens) - own, own))
+        return free >= 0 and safe_to_grow(free, live)
+
+    def admissible(self, requests: Sequence[tuple[int, int]]) -> list[int] | None:
+        """Where requests of (prompt tokens, limit) would go, by batch shard, if admitted now together: each
+        to the shard with the most free pages, as long as every shard stays safe; ``None`` when they do not
+        all fit now (a sample's prompt pages shared with its group are counted as its own: the check errs on
+        the side of waiting)."""
+        free = [a.free_pages for a in self.allocators]
+        placed: list[list[tuple[int, int]]] = [[] for _ in range(self.shards)]
+        out = []
+        for prompt, limit in requests:
+            shard = max(range(self.shards), key=lambda k: (free[k], -k))
+            placed[shard].append((prompt, limit))
+            free[shard] -= pages_for(prompt, self.page_tokens)
+            out.append(shard)
+        if all(self._safe(k, placed[k]) for k in range(self.shards) if placed[k]):
+            return out
+        return None
 
     def _release_row(self, rec: _Rows, row: int) -> None:
         ref = rec.ids[row]
@@ -1042,19 +1095,78 @@ class Engine:
             rec.ids[row] = None
             self.allocators[ref[0]].finish(ref[1])
             self._free_ids[ref[0]].append(ref[1])
+            self._asked.pop(ref, None)
 
     def _table(self, ref: tuple[int, int] | None) -> list[int]:
         return [] if ref is None else self.allocators[ref[0]].table(ref[1])
 
-    def _grow(self, rec: _Rows, tokens: Sequence[int]) -> None:
-        """Pages for ``tokens[b]`` more tokens of each live row, up to its limit."""
-        for ref, n in zip(rec.ids, tokens):
-            if ref is not None and n > 0:
-                alloc = self.allocators[ref[0]]
-                room = alloc.limit(ref[1]) - alloc.length(ref[1])
-                if room > 0:
-                    copies = alloc.append(ref[1], min(int(n), room))
-                    assert not copies, "only full pages are shared: nothing to copy"
+    def grant_pages(self, states_seq: Sequence[DecodeState], tokens_seq: Sequence[Any]) -> list[np.ndarray]:
+        """Takes the pages for ``tokens_seq[g][b]`` more tokens of each live slot, where the pool can serve them
+        safely, and returns how many tokens each slot's pages now cover past what is already dispatched: the
+        budgets :meth:`generate_steps` will run (it grants the same, taking nothing more). A slot the pool
+        cannot serve safely gets what its held pages still cover, maybe 0: it waits for pages."""
+        return self._grant_all([self._record(st) for st in states_seq], tokens_seq)
+
+    def _grant_all(self, recs: Sequence[_Rows], tokens_seq: Sequence[Any]) -> list[np.ndarray]:
+        """Grants pages to every row of ``recs`` at once when that stays safe (the common case: the pool has
+        room), else row by row, the rows closest to their limits first (they free their pages soonest)."""
+        rows = [(rec, b, ref, int(n)) for rec, ns in zip(recs, tokens_seq) for b, (ref, n) in enumerate(zip(rec.ids, ns))
+                if ref is not None and n > 0]
+        wants = {}  # (rec index, row) -> tokens to append
+        for rec, b, ref, n in rows:
+            alloc = self.allocators[ref[0]]
+            target = min(self._asked[ref] + n, alloc.limit(ref[1]))
+            wants[(id(rec), b)] = max(0, target - alloc.length(ref[1]))
+        by_shard: dict[int, list] = {}
+        for rec, b, ref, n in rows:
+            by_shard.setdefault(ref[0], []).append((rec, b, ref))
+        for shard, members in by_shard.items():
+            alloc = self.allocators[shard]
+            growth = {(id(rec), b): alloc.growth(ref[1], wants[(id(rec), b)]) for rec, b, ref in members}
+            if sum(growth.values()) <= alloc.free_pages and self._safe_after(shard, members, growth):
+                for rec, b, ref in members:
+                    self._append(ref, wants[(id(rec), b)])
+                continue
+            for rec, b, ref in sorted(members, key=lambda m: alloc.need(m[2][1])):
+                key = (id(rec), b)
+                if growth[key] <= alloc.free_pages and self._safe_after(shard, [(rec, b, ref)], {key: growth[key]}):
+                    self._append(ref, wants[key])
+                else:  # what its last page still holds costs no page
+                    room = pages_for(alloc.length(ref[1]), self.page_tokens) * self.page_tokens - alloc.length(ref[1])
+                    self._append(ref, min(wants[key], room))
+        out = []
+        for rec, ns in zip(recs, tokens_seq):
+            got = np.zeros((len(rec.ids),), np.int32)
+            for b, (ref, n) in enumerate(zip(rec.ids, ns)):
+                if ref is not None and n > 0:
+                    got[b] = min(int(n), self.allocators[ref[0]].length(ref[1]) - self._asked[ref])
+            out.append(got)
+        return out
+
+    def _safe_after(self, shard: int, members, growth) -> bool:
+        """:meth:`_safe` after giving each member ``growth`` more pages."""
+        alloc = self.allocators[shard]
+        extra = {m[2][1]: growth[(id(m[0]), m[1])] for m in members}
+        live = [(alloc.need(i) - extra.get(i, 0), alloc.own_pages(i) + extra.get(i, 0)) for i in alloc.live_slots()]
+        return safe_to_grow(alloc.free_pages - sum(extra.values()), live)
+
+    def _append(self, ref: tuple[int, int], tokens: int) -> None:
+        if tokens > 0:
+            copies = self.allocators[ref[0]].append(ref[1], tokens)
+            assert not copies, "only full pages are shared: nothing to copy"
+
+    def _dispatch_all(self, recs: Sequence[_Rows], tokens_seq: Sequence[Any]) -> list[np.ndarray]:
+        """Grants, then books the granted tokens as dispatched."""
+        granted = self._grant_all(recs, tokens_seq)
+        for rec, got, wanted in zip(recs, granted, tokens_seq):
+            for ref, n, w in zip(rec.ids, got, wanted):
+                if ref is not None:
+                    self._asked[ref] += int(n)
+                    self.page_waits += int(n < w)
+        return granted
+
+    def _dispatch(self, rec: _Rows, tokens: Sequence[int]) -> np.ndarray:
+        return self._dispatch_all([rec], [tokens])[0]
 
     def _tables(self, recs: Sequence[_Rows]) -> list[np.ndarray]:
         """Each record's page tables as the device reads them (page ids within the row's shard: the

@@ -66,18 +66,22 @@ class _Slot:
 class PagePool:
     """Page allocator for ``slots`` decode slots over a pool of ``num_pages`` pages of ``page_tokens`` tokens.
 
+    With ``reserve=False`` admission takes only the prompt's pages and reserves nothing: the caller decides
+    when a slot may grow (:func:`safe_to_grow`, the engine's rule), and :meth:`append` raises
+    :class:`PageError` on an exhausted pool instead of drawing on a reservation.
+
     Raises:
       PageError: when the pool cannot hold one page per slot.
     """
 
-    def __init__(self, num_pages: int, page_tokens: int, slots: int):
+    def __init__(self, num_pages: int, page_tokens: int, slots: int, reserve: bool = True):
         for name, value in (("num_pages", num_pages), ("page_tokens", page_tokens), ("slots", slots)):
             if not (isinstance(value, int) and value >= 1):
                 raise PageError(f"{name} must be an integer >= 1, got {value!r}")
         if num_pages < slots:
             raise PageError(f"a pool of {num_pages} pages of {page_tokens} tokens cannot hold one page per slot "
                             f"({slots} slots): give it at least {slots} pages")
-        self.num_pages, self.page_tokens, self.slots = num_pages, page_tokens, slots
+        self.num_pages, self.page_tokens, self.slots, self.reserve = num_pages, page_tokens, slots, reserve
         self._refs = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # pop() takes the lowest page first
         self._slots: list[_Slot | None] = [None] * slots
@@ -92,7 +96,10 @@ class PagePool:
 
     @property
     def reserved_pages(self) -> int:
-        """Free pages that live slots may still take (their growth up to their limits, copies on write)."""
+        """Free pages that live slots may still take (their growth up to their limits, copies on write); none
+        without reservation."""
+        if not self.reserve:
+            return 0
         live = [s for s in self._slots if s is not None]
         shared = {s.table[-1] for s in live if self._writes_shared(s)}
         return sum(self.pages_for(s.limit) - len(s.table) for s in live) + sum(self._copies(x) for x in shared)
@@ -217,7 +224,7 @@ class PagePool:
             r, w = self._refs[x], self._writers(x)
             w_after = w + (prompt_tokens < max_tokens)
             later += (w_after - (r + 1 == w_after)) - (w - (r == w))
-        if now + later > self.available_pages:
+        if now + (later if self.reserve else 0) > self.available_pages:
             return None
         for page in shared:
             self._refs[page] += 1
@@ -228,11 +235,31 @@ class PagePool:
         """Makes room for ``tokens`` more tokens of a live slot; returns the copies the device makes before
         writing them (a shared partial last page is copied into a page of the slot's own).
 
-        Never fails within the slot's ``max_tokens``: admission reserved the pages."""
+        Never fails within the slot's ``max_tokens`` when the pool reserves: admission reserved the pages.
+        Without reservation it raises :class:`PageError` when the pool has too few free pages (nothing changes)."""
         s = self._live(slot)
         if tokens < 0 or s.length + tokens > s.limit:
             raise PageError(f"slot {slot}: {s.length} + {tokens} tokens exceeds its max_tokens ({s.limit})")
+        if not self.reserve and self.growth(slot, tokens) > self.free_pages:
+            raise PageError(f"slot {slot}: {tokens} more tokens need {self.growth(slot, tokens)} pages; "
+                            f"{self.free_pages} are free")
         return self._grow(slot, tokens)
+
+    def growth(self, slot: int, tokens: int) -> int:
+        """Pages :meth:`append` of ``tokens`` would take for the slot (a copy of a shared partial last page
+        included)."""
+        s = self._live(slot)
+        copy = 1 if tokens and s.length % self.page_tokens and self._refs[s.table[-1]] > 1 else 0
+        return self.pages_for(s.length + tokens) - len(s.table) + copy
+
+    def need(self, slot: int) -> int:
+        """Pages the slot may still take, up to its limit."""
+        s = self._live(slot)
+        return self.pages_for(s.limit) - len(s.table)
+
+    def own_pages(self, slot: int) -> int:
+        """Pages only this slot references: what its end frees for certain."""
+        return sum(1 for page in self._live(slot).table if self._refs[page] == 1)
 
     def finish(self, slot: int) -> None:
         """Frees a finished slot: its pages go back to the pool once nothing else references them."""
@@ -288,7 +315,7 @@ class PagePool:
         return w - (1 if self._refs[page] == w else 0)
 
     def _take(self) -> int:
-        if not self._free:  # admission reserved every page a live slot takes: this is a bookkeeping bug
+        if not self._free:  # admission reserved, or the caller checked, every page a live slot takes
             raise AssertionError("page pool exhausted inside a reservation")
         page = self._free.pop()
         self._refs[page] = 1
@@ -311,6 +338,18 @@ class PagePool:
         while len(s.table) < self.pages_for(s.length):
             s.table.append(self._take())
         return copies
+
+
+def safe_to_grow(free: int, live: list[tuple[int, int]]) -> bool:
+    """Whether every live request can still reach its limit, one after another, with no page taken back (the
+    banker's test, for one kind of resource): ``live`` holds each request's (pages it may still take, pages its
+    end frees for certain). Requests are taken in order of need: any request that can finish can go first,
+    and finishing only adds free pages, so this order finds a way through whenever there is one."""
+    for need, frees in sorted(live):
+        if need > free:
+            return False
+        free += frees
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
