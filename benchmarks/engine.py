@@ -138,8 +138,10 @@ def _per_dispatch(driver) -> dict[str, float]:
     import numpy as np
 
     runs = [n for n, count in driver.dispatch_steps.items() for _ in range(count)]
+    steady = getattr(driver, "steady_decode_steps_per_dispatch", None)
     return {"decode_steps_per_dispatch": driver.decode_steps_per_dispatch,
-            "decode_steps_per_dispatch_median": float(np.median(runs)) if runs else 0.0}
+            "decode_steps_per_dispatch_median": float(np.median(runs)) if runs else 0.0,
+            "decode_steps_per_dispatch_steady": steady}
 
 
 def compare_fixed_batches(runs: dict[str, Any], rounds: int) -> None:
@@ -561,7 +563,9 @@ def _top_level(preset: str, summary: dict[str, Any], bw: float, source: str, hf:
             "device_kind": str(dev.device_kind), "platform": dev.platform,
             "tokens_per_s": summary["tokens_per_s"], "roofline_fraction": summary["roofline_fraction"],
             "kv_bytes_ratio": summary["kv_bytes_ratio"],
-            "decode_steps_per_dispatch": summary["decode_steps_per_dispatch"],
+            # The steady state (every slot live), where there is one; the whole run's mean otherwise.
+            "decode_steps_per_dispatch": summary.get("decode_steps_per_dispatch_steady")
+            or summary["decode_steps_per_dispatch"],
             "slot_utilization": summary["slot_utilization"], "hf_tokens_per_s": hf,
             "bandwidth_bytes_s": bw, "bandwidth_source": source}
 

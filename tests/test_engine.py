@@ -842,6 +842,8 @@ def test_multi_step_decode_counts_and_admission(models, engine4, monkeypatch):
         assert all(len(t.tokens) == 10 for t in out)
         assert (d.steps, d.dispatches, d.batch_steps, d.rows_computed, d.rows_live) == (9, 3, 9, 4 * 9, 4 * 9)
         assert d.decode_steps_per_dispatch == 3
+        # The steady state: the two whole programs of every slot; the drain's last step is not counted.
+        assert (d.steady_dispatches, d.steady_decode_steps_per_dispatch) == (2, 4)
 
     ran = []
     generate_steps = engine4.generate_steps

@@ -113,6 +113,7 @@ class _Launched:
     # was read; it is read with this step's results. One entry per prefill program: its first tokens, the
     # requests' rows in order.
     admitted: list[tuple[Any, list[_Live]]] = dataclasses.field(default_factory=list)
+    steady: bool = False  # every slot was live, and could run the whole program, when it was dispatched
 
 
 class RolloutDriver:
@@ -158,6 +159,9 @@ class RolloutDriver:
         self.steps = 0  # decode steps run by the programs read back (a program of N steps counts those it ran)
         self.dispatches = 0  # decode dispatches read back (one per launch that decoded, however many programs)
         self.dispatch_steps: collections.Counter[int] = collections.Counter()  # dispatches by decode steps run
+        # The same two counts over the steady state's dispatches (steady_decode_steps_per_dispatch).
+        self.steady_steps = 0
+        self.steady_dispatches = 0
         # Decode batch-steps: one per device decode program step, however many versions it fuses (several
         # versions stepped by separate programs count one each). The device-independent cost of decoding.
         self.batch_steps = 0
@@ -275,6 +279,12 @@ class RolloutDriver:
     @property
     def slot_utilization(self) -> float:
         return self.rows_live / max(self.rows_computed, 1)
+
+    @property
+    def steady_decode_steps_per_dispatch(self) -> float | None:
+        """:attr:`decode_steps_per_dispatch` over the programs dispatched while every slot was live and could run
+        the whole program (None if none was): the programs of a run's drain are not counted."""
+        return self.steady_steps / self.steady_dispatches if self.steady_dispatches else None
 
     @property
     def decode_steps_per_dispatch(self) -> float:
@@ -538,7 +548,11 @@ class RolloutDriver:
                 if live is not None:
                     live.in_flight += b
         self._count_kv()
-        return _Launched(done, active, results, floor, fused=fused, rows=rows, admitted=admitted, budgets=budgets)
+        # The steady state: every slot live, and each may run the whole program (none about to drain).
+        steady = (sum(g.live for g in self._groups.values()) == self.engine.max_concurrent_decodes
+                  and all(b == n for g, bs in zip(active, budgets) for s, b in zip(g.slots, bs) if s is not None))
+        return _Launched(done, active, results, floor, fused=fused, rows=rows, admitted=admitted, budgets=budgets,
+                         steady=steady)
 
     def _dispatched(self, active: list[_Group]) -> list[list[_Live | None]]:
         """Books a dispatched step: each group's slots as they are now (their results come in this layout,
@@ -606,6 +620,9 @@ class RolloutDriver:
         self.steps += max(ran)
         self.dispatches += 1
         self.dispatch_steps[max(ran)] += 1
+        if launched.steady:
+            self.steady_steps += max(ran)
+            self.steady_dispatches += 1
         return done
 
     def _append(self, live: _Live, token: int, logprob: float, now: float, done: list[Trajectory]) -> None:

@@ -178,25 +178,33 @@ class ResultSteps:
     [N, B, 5] (the columns of :class:`ResultTokens`) and fetched with one copy (:meth:`to_host`). A slot's valid
     tokens are its first ``counts()[b]`` steps: once a slot stops or uses up its budget it produces no more."""
 
-    def __init__(self, data: jax.Array | np.ndarray):
+    def __init__(self, data: jax.Array | np.ndarray, on_read: Any = None):
         self.data = data
+        self._on_read = on_read  # the engine's bookkeeping of what the program wrote, run at the first read
+
+    def _host(self) -> np.ndarray:
+        d = np.asarray(self.data)
+        if self._on_read is not None:
+            on_read, self._on_read = self._on_read, None
+            on_read(d)
+        return d
 
     def to_host(self) -> "ResultSteps":
-        return ResultSteps(np.asarray(self.data))
+        return ResultSteps(self._host())
 
     def columns(self) -> dict[str, np.ndarray]:
         """Each column as [N, B]."""
-        d = np.asarray(self.data)
+        d = self._host()
         return {"token": d[..., 0], "valid": d[..., 1].astype(bool), "position": d[..., 2],
                 "logprob": np.ascontiguousarray(d[..., 3]).view(np.float32), "version": d[..., 4]}
 
     def counts(self) -> np.ndarray:
         """Tokens each slot produced, [B]."""
-        return np.asarray(self.data)[..., 1].sum(axis=0)
+        return self._host()[..., 1].sum(axis=0)
 
     def steps_run(self) -> int:
         """Decode steps the program ran: every step it runs has a slot that produces a token."""
-        return int(np.asarray(self.data)[..., 1].any(axis=1).sum())
+        return int(self._host()[..., 1].any(axis=1).sum())
 
 
 def stop_table(stop_ids: Sequence[Sequence[int]], minimum: int = 4) -> np.ndarray:
@@ -362,7 +370,11 @@ class Engine:
         # limit one after another (_safe); a slot the pool cannot serve safely waits a program for pages.
         self.allocators = [PagePool(self.shard_pages - 1, self.page_tokens, self.shard_pages - 1, reserve=False)
                            for _ in range(self.shards)]
-        self._asked: dict[tuple[int, int], int] = {}  # positions dispatched programs may write, per request
+        # Positions each request's dispatched programs may have written: what its pages must cover. A program
+        # that ends early (a stop, end_after, limit) wrote fewer; reading its results corrects the count.
+        self._asked: dict[tuple[int, int], int] = {}
+        self._serials: dict[tuple[int, int], int] = {}  # which request holds an allocator slot now
+        self._serial = 0
         self.page_waits = 0  # dispatches of a live slot cut short (or to nothing) to wait for pages
         self._free_ids = [list(range(self.shard_pages - 2, -1, -1)) for _ in range(self.shards)]
         self._records: dict[int, tuple[_Rows, weakref.finalize]] = {}
@@ -953,7 +965,19 @@ class Engine:
             tuple(self._prepared_params(p) for p in params_seq), tuple(states_seq), self.pool, self._tables(recs),
             tuple(budget_arrays), tuple(stop_arrays), tuple(final_arrays), end_after, np.int32(limit), int(steps),
             filtered)
-        return tuple(self._handoff(a, b) for a, b in zip(states_seq, states)), ResultSteps(data)
+        # What each row was granted, to take back what the program did not write once its results are read.
+        booked = [(ref, self._serials[ref], int(n)) for rec, got in zip(recs, budget_arrays)
+                  for ref, n in zip(rec.ids, got) if ref is not None]
+        rows = [i for i, ref in enumerate(ref for rec in recs for ref in rec.ids) if ref is not None]
+        return (tuple(self._handoff(a, b) for a, b in zip(states_seq, states)),
+                ResultSteps(data, lambda d: self._written(d, rows, booked)))
+
+    def _written(self, data: np.ndarray, rows: list[int], booked: list) -> None:
+        """A program's results are read: each row's count of positions written becomes what it produced."""
+        produced = data[..., 1].sum(axis=0)
+        for row, (ref, serial, granted) in zip(rows, booked):
+            if self._serials.get(ref) == serial:
+                self._asked[ref] -= granted - int(produced[row])
 
     def free_slot(self, decode_state: DecodeState, slot: int) -> DecodeState:
         """Marks ``slot`` empty (the decode state is donated) and returns its pages to the pool; its row is
@@ -1055,6 +1079,8 @@ class Engine:
                               f"{alloc.num_pages} pages free{f' in batch shard {shard}' if self.shards > 1 else ''}); "
                               "free slots first, or give the engine more pages (rollout.kv_pages)")
         self._asked[(shard, rid)] = prompt_tokens
+        self._serial += 1
+        self._serials[(shard, rid)] = self._serial
         return shard, rid
 
     def _needs(self, shard: int) -> list[tuple[int, int]]:
@@ -1096,6 +1122,7 @@ class Engine:
             self.allocators[ref[0]].finish(ref[1])
             self._free_ids[ref[0]].append(ref[1])
             self._asked.pop(ref, None)
+            self._serials.pop(ref, None)
 
     def _table(self, ref: tuple[int, int] | None) -> list[int]:
         return [] if ref is None else self.allocators[ref[0]].table(ref[1])
