@@ -3,7 +3,7 @@ list. A simulated device memory (one list of rows per page) is written through t
 copies the pool asks for made first; every live slot must read back exactly its own tokens."""
 
 import pytest
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from dora_jax.config import load_config
@@ -288,3 +288,36 @@ def test_safe_to_grow_is_the_bankers_test():
     assert not safe_to_grow(0, [(1, 0)]) and safe_to_grow(0, [(0, 0), (0, 0)]) and safe_to_grow(0, [])
     # A request freeing nothing of its own (all its pages shared) still lets the next one use what it took.
     assert safe_to_grow(3, [(3, 0), (3, 0)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 30), st.integers(1, 50)), min_size=1, max_size=12), st.integers(2, 24),
+       st.integers(1, 6))
+def test_page_book_admits_and_grows_safely_and_always_progresses(requests, pages, per_program):
+    """Random requests (prompt tokens, tokens to write) through a PageBook of a few 4-token pages, in
+    programs of up to ``per_program`` tokens each: admission only where safe, every program grants some slot a
+    token while any is live (no deadlock), the allocator stays consistent, the granted tokens never pass a
+    request's limit, and every request that fits the pool at all finishes with every page back."""
+    from dora_jax.rollout.page_book import PageBook
+
+    book = PageBook(pages, 4, 1, table_width=64)
+    waiting = [(p, p + n) for p, n in requests if pages_for(p + n, 4) <= book.shard_pages - 1]
+    left: dict = {}  # ref -> positions still to write
+    for _ in range(10_000):
+        while waiting and book.admissible([waiting[0]]) is not None:
+            prompt, limit = waiting.pop(0)
+            ref = book.admit(0, prompt, limit)
+            left[ref] = limit - prompt
+        if not left:
+            break
+        refs = list(left)
+        (granted,) = book.dispatch([refs], [[min(per_program, left[r]) for r in refs]])
+        assert granted.sum() > 0, "no slot could progress"
+        for ref, n in zip(refs, granted):
+            assert 0 <= n <= left[ref]
+            left[ref] -= int(n)
+            if left[ref] == 0:
+                del left[ref]
+                book.release(ref)
+        book.allocators[0].check()
+    assert not waiting and not left and book.held_pages == 0

@@ -36,16 +36,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dora_jax.config import ATTENTION_IMPLS, DEFAULT_RULES, MAX_DECODE_STEPS, ROLLOUT_DTYPES
 from dora_jax.models.decoder import (FUSED_INPUTS, Decoder, DecodeSettings, KVCache, decode_forward,
                                      fuse_layer_params, head_logits, init_cache, resolve_attention_impl)
-from dora_jax.models.paged import (SCRATCH_PAGE, PagedKV, decode_forward_paged, init_pages, token_bytes,
+from dora_jax.models.paged import (PagedKV, decode_forward_paged, init_pages, token_bytes,
                                    write_prompt_pages)
-from dora_jax.rollout.pages import DEFAULT_PAGE_TOKENS, PageError, PagePool, pages_for, safe_to_grow
+from dora_jax.rollout.page_book import PageBook
+from dora_jax.rollout.pages import DEFAULT_PAGE_TOKENS, PageError, bucket, pages_for
 from dora_jax.rollout.sampling import SamplingParams, needs_filter, row_keys, sample
 from dora_jax.sharding import Rules, logical_to_spec, serial_jit
-
-
-def bucket(n: int, minimum: int = 16) -> int:
-    """The smallest power of two >= max(n, minimum): bounds the number of compiled shapes."""
-    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
 class EngineError(ValueError):
@@ -365,18 +361,9 @@ class Engine:
         if self.shards > 1 and resolve_attention_impl(settings) != "xla":
             raise EngineError(f"attention_impl {settings.attention_impl!r} reads one pool, but the mesh splits the "
                               f"slots over {self.shards} batch shards: use attention_impl='xla' there")
-        self.shard_pages = -(-self.num_pages // self.shards) + 1  # device pages per shard, scratch included
-        # No reservation: a slot takes pages as it grows, as long as every live request can still reach its
-        # limit one after another (_safe); a slot the pool cannot serve safely waits a program for pages.
-        self.allocators = [PagePool(self.shard_pages - 1, self.page_tokens, self.shard_pages - 1, reserve=False)
-                           for _ in range(self.shards)]
-        # Positions each request's dispatched programs may have written: what its pages must cover. A program
-        # that ends early (a stop, end_after, limit) wrote fewer; reading its results corrects the count.
-        self._asked: dict[tuple[int, int], int] = {}
-        self._serials: dict[tuple[int, int], int] = {}  # which request holds an allocator slot now
-        self._serial = 0
-        self.page_waits = 0  # dispatches of a live slot cut short (or to nothing) to wait for pages
-        self._free_ids = [list(range(self.shard_pages - 2, -1, -1)) for _ in range(self.shards)]
+        # Which pages each request holds, when a slot may grow, what the device reads (dora_jax.rollout.page_book).
+        self.book = PageBook(self.num_pages, self.page_tokens, self.shards, self.table_width)
+        self.shard_pages = self.book.shard_pages  # device pages per shard, scratch included
         self._records: dict[int, tuple[_Rows, weakref.finalize]] = {}
         self._pool: PagedKV | None = None
         self.token_bytes = token_bytes(cfg)  # one token's keys and values, every layer
@@ -844,18 +831,15 @@ class Engine:
                 shard = self.row_shard(b, slot)
                 n, src = int(lengths[i]), first.get((int(prompt_rows[i]), shard))
                 shared = (n // p) * p if src is not None else 0
-                ref = self._admit(shard, n, int(limits[i]), fork=src if shared else None, fork_tokens=shared)
+                ref = self.book.admit(shard, n, int(limits[i]), fork=src if shared else None, fork_tokens=shared)
                 done.append(slot)
                 rec.ids[slot] = ref
                 first.setdefault((int(prompt_rows[i]), shard), ref)
-                table = np.asarray(self._table(ref), np.int32)
-                pos = np.arange(shared, n)
-                page_nt[i, pos] = shard * self.shard_pages + table[pos // p] + 1  # pool-wide page ids
-                row_nt[i, pos] = pos % p
-        except EngineError:
+                page_nt[i, shared:n], row_nt[i, shared:n] = self.book.prompt_pages(ref, shared, n)
+        except PageError as e:
             for slot in done:
                 self._release_row(rec, slot)
-            raise
+            raise EngineError(str(e)) from None
         state, self._pool = self._insert_batch_jit(batch._replace(host=None), decode_state, self.pool, idx,
                                                    page_nt, row_nt)
         return self._handoff(decode_state, state)
@@ -874,9 +858,9 @@ class Engine:
             from its requests' settings with :func:`~dora_jax.rollout.sampling.needs_filter`.
         """
         rec = self._record(decode_state)
-        step = self._dispatch(rec, [1 if i is not None else 0 for i in rec.ids]) > 0
+        step = self.book.dispatch([rec.ids], [[1 if i is not None else 0 for i in rec.ids]])[0] > 0
         state, self._pool, data = self._generate_jit(self._prepared_params(params), decode_state, self.pool,
-                                                     self._tables([rec])[0], step, filtered)
+                                                     self.book.tables([rec.ids])[0], step, filtered)
         return self._handoff(decode_state, state), ResultTokens(data)
 
     def generate_many(self, params_seq: Sequence[Any], states_seq: Sequence[DecodeState], *,
@@ -891,9 +875,10 @@ class Engine:
         if len(params_seq) != len(states_seq) or not states_seq:
             raise EngineError(f"generate_many: {len(params_seq)} params for {len(states_seq)} decode states")
         recs = [self._record(st) for st in states_seq]
-        steps = self._dispatch_all(recs, [[1 if i is not None else 0 for i in rec.ids] for rec in recs])
+        steps = self.book.dispatch([rec.ids for rec in recs], [[1 if i is not None else 0 for i in rec.ids]
+                                                              for rec in recs])
         states, self._pool, data = self._generate_many_jit(tuple(self._prepared_params(p) for p in params_seq),
-                                                           tuple(states_seq), self.pool, self._tables(recs),
+                                                           tuple(states_seq), self.pool, self.book.tables([rec.ids for rec in recs]),
                                                            tuple(x > 0 for x in steps), filtered)
         return tuple(self._handoff(a, b) for a, b in zip(states_seq, states)), ResultTokens(data)
 
@@ -958,26 +943,19 @@ class Engine:
         recs = [self._record(st) for st in states_seq]
         # Pages for every token a slot may produce; a slot the pool cannot serve safely gets a smaller budget
         # (what its pages cover), and its final flag only if it keeps its whole budget.
-        granted = self._dispatch_all(recs, [np.minimum(b, limit) for b in budget_arrays])
+        granted = self.book.dispatch([rec.ids for rec in recs], [np.minimum(b, limit) for b in budget_arrays])
         final_arrays = [f & (g == np.minimum(b, limit)) for f, g, b in zip(final_arrays, granted, budget_arrays)]
         budget_arrays = [g.astype(np.int32) for g in granted]
         states, self._pool, data = self._generate_steps_jit(
-            tuple(self._prepared_params(p) for p in params_seq), tuple(states_seq), self.pool, self._tables(recs),
+            tuple(self._prepared_params(p) for p in params_seq), tuple(states_seq), self.pool, self.book.tables([rec.ids for rec in recs]),
             tuple(budget_arrays), tuple(stop_arrays), tuple(final_arrays), end_after, np.int32(limit), int(steps),
             filtered)
         # What each row was granted, to take back what the program did not write once its results are read.
-        booked = [(ref, self._serials[ref], int(n)) for rec, got in zip(recs, budget_arrays)
+        booked = [(ref, self.book.serial(ref), int(n)) for rec, got in zip(recs, budget_arrays)
                   for ref, n in zip(rec.ids, got) if ref is not None]
         rows = [i for i, ref in enumerate(ref for rec in recs for ref in rec.ids) if ref is not None]
         return (tuple(self._handoff(a, b) for a, b in zip(states_seq, states)),
-                ResultSteps(data, lambda d: self._written(d, rows, booked)))
-
-    def _written(self, data: np.ndarray, rows: list[int], booked: list) -> None:
-        """A program's results are read: each row's count of positions written becomes what it produced."""
-        produced = data[..., 1].sum(axis=0)
-        for row, (ref, serial, granted) in zip(rows, booked):
-            if self._serials.get(ref) == serial:
-                self._asked[ref] -= granted - int(produced[row])
+                ResultSteps(data, lambda d: self.book.settle(booked, d[..., 1].sum(axis=0)[rows])))
 
     def free_slot(self, decode_state: DecodeState, slot: int) -> DecodeState:
         """Marks ``slot`` empty (the decode state is donated) and returns its pages to the pool; its row is
@@ -1033,15 +1011,20 @@ class Engine:
     @property
     def pages_available(self) -> int:
         """Free pages (all shards)."""
-        return sum(a.available_pages for a in self.allocators)
+        return self.book.free_pages
 
     def shard_pages_available(self, shard: int) -> int:
-        return self.allocators[shard].available_pages
+        return self.book.shard_free(shard)
 
     @property
     def pages_held(self) -> int:
         """Pages live requests hold now (shared pages once)."""
-        return sum(a.num_pages - a.free_pages for a in self.allocators)
+        return self.book.held_pages
+
+    @property
+    def page_waits(self) -> int:
+        """Dispatches of a live slot cut short, or to nothing, to wait for pages."""
+        return self.book.waits
 
     def row_shard(self, capacity: int, row: int) -> int:
         """The batch shard of slot ``row`` in a decode state of ``capacity`` slots."""
@@ -1051,164 +1034,23 @@ class Engine:
         """Pages a request of up to ``limit`` tokens holds at its longest (sharing with its group aside)."""
         return pages_for(limit, self.page_tokens)
 
-    def _admit(self, shard: int, prompt_tokens: int, limit: int, fork: tuple[int, int] | None = None,
-               fork_tokens: int = 0) -> tuple[int, int]:
-        """A pool request in ``shard``: (shard, allocator slot)."""
-        if fork is not None and fork[0] != shard:
-            fork, fork_tokens = None, 0  # pages are shared within a shard only
-        alloc, rid = self.allocators[shard], self._free_ids[shard].pop()
-        try:
-            copies = alloc.admit(rid, prompt_tokens=prompt_tokens, max_tokens=limit,
-                                 fork=None if fork is None else fork[1], fork_tokens=fork_tokens or None)
-        except PageError as e:
-            self._free_ids[shard].append(rid)
-            raise EngineError(f"{e}{f' (batch shard {shard} of {self.shards})' if self.shards > 1 else ''}") from None
-        if copies is None:
-            self._free_ids[shard].append(rid)
-            where = f" in batch shard {shard} of {self.shards}" if self.shards > 1 else ""
-            raise EngineError(f"the page pool has no room now{where} for a request of up to {limit} tokens "
-                              f"({self.pages_needed(limit)} pages of {self.page_tokens} tokens): "
-                              f"{alloc.available_pages} of {alloc.num_pages} pages are free; free slots first, or give "
-                              f"the engine more pages (rollout.kv_pages)")
-        assert not copies, "only full pages are shared: nothing to copy"
-        if not self._safe(shard):
-            alloc.finish(rid)
-            self._free_ids[shard].append(rid)
-            raise EngineError(f"the page pool has no room now for a request of up to {limit} tokens: with it, the "
-                              f"live requests could not all reach their limits ({alloc.free_pages} of "
-                              f"{alloc.num_pages} pages free{f' in batch shard {shard}' if self.shards > 1 else ''}); "
-                              "free slots first, or give the engine more pages (rollout.kv_pages)")
-        self._asked[(shard, rid)] = prompt_tokens
-        self._serial += 1
-        self._serials[(shard, rid)] = self._serial
-        return shard, rid
-
-    def _needs(self, shard: int) -> list[tuple[int, int]]:
-        alloc = self.allocators[shard]
-        return [(alloc.need(i), alloc.own_pages(i)) for i in alloc.live_slots()]
-
-    def _safe(self, shard: int, extra: Sequence[tuple[int, int]] = ()) -> bool:
-        """Whether every live request of the shard (and ``extra`` ones: (prompt tokens, limit), not admitted
-        yet) could still reach its limit (:func:`~dora_jax.rollout.pages.safe_to_grow`)."""
-        alloc = self.allocators[shard]
-        free, live = alloc.free_pages, self._needs(shard)
-        for prompt, limit in extra:
-            own = pages_for(prompt, self.page_tokens)
-            free -= own
-            live.append((pages_for(limit, self.page_tokens) - own, own))
-        return free >= 0 and safe_to_grow(free, live)
-
     def admissible(self, requests: Sequence[tuple[int, int]]) -> list[int] | None:
-        """Where requests of (prompt tokens, limit) would go, by batch shard, if admitted now together: each
-        to the shard with the most free pages, as long as every shard stays safe; ``None`` when they do not
-        all fit now (a sample's prompt pages shared with its group are counted as its own: the check errs on
-        the side of waiting)."""
-        free = [a.free_pages for a in self.allocators]
-        placed: list[list[tuple[int, int]]] = [[] for _ in range(self.shards)]
-        out = []
-        for prompt, limit in requests:
-            shard = max(range(self.shards), key=lambda k: (free[k], -k))
-            placed[shard].append((prompt, limit))
-            free[shard] -= pages_for(prompt, self.page_tokens)
-            out.append(shard)
-        if all(self._safe(k, placed[k]) for k in range(self.shards) if placed[k]):
-            return out
-        return None
+        """:meth:`~dora_jax.rollout.page_book.PageBook.admissible`: the batch shard each request of (prompt
+        tokens, limit) would go to if admitted now together, or ``None`` when they do not all fit safely now."""
+        return self.book.admissible(requests)
+
+    def grant_pages(self, states_seq: Sequence[DecodeState], tokens_seq: Sequence[Any]) -> list[np.ndarray]:
+        """Takes the pages for ``tokens_seq[g][b]`` more tokens of each live slot where the pool can serve them
+        safely, and returns how many tokens each slot's pages now cover past what is already dispatched: the
+        budgets :meth:`generate_steps` will run (it grants the same, taking nothing more). A slot the pool
+        cannot serve safely gets what its held pages still cover, maybe 0: it waits for pages."""
+        return self.book.grant([self._record(st).ids for st in states_seq], tokens_seq)
 
     def _release_row(self, rec: _Rows, row: int) -> None:
         ref = rec.ids[row]
         if ref is not None:
             rec.ids[row] = None
-            self.allocators[ref[0]].finish(ref[1])
-            self._free_ids[ref[0]].append(ref[1])
-            self._asked.pop(ref, None)
-            self._serials.pop(ref, None)
-
-    def _table(self, ref: tuple[int, int] | None) -> list[int]:
-        return [] if ref is None else self.allocators[ref[0]].table(ref[1])
-
-    def grant_pages(self, states_seq: Sequence[DecodeState], tokens_seq: Sequence[Any]) -> list[np.ndarray]:
-        """Takes the pages for ``tokens_seq[g][b]`` more tokens of each live slot, where the pool can serve them
-        safely, and returns how many tokens each slot's pages now cover past what is already dispatched: the
-        budgets :meth:`generate_steps` will run (it grants the same, taking nothing more). A slot the pool
-        cannot serve safely gets what its held pages still cover, maybe 0: it waits for pages."""
-        return self._grant_all([self._record(st) for st in states_seq], tokens_seq)
-
-    def _grant_all(self, recs: Sequence[_Rows], tokens_seq: Sequence[Any]) -> list[np.ndarray]:
-        """Grants pages to every row of ``recs`` at once when that stays safe (the common case: the pool has
-        room), else row by row, the rows closest to their limits first (they free their pages soonest)."""
-        rows = [(rec, b, ref, int(n)) for rec, ns in zip(recs, tokens_seq) for b, (ref, n) in enumerate(zip(rec.ids, ns))
-                if ref is not None and n > 0]
-        wants = {}  # (rec index, row) -> tokens to append
-        for rec, b, ref, n in rows:
-            alloc = self.allocators[ref[0]]
-            target = min(self._asked[ref] + n, alloc.limit(ref[1]))
-            wants[(id(rec), b)] = max(0, target - alloc.length(ref[1]))
-        by_shard: dict[int, list] = {}
-        for rec, b, ref, n in rows:
-            by_shard.setdefault(ref[0], []).append((rec, b, ref))
-        for shard, members in by_shard.items():
-            alloc = self.allocators[shard]
-            growth = {(id(rec), b): alloc.growth(ref[1], wants[(id(rec), b)]) for rec, b, ref in members}
-            if sum(growth.values()) <= alloc.free_pages and self._safe_after(shard, members, growth):
-                for rec, b, ref in members:
-                    self._append(ref, wants[(id(rec), b)])
-                continue
-            for rec, b, ref in sorted(members, key=lambda m: alloc.need(m[2][1])):
-                key = (id(rec), b)
-                if growth[key] <= alloc.free_pages and self._safe_after(shard, [(rec, b, ref)], {key: growth[key]}):
-                    self._append(ref, wants[key])
-                else:  # what its last page still holds costs no page
-                    room = pages_for(alloc.length(ref[1]), self.page_tokens) * self.page_tokens - alloc.length(ref[1])
-                    self._append(ref, min(wants[key], room))
-        out = []
-        for rec, ns in zip(recs, tokens_seq):
-            got = np.zeros((len(rec.ids),), np.int32)
-            for b, (ref, n) in enumerate(zip(rec.ids, ns)):
-                if ref is not None and n > 0:
-                    got[b] = min(int(n), self.allocators[ref[0]].length(ref[1]) - self._asked[ref])
-            out.append(got)
-        return out
-
-    def _safe_after(self, shard: int, members, growth) -> bool:
-        """:meth:`_safe` after giving each member ``growth`` more pages."""
-        alloc = self.allocators[shard]
-        extra = {m[2][1]: growth[(id(m[0]), m[1])] for m in members}
-        live = [(alloc.need(i) - extra.get(i, 0), alloc.own_pages(i) + extra.get(i, 0)) for i in alloc.live_slots()]
-        return safe_to_grow(alloc.free_pages - sum(extra.values()), live)
-
-    def _append(self, ref: tuple[int, int], tokens: int) -> None:
-        if tokens > 0:
-            copies = self.allocators[ref[0]].append(ref[1], tokens)
-            assert not copies, "only full pages are shared: nothing to copy"
-
-    def _dispatch_all(self, recs: Sequence[_Rows], tokens_seq: Sequence[Any]) -> list[np.ndarray]:
-        """Grants, then books the granted tokens as dispatched."""
-        granted = self._grant_all(recs, tokens_seq)
-        for rec, got, wanted in zip(recs, granted, tokens_seq):
-            for ref, n, w in zip(rec.ids, got, wanted):
-                if ref is not None:
-                    self._asked[ref] += int(n)
-                    self.page_waits += int(n < w)
-        return granted
-
-    def _dispatch(self, rec: _Rows, tokens: Sequence[int]) -> np.ndarray:
-        return self._dispatch_all([rec], [tokens])[0]
-
-    def _tables(self, recs: Sequence[_Rows]) -> list[np.ndarray]:
-        """Each record's page tables as the device reads them (page ids within the row's shard: the
-        allocator's + 1, scratch past a row's pages), at one width for all of them: a power of two of the
-        longest table, so the programs stay few and a step reads only as far as its longest slot."""
-        tables = [[self._table(ref) for ref in rec.ids] for rec in recs]
-        longest = max((len(t) for ts in tables for t in ts), default=0)
-        width = min(bucket(longest, minimum=min(8, self.table_width)), self.table_width)
-        out = []
-        for ts in tables:
-            arr = np.full((len(ts), width), SCRATCH_PAGE, np.int32)
-            for b, t in enumerate(ts):
-                arr[b, :len(t)] = np.asarray(t, np.int32) + 1
-            out.append(arr)
-        return out
+            self.book.release(ref)
 
     def _track(self, state: DecodeState, rows: _Rows) -> DecodeState:
         key = id(state.tokens)

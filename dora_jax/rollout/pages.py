@@ -32,6 +32,11 @@ class PageError(ValueError):
     """A pool or a request the page allocator cannot serve; the message names the sizes."""
 
 
+def bucket(n: int, minimum: int = 16) -> int:
+    """The smallest power of two >= max(n, minimum): bounds the number of compiled shapes."""
+    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
 def pages_for(tokens: int, page_tokens: int) -> int:
     """Pages that hold ``tokens`` tokens."""
     return -(-int(tokens) // int(page_tokens))
