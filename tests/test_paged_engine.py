@@ -171,3 +171,118 @@ def test_per_shard_paging_is_one_pool_split():
     np.testing.assert_array_equal(np.asarray(a.k), np.asarray(c.k))
     np.testing.assert_array_equal(np.asarray(a.v), np.asarray(c.v))
     assert not np.array_equal(np.asarray(a.k), np.asarray(kv.k))
+
+
+HEAD = tuple(range(60, 80))  # a template head of 20 tokens: 2 full pages of 8 and 4 tokens
+
+
+def _unshared(batch):
+    """The batch as if prefilled with no shared prefix: each request writes the head into pages of its own."""
+    return batch._replace(host=batch.host[:2] + (None,))
+
+
+def _same_decode(got, want):
+    np.testing.assert_array_equal(got[..., [0, 1, 2, 4]], want[..., [0, 1, 2, 4]])
+    np.testing.assert_array_equal(got[..., 3], want[..., 3])  # log-probs: the same computation, bit for bit
+
+
+def test_prompts_after_a_shared_head_share_its_full_pages(model):
+    """Prompts after a 20-token head, inserted in two batches and one at a time (JetStream's prefill with an
+    existing prefix): the head's 2 full pages are held once for every slot, each slot writes the head's last 4
+    tokens and its own into pages of its own, and decoding gives the tokens and log-probs of the same requests
+    inserted into an engine that shares nothing. Dropping the prefix while slots read its pages frees nothing;
+    freeing the slots then returns every page."""
+    import gc
+
+    samplings = [RequestSampling(temperature=1.0, seed=3)] * 3
+    tails = [(30, 31, 32), tuple(range(40, 47)), (50,)]
+    eng, alone = _engine(model), _engine(model)
+    shared = eng.prefill_shared_prefix(tokens=HEAD)
+    batch, _ = eng.prefill_batch(prompts=[HEAD + t for t in tails], sample_ids=[1, 2, 3], samplings=samplings,
+                                 shared_prefix=shared)
+    later, _ = eng.prefill_batch(prompts=[HEAD + (9, 8)], sample_ids=[4], samplings=samplings[:1],
+                                 shared_prefix=shared)
+    single, _ = eng.prefill(existing_prefix=shared, padded_tokens=np.array([5, 6, 7, 0]), true_length=3,
+                            sample_id=5, sampling=samplings[0])
+    limits = [len(HEAD) + len(t) + 16 for t in tails]
+    state = eng.insert_batch(batch, eng.init_decode_state(8), [0, 1, 2], limits)
+    assert eng.pages_held == 2 + 1 + 2 + 1  # 23, 27 and 21 tokens: 3, 4 and 3 pages, the head's first 2 shared
+    state = eng.insert_batch(later, state, [3], [40])
+    state = eng.insert(single, state, 4)
+    assert eng.pages_held == 2 + 1 + 2 + 1 + 1 + 1
+    ref = alone.insert_batch(_unshared(batch), alone.init_decode_state(8), [0, 1, 2], limits)
+    ref = alone.insert_batch(_unshared(later), ref, [3], [40])
+    ref = alone.insert(single._replace(head=None), ref, 4)
+    assert alone.pages_held == 3 + 4 + 3 + 3 + 3
+    state, got = _steps(eng, state, 14)
+    ref, want = _steps(alone, ref, 14)
+    _same_decode(got, want)
+    held = eng.pages_held
+    del shared, batch, later, single
+    gc.collect()
+    assert eng.pages_held == held  # the slots still read the head's pages
+    for slot in range(5):
+        state = eng.free_slot(state, slot)
+    assert eng.pages_held == 0 and eng.pages_available == eng.num_pages
+
+
+def test_a_group_after_a_shared_head_shares_the_head_and_its_own_full_pages(model):
+    """A group of 4 samples of a 33-token prompt after the 20-token head, and one other prompt after it: the
+    head's 2 full pages are held once, the group's next 2 full pages once more, each sample writes its partial
+    last page; decoding matches an engine sharing only the group's pages. The head's pages go back when the
+    prefix is dropped after its slots are freed. Zeroing the head's entries before insertion changes the
+    log-probs: the comparison sees what the head's pages hold."""
+    import gc
+
+    prompt, other = HEAD + tuple(range(30, 43)), HEAD + (5, 6)
+    prompts = [prompt] * 4 + [other]
+    samplings = [RequestSampling(temperature=1.0, seed=11)] * 5
+    limits = [len(p) + 16 for p in prompts]
+    eng, alone = _engine(model), _engine(model)
+    shared = eng.prefill_shared_prefix(tokens=HEAD)
+    batch, _ = eng.prefill_batch(prompts=prompts, sample_ids=[20, 21, 22, 23, 24], samplings=samplings,
+                                 shared_prefix=shared)
+    state = eng.insert_batch(batch, eng.init_decode_state(8), [0, 1, 2, 3, 4], limits)
+    assert eng.pages_held == 2 + 2 + 4 * 1 + 1
+    tables = [eng.book.table(eng._record(state).ids[slot]) for slot in range(5)]
+    assert all(t[:4] == tables[0][:4] for t in tables[:4]) and tables[4][:2] == tables[0][:2]
+    assert len({t[4] for t in tables[:4]} | {tables[4][2]}) == 5  # partial last pages: each its own
+    ref = alone.insert_batch(_unshared(batch), alone.init_decode_state(8), [0, 1, 2, 3, 4], limits)
+    assert alone.pages_held == 4 + 4 * 1 + 3
+    state, got = _steps(eng, state, 12)
+    ref, want = _steps(alone, ref, 12)
+    _same_decode(got, want)
+    for slot in range(5):
+        state = eng.free_slot(state, slot)
+    assert eng.pages_held == 2  # held for the prefix's next requests
+    del shared, batch
+    gc.collect()
+    assert eng.pages_held == 0 and eng.pages_available == eng.num_pages
+
+    shared = eng.prefill_shared_prefix(tokens=HEAD)
+    batch, _ = eng.prefill_batch(prompts=prompts, sample_ids=[20, 21, 22, 23, 24], samplings=samplings,
+                                 shared_prefix=shared)
+    k, v = batch.cache
+    batch = batch._replace(cache=type(batch.cache)(k.at[..., :16].set(0), v.at[:, :, :, :16].set(0)))
+    state = eng.insert_batch(batch, state, [0, 1, 2, 3, 4], limits)
+    state, broken = _steps(eng, state, 12)
+    assert not np.array_equal(broken[..., 3], want[..., 3])
+
+
+def test_a_head_is_held_only_where_the_requests_after_it_still_fit():
+    """Holding a head's pages takes them from every request's end: a 4-page pool refuses to hold 2 of them
+    before a 3-page prompt growing to 4 (alone it fits), and changes nothing; an 8-page pool holds them, the
+    request shares them, and the pool gets them back once both let go."""
+    from dora_jax.rollout.page_book import PageBook
+
+    short = PageBook(4, P, 1, 4)
+    assert short.hold_prefix(0, 16, [(21, 32)]) is None and short.free_pages == 4
+    assert short.admissible([(21, 32)]) == [0]
+    book = PageBook(8, P, 1, 4)
+    held = book.hold_prefix(0, 16, [(21, 32)])
+    ref = book.admit(0, 21, 32, prefix=held)
+    assert book.held_pages == 2 + 1 and book.table(ref)[:2] == list(held.pages)
+    book.release_prefixes(holds := {0: held})
+    assert not holds and book.held_pages == 3  # the request still reads them
+    book.release(ref)
+    assert book.held_pages == 0

@@ -40,6 +40,7 @@ from dora_jax.models.paged import (PagedKV, decode_forward_paged, init_pages, to
                                    write_prompt_pages)
 from dora_jax.rollout.page_book import PageBook
 from dora_jax.rollout.pages import DEFAULT_PAGE_TOKENS, PageError, bucket, pages_for
+from dora_jax.rollout.pages import SharedPrefix as HeldPages
 from dora_jax.rollout.sampling import SamplingParams, needs_filter, row_keys, sample
 from dora_jax.sharding import Rules, logical_to_spec, serial_jit
 
@@ -85,6 +86,7 @@ class Prefix(NamedTuple):
     sampling: SamplingParams  # fields of shape [1]
     seed: jax.Array
     host_length: int | None = None  # ``length`` on the host: the tokens insert writes
+    head: SharedPrefix | None = None  # on the host: the shared prefix the request was prefilled after
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -122,7 +124,9 @@ class PrefixBatch(NamedTuple):
     version: jax.Array  # [N]
     sampling: SamplingParams  # [N] each
     seed: jax.Array  # [N]
-    host: tuple | None = None  # (each request's prompt length, its cache row): what insert writes, on the host
+    # On the host: (each request's prompt length, its cache row, the SharedPrefix the batch was prefilled after
+    # or None): what insert writes, and which head's pages it may share.
+    host: tuple | None = None
 
 
 class DecodeState(NamedTuple):
@@ -365,6 +369,8 @@ class Engine:
         self.book = PageBook(self.num_pages, self.page_tokens, self.shards, self.table_width)
         self.shard_pages = self.book.shard_pages  # device pages per shard, scratch included
         self._records: dict[int, tuple[_Rows, weakref.finalize]] = {}
+        # Each shared prefix's full pages held per batch shard, while the prefix lives.
+        self._heads: weakref.WeakKeyDictionary[SharedPrefix, dict[int, HeldPages]] = weakref.WeakKeyDictionary()
         self._pool: PagedKV | None = None
         self.token_bytes = token_bytes(cfg)  # one token's keys and values, every layer
         self._prefill_jit = serial_jit(self._prefill_impl)
@@ -679,7 +685,7 @@ class Engine:
         row = jax.tree.map(lambda x: x[0], (batch.token, batch.logprob, batch.length, batch.sample_id, batch.version,
                                             batch.seed))
         prefix = Prefix(batch.cache, row[0], row[1], row[2], row[3], row[4],
-                        SamplingParams(*(x[:1] for x in batch.sampling)), row[5], int(batch.host[0][0]))
+                        SamplingParams(*(x[:1] for x in batch.sampling)), row[5], int(batch.host[0][0]), shared)
         return prefix, ResultTokens(first.data[:1])
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
@@ -693,7 +699,7 @@ class Engine:
                             *(jnp.reshape(x, (1,)) for x in (prefix.token, prefix.logprob, prefix.length,
                                                               prefix.sample_id, prefix.version)),
                             prefix.sampling, jnp.reshape(prefix.seed, (1,)),
-                            (np.array([prefix.host_length], np.int32), np.zeros((1,), np.int32)))
+                            (np.array([prefix.host_length], np.int32), np.zeros((1,), np.int32), prefix.head))
         return self.insert_batch(batch, decode_state, [slot])
 
     def prefill_shared_prefix(self, *, params: Any = None, tokens: Sequence[int], version: int = 0) -> SharedPrefix:
@@ -778,7 +784,7 @@ class Engine:
         rest, packed = self._first_tokens_jit(logits, lengths + skip, rows, valid, ids, np.int32(version),
                                                      seeds, sp)
         host_lengths = np.array([len(p) for p in prompts], np.int32)
-        return PrefixBatch(cache, *rest, host=(host_lengths, rows[:n].copy())), ResultTokens(packed)
+        return PrefixBatch(cache, *rest, host=(host_lengths, rows[:n].copy(), shared_prefix)), ResultTokens(packed)
 
     def insert_batch(self, batch: PrefixBatch, decode_state: DecodeState, slots: Sequence[int | None],
                      limits: Sequence[int] | None = None) -> DecodeState:
@@ -788,7 +794,9 @@ class Engine:
 
         Each request takes pages for its prompt and may grow to ``limits[i]`` tokens (its prompt plus
         the most tokens it may produce; default ``max_target_length``). Requests with the same prompt share
-        its full pages: only the first of them writes them.
+        its full pages: only the first of them writes them. Requests prefilled after a :class:`SharedPrefix`
+        share its full pages in their batch shard, held from the first such insertion until the prefix is
+        garbage collected (where the pool cannot give them safely then, the requests write their own).
 
         Raises:
           EngineError: a bad slot, or a pool without room for the requests now (nothing is inserted then; the
@@ -800,7 +808,7 @@ class Engine:
             raise EngineError(f"insert_batch: {len(slots)} slots for a batch of {nb} requests")
         if batch.host is None:
             raise EngineError("insert_batch: the batch has no host lengths; pass what Engine.prefill_batch returned")
-        lengths, prompt_rows = batch.host
+        lengths, prompt_rows, head = batch.host
         limits = [self.max_target_length] * len(slots) if limits is None else list(limits)
         if len(limits) < len(slots):
             raise EngineError(f"insert_batch: {len(limits)} limits for {len(slots)} slots")
@@ -823,26 +831,59 @@ class Engine:
         p, t = self.page_tokens, batch.cache.v.shape[3]
         page_nt, row_nt = np.zeros((nb, t), np.int32), np.zeros((nb, t), np.int32)  # scratch
         first: dict[tuple[int, int], tuple[int, int]] = {}  # (cache row, shard) -> the request writing its pages
+        held, fresh = self._hold_head(head, b, slots, lengths, limits)
+        unwritten = set(fresh)
         done: list[int] = []
         try:
             for i, slot in enumerate(slots):
                 if slot is None:
                     continue
                 shard = self.row_shard(b, slot)
-                n, src = int(lengths[i]), first.get((int(prompt_rows[i]), shard))
+                n, src, pre = int(lengths[i]), first.get((int(prompt_rows[i]), shard)), held.get(shard)
                 shared = (n // p) * p if src is not None else 0
-                ref = self.book.admit(shard, n, int(limits[i]), fork=src if shared else None, fork_tokens=shared)
+                ref = self.book.admit(shard, n, int(limits[i]), fork=src if shared else None, fork_tokens=shared,
+                                      prefix=pre)
                 done.append(slot)
                 rec.ids[slot] = ref
                 first.setdefault((int(prompt_rows[i]), shard), ref)
-                page_nt[i, shared:n], row_nt[i, shared:n] = self.book.prompt_pages(ref, shared, n)
+                # The head's pages are written once, by the first request holding them: its cache row holds the
+                # head first, so its positions 0 .. head - 1 are the head's.
+                start = max(shared, 0 if pre is None or shard in unwritten else pre.tokens)
+                unwritten.discard(shard)
+                page_nt[i, start:n], row_nt[i, start:n] = self.book.prompt_pages(ref, start, n)
         except PageError as e:
             for slot in done:
                 self._release_row(rec, slot)
+            self.book.release_prefixes({k: held.pop(k) for k in fresh})  # never written: the scatter did not run
             raise EngineError(str(e)) from None
         state, self._pool = self._insert_batch_jit(batch._replace(host=None), decode_state, self.pool, idx,
                                                    page_nt, row_nt)
         return self._handoff(decode_state, state)
+
+    def _hold_head(self, head: SharedPrefix | None, b: int, slots: Sequence[int | None], lengths, limits
+                   ) -> tuple[dict[int, HeldPages], set[int]]:
+        """The pages holding ``head``'s full pages in each batch shard that ``slots`` insert into (taken now in a
+        shard without them, where it can give them safely with these requests), and the shards where they were
+        taken now: this insertion writes them. Only full pages are shared, so no page is ever copied; the pool
+        gets them back once ``head`` is garbage collected and no slot references them."""
+        full = 0 if head is None else len(head.tokens) // self.page_tokens * self.page_tokens
+        if not full:
+            return {}, set()
+        held = self._heads.get(head)
+        if held is None:
+            held = self._heads[head] = {}
+            weakref.finalize(head, self.book.release_prefixes, held).atexit = False
+        wanted: dict[int, list[tuple[int, int]]] = {}
+        for i, slot in enumerate(slots):
+            if slot is not None:
+                wanted.setdefault(self.row_shard(b, slot), []).append((int(lengths[i]), int(limits[i])))
+        fresh = set()
+        for shard in wanted.keys() - held.keys():
+            pages = self.book.hold_prefix(shard, full, wanted[shard])
+            if pages is not None:
+                held[shard] = pages
+                fresh.add(shard)
+        return held, fresh
 
     def generate(self, params: Any, decode_state: DecodeState, *, filtered: bool | None = None
                  ) -> tuple[DecodeState, ResultTokens]:
@@ -1018,7 +1059,7 @@ class Engine:
 
     @property
     def pages_held(self) -> int:
-        """Pages live requests hold now (shared pages once)."""
+        """Pages live requests and shared prefixes hold now (shared pages once)."""
         return self.book.held_pages
 
     @property

@@ -124,8 +124,8 @@ def _make_class(engine_api) -> type:
             prefix, _ = self.engine.prefill(params=params, existing_prefix=existing_prefix, padded_tokens=padded,
                                             true_length=true_length, sample_id=sample_id, version=version,
                                             sampling=sampling)
-            rewound = self._rewind_jit(prefix._replace(host_length=None), padded[true_length - 1])
-            return rewound._replace(host_length=prefix.host_length)
+            rewound = self._rewind_jit(prefix._replace(host_length=None, head=None), padded[true_length - 1])
+            return rewound._replace(host_length=prefix.host_length, head=prefix.head)
 
         def insert(self, prefix: Prefix, decode_state: JetStreamDecodeState, slot: int) -> JetStreamDecodeState:
             b = decode_state.starts.shape[0]

@@ -7,6 +7,9 @@ used without reservation. A live request is a *ref*, ``(shard, allocator slot)``
 - **Admission** (:meth:`PageBook.admit`, :meth:`PageBook.admissible`): a request takes its prompt's pages and
   is admitted only while every live request of its shard could still reach its limit one after another
   (:func:`~dora_jax.rollout.pages.safe_to_grow`, the banker's test for one resource).
+- **Shared heads** (:meth:`PageBook.hold_prefix`): the full pages of a head many prompts start with, held
+  once per shard and shared read-only by the requests admitted with them; no request's end frees them, so the
+  banker's test never counts them as freed.
 - **Growth** (:meth:`PageBook.grant`, :meth:`PageBook.dispatch`): before a program, each slot gets the pages
   for the tokens its budget lets it produce where that stays safe; a slot the pool cannot serve safely gets
   what its held pages still cover, maybe nothing, and waits. In a safe state the request closest to its limit
@@ -22,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dora_jax.rollout.pages import PageError, PagePool, bucket, pages_for, safe_to_grow
+from dora_jax.rollout.pages import PageError, PagePool, SharedPrefix, bucket, pages_for, safe_to_grow
 
 Ref = tuple[int, int]  # (batch shard, allocator slot)
 SCRATCH = 0  # the page of each shard's range that no slot holds (dora_jax.models.paged.SCRATCH_PAGE)
@@ -56,7 +59,7 @@ class PageBook:
 
     @property
     def held_pages(self) -> int:
-        """Pages live requests hold (shared pages once)."""
+        """Pages live requests and held prefixes hold (shared pages once)."""
         return sum(a.num_pages - a.free_pages for a in self.allocators)
 
     def shard_free(self, shard: int) -> int:
@@ -70,9 +73,12 @@ class PageBook:
 
     # -- admission ------------------------------------------------------------------------------------------
 
-    def admit(self, shard: int, prompt_tokens: int, limit: int, fork: Ref | None = None, fork_tokens: int = 0) -> Ref:
+    def admit(self, shard: int, prompt_tokens: int, limit: int, fork: Ref | None = None, fork_tokens: int = 0,
+              prefix: SharedPrefix | None = None) -> Ref:
         """A request of ``prompt_tokens`` (written now) growing up to ``limit`` tokens, in ``shard``; with
-        ``fork``, sharing that request's first ``fork_tokens`` (full pages).
+        ``fork``, sharing that request's first ``fork_tokens`` (full pages); else with ``prefix`` (held in this
+        shard by :meth:`hold_prefix`), sharing its pages. A fork's full pages already include its request's
+        prefix pages.
 
         Raises:
           PageError: a request that could never fit (naming its pages and the pool's).
@@ -84,6 +90,7 @@ class PageBook:
         where = f" in batch shard {shard} of {self.shards}" if self.shards > 1 else ""
         try:
             copies = alloc.admit(rid, prompt_tokens=prompt_tokens, max_tokens=limit,
+                                 prefix=prefix if fork is None else None,
                                  fork=None if fork is None else fork[1], fork_tokens=fork_tokens or None)
         except PageError as e:
             self._free_ids[shard].append(rid)
@@ -103,6 +110,30 @@ class PageBook:
         self._serial += 1
         self._serials[ref] = self._serial
         return ref
+
+    def hold_prefix(self, shard: int, tokens: int, extra: Sequence[tuple[int, int]] = ()) -> SharedPrefix | None:
+        """Pages for ``tokens`` tokens (whole pages) that requests of ``shard`` will share read-only, held until
+        :meth:`release_prefixes`; ``None`` when the shard cannot give them now and stay safe with the ``extra``
+        requests, (prompt tokens, limit), admitted after them.
+
+        The ``extra`` requests count their whole prompts as their own, as :meth:`admissible` counts them: the
+        held pages are never freed by a request's end, so without them in the check the requests
+        :meth:`admissible` let through could fail to fit behind the hold."""
+        alloc = self.allocators[shard]
+        if pages_for(tokens, self.page_tokens) > alloc.free_pages:
+            return None
+        held = alloc.hold_prefix(tokens)
+        if held is not None and not self.safe(shard, extra):
+            alloc.release_prefix(held)
+            return None
+        return held
+
+    def release_prefixes(self, held: dict[int, SharedPrefix]) -> None:
+        """Drops the holds of ``held`` (shard -> prefix), emptying it; each page goes back once no request
+        references it."""
+        for shard, prefix in held.items():
+            self.allocators[shard].release_prefix(prefix)
+        held.clear()
 
     def release(self, ref: Ref) -> None:
         """A request ends: its pages go back once nothing else holds them."""
