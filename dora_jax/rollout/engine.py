@@ -16,9 +16,14 @@ through :meth:`Engine.prepare_params` once per version (JetStream's ``load_param
 engine's dtype and fuses q|k|v and gate|up into one weight each so a step runs fewer, larger matmuls; a raw
 ``nnx.State`` is accepted too and prepared on every call. Every function is jitted
 once per shape: prefill per power-of-two prompt bucket, insert per decode-state capacity, generate per
-capacity and sampling variant (with or without top-k / top-p filtering).
+capacity, page-table width (a power of two of the longest slot's pages) and sampling variant (with or without
+top-k / top-p filtering).
 
-Shape legend: B slots, T prompt bucket, S cache length (``max_target_length``).
+The KV cache is one page pool per engine (:attr:`Engine.pool`, :mod:`dora_jax.models.paged`), shared by every
+decode state; which pages each slot holds, and when it may take more, is the engine's host-side book
+(:mod:`dora_jax.rollout.page_book`).
+
+Shape legend: B slots, T prompt bucket, S a prompt's cache length (prefill), W pages per table.
 """
 
 from __future__ import annotations
