@@ -203,14 +203,14 @@ class DecodeSettings:
 
 
 def resolve_attention_impl(settings: DecodeSettings | RolloutConfig) -> str:
-    """``settings.attention_impl`` with ``"auto"`` resolved: ``"pallas_tpu"`` on TPU, ``"xla"`` elsewhere.
+    """``settings.attention_impl`` with ``"auto"`` resolved: ``"xla"`` on every platform.
 
-    GPU resolves to XLA until a GPU measurement of the shipped paged kernel against it says otherwise
-    (docs/performance.md); the kernel stays available as ``attention_impl="pallas_gpu"``.
+    A shipped paged kernel becomes a platform's default only once a measurement on that platform shows it ahead
+    of the XLA gather (docs/performance.md); until then they are chosen by name (``pallas_gpu``, ``pallas_tpu``).
     """
     if settings.attention_impl != "auto":
         return settings.attention_impl
-    return "pallas_tpu" if jax.default_backend() == "tpu" else "xla"
+    return "xla"
 
 
 def write_cache(cache: KVCache, k_lbtkd: jax.Array, v_lbtkd: jax.Array, positions_bt: jax.Array) -> KVCache:

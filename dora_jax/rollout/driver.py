@@ -114,6 +114,8 @@ class _Launched:
     # requests' rows in order.
     admitted: list[tuple[Any, list[_Live]]] = dataclasses.field(default_factory=list)
     steady: bool = False  # every slot was live, and could run the whole program, when it was dispatched
+    # One step per program: (version, row) of the live rows the page pool could not give a token's page.
+    waited: set[tuple[int, int]] = dataclasses.field(default_factory=set)
 
 
 class RolloutDriver:
@@ -173,6 +175,7 @@ class RolloutDriver:
         self.kv_page_tokens = 0
         self.kv_live_tokens = 0
         self.page_waits = 0  # dispatches of a live row cut short, or to nothing, to wait for KV pages
+        self._kv_steady = False  # kv_bytes_ratio counts the steady state only, from its first dispatch
 
     # -- versions -------------------------------------------------------------------------------------------
 
@@ -262,7 +265,14 @@ class RolloutDriver:
             self.kv_page_tokens += held * self.engine.page_tokens
             self.kv_live_tokens += sum(len(s.request.prompt_ids) + len(s.tokens) + s.in_flight for s in lives)
 
-    _kv_steady = False
+    def _waiting_rows(self, groups: list[_Group]) -> set[tuple[int, int]]:
+        """For a one-step program: the (version, row) of each live row the page pool cannot give its token's
+        page now (the engine grants the same when it dispatches, taking nothing more)."""
+        if not hasattr(self.engine, "grant_pages"):
+            return set()
+        got = self.engine.grant_pages([g.state for g in groups], [[int(s is not None) for s in g.slots] for g in groups])
+        return {(g.version, b) for g, gs in zip(groups, got) for b, (s, n) in enumerate(zip(g.slots, gs))
+                if s is not None and n == 0}
 
     @property
     def idle(self) -> bool:
@@ -480,11 +490,13 @@ class RolloutDriver:
             return self._launch_steps(done, active, filtered, admitted)
         self._count_kv()
         if len(active) == 1 or not self.fuse:
-            results = []
+            results, waited = [], set()
             for g in active:
+                waited |= self._waiting_rows([g])
                 g.state, result = self.engine.generate(g.params, g.state, filtered=filtered)
                 results.append(result)
-            return _Launched(done, active, results, 1, rows=self._dispatched(active), admitted=admitted)
+            return _Launched(done, active, results, 1, rows=self._dispatched(active), admitted=admitted,
+                             waited=waited)
         # Every group at the largest group's capacity: one compiled program per (number of versions,
         # capacity), at most (K + 1) x log2(slots) of them, whatever the mix of versions' sizes. The
         # padding rows are counted as computed (slot_utilization); on accelerators a decode step's cost
@@ -493,12 +505,13 @@ class RolloutDriver:
         for g in active:
             if len(g.slots) < floor:
                 self._resize(g, floor)
+        waited = self._waiting_rows(active)
         states, result = self.engine.generate_many([g.params for g in active], [g.state for g in active],
                                                    filtered=filtered)
         for g, state in zip(active, states):
             g.state = state
         return _Launched(done, active, [result], floor, fused=True, rows=self._dispatched(active),
-                         admitted=admitted)
+                         admitted=admitted, waited=waited)
 
     def _launch_steps(self, done: list[Trajectory], active: list[_Group], filtered: bool,
                       admitted: list[tuple[Any, list[_Live]]]) -> "_Launched":
@@ -589,7 +602,7 @@ class RolloutDriver:
         now = time.perf_counter()
         floor = bucket(max(g.live for g in active), minimum=1) if floor > 1 else 1
         for g, rows, cols in zip(active, launched.rows, cols_of):
-            self._take(g, rows, cols, now, done, floor)
+            self._take(g, rows, cols, now, done, floor, launched.waited)
         self.steps += 1
         self.dispatches += 1
         self.dispatch_steps[1] += 1
@@ -641,7 +654,7 @@ class RolloutDriver:
         g.state = self.engine.free_slot(g.state, slot)
 
     def _take(self, g: _Group, rows: list[_Live | None], cols: dict[str, np.ndarray], now: float,
-              done: list[Trajectory], floor: int = 1) -> None:
+              done: list[Trajectory], floor: int = 1, waited: set[tuple[int, int]] = frozenset()) -> None:
         """Appends one step's results (``rows``: the group's slots when it was dispatched) to the live
         trajectories; finishes, frees and compacts (not below ``floor``, the capacity the fused groups
         share). A row whose trajectory ended in an earlier step is discarded."""
@@ -651,12 +664,12 @@ class RolloutDriver:
             live.in_flight -= 1
             if live.finished:
                 continue
-            if cols["version"][slot] != g.version:
-                raise RuntimeError(f"slot {slot} of version {g.version} returned another version")  # engine bug
-            if not cols["valid"][slot]:  # it waited for pages
+            if (g.version, slot) in waited:  # the pool had no page for its token: it reports nothing
                 self.page_waits += 1
                 continue
             self.rows_live += 1
+            if not cols["valid"][slot] or cols["version"][slot] != g.version:
+                raise RuntimeError(f"slot {slot} of version {g.version} returned no result")  # engine bug
             self._append(live, int(cols["token"][slot]), float(cols["logprob"][slot]), now, done)
         self._compact(g, floor)
 

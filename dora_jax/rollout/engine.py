@@ -46,7 +46,7 @@ from dora_jax.models.paged import (PagedKV, decode_forward_paged, init_pages, to
 from dora_jax.rollout.page_book import PageBook
 from dora_jax.rollout.pages import DEFAULT_PAGE_TOKENS, PageError, bucket, pages_for
 from dora_jax.rollout.pages import SharedPrefix as HeldPages
-from dora_jax.rollout.sampling import SamplingParams, needs_filter, row_keys, sample
+from dora_jax.rollout.sampling import SamplingParams, row_keys, sample
 from dora_jax.sharding import Rules, logical_to_spec, serial_jit
 
 

@@ -100,7 +100,7 @@ def check_multiprocess(cfg: Config, placement: Any) -> None:
                        "process's devices is built on the trainer's devices (shared placement) only; a version "
                        "would have to cross from the trainer's devices to other processes' rollout devices. Use "
                        "roles.placement=shared, or roles.rollout_span=process")
-    if roles.rollout_span == "all" and (impl.startswith("pallas") or (impl == "auto" and jax.default_backend() == "tpu")):
+    if roles.rollout_span == "all" and impl.startswith("pallas"):
         raise RunError(f"rollout.attention_impl={impl!r} with roles.rollout_span=all: the Pallas paged kernels read "
                        "one pool, not one split over a mesh that spans processes; set rollout.attention_impl=xla")
 

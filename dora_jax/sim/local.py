@@ -139,7 +139,7 @@ class TimedEngine:
         self.calls: dict[str, int] = {}
         # No KV cache is simulated: the pool never holds admission back, and no page ratio is reported.
         self.shards, self.page_tokens, self.pages_held = 1, 16, None
-        self.pages_available = self.shard_pages = 2 ** 62
+        self.shard_pages = 2 ** 62
 
     def pages_needed(self, limit: int) -> int:
         return 0
