@@ -131,18 +131,17 @@ class Harness:
         probe = RolloutDriver(engine, overlap=cfg.rollout.overlap, shared_prefix=head)
         r = cfg.rollout
         prompts: dict[int, tuple[int, ...]] = {}
-        budgets: dict[int, int] = {}
+        items: dict[int, Any] = {}
 
         def prompt(i: int) -> tuple[int, ...]:
             if i not in prompts:
                 prompts[i] = tuple(prompt_ids(self.tokenizer, self.task.train_item(i).prompt))
             return prompts[i]
 
-        def length(i: int) -> int:
-            if i not in budgets:
-                item = self.task.train_item(i)
-                budgets[i] = min(item.max_new_tokens or r.max_new_tokens, r.max_new_tokens)
-            return budgets[i]
+        def length(i: int, member: int) -> int:
+            if i not in items:
+                items[i] = self.task.train_item(i)
+            return items[i].budget(member, r.max_new_tokens)
 
         return RunSetup(slots=r.slots * len(p.engines), max_prefill_length=engine.max_prefill_length,
                         max_target_length=engine.max_target_length, prompt=prompt, length=length,

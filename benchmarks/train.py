@@ -306,9 +306,10 @@ def _workload_lengths(spec: dict, iteration: int, seed: int) -> list[int]:
 
     task = LongTailTask(seed=seed, eval_size=0, max_len=spec["max_len"])
     n = spec["samples"]
+    cap = spec["max_len"]
     if spec["per_group"]:
-        return [spec["prompt"] + task.train_item(iteration * n // 4 + i // 4).max_new_tokens for i in range(n)]
-    return [spec["prompt"] + task.train_item(iteration * n + i).max_new_tokens for i in range(n)]
+        return [spec["prompt"] + task.train_item(iteration * n // 4 + i // 4).budget(i % 4, cap) for i in range(n)]
+    return [spec["prompt"] + task.train_item(iteration * n + i).budget(0, cap) for i in range(n)]
 
 
 def bench_packing(iterations: int = 200, seed: int = 0, micro_batches: int = 1, timed: bool = True,

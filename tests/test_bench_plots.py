@@ -14,12 +14,12 @@ from benchmarks import cli, convergence, modes  # noqa: E402
 
 
 def modes_result():
-    names = ["sync", "one_step_off", "dora_k2"]
+    names = ["sync", "one_step_off", "dora_k2", "sync_shared", "dora_k2_shared"]
     return {"steps": 3, "repeats": 2, "train_batch": 16, "device": "test device",
             "sync_reward_spread": {"mean": [0.1, 0.2, 0.3], "min": [0.0, 0.1, 0.2], "max": [0.2, 0.3, 0.4]},
             "sync_reward_curves": [[0.1, 0.2, 0.3]] * 2,
             "modes": {n: {"reward_per_step": [0.1, 0.2, 0.3], "samples_per_s": 10.0 + i, "measured_wall_s": 2.0 + i,
-                          "simulated_wall_s": 2.1 + i,
+                          "simulated_wall_s": 2.1 + i, "decode_steps_per_sample": 8.0 - i,
                           "runs": {"samples_per_s": [9.0 + i, 11.0 + i], "wall_s": [1.9 + i, 2.2 + i]}}
                       for i, n in enumerate(names)}}
 
@@ -40,9 +40,12 @@ def test_modes_plot_has_titles_labels_and_every_mode(tmp_path, monkeypatch):
     (fig,) = figures
     for ax in fig.axes:
         assert ax.get_title() and ax.get_xlabel() and ax.get_ylabel()
-    walls = fig.axes[2]
-    assert [t.get_text() for t in walls.get_xticklabels()] == ["sync", "one_step_off", "dora_k2"]
-    assert len(walls.patches) == 6  # measured and simulated, per mode
+    walls, steps = fig.axes[2], fig.axes[3]
+    names = ["sync", "one_step_off", "dora_k2", "sync_shared", "dora_k2_shared"]
+    assert [t.get_text() for t in walls.get_xticklabels()] == names
+    assert len(walls.patches) == 10  # measured and simulated, per mode
+    # Each mode against sync under its own placement: dora_k2 7/8 of sync, dora_k2_shared 4/5 of sync_shared.
+    assert [p.get_height() for p in steps.patches] == pytest.approx([1.0, 7 / 8, 6 / 8, 1.0, 4 / 5])
     close(fig)
 
 
@@ -85,3 +88,10 @@ def test_simulated_against_measured_by_hand():
     assert (ratio["measured"], ratio["simulated"]) == (pytest.approx(0.5), pytest.approx(1.8 / 4.4))
     assert ratio["error"] == pytest.approx(-0.18182, abs=1e-5) and out["ratio_within_target"] == {"dora_k2": False}
     json.loads(json.dumps({"results": results, "simulator": out}))
+    # A shared-placement dora run is compared with the shared sync run, not with the split one.
+    results["sync_shared"] = {"mode": "sync", "measured_wall_s": 8.0}
+    results["dora_k2_shared"] = {"mode": "dora", "measured_wall_s": 4.0}
+    simulated.update(sync_shared={"wall_s": 8.0}, dora_k2_shared={"wall_s": 2.0})
+    out = modes.compare(results, simulated)
+    assert out["dora_over_sync_wall"]["dora_k2_shared"]["measured"] == pytest.approx(0.5)
+    assert out["dora_over_sync_wall"]["dora_k2_shared"]["simulated"] == pytest.approx(0.25)

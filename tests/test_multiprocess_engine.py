@@ -135,8 +135,9 @@ _WORKER = textwrap.dedent("""
         driver = Driver(one)
         driver.add_version(0, jax.device_put(first, jax.local_devices()[0]))
         for r in rows:
-            item = runner.task.train_item(led.entries[r["sample_id"]].prompt_index)
-            budget = min(item.max_new_tokens or cfg.rollout.max_new_tokens, cfg.rollout.max_new_tokens)
+            e = led.entries[r["sample_id"]]
+            member = led.groups[e.group_id].sample_ids.index(r["sample_id"])
+            budget = runner.task.train_item(e.prompt_index).budget(member, cfg.rollout.max_new_tokens)
             driver.submit(Request(r["sample_id"], tuple(r["prompt_ids"]), version=0, max_new_tokens=budget,
                                   sampling=runner.rollout.sampling))
         done = []

@@ -35,7 +35,7 @@ def synthetic(**over):
 
 
 SETUP = RunSetup(slots=4, max_prefill_length=8, max_target_length=64, prompt=lambda i: (1, 2, 3, 4),
-                 length=lambda i: 6, length_buckets=(16,), decode_steps=1)
+                 length=lambda i, m: 6, length_buckets=(16,), decode_steps=1)
 
 
 def run(mode, profile, setup=SETUP, k=1, rbs=4):

@@ -118,9 +118,15 @@ def test_user_code_failing_on_import_or_call_is_named(tmp_path, monkeypatch):
 
 def test_longtail_lengths_are_long_tailed():
     task = LongTailTask(seed=0, max_len=128)
-    budgets = sorted(task.train_item(i).max_new_tokens for i in range(4000))
+    budgets = sorted(task.train_item(i).budget(m, 128) for i in range(1000) for m in range(4))
     p50, p99 = budgets[len(budgets) // 2], budgets[int(0.99 * len(budgets))]
     assert p99 / p50 >= 8 and 1 <= budgets[0] and budgets[-1] <= 128
+    # Each member draws its own budget, so a batch of 16 samples (4 groups of 4) almost always meets the tail,
+    # as the docstring promises; one budget per group would meet it in only 1 - 0.85^4 = 48% of batches.
+    long = [any(task.train_item(4 * b + g).budget(m, 128) >= 64 for g in range(4) for m in range(4))
+            for b in range(250)]
+    assert sum(long) / len(long) >= 0.85
+    assert task.train_item(3).budget(1, 16) <= 16 and task.train_item(3).budget(1, 10**6) >= 1
     item = task.train_item(0)
     assert task.score(item, "12ab").reward == 0.5 and task.score(item, "").reward == 0.0
 

@@ -68,9 +68,13 @@ class RolloutSide:
         """Queues one sample on its version (when this process generates its group)."""
         self.items[sample_id] = (group_id, item)
         if self.generates(group_id):
-            budget = min(item.max_new_tokens or self.cfg.rollout.max_new_tokens, self.cfg.rollout.max_new_tokens)
+            budget = item.budget(self.member(sample_id, group_id), self.cfg.rollout.max_new_tokens)
             self.waiting.setdefault(version, deque()).append(
                 Request(sample_id, tuple(ids), version=version, max_new_tokens=budget, sampling=self.sampling))
+
+    def member(self, sample_id: int, group_id: int) -> int:
+        """The sample's place in its group (which of the item's per-member length budgets it takes)."""
+        return self.sched.ledger.groups[group_id].sample_ids.index(sample_id)
 
     def dispatch(self) -> int:
         """Tokenizes newly dispatched groups into per-version waiting queues; returns how many groups."""
@@ -186,7 +190,7 @@ class RolloutSide:
     def _overlong(self, d: Finished) -> float:
         """The overlong penalty of a finished sample (``train.overlong_buffer``; 0 when off)."""
         t, r = self.cfg.train, self.cfg.rollout
-        budget = min(d.item.max_new_tokens or r.max_new_tokens, r.max_new_tokens)
+        budget = d.item.budget(self.member(d.traj.sample_id, d.group_id), r.max_new_tokens)
         return overlong_penalty(len(d.traj.tokens), budget, t.overlong_buffer, t.overlong_penalty)
 
     def take(self, group_ids: list[int]) -> list[Finished]:

@@ -265,14 +265,14 @@ class RunSetup:
     lengths, and how the trainer pads its batches.
 
     ``prompt(i)`` is the token ids of prompt ``i`` (the data position; a group's members share it) and
-    ``length(i)`` its completions' length in tokens.
+    ``length(i, m)`` the completion length in tokens of its group's member ``m``.
     """
 
     slots: int
     max_prefill_length: int
     max_target_length: int
     prompt: Callable[[int], tuple[int, ...]]
-    length: Callable[[int], int]
+    length: Callable[[int, int], int]
     length_buckets: tuple[int, ...]
     row_multiple: int = 1
     shared_prefix: tuple[int, ...] = ()
@@ -308,6 +308,7 @@ def simulate_run(profile: Profile, setup: RunSetup, policy: SchedulePolicy) -> d
     sampling = RequestSampling()
     waiting: dict[int, deque] = {}
     prompt_of: dict[int, int] = {}
+    length_of: dict[int, int] = {}
     resident: set[int] = set()
     rewards: deque = deque()  # (ready at, sample id)
     updates: list[dict[str, Any]] = []
@@ -327,10 +328,11 @@ def simulate_run(profile: Profile, setup: RunSetup, policy: SchedulePolicy) -> d
         groups = sched.dispatch()
         for g in groups:
             ids = setup.prompt(g.prompt_index)
-            for sid in g.sample_ids:
+            for m, sid in enumerate(g.sample_ids):
                 prompt_of[sid] = g.prompt_index
+                length_of[sid] = setup.length(g.prompt_index, m)
                 waiting.setdefault(g.version, deque()).append(Request(
-                    sid, ids, version=g.version, max_new_tokens=setup.length(g.prompt_index), sampling=sampling))
+                    sid, ids, version=g.version, max_new_tokens=length_of[sid], sampling=sampling))
         return len(groups)
 
     def has_waiting() -> bool:
@@ -355,7 +357,7 @@ def simulate_run(profile: Profile, setup: RunSetup, policy: SchedulePolicy) -> d
 
     def train(group_ids: list[int]) -> None:
         ids = [s for g in group_ids for s in led.groups[g].sample_ids]
-        longest = max(len(setup.prompt(prompt_of[s])) + setup.length(prompt_of[s]) for s in ids)
+        longest = max(len(setup.prompt(prompt_of[s])) + length_of[s] for s in ids)
         tokens = _padded_tokens(len(ids), longest, setup)
         # The batch built and put on the trainer's devices, the step called (the host's share), then the step runs.
         clock.work(profile.train_host_s + profile.train_dispatch_s, "train_host")

@@ -17,6 +17,15 @@ class Item:
     answer: str
     level: str = ""
     max_new_tokens: int = 0  # a length budget of this item's own; 0: the run's rollout.max_new_tokens
+    # Length budgets per group member (member m takes budgets[m % len(budgets)]), for workloads whose samples of
+    # one prompt differ in length, as reasoning rollouts do; empty: every member takes max_new_tokens.
+    budgets: tuple[int, ...] = ()
+
+    def budget(self, member: int, cap: int) -> int:
+        """Group member ``member``'s length budget in tokens, at most ``cap`` (the run's
+        ``rollout.max_new_tokens``, which an item without a budget takes)."""
+        own = self.budgets[member % len(self.budgets)] if self.budgets else self.max_new_tokens
+        return min(own or cap, cap)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,13 +1,14 @@
 """``longtail``: a synthetic task whose length budgets are long-tailed by construction.
 
-Each item carries its own length budget: 85% from a lognormal with median ``max_len / 32`` (clipped to
-``[1, max_len]``), 15% uniform in ``[max_len / 2, max_len]``. Most trajectories are short and a few run far
-longer (p99 / p50 ~ 30), the shape of reasoning-model rollouts that stalls synchronous batches; the long
-share is large enough that a batch of a dozen samples almost always holds one, as a batch of thousands always
-does in large-scale RL. The reward is the fraction of response
-characters that are decimal digits, a verifiable signal that a small model learns within a few updates, so
-schedules can be compared on the same learning curve. Runs on any tokenizer, including
-:class:`~dora_jax.tokenizer.ByteTokenizer` for test-sized models.
+Every sample carries its own length budget, drawn independently for each member of a prompt's group (samples
+of one prompt differ in length, as reasoning rollouts do): 85% from a lognormal with median ``max_len / 32``
+(clipped to ``[1, max_len]``), 15% uniform in ``[max_len / 2, max_len]``. Most trajectories are short and a few
+run far longer (p99 / p50 ~ 30), the shape of reasoning-model rollouts that stalls synchronous batches; the long
+share is large enough that a batch of 16 samples holds one 93% of the time (1 - 0.85^16), as a batch of
+thousands always does in large-scale RL. The reward is the fraction of response characters that are decimal
+digits, a verifiable signal that a small model learns within a few updates, so schedules can be compared on
+the same learning curve. Runs on any tokenizer, including :class:`~dora_jax.tokenizer.ByteTokenizer` for
+test-sized models.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import random
 from dora_jax.tasks.base import Item, Score, Task
 
 _SIGMA = math.log(10.0) / 2.326  # p99 / p50 = 10 for a lognormal
+MEMBERS = 64  # budgets drawn per item; a group of more members reuses them in turn
 
 
 class LongTailTask(Task):
@@ -29,13 +31,14 @@ class LongTailTask(Task):
         self.seed, self.max_len = seed, max_len
         self._eval = [self._item(random.Random(f"longtail/eval/{seed}/{i}")) for i in range(eval_size)]
 
-    def _item(self, rng: random.Random) -> Item:
+    def _budget(self, rng: random.Random) -> int:
         if rng.random() < 0.15:
-            budget = rng.randint(self.max_len // 2, self.max_len)
-        else:
-            budget = int(min(self.max_len, max(1, round(self.max_len / 32 * math.exp(rng.gauss(0.0, _SIGMA))))))
+            return rng.randint(self.max_len // 2, self.max_len)
+        return int(min(self.max_len, max(1, round(self.max_len / 32 * math.exp(rng.gauss(0.0, _SIGMA))))))
+
+    def _item(self, rng: random.Random) -> Item:
         word = "".join(rng.choice("abcdefgh") for _ in range(4))
-        return Item(f"digits for {word}", "", "longtail", budget)
+        return Item(f"digits for {word}", "", "longtail", budgets=tuple(self._budget(rng) for _ in range(MEMBERS)))
 
     def train_item(self, index: int) -> Item:
         return self._item(random.Random(f"longtail/train/{self.seed}/{index}"))
