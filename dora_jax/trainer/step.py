@@ -183,7 +183,6 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig, tx: optax.Gradient
         f32 = jnp.float32
         kept_tokens = jnp.maximum((batch.loss_mask * keep[:, None]).sum(), 1.0)
         resp = batch.loss_mask * keep[:, None]
-        gap = jnp.abs(batch.behaviour_logprobs - batch.recomputed_logprobs) * resp
         valid_f = valid.astype(f32)
         metrics = {
             "loss": terms.loss, "pg_loss": terms.pg_loss, "kl": terms.kl,
@@ -194,7 +193,6 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig, tx: optax.Gradient
             "clip_frac": terms.clipped_tokens / kept_tokens,
             "is_weight_mean": terms.is_weight_sum / kept_tokens,
             "is_dropped_frac": terms.is_dropped_tokens / kept_tokens,
-            "logprob_gap_mean": gap.sum() / kept_tokens, "logprob_gap_max": gap.max(),
             "reward_mean": (batch.rewards * valid_f).sum() / jnp.maximum(valid_f.sum(), 1.0),
             "lag_mean": ((state.version - batch.versions) * valid_f).sum() / jnp.maximum(valid_f.sum(), 1.0),
             "version": state.version.astype(f32),
@@ -204,6 +202,11 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig, tx: optax.Gradient
             "padding_frac": padding_fraction(batch.segment_ids, valid) if packing is None
             else padding_fraction(packing.segment_ids),
         }
+        if cfg.behaviour_logprobs == "recompute" or cfg.correction == "decoupled":
+            # The engine's log-probs against the training forward of each sample's own version: only where the
+            # run recomputes them (otherwise the recomputed field holds nothing to compare with).
+            gap = jnp.abs(batch.behaviour_logprobs - batch.recomputed_logprobs) * resp
+            metrics.update(logprob_gap_mean=gap.sum() / kept_tokens, logprob_gap_max=gap.max())
         return new_state, metrics
 
     return step
