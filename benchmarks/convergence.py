@@ -39,6 +39,15 @@ def _stats(xs: list[float]) -> dict[str, float]:
     return {"mean": float(a.mean()), "stderr": se}
 
 
+def parity(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The target: every dora run with decoupled PPO ends with a mean held-out accuracy no lower than sync's
+    mean minus two standard errors (over seeds)."""
+    sync = runs["sync"]["final_accuracy_stats"]
+    floor = sync["mean"] - 2 * sync["stderr"]
+    return {"floor": floor, "met": {n: bool(r["final_accuracy_stats"]["mean"] >= floor)
+                                    for n, r in runs.items() if n.endswith("_decoupled")}}
+
+
 def bench_convergence(config: str = CONFIG, seeds: int = 4, steps: int | None = None, eval_size: int | None = None,
                       overrides: tuple[str, ...] = (), out_dir: str | None = None) -> dict[str, Any]:
     """Trains every run name once per seed and returns held-out accuracy and reward per iteration.
@@ -96,7 +105,7 @@ def bench_convergence(config: str = CONFIG, seeds: int = 4, steps: int | None = 
     return {"machine": machine(), "config": config, "seeds": seeds, "steps": steps,
             "train_batch": base.dora.train_batch, "samples_per_run": steps * base.dora.train_batch,
             "eval_size": eval_size, "eval_samples": samples, "heldout_answers": eval_size * samples,
-            "runs": out, "settings": {v.name: v.overrides for v in variants}, "run_dir": h.out_dir}
+            "runs": out, "target": parity(out), "settings": {v.name: v.overrides for v in variants}, "run_dir": h.out_dir}
 
 
 def plot_convergence(result: dict[str, Any], path: str) -> str:

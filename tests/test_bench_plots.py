@@ -63,6 +63,17 @@ def test_convergence_plot_has_titles_labels_and_every_run(tmp_path, monkeypatch)
     close(fig)
 
 
+def test_convergence_target_by_hand():
+    # sync: mean 0.40, standard error 0.02 (seeds 0.38, 0.42): the floor is 0.36.
+    runs = {"sync": {"final_accuracy_stats": convergence._stats([0.38, 0.42])},
+            "dora_k2_none": {"final_accuracy_stats": convergence._stats([0.1, 0.1])},
+            "dora_k2_decoupled": {"final_accuracy_stats": convergence._stats([0.36, 0.37])},
+            "dora_k3_decoupled": {"final_accuracy_stats": convergence._stats([0.35, 0.36])}}
+    out = convergence.parity(runs)
+    assert out["floor"] == pytest.approx(0.36)
+    assert out["met"] == {"dora_k2_decoupled": True, "dora_k3_decoupled": False}
+
+
 def test_bench_options():
     args = cli.build_parser().parse_args(["convergence", "--seeds", "2", "--steps", "3", "--eval-size", "128"])
     assert (args.seeds, args.steps, args.eval_size) == (2, 3, 128)
