@@ -83,6 +83,17 @@ class Harness:
                                                     keep_initial=True, progress=False)
         return self._placements[key]
 
+    def forget(self) -> None:
+        """Drops every placement built so far and JAX's compiled programs: what a new set of runs that shares none
+        of them frees (on XLA:CPU each program holds memory mappings, limited per process)."""
+        import gc
+
+        import jax
+
+        self._placements.clear()
+        gc.collect()
+        jax.clear_caches()
+
     def run(self, v: Variant, extra: Sequence[str] = ()) -> dict[str, Any]:
         """Runs one variant to the end; returns its ``summary``, its metrics ``rows``, ``run_dir`` and ``bench_s``
         (the whole call, evaluations included)."""

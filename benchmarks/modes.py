@@ -157,31 +157,44 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
 
     h = Harness(config, OVERRIDES + [f"dora.steps={steps}"], out_dir, shared_devices=1)
     variants = plan(h.split)
-    for v in variants:  # untimed: compiles every shape the runs meet (the profile shares the programs)
-        h.run(v)
-    measured_profile = None
-    if profile is None:  # measured between the compiling round and the timed ones, on the same engine and trainer
-        measured_profile = bench_profile(config, harness=h)
-        cfg = h.cfg((), h.split)
-        placement = h.placement(cfg, h.split)
-        state = [placement.take_state()]
-
-    def say(v: Variant, r: int, run: dict[str, Any]) -> None:
-        s = run["summary"]
-        print(f"round {r + 1}: {v.name:>13}: wall {s['wall_s']:.2f} s, {s['samples_per_s']:.2f} samples/s, "
-              f"{s['decode_batch_steps_per_sample']:.2f} decode batch-steps/sample", flush=True)
-        if measured_profile is not None and v is variants[-1] and r + 1 < repeats:
+    # One placement's runs at a time: on XLA:CPU every compiled program holds memory mappings of its own, and the
+    # programs of split and shared placement together (a trainer per staleness bound, an engine each) pass Linux's
+    # default of 65530 mappings per process. Within a phase the modes alternate, as the comparisons need.
+    phases = [[v for v in variants if v.split], [v for v in variants if not v.split]] if h.split else [variants]
+    measured_profile, prof, runs, simulated, noise = None, None, {}, {}, []
+    for i, phase in enumerate(phases):
+        for v in phase:  # untimed: compiles every shape the runs meet (the profile shares the programs)
+            h.run(v)
+        sample_train = i == 0 and profile is None
+        if sample_train:  # measured between the compiling round and the timed ones, on the same engine and trainer
+            measured_profile = bench_profile(config, harness=h)
+            cfg = h.cfg((), h.split)
+            placement = h.placement(cfg, h.split)
+            state = [placement.take_state()]
+            # The train costs sampled again before every timed round (the largest cost).
             state[0] = add_train_samples(measured_profile, placement.trainer, state[0], cfg)
 
-    if measured_profile is not None:  # the train costs sampled again before every timed round (the largest cost)
-        state[0] = add_train_samples(measured_profile, placement.trainer, state[0], cfg)
-    runs = h.rounds(variants, repeats, on_run=say)
-    prof = parse_profile(measured_profile, source="measured by this run") if profile is None else load_profile(profile)
+        def say(v: Variant, r: int, run: dict[str, Any], last: Variant = phase[-1], sample: bool = sample_train) -> None:
+            s = run["summary"]
+            print(f"round {r + 1}: {v.name:>19}: wall {s['wall_s']:.2f} s, {s['samples_per_s']:.2f} samples/s, "
+                  f"{s['decode_batch_steps_per_sample']:.2f} decode batch-steps/sample", flush=True)
+            if sample and v is last and r + 1 < repeats:
+                state[0] = add_train_samples(measured_profile, placement.trainer, state[0], cfg)
+
+        runs.update(h.rounds(phase, repeats, on_run=say))
+        if prof is None:
+            prof = (parse_profile(measured_profile, source="measured by this run") if profile is None
+                    else load_profile(profile))
+        simulated.update(simulate_modes(h, phase, prof))
+        if i == 0:
+            noise = [[row["reward"] for row in h.run(Variant(f"sync_seed{seed}", _mode_overrides("sync", 0, TBS),
+                                                             h.split), [f"rollout.seed={seed}"])["rows"]]
+                     for seed in range(1, noise_seeds)]
+        if sample_train:
+            del placement, state
+        h.forget()
     results = {v.name: _mode_result(v.name, runs[v.name]) for v in variants}
-    checked = compare(results, simulate_modes(h, variants, prof))
-    noise = [[row["reward"] for row in h.run(Variant(f"sync_seed{seed}", _mode_overrides("sync", 0, TBS),
-                                                     h.split), [f"rollout.seed={seed}"])["rows"]]
-             for seed in range(1, noise_seeds)]
+    checked = compare(results, simulated)
     curves = np.asarray([results["sync"]["reward_per_step"]] + noise)
     sync = results["sync"]
     steps_vs_sync = {n: r["decode_steps_per_sample"] / results[reference(n)]["decode_steps_per_sample"]
