@@ -109,10 +109,42 @@ class Harness:
                                         tokenizer=self.tokenizer, progress=False).run)
         return {"summary": summary, "rows": read_metrics(run_dir), "run_dir": run_dir, "bench_s": bench_s}
 
+    def warm(self, plan: Sequence[Variant], max_rounds: int = 4) -> list[int]:
+        """Untimed rounds of every variant of ``plan`` until one compiles no program, at most ``max_rounds``.
+
+        One round does not always meet every shape a run can: which programs a run calls (how many decode steps a
+        dispatch runs, how far its page tables reach, the trainer's length bucket) follows its schedule, and
+        under split placement the schedule follows the machine's timing. A program compiled inside a timed run
+        adds its compile time (about a second each on a CPU) to that run alone.
+
+        Returns:
+          The programs compiled in each round.
+        """
+        import jax
+
+        compiled = [0]
+
+        def count(event: str, *_: Any, **__: Any) -> None:
+            if event == "/jax/core/compile/backend_compile_duration":
+                compiled[0] += 1
+
+        jax.monitoring.register_event_duration_secs_listener(count)
+        per_round = []
+        try:
+            while len(per_round) < max_rounds and (not per_round or per_round[-1]):
+                compiled[0] = 0
+                for v in plan:
+                    self.run(v)
+                per_round.append(compiled[0])
+        finally:
+            unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
+            if unregister is not None:  # JAX versions without it keep a listener that only counts
+                unregister(count)
+        return per_round
+
     def rounds(self, plan: Sequence[Variant], rounds: int, on_run: Any = None) -> dict[str, list[dict[str, Any]]]:
         """Every variant of ``plan`` once per round, ``rounds`` rounds; ``on_run(variant, round, run)`` after each.
-        Rounds to be compared come after an untimed one (:meth:`run` of each variant): it compiles every shape the
-        runs meet, so no variant pays for compilation the others do not.
+        Rounds to be compared come after untimed ones (:meth:`warm`), so no timed run pays for compilation.
 
         Returns:
           Each variant's runs (:meth:`run`'s results), in order.

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dora_jax import cli
@@ -157,3 +158,17 @@ def test_the_decode_roofline_by_hand():
     assert peak_bandwidth("NVIDIA H200")[0] == 4.8e12
     assert peak_bandwidth("TPU v5 lite")[0] == 8.19e11 and peak_bandwidth("TPU v5p")[0] == 2.76e12
     assert peak_bandwidth("cpu") is None
+
+
+def test_warm_repeats_untimed_rounds_until_one_compiles_nothing():
+    import jax
+
+    from benchmarks.harness import Harness, Variant
+
+    f = jax.jit(lambda x: x * 2)
+    h = Harness.__new__(Harness)  # only run() is used: each call meets the next array length
+    lengths = iter([101, 102, 103, 103, 103])
+    h.run = lambda v, extra=(): f(np.zeros(next(lengths), np.float32))
+    assert h.warm([Variant("a", [], False)]) == [1, 1, 1, 0]
+    lengths = iter([104, 105, 106])
+    assert h.warm([Variant("a", [], False)], max_rounds=2) == [1, 1]
