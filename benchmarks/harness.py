@@ -10,6 +10,7 @@ to the run simulator (:mod:`dora_jax.sim.local`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
@@ -27,6 +28,32 @@ class Variant:
     name: str
     overrides: list[str]
     split: bool = False
+
+
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+
+
+@contextlib.contextmanager
+def compile_time():
+    """Counts JAX's compilation inside the block: yields ``[seconds, programs]``, filled in as programs compile
+    (tracing, lowering and XLA's compile; one program per XLA compile)."""
+    import jax
+
+    out = [0.0, 0]
+
+    def count(event: str, secs: float, **_: Any) -> None:
+        if event in _COMPILE_EVENTS:
+            out[0] += secs
+            out[1] += event == _COMPILE_EVENTS[-1]
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        yield out
+    finally:
+        unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
+        if unregister is not None:  # JAX versions without it keep a listener that only counts
+            unregister(count)
 
 
 class Harness:
@@ -95,8 +122,8 @@ class Harness:
         jax.clear_caches()
 
     def run(self, v: Variant, extra: Sequence[str] = ()) -> dict[str, Any]:
-        """Runs one variant to the end; returns its ``summary``, its metrics ``rows``, ``run_dir`` and ``bench_s``
-        (the whole call, evaluations included)."""
+        """Runs one variant to the end; returns its ``summary``, its metrics ``rows``, ``run_dir``, ``bench_s``
+        (the whole call, evaluations included) and ``compile_s`` (the seconds JAX spent compiling inside it)."""
         from dora_jax.metrics import read_metrics
         from dora_jax.run import Runner
 
@@ -105,9 +132,11 @@ class Harness:
         cfg = self.cfg(v.overrides + list(extra), v.split)
         self._count += 1
         run_dir = os.path.join(self.out_dir, f"{self._count:03d}_{v.name}")
-        summary, bench_s = timed(Runner(cfg, run_dir, placement=self.placement(cfg, v.split),
-                                        tokenizer=self.tokenizer, progress=False).run)
-        return {"summary": summary, "rows": read_metrics(run_dir), "run_dir": run_dir, "bench_s": bench_s}
+        with compile_time() as compile_s:
+            summary, bench_s = timed(Runner(cfg, run_dir, placement=self.placement(cfg, v.split),
+                                            tokenizer=self.tokenizer, progress=False).run)
+        return {"summary": summary, "rows": read_metrics(run_dir), "run_dir": run_dir, "bench_s": bench_s,
+                "compile_s": compile_s[0]}
 
     def warm(self, plan: Sequence[Variant], max_rounds: int = 4) -> list[int]:
         """Untimed rounds of every variant of ``plan`` until one compiles no program, at most ``max_rounds``.
@@ -120,31 +149,18 @@ class Harness:
         Returns:
           The programs compiled in each round.
         """
-        import jax
-
-        compiled = [0]
-
-        def count(event: str, *_: Any, **__: Any) -> None:
-            if event == "/jax/core/compile/backend_compile_duration":
-                compiled[0] += 1
-
-        jax.monitoring.register_event_duration_secs_listener(count)
         per_round = []
-        try:
-            while len(per_round) < max_rounds and (not per_round or per_round[-1]):
-                compiled[0] = 0
+        while len(per_round) < max_rounds and (not per_round or per_round[-1]):
+            with compile_time() as compiled:
                 for v in plan:
                     self.run(v)
-                per_round.append(compiled[0])
-        finally:
-            unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
-            if unregister is not None:  # JAX versions without it keep a listener that only counts
-                unregister(count)
+            per_round.append(compiled[1])
         return per_round
 
     def rounds(self, plan: Sequence[Variant], rounds: int, on_run: Any = None) -> dict[str, list[dict[str, Any]]]:
         """Every variant of ``plan`` once per round, ``rounds`` rounds; ``on_run(variant, round, run)`` after each.
-        Rounds to be compared come after untimed ones (:meth:`warm`), so no timed run pays for compilation.
+        Rounds to be compared come after untimed ones (:meth:`warm`); what a timed run still compiles is in its
+        ``compile_s``.
 
         Returns:
           Each variant's runs (:meth:`run`'s results), in order.

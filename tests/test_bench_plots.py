@@ -106,3 +106,19 @@ def test_simulated_against_measured_by_hand():
     out = modes.compare(results, simulated)
     assert out["dora_over_sync_wall"]["dora_k2_shared"]["measured"] == pytest.approx(0.5)
     assert out["dora_over_sync_wall"]["dora_k2_shared"]["simulated"] == pytest.approx(0.25)
+
+
+def test_a_mode_wall_time_leaves_out_what_compiled_inside_the_run():
+    def run(wall, compile_s):
+        summary = {"mode": "dora", "placement": "split", "max_staleness": 2, "samples": 128, "wall_s": wall,
+                   "decode_batch_steps_per_sample": 4.0, "slot_utilization": 0.5, "decode_batch_steps": 512,
+                   "train_s": 1.0, "gen_tok_s": 10.0, "trainer_idle_fraction": 0.1, "max_resident_versions": 3,
+                   "sync_s": 0.0}
+        rows = [{"staleness": {"1": 16}, "rollout_share": 0.5, "slot_occupancy": 0.5, "trained_tokens": 640,
+                 "reward": 0.5, "len_p50": 8, "len_p99": 200}]
+        return {"summary": summary, "rows": rows, "compile_s": compile_s}
+
+    # Walls 2.0, 5.0 (3.0 of it compiling) and 2.4: net 2.0, 2.0, 2.4, so the median is 2.0, not 2.4.
+    r = modes._mode_result("dora_k2", [run(2.0, 0.0), run(5.0, 3.0), run(2.4, 0.0)])
+    assert r["measured_wall_s"] == pytest.approx(2.0) and r["runs"]["wall_with_compile_s"] == [2.0, 5.0, 2.4]
+    assert r["samples_per_s"] == pytest.approx(64.0) and r["runs"]["compile_s"] == [0.0, 3.0, 0.0]
