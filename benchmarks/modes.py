@@ -243,7 +243,7 @@ def plot_modes(result: dict[str, Any], path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, bx, cx, dx) = plt.subplots(1, 4, figsize=(20, 4))
+    fig, ((ax, bx), (cx, dx)) = plt.subplots(2, 2, figsize=(14, 9))
     spread = result["sync_reward_spread"]
     steps = np.arange(1, len(spread["mean"]) + 1)
     ax.fill_between(steps, spread["min"], spread["max"], color="grey", alpha=0.3,
@@ -260,7 +260,7 @@ def plot_modes(result: dict[str, Any], path: str) -> str:
     lo = med - np.asarray([min(result["modes"][n]["runs"]["samples_per_s"]) for n in names])
     hi = np.asarray([max(result["modes"][n]["runs"]["samples_per_s"]) for n in names]) - med
     bx.bar(x, med, yerr=[lo, hi], capsize=3)
-    bx.set_xticks(x, names, rotation=30)
+    bx.set_xticks(x, names, rotation=35, ha="right")
     bx.set_title(f"throughput, median of {result['repeats']} runs (bars: min-max)", fontsize=10)
     bx.set_xlabel("mode")
     bx.set_ylabel("trained samples / s")
@@ -272,8 +272,8 @@ def plot_modes(result: dict[str, Any], path: str) -> str:
     cx.bar(x + 0.2, sim, 0.4, label="simulated with this machine's profile")
     for i, (m, s) in enumerate(zip(meas, sim)):
         cx.annotate(f"{s / m - 1:+.0%}", (i + 0.2, s), ha="center", va="bottom", fontsize=7)
-    cx.set_xticks(x, names, rotation=30)
-    cx.set_title("wall time per run: simulated vs measured", fontsize=10)
+    cx.set_xticks(x, names, rotation=35, ha="right")
+    cx.set_title("wall time per run, compiling inside it left out: simulated vs measured", fontsize=10)
     cx.set_xlabel("mode")
     cx.set_ylabel("wall seconds of the run")
     cx.legend(fontsize=7, loc="lower right")
@@ -281,8 +281,8 @@ def plot_modes(result: dict[str, Any], path: str) -> str:
              for n in names]
     dx.bar(x, ratio)
     dx.axhline(0.5, color="red", linestyle="--", linewidth=1, label="dora K = 2 target (0.5x)")
-    dx.set_xticks(x, names, rotation=30)
-    dx.set_title("decode batch-steps per trained sample, vs sync of the same placement", fontsize=10)
+    dx.set_xticks(x, names, rotation=35, ha="right")
+    dx.set_title("decode batch-steps per trained sample / sync's (same placement)", fontsize=10)
     dx.set_xlabel("mode")
     dx.set_ylabel("ratio to sync")
     dx.legend(fontsize=7)
