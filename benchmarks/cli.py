@@ -61,7 +61,9 @@ def build_parser(prog: str = "dora-jax bench") -> argparse.ArgumentParser:
                    "snapshot: rows per step (default 8); kernel: slots per call (default 8 and 32)")
     b.add_argument("--new-tokens", type=_positive_int, default=128, help="engine: new tokens per sequence")
     b.add_argument("--no-reference", action="store_true", help="engine: skip the transformers side")
-    b.add_argument("--preset", choices=("cpu", "accel"), help="train: 'accel' = long sequences (remat, blockwise "
+    b.add_argument("--preset", choices=("cpu", "accel", "reasoning"), help="modes: 'reasoning' = budgets up to "
+                   "4,096 tokens on a SmolLM2-135M-shaped model (random weights, bf16), 4 updates, 2 timed runs a "
+                   "mode (for an accelerator). train: 'accel' = long sequences (remat, blockwise "
                    "attention, chunked log-probs, bf16 compute) on a Qwen2.5-1.5B-shaped model at 2k/8k/32k tokens "
                    "(tokens/s, MFU, compiled temporary bytes); on a CPU, the memory analysis of a tiny model at "
                    "1k-8k. engine: 'cpu' = SmolLM2-135M float32, the default workload with its summary on top; "
@@ -130,6 +132,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.what == "modes":
         from benchmarks import modes
 
+        if args.preset == "reasoning":
+            r = modes.REASONING
+            return modes.bench_modes(r["config"], steps=args.steps or r["steps"], repeats=args.repeats or r["repeats"],
+                                     noise_seeds=r["noise_seeds"], profile=args.profile, max_len=r["max_len"],
+                                     overrides=tuple(r["overrides"]))
         return modes.bench_modes("tiny_llama" if args.config == DEFAULT_CONFIG else args.config,
                                  steps=args.steps or 8, repeats=args.repeats or 3, profile=args.profile)
     if args.what == "profile":
@@ -176,8 +183,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "dora-jax bench") -> int
     problems = [p for p in (_unwritable(args.json, "--json"), _unwritable(args.plot, "--plot")) if p]
     if args.overrides and args.what in NO_OVERRIDES:
         problems.append(f"{prog} {args.what}: takes no key=value overrides (got {' '.join(args.overrides)})")
-    if args.preset and args.what not in ("train", "engine"):
-        problems.append(f"{prog} {args.what}: --preset is for train only (accel) and engine (cpu, accel)")
+    if args.preset and args.what not in ("train", "engine", "modes"):
+        problems.append(f"{prog} {args.what}: --preset is for train (accel), engine (cpu, accel) and modes "
+                        "(reasoning)")
+    elif (args.preset == "reasoning") != (args.what == "modes" and args.preset is not None):
+        problems.append(f"{prog} {args.what}: --preset {args.preset} is not one of its presets (train: accel; "
+                        "engine: cpu, accel; modes: reasoning)")
     elif args.preset == "cpu" and args.what == "train":
         problems.append(f"{prog} train: --preset cpu is for engine only")
     if args.preset and (args.overrides or args.config != DEFAULT_CONFIG):

@@ -37,10 +37,27 @@ from benchmarks.record import machine, source_version
 # The workload: tiny Llama on one device, 32 slots, groups of 4, 16 samples per update, length budgets up to
 # 256 tokens (p50 8, 15% between 128 and 256): every batch meets the tail, as in large-batch RL.
 TBS = 16
-OVERRIDES = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "task.name=longtail", "task.longtail_max_len=256",
-             "task.eval_size=0", "rollout.slots=32", "rollout.max_new_tokens=256", "rollout.max_prompt_len=32",
-             "train.group_size=4", "train.learning_rate=0.002", "train.max_response_tokens=256",
-             "train.length_buckets=[64, 128, 192, 256, 320]", f"dora.train_batch={TBS}", "run.checkpoint_every=0"]
+
+
+def workload(max_len: int = 256) -> list[str]:
+    """The settings of every mode's run: task ``longtail`` with budgets up to ``max_len`` tokens (p50
+    ``max_len / 32``), 32 slots, groups of 4, ``TBS`` samples per update, the trainer's length buckets at quarters of
+    ``max_len``."""
+    buckets = [max_len // 4, max_len // 2, 3 * max_len // 4, max_len, max_len + 64]
+    return ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "task.name=longtail", f"task.longtail_max_len={max_len}",
+            "task.eval_size=0", "rollout.slots=32", f"rollout.max_new_tokens={max_len}", "rollout.max_prompt_len=32",
+            "train.group_size=4", "train.learning_rate=0.002", f"train.max_response_tokens={max_len}",
+            f"train.length_buckets={buckets}", f"dora.train_batch={TBS}", "run.checkpoint_every=0"]
+
+
+OVERRIDES = workload()
+# ``--preset reasoning``, for an accelerator: reasoning-length outputs (budgets up to 4,096 tokens, p50 128) on a
+# SmolLM2-135M-shaped model with random weights (byte tokens, no end-of-sequence token, so every response runs to
+# its budget), computing in bf16, the train step with full remat and chunked log-probs. On one device every mode
+# runs shared.
+REASONING = {"config": "smollm2_135m", "max_len": 4096, "steps": 4, "repeats": 2, "noise_seeds": 1,
+             "overrides": ["model.weights=''", "model.max_seq_len=4224", "model.compute_dtype=bfloat16",
+                           "train.remat=full", "train.logprob_chunk=64"]}
 MODES = [("sync", 0), ("one_step_off", 1), ("dora", 1), ("dora", 2), ("dora", 3)]
 TARGET = 0.15  # simulated wall time and dora / sync ratio: within 15% of the measured
 
@@ -145,7 +162,8 @@ def compare(results: dict[str, dict[str, Any]], simulated: dict[str, dict[str, A
 
 
 def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, noise_seeds: int = 3,
-                profile: str | None = None, out_dir: str | None = None) -> dict[str, Any]:
+                profile: str | None = None, out_dir: str | None = None, max_len: int = 256,
+                overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     """Runs every mode ``repeats`` times (alternated, after untimed rounds), simulates each with a cost
     profile of this machine, and returns per-mode throughput, schedule figures and the simulator's error.
 
@@ -156,12 +174,14 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
       noise_seeds: sync runs with different rollout seeds, for the reward curve's run-to-run spread.
       profile: a ``bench profile`` JSON measured on this machine; default: one is measured here first.
       out_dir: keep the run directories here (default: a temporary directory).
+      max_len: the longest length budget (:func:`workload`).
+      overrides: ``key=value`` settings after the workload's.
     """
     from dora_jax.sim.profile import load_profile, parse_profile
 
     from benchmarks.profile import add_train_samples, bench_profile
 
-    h = Harness(config, OVERRIDES + [f"dora.steps={steps}"], out_dir, shared_devices=1)
+    h = Harness(config, workload(max_len) + list(overrides) + [f"dora.steps={steps}"], out_dir, shared_devices=1)
     variants = plan(h.split)
     # One placement's runs at a time: on XLA:CPU every compiled program holds memory mappings of its own, and the
     # programs of split and shared placement together (a trainer per staleness bound, an engine each) pass Linux's
@@ -209,7 +229,9 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
             "train_batch": TBS,
             "group_size": 4, "devices": h.device_count,
             "placement": "split (trainer device 0, rollout device 1)" if h.split else "shared (one device)",
-            "slots": 32, "workload": "longtail: per-sample budgets, 85% lognormal p50 8, 15% uniform 128..256 tokens",
+            "slots": 32, "max_len": max_len, "overrides": list(overrides),
+            "workload": f"longtail: per-sample budgets, 85% lognormal p50 {max_len // 32}, 15% uniform "
+                        f"{max_len // 2}..{max_len} tokens",
             "modes": results, "programs_compiled_per_untimed_round": warm_rounds,
             "speedup_vs_sync": {n: r["samples_per_s"] / results[reference(n)]["samples_per_s"] for n, r in results.items()},
             "decode_steps_per_sample_vs_sync": steps_vs_sync,

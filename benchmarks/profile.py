@@ -495,7 +495,7 @@ def bench_profile(config: str = "tiny_llama", overrides: Sequence[str] = (), har
     update_host_s = part("update_host", lambda: measure_update_host(cfg, h.task, 16, train_metrics))
     iteration_host_s = part("iteration_host", lambda: measure_iteration_host(cfg))
     return {
-        "kind": KIND, "format": FORMAT, "config": config, "overrides": list(OVERRIDES) + list(overrides),
+        "kind": KIND, "format": FORMAT, "config": h.config, "overrides": list(h.overrides),
         "workload": {"slots": cfg.rollout.slots, "max_target_length": engine.max_target_length,
                      "max_prefill_length": engine.max_prefill_length, "decode_steps": decode["steps_per_dispatch"],
                      "overlap": setup.overlap, "placement": "split" if placement.disjoint else "shared",

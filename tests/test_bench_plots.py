@@ -74,6 +74,17 @@ def test_convergence_target_by_hand():
     assert out["met"] == {"dora_k2_decoupled": True, "dora_k3_decoupled": False}
 
 
+def test_the_reasoning_preset_is_a_valid_run_of_reasoning_length():
+    from dora_jax.config import load_config
+
+    r = modes.REASONING
+    cfg = load_config(r["config"], modes.workload(r["max_len"]) + r["overrides"])
+    assert cfg.model.weights == "" and cfg.model.compute_dtype == "bfloat16"  # random weights: byte tokens, no EOS
+    assert cfg.rollout.max_new_tokens == cfg.train.max_response_tokens == cfg.task.longtail_max_len == 4096
+    assert cfg.model.max_seq_len >= cfg.rollout.max_prompt_len + 4096 and max(cfg.train.length_buckets) >= 4096 + 32
+    assert modes.workload(256) == modes.OVERRIDES and "train.length_buckets=[64, 128, 192, 256, 320]" in modes.OVERRIDES
+
+
 def test_bench_options():
     args = cli.build_parser().parse_args(["convergence", "--seeds", "2", "--steps", "3", "--eval-size", "128"])
     assert (args.seeds, args.steps, args.eval_size) == (2, 3, 128)
@@ -82,6 +93,7 @@ def test_bench_options():
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["convergence", "--seeds", "0"])
     assert "profile" in cli.WHAT and "convergence" in cli.WHAT
+    assert cli.main(["convergence", "--preset", "reasoning"]) == 2 and cli.main(["modes", "--preset", "accel"]) == 2
 
 
 def test_simulated_against_measured_by_hand():
