@@ -85,7 +85,7 @@ def test_the_accel_train_preset_is_reached_and_takes_no_config(monkeypatch, caps
     assert cli.main(["bench", "train", "--preset", "accel", "train.remat=full"]) == 2
     assert "takes no --config or key=value overrides" in capsys.readouterr().err
     assert cli.main(["bench", "decode", "--preset", "accel"]) == 2
-    assert "--preset is for train only" in capsys.readouterr().err
+    assert "--preset is for train (accel), engine" in capsys.readouterr().err
 
 
 def test_bench_runs_from_another_directory(tmp_path):
