@@ -105,7 +105,8 @@ def bench_convergence(config: str = CONFIG, seeds: int = 4, steps: int | None = 
     return {"machine": machine(), "config": config, "seeds": seeds, "steps": steps,
             "train_batch": base.dora.train_batch, "samples_per_run": steps * base.dora.train_batch,
             "eval_size": eval_size, "eval_samples": samples, "heldout_answers": eval_size * samples,
-            "runs": out, "target": parity(out), "settings": {v.name: v.overrides for v in variants}, "run_dir": h.out_dir}
+            "runs": out, "target": parity(out), "settings": {v.name: v.overrides for v in variants},
+            "run_dir": h.out_dir}
 
 
 def plot_convergence(result: dict[str, Any], path: str) -> str:

@@ -109,7 +109,8 @@ def _mode_result(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "decode_steps_per_sample": float(np.median(per_run["decode_steps_per_sample"])),
         "slot_utilization": float(np.median(per_run["slot_utilization"])), "runs": per_run,
         "decode_batch_steps": s["decode_batch_steps"], "train_s": s["train_s"],
-        "tokens_per_s": sum(row["trained_tokens"] for row in rows) / walls[runs.index(med)], "gen_tok_s": s["gen_tok_s"],
+        "tokens_per_s": sum(row["trained_tokens"] for row in rows) / walls[runs.index(med)],
+        "gen_tok_s": s["gen_tok_s"],
         "rollout_share": float(np.mean([row["rollout_share"] for row in rows])),
         "trainer_idle_fraction": s["trainer_idle_fraction"],
         "slot_occupancy": float(np.mean([row["slot_occupancy"] for row in rows])),
@@ -199,7 +200,8 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
             # The train costs sampled again before every timed round (the largest cost).
             state[0] = add_train_samples(measured_profile, placement.trainer, state[0], cfg)
 
-        def say(v: Variant, r: int, run: dict[str, Any], last: Variant = phase[-1], sample: bool = sample_train) -> None:
+        def say(v: Variant, r: int, run: dict[str, Any], last: Variant = phase[-1],
+                sample: bool = sample_train) -> None:
             s = run["summary"]
             print(f"round {r + 1}: {v.name:>19}: wall {s['wall_s']:.2f} s, {s['samples_per_s']:.2f} samples/s, "
                   f"{s['decode_batch_steps_per_sample']:.2f} decode batch-steps/sample", flush=True)
@@ -233,7 +235,8 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
             "workload": f"longtail: per-sample budgets, 85% lognormal p50 {max_len // 32}, 15% uniform "
                         f"{max_len // 2}..{max_len} tokens",
             "modes": results, "programs_compiled_per_untimed_round": warm_rounds,
-            "speedup_vs_sync": {n: r["samples_per_s"] / results[reference(n)]["samples_per_s"] for n, r in results.items()},
+            "speedup_vs_sync": {n: r["samples_per_s"] / results[reference(n)]["samples_per_s"]
+                                for n, r in results.items()},
             "decode_steps_per_sample_vs_sync": steps_vs_sync,
             # The device-independent target: dora at K = 2 against sync, both where the count is the schedule's.
             "target": {"variant": k2, "decode_steps_per_sample_vs_sync": steps_vs_sync[k2], "at_most": 0.5,

@@ -105,7 +105,8 @@ class Finished:
     def from_dict(cls, d: dict[str, Any]) -> "Finished":
         traj = Trajectory(d["sample_id"], d["version"], list(d["prompt_ids"]), list(d["tokens"]),
                           list(d["logprobs"]), d["finish_reason"], 0.0, 0.0, 0.0)
-        return cls(traj, d["group_id"], Item(**{**d["item"], "budgets": tuple(d["item"].get("budgets", ()))}), d["text"], d["reward"], d["correct"])
+        item = Item(**{**d["item"], "budgets": tuple(d["item"].get("budgets", ()))})  # JSON gives a list
+        return cls(traj, d["group_id"], item, d["text"], d["reward"], d["correct"])
 
 
 def seeds(cfg: Config) -> dict[str, int]:
