@@ -446,8 +446,9 @@ class RolloutConfig:
     ``attention_impl`` picks how a one-token decode step attends over a slot's pages: ``"xla"`` (gather the
     slot's pages, masked attention; the reference), ``"pallas_gpu"`` / ``"pallas_tpu"`` (JAX's shipped paged
     attention kernels, :mod:`dora_jax.kernels.paged_attention`) or ``"auto"`` (xla on every platform until a
-    measurement there shows a kernel ahead; a kernel is also refused where the slots split over batch shards). ``pallas_interpret`` runs a kernel in the Pallas interpreter (CPU tests). These two change no
-    result beyond float rounding.
+    measurement there shows a kernel ahead; a kernel is also refused where the slots split over batch shards).
+    ``pallas_interpret`` runs a kernel in the Pallas interpreter (CPU tests). These two change no result beyond
+    float rounding.
 
     ``decode_steps`` is how many decode steps one dispatched program runs (``RolloutDriver(decode_steps=...)``):
     each slot stops on the device at an end-of-sequence or stop id or at its token budget, and the host admits
