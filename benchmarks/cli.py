@@ -52,6 +52,8 @@ def build_parser(prog: str = "dora-jax bench") -> argparse.ArgumentParser:
                    "per point (default 2); kernel-sweep: timed calls per setting (default 50); engine: "
                    "alternated runs of the fixed batch, engine and transformers (default 3); modes: timed runs "
                    "per mode, alternated (default 3)")
+    b.add_argument("--warm-rounds", type=_positive_int, default=4, help="modes: untimed rounds at most, until one "
+                   "compiles nothing (default 4; a timed run's own compile time is taken out of its wall time)")
     b.add_argument("--profile", help="modes: simulate with this 'bench profile' JSON of this machine (default: "
                    "measure one first)")
     b.add_argument("--seeds", type=_positive_int, default=4, help="convergence: seeds per run name")
@@ -69,6 +71,8 @@ def build_parser(prog: str = "dora-jax bench") -> argparse.ArgumentParser:
                    "1k-8k. engine: 'cpu' = SmolLM2-135M float32, the default workload with its summary on top; "
                    "'accel' = a Qwen2.5-1.5B-shaped model (random weights, bf16) at 64 and 256 sequences, "
                    "long-tailed outputs up to 4,096 tokens")
+    b.add_argument("--attention-impl", choices=("auto", "xla", "pallas_gpu", "pallas_tpu"), help="engine --preset "
+                   "accel: the decode attention over the page pool (default: rollout.attention_impl's default)")
     b.add_argument("--quick", action="store_true", help="engine --preset: a small form that runs in minutes on a "
                    "CPU")
     return b
@@ -124,7 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from benchmarks import engine
 
         if args.preset == "accel":
-            return engine.bench_engine_accel(quick=args.quick)
+            return engine.bench_engine_accel(quick=args.quick, attention_impl=args.attention_impl)
         if args.preset == "cpu":
             return engine.bench_engine_cpu(quick=args.quick, with_hf=not args.no_reference, rounds=args.repeats or 3)
         return engine.bench_engine(args.config, batch=args.batch or 32, new_tokens=args.new_tokens,
@@ -136,9 +140,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             r = modes.REASONING
             return modes.bench_modes(r["config"], steps=args.steps or r["steps"], repeats=args.repeats or r["repeats"],
                                      noise_seeds=r["noise_seeds"], profile=args.profile, max_len=r["max_len"],
-                                     overrides=tuple(r["overrides"]))
+                                     overrides=tuple(r["overrides"]), warm_rounds=args.warm_rounds)
         return modes.bench_modes("tiny_llama" if args.config == DEFAULT_CONFIG else args.config,
-                                 steps=args.steps or 8, repeats=args.repeats or 3, profile=args.profile)
+                                 steps=args.steps or 8, repeats=args.repeats or 3, profile=args.profile,
+                                 warm_rounds=args.warm_rounds)
     if args.what == "profile":
         from benchmarks import profile
 
@@ -194,6 +199,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "dora-jax bench") -> int
     if args.preset and (args.overrides or args.config != DEFAULT_CONFIG):
         problems.append(f"{prog} {args.what} --preset {args.preset}: builds its own model and settings; it takes no "
                         "--config or key=value overrides")
+    if args.attention_impl and not (args.what == "engine" and args.preset == "accel"):
+        problems.append(f"{prog} {args.what}: --attention-impl is for engine --preset accel only (elsewhere: "
+                        "rollout.attention_impl=...)")
     if args.quick and not (args.what == "engine" and args.preset):
         problems.append(f"{prog} {args.what}: --quick is for engine --preset only")
     if problems:

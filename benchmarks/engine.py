@@ -570,14 +570,16 @@ def _top_level(preset: str, summary: dict[str, Any], bw: float, source: str, hf:
             "bandwidth_bytes_s": bw, "bandwidth_source": source}
 
 
-def bench_engine_accel(quick: bool = False, batches: tuple[int, ...] | None = None, seed: int = 0) -> dict[str, Any]:
+def bench_engine_accel(quick: bool = False, batches: tuple[int, ...] | None = None, seed: int = 0,
+                       attention_impl: str | None = None) -> dict[str, Any]:
     """``bench engine --preset accel``: the engine serving a Qwen2.5-1.5B-shaped model (random weights, bf16) at
     64 and 256 concurrent sequences, each batch of slots fed twice as many requests of 256 random prompt tokens
     with long-tailed output lengths (p50 256, up to 4,096), continuous batching as a training run's rollout
     does. The top-level figures are the largest batch's; every batch's are under ``batches``.
 
     ``quick``: a two-layer body of the same vocabulary, 4 and 8 sequences of 32-token prompts, outputs up to
-    64 tokens (a CPU check that the preset runs, not a measurement).
+    64 tokens (a CPU check that the preset runs, not a measurement). ``attention_impl``: the decode attention
+    over the page pool (``rollout.attention_impl``; default its default).
     """
     import dataclasses
 
@@ -594,7 +596,8 @@ def bench_engine_accel(quick: bool = False, batches: tuple[int, ...] | None = No
     target = -(-(prompt + max_out) // 256) * 256  # whole 256-token blocks of cache
     model = init_model(ModelConfig(**(QUICK_ENGINE_MODEL if quick else ACCEL_ENGINE_MODEL), max_seq_len=target),
                        seed=seed)
-    settings = DecodeSettings.of(RolloutConfig())
+    rollout = RolloutConfig() if attention_impl is None else RolloutConfig(attention_impl=attention_impl)
+    settings = DecodeSettings.of(rollout)
     bw, source = memory_bandwidth()
     rng = np.random.default_rng(seed)
     sampling = RequestSampling(temperature=1.0, seed=seed)

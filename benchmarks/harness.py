@@ -153,7 +153,10 @@ class Harness:
         while len(per_round) < max_rounds and (not per_round or per_round[-1]):
             with compile_time() as compiled:
                 for v in plan:
-                    self.run(v)
+                    s = self.run(v)["summary"]
+                    # Progress: on an accelerator one untimed round of long outputs takes minutes.
+                    print(f"untimed round {len(per_round) + 1}: {v.name:>19}: wall {s['wall_s']:.2f} s (compiling "
+                          f"included), {s['decode_batch_steps_per_sample']:.2f} decode batch-steps/sample", flush=True)
             per_round.append(compiled[1])
         return per_round
 

