@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             r = modes.REASONING
             return modes.bench_modes(r["config"], steps=args.steps or r["steps"], repeats=args.repeats or r["repeats"],
                                      noise_seeds=r["noise_seeds"], profile=args.profile, max_len=r["max_len"],
-                                     overrides=tuple(r["overrides"]), warm_rounds=args.warm_rounds)
+                                     overrides=tuple(r["overrides"]), warm_rounds=args.warm_rounds,
+                                     profile_grid=r["profile_grid"])
         return modes.bench_modes("tiny_llama" if args.config == DEFAULT_CONFIG else args.config,
                                  steps=args.steps or 8, repeats=args.repeats or 3, profile=args.profile,
                                  warm_rounds=args.warm_rounds)

@@ -55,9 +55,12 @@ OVERRIDES = workload()
 # SmolLM2-135M-shaped model with random weights (byte tokens, no end-of-sequence token, so every response runs to
 # its budget), computing in bf16, the train step with full remat and chunked log-probs. On one device every mode
 # runs shared.
+# Its cost profile sweeps a smaller decode grid once: each point runs to 4,096 positions, and the default grid's
+# 36 sweeps would take minutes of an accelerator's time on their own.
 REASONING = {"config": "smollm2_135m", "max_len": 4096, "steps": 4, "repeats": 2, "noise_seeds": 1,
              "overrides": ["model.weights=''", "model.max_seq_len=4224", "model.compute_dtype=bfloat16",
-                           "train.remat=full", "train.logprob_chunk=64"]}
+                           "train.remat=full", "train.logprob_chunk=64"],
+             "profile_grid": {"versions": (1, 2, 4), "batches": (1, 16, 32), "rounds": 1}}
 MODES = [("sync", 0), ("one_step_off", 1), ("dora", 1), ("dora", 2), ("dora", 3)]
 TARGET = 0.15  # simulated wall time and dora / sync ratio: within 15% of the measured
 
@@ -164,7 +167,8 @@ def compare(results: dict[str, dict[str, Any]], simulated: dict[str, dict[str, A
 
 def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, noise_seeds: int = 3,
                 profile: str | None = None, out_dir: str | None = None, max_len: int = 256,
-                overrides: tuple[str, ...] = (), warm_rounds: int = 4) -> dict[str, Any]:
+                overrides: tuple[str, ...] = (), warm_rounds: int = 4,
+                profile_grid: dict[str, Any] | None = None) -> dict[str, Any]:
     """Runs every mode ``repeats`` times (alternated, after untimed rounds), simulates each with a cost
     profile of this machine, and returns per-mode throughput, schedule figures and the simulator's error.
 
@@ -178,6 +182,8 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
       max_len: the longest length budget (:func:`workload`).
       overrides: ``key=value`` settings after the workload's.
       warm_rounds: untimed rounds at most (:meth:`Harness.warm`).
+      profile_grid: the measured profile's decode grid (:func:`benchmarks.profile.bench_profile`'s
+        ``versions``, ``batches``, ``rounds``; default its own).
     """
     from dora_jax.sim.profile import load_profile, parse_profile
 
@@ -195,7 +201,7 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
         compiled_per_round.append(h.warm(phase, max_rounds=warm_rounds))
         sample_train = i == 0 and profile is None
         if sample_train:  # measured between the compiling round and the timed ones, on the same engine and trainer
-            measured_profile = bench_profile(config, harness=h)
+            measured_profile = bench_profile(config, harness=h, **(profile_grid or {}))
             cfg = h.cfg((), h.split)
             placement = h.placement(cfg, h.split)
             state = [placement.take_state()]

@@ -444,13 +444,16 @@ def measure_iteration_host(cfg: Any, repeats: int = 200) -> float:
 
 
 def bench_profile(config: str = "tiny_llama", overrides: Sequence[str] = (), harness: Any = None,
-                  versions: Sequence[int] = VERSIONS, batches: Sequence[int] = BATCHES) -> dict[str, Any]:
+                  versions: Sequence[int] = VERSIONS, batches: Sequence[int] = BATCHES,
+                  rounds: int = 3) -> dict[str, Any]:
     """Measures every cost of :mod:`dora_jax.sim.profile` on this machine for the ``bench modes`` workload on
     ``config`` (``overrides`` on top).
 
     Args:
       harness: a :class:`benchmarks.harness.Harness` already built for the workload (its engine and trainer are
         measured, and their compiled programs shared); default: one built here.
+      versions, batches, rounds: the decode grid (versions x rows each, every point swept from the prompt to the
+        longest output ``rounds`` times).
 
     Returns:
       The profile (``kind``, ``format``, the sections, ``workload`` and ``machine``).
@@ -480,7 +483,7 @@ def bench_profile(config: str = "tiny_llama", overrides: Sequence[str] = (), har
         return out
 
     decode = part("decode", lambda: measure_decode(engine, params, prompt, head, setup.overlap, last, versions,
-                                                   batches))
+                                                   batches, rounds))
     admission = part("admission", lambda: measure_admission(engine, params, setup.prompt, head, setup.overlap,
                                                             cfg.train.group_size, decode))
     calls = part("calls", lambda: measure_calls(engine))

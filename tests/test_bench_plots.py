@@ -83,13 +83,21 @@ def test_the_reasoning_preset_is_a_valid_run_of_reasoning_length():
     assert cfg.rollout.max_new_tokens == cfg.train.max_response_tokens == cfg.task.longtail_max_len == 4096
     assert cfg.model.max_seq_len >= cfg.rollout.max_prompt_len + 4096 and max(cfg.train.length_buckets) >= 4096 + 32
     assert modes.workload(256) == modes.OVERRIDES and "train.length_buckets=[64, 128, 192, 256, 320]" in modes.OVERRIDES
+    # The profile's decode grid is a subset of the default one's points, swept fewer times.
+    import inspect
+
+    from benchmarks.profile import BATCHES, VERSIONS, bench_profile
+
+    grid = r["profile_grid"]
+    assert set(grid) <= set(inspect.signature(bench_profile).parameters)
+    assert set(grid["batches"]) <= set(BATCHES) and set(grid["versions"]) <= set(VERSIONS) and grid["rounds"] >= 1
 
 
 def test_bench_options():
     args = cli.build_parser().parse_args(["convergence", "--seeds", "2", "--steps", "3", "--eval-size", "128"])
     assert (args.seeds, args.steps, args.eval_size) == (2, 3, 128)
-    args = cli.build_parser().parse_args(["modes", "--profile", "p.json", "--repeats", "5"])
-    assert (args.profile, args.repeats) == ("p.json", 5)
+    args = cli.build_parser().parse_args(["modes", "--profile", "p.json", "--repeats", "5", "--warm-rounds", "1"])
+    assert (args.profile, args.repeats, args.warm_rounds) == ("p.json", 5, 1)
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["convergence", "--seeds", "0"])
     assert "profile" in cli.WHAT and "convergence" in cli.WHAT

@@ -189,7 +189,8 @@ def test_warm_repeats_untimed_rounds_until_one_compiles_nothing():
     f = jax.jit(lambda x: x * 2)
     h = Harness.__new__(Harness)  # only run() is used: each call meets the next array length
     lengths = iter([101, 102, 103, 103, 103])
-    h.run = lambda v, extra=(): f(np.zeros(next(lengths), np.float32))
+    summary = {"wall_s": 1.0, "decode_batch_steps_per_sample": 2.0}
+    h.run = lambda v, extra=(): {"out": f(np.zeros(next(lengths), np.float32)), "summary": summary}
     assert h.warm([Variant("a", [], False)]) == [1, 1, 1, 0]
     lengths = iter([104, 105, 106])
     assert h.warm([Variant("a", [], False)], max_rounds=2) == [1, 1]
