@@ -38,8 +38,8 @@ from typing import Any, Iterable, Sequence
 import jax
 import numpy as np
 
-from dora_jax.rollout.engine import (Engine, EngineError, RequestSampling, SharedPrefix, bucket, continues,
-                                     resolve_decode_steps)
+from dora_jax.rollout.engine import Engine, EngineError, RequestSampling, SharedPrefix, bucket, resolve_decode_steps
+from dora_jax.rollout.engine_api import continues
 from dora_jax.rollout.sampling import needs_filter
 
 

@@ -1,0 +1,190 @@
+"""The rollout engine's data: its requests' sampling settings, prefilled requests, decode states and per-step
+results, the counterparts of ``jetstream.engine.engine_api``'s types (google-jetstream 0.2.2), extended for RL
+rollout (a log-prob and a policy version with every token).
+
+:mod:`dora_jax.rollout.engine` re-exports every name here; the engine itself lives there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from dora_jax.models.decoder import KVCache
+from dora_jax.rollout.pages import bucket
+from dora_jax.rollout.sampling import SamplingParams
+
+
+class EngineError(ValueError):
+    """A request or call the engine cannot serve (prompt too long, unknown slot, bad sampling settings)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestSampling:
+    """Sampling settings of one request. ``temperature == 0`` is greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
+            raise EngineError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_k, (int, np.integer)) and self.top_k >= 0):
+            raise EngineError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise EngineError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+
+class PreparedParams(NamedTuple):
+    """One policy version's weights in the engine's dtype and the layout decode runs on
+    (``Decoder.decode_params(fuse=True)``)."""
+
+    tree: dict
+
+
+class Prefix(NamedTuple):
+    """A prefilled request: its cache row and its first sampled token (at position ``length``)."""
+
+    cache: KVCache  # k [L, 1, K, d, S], v [L, 1, K, S, d] (after an existing prefix: its n slots + the bucket)
+    token: jax.Array  # [] int32
+    logprob: jax.Array  # [] float32
+    length: jax.Array  # [] int32: true prompt length = position of `token`
+    sample_id: jax.Array
+    version: jax.Array
+    sampling: SamplingParams  # fields of shape [1]
+    seed: jax.Array
+    host_length: int | None = None  # ``length`` on the host: the tokens insert writes
+    head: SharedPrefix | None = None  # on the host: the shared prefix the request was prefilled after
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SharedPrefix:
+    """Tokens that many prompts start with (a chat template's fixed head), prefilled once for one policy
+    version (:meth:`Engine.prefill_shared_prefix`). :meth:`Engine.prefill_batch` given one prefills only what
+    follows it in each prompt, attending to this cache: the prefix costs one prefill per version, not one per
+    prompt."""
+
+    tokens: tuple[int, ...]
+    cache: KVCache  # k [L, 1, K, d, n], v [L, 1, K, n, d]: exactly n = len(tokens) slots, no padding
+    version: int
+
+    def covers(self, prompt: Sequence[int]) -> bool:
+        """Whether ``prompt`` starts with the prefix and has at least one token after it."""
+        return continues(self.tokens, prompt)
+
+
+def continues(prefix: Sequence[int], prompt: Sequence[int]) -> bool:
+    """Whether ``prompt`` starts with a non-empty ``prefix`` and has at least one token after it."""
+    n = len(prefix)
+    return 0 < n < len(prompt) and tuple(int(x) for x in prompt[:n]) == tuple(prefix)
+
+
+class PrefixBatch(NamedTuple):
+    """Several prefilled requests of one policy version (:meth:`Engine.prefill_batch`). Requests with the same
+    prompt share one cache row (a GRPO group's members are prefilled once); each has its own first token."""
+
+    cache: KVCache  # k [L, P, K, d, T], v [L, P, K, T, d]: one row per distinct prompt, T = the prompt bucket
+    rows: jax.Array  # [N] int32: each request's cache row
+    token: jax.Array  # [N] int32
+    logprob: jax.Array  # [N] float32
+    length: jax.Array  # [N] int32: true prompt length = position of `token`
+    sample_id: jax.Array  # [N]
+    version: jax.Array  # [N]
+    sampling: SamplingParams  # [N] each
+    seed: jax.Array  # [N]
+    # On the host: (each request's prompt length, its cache row, the SharedPrefix the batch was prefilled after
+    # or None): what insert writes, and which head's pages it may share.
+    host: tuple | None = None
+
+
+class DecodeState(NamedTuple):
+    """Every slot's next token to feed and its request. ``positions[b]`` is where ``tokens[b]`` sits.
+
+    The slots' keys and values live in the engine's page pool (:attr:`Engine.pool`), shared by every decode
+    state of the engine; which pages a slot holds is the engine's host-side record of this state, carried from
+    each call's state to the state it returns."""
+
+    tokens: jax.Array  # [B] int32
+    positions: jax.Array  # [B] int32
+    sample_ids: jax.Array  # [B] int32
+    versions: jax.Array  # [B] int32 policy version of each slot
+    seeds: jax.Array  # [B] int32
+    active: jax.Array  # [B] bool
+    sampling: SamplingParams  # [B] each
+
+
+class SlotResult(NamedTuple):
+    token: int
+    valid: bool
+    position: int
+    logprob: float
+    version: int
+
+
+class ResultTokens:
+    """One step's results for all slots, packed as int32 [B, 5]: token, valid, position, logprob bits,
+    version. Fetch with one copy (:meth:`to_host`), then read slots (:meth:`get_result_at_slot`)."""
+
+    def __init__(self, data: jax.Array | np.ndarray):
+        self.data = data
+
+    def to_host(self) -> "ResultTokens":
+        return ResultTokens(np.asarray(self.data))
+
+    def get_result_at_slot(self, slot: int) -> SlotResult:
+        row = np.asarray(self.data[slot])
+        return SlotResult(int(row[0]), bool(row[1]), int(row[2]), float(row[3:4].view(np.float32)[0]), int(row[4]))
+
+    def columns(self) -> dict[str, np.ndarray]:
+        d = np.asarray(self.data)
+        return {"token": d[:, 0], "valid": d[:, 1].astype(bool), "position": d[:, 2],
+                "logprob": np.ascontiguousarray(d[:, 3]).view(np.float32), "version": d[:, 4]}
+
+
+class ResultSteps:
+    """The results of :meth:`Engine.generate_steps`: every slot's token of each of N steps, packed as int32
+    [N, B, 5] (the columns of :class:`ResultTokens`) and fetched with one copy (:meth:`to_host`). A slot's valid
+    tokens are its first ``counts()[b]`` steps: once a slot stops or uses up its budget it produces no more."""
+
+    def __init__(self, data: jax.Array | np.ndarray, on_read: Any = None):
+        self.data = data
+        self._on_read = on_read  # the engine's bookkeeping of what the program wrote, run at the first read
+
+    def _host(self) -> np.ndarray:
+        d = np.asarray(self.data)
+        if self._on_read is not None:
+            on_read, self._on_read = self._on_read, None
+            on_read(d)
+        return d
+
+    def to_host(self) -> "ResultSteps":
+        return ResultSteps(self._host())
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """Each column as [N, B]."""
+        d = self._host()
+        return {"token": d[..., 0], "valid": d[..., 1].astype(bool), "position": d[..., 2],
+                "logprob": np.ascontiguousarray(d[..., 3]).view(np.float32), "version": d[..., 4]}
+
+    def counts(self) -> np.ndarray:
+        """Tokens each slot produced, [B]."""
+        return self._host()[..., 1].sum(axis=0)
+
+    def steps_run(self) -> int:
+        """Decode steps the program ran: every step it runs has a slot that produces a token."""
+        return int(self._host()[..., 1].any(axis=1).sum())
+
+
+def stop_table(stop_ids: Sequence[Sequence[int]], minimum: int = 4) -> np.ndarray:
+    """Each slot's stop ids as int32 [B, M], padded with -1 (never a token); M a power of two >= ``minimum``,
+    so the compiled programs stay few."""
+    width = bucket(max((len(s) for s in stop_ids), default=0), minimum=minimum)
+    out = np.full((len(stop_ids), width), -1, np.int32)
+    for b, ids in enumerate(stop_ids):
+        out[b, :len(ids)] = list(ids)
+    return out
