@@ -268,8 +268,6 @@ class RolloutDriver:
     def _waiting_rows(self, groups: list[_Group]) -> set[tuple[int, int]]:
         """For a one-step program: the (version, row) of each live row the page pool cannot give its token's
         page now (the engine grants the same when it dispatches, taking nothing more)."""
-        if not hasattr(self.engine, "grant_pages"):
-            return set()
         got = self.engine.grant_pages([g.state for g in groups], [[int(s is not None) for s in g.slots] for g in groups])
         return {(g.version, b) for g, gs in zip(groups, got) for b, (s, n) in enumerate(zip(g.slots, gs))
                 if s is not None and n == 0}
@@ -532,10 +530,10 @@ class RolloutDriver:
             return s.request.max_new_tokens - len(s.tokens) - s.in_flight
 
         budgets = [[0 if s is None or not s.needs_step else min(n, left(s)) for s in g.slots] for g in active]
-        if hasattr(self.engine, "grant_pages"):  # a slot the page pool cannot serve now runs fewer tokens, or none
-            granted = [list(map(int, b)) for b in self.engine.grant_pages([g.state for g in active], budgets)]
-            self.page_waits += sum(x < y for g, w in zip(granted, budgets) for x, y in zip(g, w))
-            budgets = granted
+        # A slot the page pool cannot serve now runs fewer tokens, or none.
+        granted = [list(map(int, b)) for b in self.engine.grant_pages([g.state for g in active], budgets)]
+        self.page_waits += sum(x < y for g, w in zip(granted, budgets) for x, y in zip(g, w))
+        budgets = granted
         final = [[s is not None and 0 < b == left(s) for s, b in zip(g.slots, bs)] for g, bs in zip(active, budgets)]
         stops = [[() if s is None else tuple(self.eos_ids) + tuple(s.request.stop_ids) for s in g.slots]
                  for g in active]

@@ -144,6 +144,10 @@ class TimedEngine:
     def pages_needed(self, limit: int) -> int:
         return 0
 
+    def grant_pages(self, states_seq: Sequence[Any], tokens_seq: Sequence[Any]) -> list[np.ndarray]:
+        """Every budget in full: no pool to wait for."""
+        return [np.asarray(t, np.int64) for t in tokens_seq]
+
     @property
     def max_concurrent_decodes(self) -> int:
         return self._slots
