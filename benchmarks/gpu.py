@@ -12,12 +12,12 @@ weights; without them the SmolLM2-shaped parts run on random weights of the same
 Each part runs as its own ``dora-jax bench`` process with what is left of the budget as its time limit, so a
 part that runs long is stopped and the next ones are skipped cleanly; ``summary.json`` says which parts ran,
 how long each took, and which were cut or skipped, and each part's whole output is in ``bench_<part>.log``.
-The order is what the project most needs measured on an accelerator: the rollout engine against transformers,
-DORA's speed-up over sync on reasoning-length outputs on one device (``bench modes --preset reasoning``), the
-engine serving a 1.5B model at 64 and 256 sequences against its bandwidth roofline (through the XLA gather,
-then the Pallas paged kernel), one decode step against its roofline, the modes side by side on a long-tailed
-workload (DORA's speed-up, simulated beside it with this machine's cost profile), the cost profile alone (for
-``dora-jax simulate --profile``), the trainer's throughput and MFU.
+The order is what the project most needs measured on an accelerator: the rollout engine against transformers, DORA's
+speed-up over sync on reasoning-length outputs on one device (``bench modes --preset reasoning``), the engine
+serving a 1.5B model at 64 and 256 sequences against its bandwidth roofline (through the XLA gather, then the Pallas
+paged kernel) and a profile of its decode step, one decode step against its roofline, the modes side by side on a
+long-tailed workload (DORA's speed-up, simulated beside it with this machine's cost profile), the cost profile alone
+(for ``dora-jax simulate --profile``), the trainer's throughput and MFU.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ import time
 
 from benchmarks.record import device, machine
 
-# (name, arguments of `dora-jax bench`, the least time worth starting it with, seconds)
+# (name, arguments of `dora-jax bench` or a module's name and its arguments, the least time worth starting it
+# with, seconds)
 PARTS = [
     ("engine", ["engine", "--preset", "cpu", "--repeats", "3"], 120),  # SmolLM2-135M float32, vs transformers
     # DORA's speed-up on one device: sync against dora K = 1..3 (shared placement) on outputs up to 4,096 tokens,
@@ -47,6 +48,8 @@ PARTS = [
     # The same through JAX's shipped Pallas paged-attention kernel, which stops at each slot's length where the
     # XLA gather reads every slot's whole page table (the default path, which it must beat by 1.3x to replace)
     ("engine_accel_pallas", ["engine", "--preset", "accel", "--attention-impl", "pallas_gpu"], 240),
+    # Where that preset's decode step goes, op by op, at position 2,048 of 64 rows (a profiler trace)
+    ("step_profile_accel", ["benchmarks.experiments.step_profile", "--model", "accel"], 90),
     ("decode", ["decode", "--config", "smollm2_135m"], 45),
     ("modes", ["modes", "--steps", "8"], 180),  # with this machine's cost profile and the simulator beside
     ("profile", ["profile"], 90),  # the profile alone, for dora-jax simulate --profile
@@ -106,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         # The whole output goes to a log beside the JSON, so a part cut at the budget still leaves its progress.
         with open(log, "w") as f:
             try:
-                proc = subprocess.run(exe + bench_args + ["--json", path], timeout=left, stdout=f,
+                cmd = ([sys.executable, "-m"] if bench_args[0].startswith("benchmarks.") else exe) + bench_args
+                proc = subprocess.run(cmd + ["--json", path], timeout=left, stdout=f,
                                       stderr=subprocess.STDOUT, text=True)
                 status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
             except subprocess.TimeoutExpired:

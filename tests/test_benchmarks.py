@@ -194,3 +194,18 @@ def test_warm_repeats_untimed_rounds_until_one_compiles_nothing():
     assert h.warm([Variant("a", [], False)]) == [1, 1, 1, 0]
     lengths = iter([104, 105, 106])
     assert h.warm([Variant("a", [], False)], max_rounds=2) == [1, 1]
+
+
+def test_the_step_profile_names_the_ops_of_a_traced_decode_step(tmp_path, capsys):
+    """``benchmarks.experiments.step_profile`` (a ``benchmarks.gpu`` part): the traced one-step program's ops,
+    each with the source op it came from; the LM head's matmul over the whole vocabulary is among them."""
+    from benchmarks.experiments import step_profile
+
+    out = tmp_path / "p.json"
+    assert step_profile.main(["--model", "quick", "--position", "34", "--steps", "2", "--top", "50",
+                              "--json", str(out)]) == 0
+    r = json.load(open(out))
+    assert r["rows"] == 4 and r["position"] == 34 and r["step_ms"] > 0
+    assert 0 < r["ops_ms_per_step"] and all(o["ms_per_step"] >= 0 and o["source"] for o in r["top"])
+    assert any("151936" in o["result"] and "dot_general" in o["source"] for o in r["top"]), r["top"]
+    assert "ms a step under the profiler" in capsys.readouterr().out
