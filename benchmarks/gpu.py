@@ -12,8 +12,8 @@ weights; without them the SmolLM2-shaped parts run on random weights of the same
 Each part runs as its own ``dora-jax bench`` process with what is left of the budget as its time limit, so a
 part that runs long is stopped and the next ones are skipped cleanly; ``summary.json`` says which parts ran,
 how long each took, and which were cut or skipped, and each part's whole output is in ``bench_<part>.log``.
-The order is what the project most needs measured on an accelerator: the rollout engine against transformers, DORA's
-speed-up over sync on reasoning-length outputs on one device (``bench modes --preset reasoning``), the engine
+The order is what the project most needs measured on an accelerator: DORA's speed-up over sync on reasoning-length
+outputs on one device (``bench modes --preset reasoning``), the rollout engine against transformers, the engine
 serving a 1.5B model at 64 and 256 sequences against its bandwidth roofline (through the XLA gather, then the Pallas
 paged kernel) and a profile of its decode step, one decode step against its roofline, the modes side by side on a
 long-tailed workload (DORA's speed-up, simulated beside it with this machine's cost profile), the cost profile alone
@@ -36,12 +36,12 @@ from benchmarks.record import device, machine
 # (name, arguments of `dora-jax bench` or a module's name and its arguments, the least time worth starting it
 # with, seconds)
 PARTS = [
-    ("engine", ["engine", "--preset", "cpu", "--repeats", "3"], 120),  # SmolLM2-135M float32, vs transformers
     # DORA's speed-up on one device: sync against dora K = 1..3 (shared placement) on outputs up to 4,096 tokens,
-    # with this machine's cost profile and the simulator's prediction beside it (estimated at several minutes
-    # on an H100: untimed rounds, the profile's decode grid to 4,096 positions, 2 timed rounds)
-    # One untimed round (each timed run's own compile time is taken out of its wall time) and one timed round.
-    ("modes_reasoning", ["modes", "--preset", "reasoning", "--warm-rounds", "1", "--repeats", "1"], 300),
+    # with this machine's cost profile and the simulator's prediction beside it. On an H200 (2026-11-26) its
+    # untimed round alone took 266 s, compiling included; one untimed round, then one timed round (each timed
+    # run's own compile time is taken out of its wall time): about 450 s in all.
+    ("modes_reasoning", ["modes", "--preset", "reasoning", "--warm-rounds", "1", "--repeats", "1"], 420),
+    ("engine", ["engine", "--preset", "cpu", "--repeats", "3"], 120),  # SmolLM2-135M float32, vs transformers
     # A Qwen2.5-1.5B-shaped model in bf16 at 64 and 256 sequences, outputs up to 4,096 tokens: at least 4,096
     # decode steps per batch size, plus compiling both
     ("engine_accel", ["engine", "--preset", "accel"], 240),
