@@ -158,3 +158,14 @@ def test_errors_blame_the_override_or_the_file(tmp_path):
     p.write_text("train:\n  learning_rate: 2e-6\n  eps: 1E-8\n")
     cfg = load_config(str(p))
     assert (cfg.train.learning_rate, cfg.train.eps) == (2e-6, 1e-8)
+
+
+def test_decoupled_ppo_with_one_update_an_iteration_is_advised_against():
+    """With one update an iteration the proximal policy is the current one: decoupled PPO's clip never acts
+    (measured to learn worse than correction none); the runner logs what to change."""
+    from dora_jax.run.setup import advice
+
+    said = advice(load_config("tiny_llama", ["train.correction=decoupled"]))
+    assert len(said) == 1 and "train.minibatches" in said[0] and "'none'" in said[0]
+    assert advice(load_config("tiny_llama", ["train.correction=decoupled", "train.epochs=2"])) == []
+    assert advice(load_config("tiny_llama", ["train.correction=none"])) == []

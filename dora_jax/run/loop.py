@@ -13,6 +13,7 @@ directory with a good one (and ``run.resume``) continues from it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from typing import Any
@@ -30,11 +31,13 @@ from dora_jax.run.placement import Placement
 from dora_jax.run.residency import Residency
 from dora_jax.run.resume import RunStore, fsync_file, pack_run_state, unpack_run_state
 from dora_jax.run.rollout import RolloutSide
-from dora_jax.run.setup import (agree, byte_tokenizer, check_multiprocess, check_placement, check_run_dir,
+from dora_jax.run.setup import (advice, agree, byte_tokenizer, check_multiprocess, check_placement, check_run_dir,
                                 save_ledger, schedule_policy, summarize, truncate_outputs)
 from dora_jax.run.training import TrainInFlight, batch_row, build_batch, write_samples
 from dora_jax.tasks import Task, load_task
 from dora_jax.tokenizer import chat_template_head
+
+log = logging.getLogger(__name__)
 
 
 class Runner:
@@ -64,6 +67,8 @@ class Runner:
         if placement is not None and devices is not None:
             raise RunError("Runner: give devices or a placement, not both (the placement's meshes fix its devices)")
         self.cfg, self.run_dir, self.progress = cfg, run_dir, progress
+        for said in advice(cfg):
+            log.warning(said)
         self.policy = schedule_policy(cfg)
         self.store = RunStore(run_dir, cfg, self.policy.bound)
         check_run_dir(cfg, run_dir, self.store)  # before anything is built or written

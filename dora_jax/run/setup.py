@@ -89,6 +89,18 @@ def no_empty_run_dir(run_dir: str) -> Iterator[None]:
         raise
 
 
+def advice(cfg: Config) -> list[str]:
+    """Settings that run but undo what they were chosen for, each said with what to change (logged at start-up)."""
+    t, out = cfg.train, []
+    if t.correction == "decoupled" and t.minibatches * t.epochs == 1:
+        # Measured: bench convergence, main job, K = 2, 4 seeds x 20 updates (docs/performance.md).
+        out.append("train.correction='decoupled' with one update an iteration (train.minibatches x train.epochs = "
+                   "1): the proximal policy is the current one, so the clip never acts and the importance "
+                   "weights pi/mu are unbounded; use train.minibatches >= 2, or correction 'none' (clip against "
+                   "the behaviour policy) or 'tis'")
+    return out
+
+
 def check_multiprocess(cfg: Config, placement: Any) -> None:
     """Refuses what a run under several processes does not support, naming the setting."""
     if placement is not None:
