@@ -89,6 +89,10 @@ def bench_convergence(config: str = CONFIG, seeds: int = 4, steps: int | None = 
             runs[v.name].append({"seed": seed, "accuracy_before": s["accuracy_before"],
                                  "final_accuracy": s["accuracy_after"], "reward_after": s["reward_after"],
                                  "reward_per_iteration": [row["reward"] for row in r["rows"]],
+                                 # What the correction did in each update: the share of tokens clipped and the
+                                 # gradient norm before clipping.
+                                 "clip_frac_per_iteration": [row["train"]["clip_frac"] for row in r["rows"]],
+                                 "grad_norm_per_iteration": [row["train"]["grad_norm"] for row in r["rows"]],
                                  "samples": s["samples"], "eval_n": s["eval_n"], "wall_s": s["wall_s"],
                                  "max_staleness_seen": max(row["staleness_max"] for row in r["rows"])})
             print(f"seed {seed}: {v.name:>18}: accuracy {s['accuracy_before']:.3f} -> {s['accuracy_after']:.3f}, "
@@ -105,6 +109,8 @@ def bench_convergence(config: str = CONFIG, seeds: int = 4, steps: int | None = 
                      "reward_mean": curves.mean(0).tolist(),
                      "reward_stderr": (curves.std(0, ddof=1) / math.sqrt(len(rs))).tolist() if len(rs) > 1
                      else [0.0] * curves.shape[1],
+                     "clip_frac_per_iteration": [r["clip_frac_per_iteration"] for r in rs],
+                     "grad_norm_per_iteration": [r["grad_norm_per_iteration"] for r in rs],
                      "samples": [r["samples"] for r in rs], "wall_s": [r["wall_s"] for r in rs],
                      "max_staleness_seen": max(r["max_staleness_seen"] for r in rs)}
     return {"machine": machine(), "config": config, "seeds": seeds, "steps": steps,

