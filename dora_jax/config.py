@@ -310,6 +310,9 @@ class TrainConfig:
     is_cap: float = 2.0
     is_low: float = 0.5
     is_high: float = 2.0
+    # Decoupled PPO only: tokens whose weight pi_prox / mu exceeds this are left out of the loss and counted as
+    # dropped (AReaL's behav_imp_weight_cap), so a few very stale tokens cannot dominate an update. 0: no cap.
+    decoupled_cap: float = 0.0
     behaviour_logprobs: str = "engine"
     max_response_tokens: int = 256
     group_size: int = 4
@@ -366,6 +369,11 @@ class TrainConfig:
             _fail(f"{path}.max_staleness", self.max_staleness, "must be >= 0 (0 is on-policy)")
         if self.is_cap <= 0:
             _fail(f"{path}.is_cap", self.is_cap, "must be > 0")
+        if self.decoupled_cap and not self.decoupled_cap > 1:
+            _fail(f"{path}.decoupled_cap", self.decoupled_cap, "must be 0 (no cap) or > 1")
+        if self.decoupled_cap and self.correction != "decoupled":
+            _fail(f"{path}.decoupled_cap", self.decoupled_cap, f"caps decoupled PPO's weight only, and "
+                  f"{path}.correction is {self.correction!r}: set it to 'decoupled' or the cap to 0")
         if not 0 <= self.is_low < 1 < self.is_high:
             _fail(f"{path}.is_low/is_high", (self.is_low, self.is_high), "need 0 <= is_low < 1 < is_high")
         for name in ("max_response_tokens", "group_size", "minibatches", "epochs", "micro_batches", "total_steps"):

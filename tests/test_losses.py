@@ -83,7 +83,7 @@ def ref_loss(logp, prox, x, cfg: TrainConfig, trainer_version: int):
                 return min(w, cfg.is_cap)
             if cfg.correction in ("mis_token", "mis_seq"):
                 return w if cfg.is_low <= w <= cfg.is_high else 0.0
-            return w
+            return w if not cfg.decoupled_cap or w <= cfg.decoupled_cap else 0.0
 
         if cfg.loss == "gspo":
             s = math.exp(np.mean(lp - old))
@@ -275,6 +275,41 @@ def test_a_proximal_policy_apart_from_the_current_one_matches_the_reference(loss
     if loss != "gspo":
         assert clipped > 0  # ratios moved past the clip
     assert rel_err(grad, _numeric_grad(logp64, prox64, x, cfg, version)) <= 1e-5, (loss, correction)
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dapo", "gspo"])
+def test_decoupled_cap_leaves_heavy_tokens_out_as_the_reference_does(loss):
+    """AReaL's filter on decoupled PPO's weight pi_prox / mu: value and gradient against the float64 reference,
+    on inputs where the cap takes some tokens (or, for GSPO, sequences) out but not all of them."""
+    import dataclasses
+
+    x = _inputs(3)
+    cfg = dataclasses.replace(_cfg(loss, "decoupled"), decoupled_cap=1.15)
+    version = 5
+    logp64 = x["logp"]
+    prox64 = logp64 + np.random.default_rng(7).normal(0, 0.3, logp64.shape) * x["mask"]
+    with jax.enable_x64(True):
+        terms = _jax_terms(x, cfg, version, jnp.float64, prox64)
+        value, grad = jax.value_and_grad(lambda lp: terms(lp).loss)(jnp.asarray(logp64))
+        out = terms(jnp.asarray(logp64))
+        value, grad = float(value), np.asarray(grad)
+    expected = ref_loss(logp64, prox64, x, cfg, version)
+    assert abs(value - expected) <= 1e-5 * abs(expected)
+    kept = float(out.is_weight_sum)
+    assert 0 < float(out.is_dropped_tokens) and kept > 0
+    uncapped = ref_loss(logp64, prox64, x, dataclasses.replace(cfg, decoupled_cap=0.0), version)
+    assert abs(expected - uncapped) > 1e-4  # the cap changes the objective here
+    assert rel_err(grad, _numeric_grad(logp64, prox64, x, cfg, version)) <= 1e-5
+
+
+def test_decoupled_cap_is_refused_outside_decoupled_ppo_and_at_one_or_below():
+    from dora_jax.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="train.decoupled_cap.*train.correction is 'tis'"):
+        load_config(None, ["train.correction=tis", "train.decoupled_cap=5"])
+    with pytest.raises(ConfigError, match="train.decoupled_cap.*> 1"):
+        load_config(None, ["train.correction=decoupled", "train.decoupled_cap=0.9"])
+    assert load_config(None, ["train.correction=decoupled", "train.decoupled_cap=5"]).train.decoupled_cap == 5
 
 
 @pytest.mark.parametrize("loss", ["grpo", "dapo", "gspo"])

@@ -17,8 +17,9 @@ of the iteration, held fixed over its ``minibatches x epochs`` updates):
   proximal policy, reweight by ``pi_prox / mu``).
 * token ratio ``r_bt = pi / old``; sequence ratio (GSPO) ``s_b = exp(mean_t log(pi / old))``.
 * importance weight from ``delta = log pi_prox - log mu``: ``tis`` min(exp(delta), C); ``decoupled``
-  exp(delta); ``mis_token`` exp(delta) where it lies in [lo, hi], else 0; ``mis_seq`` the length-normalized
-  sequence weight exp(mean_t delta) where it lies in [lo, hi], else 0, applied to all the sequence's tokens.
+  exp(delta), or 0 where it exceeds ``decoupled_cap`` if that is set (AReaL's filter); ``mis_token``
+  exp(delta) where it lies in [lo, hi], else 0; ``mis_seq`` the length-normalized sequence weight
+  exp(mean_t delta) where it lies in [lo, hi], else 0, applied to all the sequence's tokens.
   GSPO always uses the sequence weight exp(mean_t delta) (truncated or masked the same way).
 * clipped surrogate ``l = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``, times the weight. With
   ``clip_mode = "triple"`` (LongCat's three clips): ``A >= 0`` clips at ``1 + clip_pos_high``; ``A < 0`` clips
@@ -160,6 +161,9 @@ def _is_weight(delta: jax.Array, cfg: TrainConfig, masked_kind: str) -> tuple[ja
         return jnp.where(inside, w, 0.0), (~inside).astype(w.dtype)
     if cfg.correction in ("mis_token", "mis_seq"):  # the other granularity: applied elsewhere
         return jnp.ones_like(w), jnp.zeros_like(w)
+    if cfg.decoupled_cap:  # decoupled with AReaL's filter: the token leaves the loss, the weight is not clipped
+        inside = w <= cfg.decoupled_cap
+        return jnp.where(inside, w, 0.0), (~inside).astype(w.dtype)
     return w, jnp.zeros_like(w)  # decoupled
 
 
