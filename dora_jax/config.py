@@ -16,47 +16,14 @@ import hashlib
 import importlib.resources
 import importlib.util
 import json
-import math
 import os
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
-import yaml
-
-from dora_jax.textfiles import parse_yaml_value
+from dora_jax.schema import ConfigError, build, fail, to_plain
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _MESH_AXES = ("data", "fsdp", "tensor")
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown, of the wrong type or out of range.
-
-    ``field`` is the dotted field the error is about, when there is one.
-    """
-
-    def __init__(self, message: str, field: str | None = None):
-        super().__init__(message)
-        self.field = field
-
-
-def fail(path: str, value: Any, allowed: str) -> None:
-    """Stops on a bad config value with a :class:`ConfigError` naming the field, the value and what is allowed.
-
-    The check every config schema uses (this module's and ``dora_jax.sim.config``'s), so every error reads
-    ``config field 'workload.group_size' = 0: must be an integer > 0``.
-
-    Args:
-        path: the dotted field, e.g. ``train.clip_low`` (``paper.64.speedup`` for a key of a mapping).
-        value: the value found there.
-        allowed: what the field accepts, e.g. ``must be > 0`` or ``allowed: 'xla', 'pallas'``.
-
-    Raises:
-        ConfigError: always, with ``field`` set to ``path``.
-    """
-    raise ConfigError(f"config field '{path}' = {value!r}: {allowed}", field=path)
 
 
 _fail = fail  # the name this module's checks call
@@ -91,19 +58,17 @@ ATTENTION_IMPLS = ("xla", "pallas_gpu", "pallas_tpu", "auto")
 MAX_DECODE_STEPS = 256  # rollout.decode_steps: results hold [steps, slots] tokens, compiled in
 ROLLOUT_DTYPES = ("auto",) + _DTYPES
 
-# Rollout engine settings a config may name under ``model``: refused there with the key that holds them,
-# rather than as unknown fields.
-MOVED_FIELDS = {f"model.{name}": f"rollout.{name}" for name in ("attention_impl", "pallas_interpret")}
-
-# Settings that no longer exist, refused with what replaced them rather than as unknown fields. Decode runs one
-# weight layout and reads the whole cache on every platform (docs/rollout.md).
-_NO_DECODE_WEIGHTS = ("was removed: decode has one weight layout on every platform (q|k|v and gate|up fused, "
-                      "x @ W); delete the key")
-_NO_CACHE_READ_BUCKETS = ("was removed: decode reads each slot's pages up to the longest live slot on every "
-                          "platform; delete the key")
-REMOVED_FIELDS = {f"{section}.{name}": why for section in ("rollout", "model")
-                  for name, why in (("decode_weights", _NO_DECODE_WEIGHTS),
-                                    ("cache_read_buckets", _NO_CACHE_READ_BUCKETS))}
+# Names a config may no longer use, refused with what to do instead rather than as unknown fields (each
+# section's ``RETIRED_FIELDS``). Decode runs one weight layout and reads the whole cache on every platform
+# (docs/rollout.md); the rollout engine's settings live in ``rollout``, not ``model``.
+_REMOVED = {
+    "decode_weights": "was removed: decode has one weight layout on every platform (q|k|v and gate|up fused, "
+                      "x @ W); delete the key",
+    "cache_read_buckets": "was removed: decode reads each slot's pages up to the longest live slot on every "
+                          "platform; delete the key",
+}
+_MOVED_TO_ROLLOUT = {name: f"the rollout engine's settings are in the rollout section: set 'rollout.{name}' "
+                           "instead" for name in ("attention_impl", "pallas_interpret")}
 
 
 @dataclass(frozen=True)
@@ -122,6 +87,8 @@ class ModelConfig:
     its forward computes in (behaviour log-probs recomputed by the trainer included). The rollout engine's
     dtype and decode settings are in :class:`RolloutConfig`.
     """
+
+    RETIRED_FIELDS = {**_REMOVED, **_MOVED_TO_ROLLOUT}
 
     family: str = "llama"
     vocab_size: int = 256
@@ -191,6 +158,27 @@ DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+def _rules_from_plain(value: Any, path: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    if not isinstance(value, dict):
+        _fail(path, value, "must be a mapping {logical_axis: mesh_axis | [mesh_axes] | null}")
+    out = []
+    for name, axes in value.items():
+        if axes is None:
+            axes = ()
+        elif isinstance(axes, str):
+            axes = (axes,)
+        elif isinstance(axes, (list, tuple)) and all(isinstance(a, str) for a in axes):
+            axes = tuple(axes)
+        else:
+            _fail(f"{path}.{name}", axes, "must be a mesh axis name, a list of them, or null")
+        out.append((str(name), axes))
+    return tuple(out)
+
+
+def _rules_to_plain(rules: tuple[tuple[str, tuple[str, ...]], ...]) -> dict[str, list[str]]:
+    return {name: list(axes) for name, axes in rules}
+
+
 @dataclass(frozen=True)
 class MeshConfig:
     """Mesh axis sizes (one may be -1: all remaining devices) and the logical axis rules table."""
@@ -198,7 +186,9 @@ class MeshConfig:
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
-    logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...] = DEFAULT_RULES
+    # Written {logical_axis: mesh_axis | [mesh_axes] | null} in YAML, kept as ordered pairs.
+    logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...] = field(
+        default=DEFAULT_RULES, metadata={"from_plain": _rules_from_plain, "to_plain": _rules_to_plain})
 
     @property
     def axis_sizes(self) -> dict[str, int]:
@@ -465,6 +455,8 @@ class RolloutConfig:
     so those happen at the steps they would with one step per program. ``"auto"``: 8 on every backend
     (docs/rollout.md). Tokens and log-probs are those of one step per program.
     """
+
+    RETIRED_FIELDS = _REMOVED
 
     slots: int = 16
     max_prompt_len: int = 128
@@ -767,172 +759,13 @@ class Config:
                   f"must be < model.max_seq_len ({self.model.max_seq_len})")
 
     def to_dict(self) -> dict[str, Any]:
-        return _to_plain(self)
+        return to_plain(self)
 
     def fingerprint(self) -> str:
         """A short hash of every setting, for checkpoint and snapshot metadata."""
         blob = json.dumps(self.to_dict(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
-
-# ----------------------------------------------------------------------------------------------------------
-# Building dataclasses from plain data, with type checks that name the field.
-
-
-def _to_plain(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        if isinstance(obj, MeshConfig):
-            d = {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-            d["logical_axis_rules"] = {k: list(v) for k, v in obj.logical_axis_rules}
-            return d
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, tuple):
-        return [_to_plain(v) for v in obj]
-    return obj
-
-
-def _rules_from_plain(value: Any, path: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    if not isinstance(value, dict):
-        _fail(path, value, "must be a mapping {logical_axis: mesh_axis | [mesh_axes] | null}")
-    out = []
-    for name, axes in value.items():
-        if axes is None:
-            axes = ()
-        elif isinstance(axes, str):
-            axes = (axes,)
-        elif isinstance(axes, (list, tuple)) and all(isinstance(a, str) for a in axes):
-            axes = tuple(axes)
-        else:
-            _fail(f"{path}.{name}", axes, "must be a mesh axis name, a list of them, or null")
-        out.append((str(name), axes))
-    return tuple(out)
-
-
-def _convert(value: Any, tp: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None and len(args) < len(typing.get_args(tp)):
-            return None
-        if len(args) == 1:
-            return _convert(value, args[0], path)
-        for arg in args:  # the first type, in the order written, that takes the value
-            try:
-                return _convert(value, arg, path)
-            except ConfigError:
-                pass
-        _fail(path, value, f"must be {' or '.join(_describe(a) for a in args)}")
-    if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, path)
-    if tp is bool:
-        if not isinstance(value, bool):
-            _fail(path, value, "must be true or false")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            _fail(path, value, "must be an integer")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            _fail(path, value, "must be a number")
-        if not math.isfinite(value):  # no setting means "not a number" or "unbounded" (0 is "off" where allowed)
-            _fail(path, value, "must be a finite number")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            _fail(path, value, "must be a string")
-        return value
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            _fail(path, value, "must be a list")
-        (item_tp, _) = typing.get_args(tp)
-        return tuple(_convert(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value))
-    if origin is dict:  # a mapping whose keys the config chooses (names, counts); each key is a dotted step
-        if not isinstance(value, dict):
-            _fail(path, value, "must be a mapping")
-        key_tp, item_tp = typing.get_args(tp)
-        return {_convert(k, key_tp, f"{path}.{k}"): _convert(v, item_tp, f"{path}.{k}") for k, v in value.items()}
-    raise TypeError(f"unsupported config field type {tp} at {path}")  # programming error, not user input
-
-
-def _describe(tp: Any) -> str:
-    """A config field type in words, for the error of a field that accepts several."""
-    words = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-    if tp in words:
-        return words[tp]
-    if typing.get_origin(tp) is tuple:
-        return f"a list ({_describe(typing.get_args(tp)[0])} each)"
-    return "a mapping"
-
-
-def from_dict(cls: type, data: Any, path: str = "") -> Any:
-    """Builds dataclass ``cls`` from nested plain data, checking every key and type.
-
-    Field types: ``bool``, ``int``, ``float`` (finite; an integer is taken as a float), ``str``,
-    ``tuple[X, ...]`` (a list), ``dict[K, V]`` (a mapping), a nested dataclass, ``Optional[X]`` and unions
-    ``X | Y`` (the first type, in the order written, that takes the value). A missing key keeps the field's
-    default; range and cross-field checks are the dataclass's own (``validate`` methods calling :func:`fail`).
-
-    Args:
-        cls: the dataclass to build.
-        data: a mapping of its fields (``None`` is an empty one).
-        path: the dotted field ``data`` sits at, for error messages (``""`` at the top).
-
-    Returns:
-        The dataclass instance.
-
-    Raises:
-        ConfigError: naming the first unknown key, or the field whose value has the wrong type.
-    """
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        _fail(path or "<root>", data, f"must be a mapping of {cls.__name__} fields")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names), key=str)
-    for name in unknown:
-        where = f"{path}.{name}" if path else name
-        if where in MOVED_FIELDS:
-            _fail(where, data[name], f"the rollout engine's settings are in the rollout section: set "
-                  f"'{MOVED_FIELDS[where]}' instead")
-        if where in REMOVED_FIELDS:
-            _fail(where, data[name], REMOVED_FIELDS[where])
-    if unknown:
-        where = f"{path}.{unknown[0]}" if path else unknown[0]
-        raise ConfigError(f"unknown config field '{where}' = {data[unknown[0]]!r}; fields of "
-                          f"'{path or '<root>'}' are: {', '.join(names)}", field=where)
-    kwargs = {}
-    for name in names:
-        if name not in data:
-            continue
-        sub = f"{path}.{name}" if path else name
-        if cls is MeshConfig and name == "logical_axis_rules":
-            kwargs[name] = _rules_from_plain(data[name], sub)
-        else:
-            kwargs[name] = _convert(data[name], hints[name], sub)
-    return cls(**kwargs)
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """Applies ``a.b.c=value`` overrides (values parsed as YAML) to nested plain data, in place."""
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected key=value, e.g. model.num_layers=4")
-        key, raw = item.split("=", 1)
-        parts = key.strip().split(".")
-        node = data
-        for p in parts[:-1]:
-            if node.get(p) is None:  # absent, or an empty section (``dora:`` with nothing under it)
-                node[p] = {}
-            node = node[p]
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: '{p}' is not a section")
-        try:
-            node[parts[-1]] = parse_yaml_value(raw)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from None
-    return data
 
 
 def configs_dir() -> str:
@@ -965,19 +798,6 @@ def resolve_config_path(name: str) -> str:
     raise ConfigError(f"config file {name!r} not found (looked in the current directory and {configs_dir()})")
 
 
-def _override_for(field: str | None, overrides: list[str] | tuple[str, ...]) -> str | None:
-    """The last override that set ``field`` (or a section holding it, or a field inside it)."""
-    if not field:
-        return None
-    head, _, last = field.split("[", 1)[0].rpartition(".")
-    fields = [f"{head}.{name}" if head else name for name in last.split("/")]  # a rule over two: train.is_low/is_high
-    for item in reversed(overrides):
-        key = item.split("=", 1)[0].strip()
-        if any(key == f or f.startswith(key + ".") or key.startswith(f + ".") for f in fields):
-            return item
-    return None
-
-
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Loads a YAML config (or the defaults when ``path`` is None), applies overrides, validates.
 
@@ -996,12 +816,4 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(str(e)) from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
-    apply_overrides(data, overrides)
-    try:
-        cfg = from_dict(Config, data)
-        cfg.validate()
-    except ConfigError as e:
-        item = _override_for(e.field, overrides)
-        where = f"override {item!r}" if item else path
-        raise ConfigError(f"{where}: {e}" if where else str(e), field=e.field) from None
-    return cfg
+    return build(Config, data, overrides, source=path)

@@ -1,5 +1,5 @@
 """Simulator configuration (``configs/sim_*.yaml``): the file's sections as dataclasses read by the run config's
-schema machinery (:func:`dora_jax.config.from_dict`, errors from :func:`dora_jax.config.fail` that name the
+schema machinery (:func:`dora_jax.schema.from_dict`, errors from :func:`dora_jax.schema.fail` that name the
 field, the value and what is allowed), and the cost model, either given directly, derived from model and
 hardware figures, or calibrated from a measured ``dora-jax bench decode`` / ``bench engine`` JSON.
 
@@ -28,7 +28,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from dora_jax.config import ConfigError, fail, from_dict, resolve_config_path
+from dora_jax.config import resolve_config_path
+from dora_jax.schema import ConfigError, fail, from_dict
 from dora_jax.sim.lengths import LengthDist, LengthSpec, length_dist
 from dora_jax.textfiles import TextFileError, load_yaml, read_text
 

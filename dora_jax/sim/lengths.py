@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from dora_jax.config import ConfigError, fail, from_dict
+from dora_jax.schema import ConfigError, fail, from_dict
 from dora_jax.textfiles import TextFileError, read_jsonl
 
 Z99 = 2.3263478740408408  # standard normal 99th percentile
