@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"--only: unknown parts {unknown}; known: {', '.join(names)}")
     if importlib.util.find_spec("dora_jax.kernels") is None:
-        # Only an install maps kernels/ to dora_jax.kernels; a checkout on PYTHONPATH alone has dora_jax without it.
+        # An install maps kernels/ to dora_jax.kernels, and dora_jax maps it itself from a checkout on PYTHONPATH;
+        # it is missing only from a tree without kernels/.
         print("error: dora_jax.kernels is not importable: install this checkout first (pip install -e . , or "
               "pip install --no-deps --no-build-isolation -e . where JAX and the rest are already there)",
               file=sys.stderr)

@@ -112,6 +112,24 @@ def test_module_check_reports_a_missing_subpackage(dropped):
     assert module_set_problems(source, set(source)) == []
 
 
+def test_a_checkout_on_the_path_without_an_install_imports_the_kernels(tmp_path):
+    """A source tree handed to a machine and put on PYTHONPATH, never installed (no editable finder: ``-S`` skips
+    the .pth files that hold it): ``dora_jax.kernels`` is the tree's ``kernels/``, as an install would map it."""
+    tree = tmp_path / "tree"
+    for folder in ("dora_jax", "kernels"):
+        shutil.copytree(REPO / folder, tree / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    deps = os.pathsep.join(dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib")))
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONHOME"}, "PYTHONPATH": f"{tree}{os.pathsep}{deps}"}
+    probe = ("import dora_jax, dora_jax.kernels.paged_attention as p; "
+             "print(p.__file__); print(dora_jax.kernels.paged_attention is p)")
+    out = _run([sys.executable, "-S", "-c", probe], cwd=tmp_path, env=env).stdout.split()
+    assert out == [str(tree / "kernels" / "paged_attention.py"), "True"]
+    (tree / "kernels" / "__init__.py").unlink()  # a tree without the folder's package: the import fails as before
+    shutil.rmtree(tree / "kernels")
+    proc = subprocess.run([sys.executable, "-S", "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and "No module named 'dora_jax.kernels'" in proc.stderr
+
+
 def _build_requirements_met() -> bool:
     """Whether this environment holds every ``[build-system] requires`` entry of pyproject.toml."""
     with open(REPO / "pyproject.toml", "rb") as f:
