@@ -691,7 +691,7 @@ def test_driver_groups_with_and_without_overlap(models, engine4):
     """Two rollout groups driven as one: every request is answered once, by one group, with the tokens it
     gets from a single driver (sampling depends on (seed, sample id, position) only); with overlap each group
     keeps one step in flight and the answers are the same."""
-    from dora_jax.rollout.driver import DriverGroups
+    from dora_jax.rollout.groups import DriverGroups
 
     m0, m1 = models
     engines = [engine4, engine4]  # two groups of 4 slots (on one device here; the runner gives each its own)

@@ -17,7 +17,8 @@ from flax import nnx
 from dora_jax.config import ModelConfig
 from dora_jax.models.build import init_model
 from dora_jax.models.decoder import DecodeSettings
-from dora_jax.rollout.driver import DriverGroups, Request, RolloutDriver
+from dora_jax.rollout.driver import Request, RolloutDriver
+from dora_jax.rollout.groups import DriverGroups
 from dora_jax.rollout.engine import Engine, RequestSampling
 from dora_jax.run.residency import Residency
 from dora_jax.run.versions import VersionError

@@ -22,7 +22,8 @@ from typing import Any, Sequence
 import jax
 
 from dora_jax.config import Config
-from dora_jax.rollout.driver import DriverGroups, RolloutDriver
+from dora_jax.rollout.driver import RolloutDriver
+from dora_jax.rollout.groups import DriverGroups
 from dora_jax.rollout.engine import Engine, bucket
 from dora_jax.sharding import reshard
 from dora_jax.trainer import Trainer
