@@ -185,7 +185,7 @@ def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
     params = _with_shardings(engine.params, state_shardings(engine.params, mesh, rules))
     # A resident version is held in the rollout dtype (Engine.prepare_params casts it once per version).
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, engine.dtype, sharding=x.sharding), params)
-    decode = jax.eval_shape(lambda: engine._zeros(r.slots))
+    decode = jax.eval_shape(lambda: engine.programs.zeros(r.slots))
     replicated = NamedSharding(mesh, P())
     decode = _with_shardings(decode, jax.tree.map(lambda _: replicated, decode))  # per-slot vectors are tiny
     # The page pool: pages over the batch axes, KV heads over the tensor axes (PagedKV.axes).
@@ -198,7 +198,7 @@ def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
     # The engine's decode step traced on abstract arguments: exactly what a rollout runs per step.
     def decode_step(p, state, pool, tables):
         every = jnp.ones(state.tokens.shape, bool)  # every slot steps: none waits for pages
-        new_state, new_pool, result = engine._generate_impl(engine.prepare_params(p), state, pool, tables, every, None)
+        new_state, new_pool, result = engine.programs.generate(engine.prepare_params(p), state, pool, tables, every, None)
         return new_state, new_pool, result
 
     temp, args = _compile(jax.jit(decode_step, donate_argnums=(1, 2)), (params, decode, pool, tables), mesh, rules,

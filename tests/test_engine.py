@@ -21,6 +21,7 @@ from dora_jax.models.build import init_model
 from dora_jax.models.decoder import DecodeSettings
 from dora_jax.rollout.driver import Request, RolloutDriver
 from dora_jax.rollout.engine import Engine, EngineError, RequestSampling
+from dora_jax.rollout.programs import DecodePrograms
 
 CFG = ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=6, num_kv_heads=2,
                   head_dim=8, init_std=0.3, qkv_bias=True)
@@ -39,16 +40,17 @@ def _engine(model, slots=4, **serving):
 
 
 def _trace_limit(monkeypatch, method: str):
-    """Puts ``Engine.<method>`` (a pure function the engine jits) behind chex's trace counter, for engines made
-    after this call; each trace is one compiled program. Returns ``limit(n)``: at most ``n`` traces from then on."""
-    original, current = getattr(Engine, method), {}
+    """Puts ``DecodePrograms.<method>`` (a pure function the engine jits) behind chex's trace counter, for engines
+    made after this call; each trace is one compiled program. Returns ``limit(n)``: at most ``n`` traces from then
+    on."""
+    original, current = getattr(DecodePrograms, method), {}
 
     def limit(n: int) -> None:
         chex.clear_trace_counter()
         current["fn"] = chex.assert_max_traces(original, n)
 
     limit(0)
-    monkeypatch.setattr(Engine, method, lambda self, *args: current["fn"](self, *args))
+    monkeypatch.setattr(DecodePrograms, method, lambda self, *args: current["fn"](self, *args))
     return limit
 
 
@@ -151,7 +153,7 @@ def test_fused_step_equals_one_call_per_version(models, monkeypatch):
     m0, m1 = models
     reqs = _requests(12, seed=4, versions=(0, 1, 2), sampling=RequestSampling(temperature=1.0, top_k=20, seed=5))
     runs = {}
-    limit = _trace_limit(monkeypatch, "_generate_many_impl")
+    limit = _trace_limit(monkeypatch, "generate_many")
     fused = collections.Counter()
     generate_many = Engine.generate_many
     monkeypatch.setattr(Engine, "generate_many", lambda self, *a, **k: fused.update(["steps"]) or
@@ -245,7 +247,7 @@ def test_stop_and_eos_reasons(models):
     assert b.finish_reason == "stop" and b.tokens == free.tokens[:free.tokens.index(stop) + 1]
 
 
-@pytest.mark.parametrize("steps,program", [(1, "_generate_impl"), (8, "_generate_steps_impl")])
+@pytest.mark.parametrize("steps,program", [(1, "generate"), (8, "generate_steps")])
 def test_compaction_utilization_and_bounded_compilation(models, monkeypatch, steps, program):
     """One decode program per capacity, with one step per program or several (the budgets, the step limit
     and whether to end at the first stop are arguments, not compiled in)."""

@@ -91,7 +91,7 @@ def profile_steps(engine, params, prompts, position: int, steps: int, top: int) 
             total[e["name"]] += e["dur"] / 1e3 / steps
             calls[e["name"]] += 1
     rows = [{"op": name, "ms_per_step": ms, "calls_per_step": calls[name] / steps, "result": ops[name][0],
-             "source": ops[name][1].replace("jit(_generate_impl)/", "")}
+             "source": ops[name][1].replace("jit(generate)/", "")}
             for name, ms in sorted(total.items(), key=lambda kv: -kv[1])[:top]]
     return {"position": position, "steps": steps, "rows": b, "step_ms": 1e3 * seconds / steps,
             "ops_ms_per_step": sum(total.values()), "top": rows}

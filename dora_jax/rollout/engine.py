@@ -21,7 +21,8 @@ top-k / top-p filtering).
 
 The KV cache is one page pool per engine (:attr:`Engine.pool`, :mod:`dora_jax.models.paged`), shared by every
 decode state; which pages each slot holds, and when it may take more, is the engine's host-side book
-(:mod:`dora_jax.rollout.page_book`).
+(:mod:`dora_jax.rollout.page_book`). The programs it jits (prefill, insertion, decode steps, resizing) are pure
+functions of arrays in :mod:`dora_jax.rollout.programs`; this module is their host side.
 
 Shape legend: B slots, T prompt bucket, S a prompt's cache length (prefill), W pages per table.
 """
@@ -36,25 +37,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from dora_jax.config import ATTENTION_IMPLS, DEFAULT_RULES, MAX_DECODE_STEPS, ROLLOUT_DTYPES
-from dora_jax.models.decoder import (FUSED_INPUTS, Decoder, DecodeSettings, KVCache, decode_forward,
-                                     fuse_layer_params, head_logits, init_cache, resolve_attention_impl)
-from dora_jax.models.paged import (PagedKV, decode_forward_paged, init_pages, token_bytes,
-                                   write_prompt_pages)
+from dora_jax.models.decoder import FUSED_INPUTS, Decoder, DecodeSettings, fuse_layer_params, resolve_attention_impl
+from dora_jax.models.paged import PagedKV, token_bytes
 from dora_jax.rollout.engine_api import (DecodeState, EngineError, PreparedParams, Prefix, PrefixBatch,
                                          RequestSampling, ResultSteps, ResultTokens, SharedPrefix, stop_table)
 from dora_jax.rollout.page_book import PageBook
 from dora_jax.rollout.pages import DEFAULT_PAGE_TOKENS, PageError, bucket, pages_for
 from dora_jax.rollout.pages import SharedPrefix as HeldPages
-from dora_jax.rollout.sampling import SamplingParams, row_keys, sample
+from dora_jax.rollout.programs import DecodePrograms
+from dora_jax.rollout.sampling import SamplingParams
 from dora_jax.sharding import Rules, logical_to_spec, serial_jit
-
-
-def _pack(tokens, valid, positions, logprobs, versions) -> jax.Array:
-    bits = jax.lax.bitcast_convert_type(logprobs.astype(jnp.float32), jnp.int32)
-    return jnp.stack([tokens, valid.astype(jnp.int32), positions, bits, versions], axis=-1)
 
 
 def _check_settings(dtype: str, settings: DecodeSettings) -> None:
@@ -94,17 +89,6 @@ def batch_shards(mesh: Mesh | None, rules: Rules, slots: int) -> int:
     names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
     n = int(np.prod([mesh.shape[a] for a in names if a in mesh.shape]))
     return n if n > 1 and slots % n == 0 else 1
-
-
-def fitting_sharding(mesh: Mesh, axes: Sequence[str | None], rules: Rules, shape: Sequence[int]) -> NamedSharding:
-    """``axes`` mapped through ``rules`` onto ``mesh``, each dimension sharded only where its mesh axes divide it
-    (a decode state of 1 slot on a data axis of 2 keeps its rows whole and still splits its heads)."""
-    spec = logical_to_spec(axes, rules)
-    out = []
-    for size, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        out.append(entry if names and size % int(np.prod([mesh.shape[a] for a in names])) == 0 else None)
-    return NamedSharding(mesh, PartitionSpec(*out))
 
 
 class _Rows:
@@ -208,21 +192,24 @@ class Engine:
         self._heads: weakref.WeakKeyDictionary[SharedPrefix, dict[int, HeldPages]] = weakref.WeakKeyDictionary()
         self._pool: PagedKV | None = None
         self.token_bytes = token_bytes(cfg)  # one token's keys and values, every layer
-        self._prefill_jit = serial_jit(self._prefill_impl)
-        self._prefill_rows_jit = serial_jit(self._prefill_rows_impl)
-        self._shared_prefix_jit = serial_jit(self._shared_prefix_impl)
-        self._first_tokens_jit = serial_jit(self._first_tokens_impl)
-        self._insert_batch_jit = serial_jit(self._insert_batch_impl, donate_argnums=(1, 2))
-        self._generate_jit = serial_jit(self._generate_impl, donate_argnums=(1, 2), static_argnums=(5,))
-        self._generate_many_jit = serial_jit(self._generate_many_impl, donate_argnums=(1, 2), static_argnums=(5,))
-        self._generate_steps_jit = serial_jit(self._generate_steps_impl, donate_argnums=(1, 2),
-                                              static_argnums=(9, 10))
-        self._pool_jit = serial_jit(lambda: self._pin_pool(self._new_pool()))
-        self._resize_jit = serial_jit(self._resize_impl, static_argnums=(2,))
+        self.programs = DecodePrograms(cfg, settings, max_target_length=max_target_length, shards=self.shards,
+                                       page_tokens=self.page_tokens, pool_pages=self.shards * self.shard_pages,
+                                       mesh=mesh, rules=self.rules, spans_processes=self.spans_processes)
+        progs = self.programs
+        self._prefill_jit = serial_jit(progs.prefill)
+        self._prefill_rows_jit = serial_jit(progs.prefill_rows)
+        self._shared_prefix_jit = serial_jit(progs.shared_prefix)
+        self._first_tokens_jit = serial_jit(progs.first_tokens)
+        self._insert_batch_jit = serial_jit(progs.insert_batch, donate_argnums=(1, 2))
+        self._generate_jit = serial_jit(progs.generate, donate_argnums=(1, 2), static_argnums=(5,))
+        self._generate_many_jit = serial_jit(progs.generate_many, donate_argnums=(1, 2), static_argnums=(5,))
+        self._generate_steps_jit = serial_jit(progs.generate_steps, donate_argnums=(1, 2), static_argnums=(9, 10))
+        self._pool_jit = serial_jit(lambda: progs.pin_pool(progs.new_pool()))
+        self._resize_jit = serial_jit(progs.resize, static_argnums=(2,))
         self._free_jit = serial_jit(
-            lambda state, slot: self._pin(state._replace(active=state.active.at[slot].set(False))),
+            lambda state, slot: progs.pin(state._replace(active=state.active.at[slot].set(False))),
             donate_argnums=(0,))
-        self._zeros_jit = serial_jit(lambda b: self._pin(self._zeros(b)), static_argnums=(0,))
+        self._zeros_jit = serial_jit(lambda b: progs.pin(progs.zeros(b)), static_argnums=(0,))
         self._fuse_jit = serial_jit(fuse_layer_params)
         self._cast_jit = serial_jit(lambda tree: jax.tree.map(lambda x: x.astype(self.dtype), tree))
 
@@ -239,199 +226,6 @@ class Engine:
     @property
     def mesh(self) -> Mesh | None:
         return self._mesh
-
-    # -- layout across processes -----------------------------------------------------------------------------
-
-    def _pin(self, state: DecodeState) -> DecodeState:
-        """A decode state in its layout on a mesh spanning processes (as is otherwise): the same layout in and
-        out of every program, so donation reuses the buffers and no program reshards the cache."""
-        if not self.spans_processes:
-            return state
-
-        def rows(x):
-            return fitting_sharding(self._mesh, ("batch",), self.rules, x.shape)
-
-        shardings = DecodeState(*(rows(x) for x in state[:6]), SamplingParams(*(rows(x) for x in state.sampling)))
-        return jax.lax.with_sharding_constraint(state, shardings)
-
-    def _pin_pool(self, pool: PagedKV) -> PagedKV:
-        """The page pool in one layout on a mesh spanning processes: KV heads over the tensor axes."""
-        if not self.spans_processes:
-            return pool
-        sharding = fitting_sharding(self._mesh, PagedKV.axes(), self.rules, pool.k.shape)
-        return jax.lax.with_sharding_constraint(pool, PagedKV(sharding, sharding))
-
-    def _readable(self, packed: jax.Array) -> jax.Array:
-        """Results the host reads, replicated on a mesh spanning processes: each process reads its own copy (an
-        array split across processes cannot be read by any one of them)."""
-        if not self.spans_processes:
-            return packed
-        return jax.lax.with_sharding_constraint(packed, NamedSharding(self._mesh, PartitionSpec()))
-
-    # -- pure implementations ------------------------------------------------------------------------------
-
-    def _prefill_impl(self, params: PreparedParams, tokens_t, true_length, sample_id, version, seed, sampling):
-        t = tokens_t.shape[0]
-        cache = init_cache(self.cfg, 1, t)
-        x, cache = decode_forward(self.cfg, params.tree, tokens_t[None], jnp.arange(t, dtype=jnp.int32)[None], cache,
-                                  logits=False, settings=self.settings)
-        # Only the last prompt token's logits are needed: the head runs on one row, not on the whole bucket.
-        last_x = jax.lax.dynamic_index_in_dim(x[0], true_length - 1, keepdims=True)
-        last = head_logits(self.cfg, params.tree, last_x[None])[0]
-        keys = row_keys(seed, sample_id[None], true_length[None])
-        tok, lp = sample(last, keys, sampling)
-        prefix = Prefix(cache, tok[0], lp[0], true_length, sample_id, version, sampling, seed)
-        # The first token's result, packed here so that reading it costs one transfer and no extra dispatch.
-        return prefix, self._readable(_pack(tok, jnp.ones((1,), bool), true_length[None], lp, version[None]))
-
-    def _prefill_rows_impl(self, params: PreparedParams, tokens_pt, lengths_p, prefix: KVCache | None = None):
-        """The model part of :meth:`prefill_batch`: each distinct prompt's cache and last-token logits.
-
-        With ``prefix`` (a shared prefix's cache of n slots), the T tokens are what follows it, at positions
-        n .. n + T - 1, attending to it; each row's cache is the prefix's n slots followed by its own T.
-        ``lengths_p`` counts the tokens given here."""
-        p, t = tokens_pt.shape
-        # The prompts' cache is T (or n + T) slots long, not S: insertion writes each row's first slots.
-        cache, n = init_cache(self.cfg, p, t), 0
-        if prefix is not None:
-            n = prefix.v.shape[3]
-            rows = lambda x: jnp.broadcast_to(x, x.shape[:1] + (p,) + x.shape[2:])  # noqa: E731
-            cache = KVCache(jnp.concatenate([rows(prefix.k), cache.k], axis=4),
-                            jnp.concatenate([rows(prefix.v), cache.v], axis=3))
-        positions = jnp.broadcast_to(n + jnp.arange(t, dtype=jnp.int32), (p, t))
-        x, cache = decode_forward(self.cfg, params.tree, tokens_pt, positions, cache, logits=False,
-                                  settings=self.settings)
-        last_x = jnp.take_along_axis(x, (lengths_p - 1)[:, None, None], axis=1)  # [P, 1, D]
-        return cache, head_logits(self.cfg, params.tree, last_x)[:, 0]  # the head on one row per prompt
-
-    def _shared_prefix_impl(self, params: PreparedParams, tokens_n):
-        n = tokens_n.shape[0]
-        _, cache = decode_forward(self.cfg, params.tree, tokens_n[None], jnp.arange(n, dtype=jnp.int32)[None],
-                                  init_cache(self.cfg, 1, n), logits=False, settings=self.settings)
-        return cache
-
-    def _first_tokens_impl(self, logits_pv, lengths_p, rows_n, valid_n, sample_ids_n, version, seeds_n, sampling_n):
-        """The sampling part of :meth:`prefill_batch` (a separate program: the model's is compiled per
-        (distinct prompts, bucket), this one per number of requests)."""
-        lengths_n = lengths_p[rows_n]
-        keys = jax.vmap(lambda s, i, q: row_keys(s, i[None], q[None])[0])(seeds_n, sample_ids_n, lengths_n)
-        tok, lp = sample(logits_pv[rows_n], keys, sampling_n)
-        versions_n = jnp.full(rows_n.shape, version, jnp.int32)
-        rest = (rows_n, tok, lp, lengths_n, sample_ids_n, versions_n, sampling_n, seeds_n)  # PrefixBatch order
-        return rest, self._readable(_pack(tok, valid_n, lengths_n, lp, versions_n))
-
-    def _insert_batch_impl(self, batch: PrefixBatch, state: DecodeState, pool: PagedKV, slots_n, page_nt, row_nt
-                           ) -> tuple[DecodeState, PagedKV]:
-        """Writes each inserted request's prompt entries at (page, row) per token (scratch for what it does not
-        write: padding, pages it shares with a request before it) and sets its slot. Slot B (out of range)
-        marks a request that is not inserted."""
-        k_rows = batch.cache.k[:, batch.rows].swapaxes(3, 4)  # [L, N, K, T, d]
-        pool = self._pin_pool(write_prompt_pages(pool, k_rows, batch.cache.v[:, batch.rows], page_nt, row_nt))
-
-        def put(vec, values):
-            return vec.at[slots_n].set(values.astype(vec.dtype), mode="drop")
-
-        return self._pin(DecodeState(
-            tokens=put(state.tokens, batch.token), positions=put(state.positions, batch.length),
-            sample_ids=put(state.sample_ids, batch.sample_id), versions=put(state.versions, batch.version),
-            seeds=put(state.seeds, batch.seed), active=put(state.active, jnp.ones(slots_n.shape, bool)),
-            sampling=SamplingParams(*(put(a, b) for a, b in zip(state.sampling, batch.sampling))))), pool
-
-    def _decode_step(self, params: PreparedParams, state: DecodeState, pool: PagedKV, tables, write,
-                     filtered: bool | None):
-        """One step's model and sampling for every slot: (new pool, sampled tokens, their log-probs, the
-        position of each sampled token, held below the cache length). Rows where ``write`` is off write their
-        entries to scratch."""
-        logits, pool = decode_forward_paged(self.cfg, params.tree, state.tokens, state.positions, pool, tables,
-                                            write, settings=self.settings, shards=self.shards)
-        nxt = state.positions + 1
-        keys = jax.vmap(lambda s, i, p: row_keys(s, i[None], p[None])[0])(state.seeds, state.sample_ids, nxt)
-        tokens, logprobs = sample(logits, keys, state.sampling, filtered)
-        # A full row stops advancing (the driver finishes it with reason "length" before that matters).
-        return self._pin_pool(pool), tokens, logprobs, jnp.minimum(nxt, self.max_target_length - 1)
-
-    def _generate_impl(self, params: PreparedParams, state: DecodeState, pool: PagedKV, tables, step,
-                       filtered: bool | None):
-        """One step of the active slots that ``step`` lets go (the others waited for pages: they keep their
-        token and position and report nothing)."""
-        on = state.active & step
-        pool, tokens, logprobs, nxt = self._decode_step(params, state, pool, tables, on, filtered)
-        new = state._replace(tokens=jnp.where(on, tokens, jnp.where(state.active, state.tokens, 0)),
-                             positions=jnp.where(on, nxt, state.positions))
-        return self._pin(new), pool, self._readable(_pack(jnp.where(on, tokens, 0), on, nxt, logprobs,
-                                                          state.versions))
-
-    def _generate_many_impl(self, params_seq, states_seq, pool: PagedKV, tables_seq, steps_seq,
-                            filtered: bool | None):
-        states, rows = [], []
-        for p, st, tables, step in zip(params_seq, states_seq, tables_seq, steps_seq):
-            st, pool, row = self._generate_impl(p, st, pool, tables, step, filtered)
-            states.append(st)
-            rows.append(row)
-        return tuple(states), pool, self._readable(jnp.concatenate(rows, axis=0))
-
-    def _generate_steps_impl(self, params_seq, states_seq, pool, tables_seq, budgets_seq, stops_seq, final_seq,
-                             end_after, limit, steps: int, filtered: bool | None):
-        """Up to ``steps`` decode steps of several decode states in one ``lax.while_loop``.
-
-        A slot is live in a step while it is active, has produced fewer tokens than its budget and has not
-        sampled one of its stop ids; only live slots advance (token, position) and report a token. A slot
-        that samples a stop id is marked inactive in the state it returns, so a later call dispatched before
-        its results are read produces nothing for it. A slot is freed when it stops, or when it produces its
-        budget's last token and ``final`` says that token ends its request. The loop ends after ``limit``
-        steps, when no slot is live, or after the step at which some state ``g`` with ``end_after[g] > 0``
-        has had that many slots freed. Only live slots write their entries to their pages (the others write
-        to scratch), so a slot's pages need cover only the tokens its budget lets it produce."""
-        sizes = [st.tokens.shape[0] for st in states_seq]
-        out0 = jnp.zeros((steps, sum(sizes), 5), jnp.int32)
-        produced0 = tuple(jnp.zeros((n,), jnp.int32) for n in sizes)
-
-        def live(st, produced, budget):
-            return st.active & (produced < budget)
-
-        def cond(carry):
-            i, states, _, produced, _, freed = carry
-            anyone = jnp.any(jnp.stack([jnp.any(live(st, n, b)) for st, n, b in zip(states, produced, budgets_seq)]))
-            return (i < limit) & anyone & ~jnp.any((end_after > 0) & (freed >= end_after))
-
-        def body(carry):
-            i, states, pool, produced, out, freed = carry
-            new_states, new_produced, rows, frees = [], [], [], []
-            for p, st, tables, n, budget, stops, final in zip(params_seq, states, tables_seq, produced, budgets_seq,
-                                                              stops_seq, final_seq):
-                on = live(st, n, budget)
-                pool, tok, lp, nxt = self._decode_step(p, st, pool, tables, on, filtered)
-                hit = on & jnp.any(tok[:, None] == stops, axis=1)
-                frees.append(jnp.sum(hit | (on & final & (n + 1 == budget)), dtype=jnp.int32))
-                new_states.append(st._replace(tokens=jnp.where(on, tok, st.tokens),
-                                              positions=jnp.where(on, nxt, st.positions), active=st.active & ~hit))
-                new_produced.append(n + on.astype(jnp.int32))
-                rows.append(_pack(jnp.where(on, tok, 0), on, nxt, lp, st.versions))
-            out = jax.lax.dynamic_update_index_in_dim(out, jnp.concatenate(rows, axis=0), i, axis=0)
-            return i + 1, tuple(new_states), pool, tuple(new_produced), out, freed + jnp.stack(frees)
-
-        # A slot whose next token to feed is one of its stop ids has already ended (a request whose first
-        # token, sampled at prefill, stops it): it produces nothing.
-        states_seq = tuple(st._replace(active=st.active & ~jnp.any(st.tokens[:, None] == stops, axis=1))
-                           for st, stops in zip(states_seq, stops_seq))
-        carry = (jnp.int32(0), states_seq, pool, produced0, out0, jnp.zeros((len(sizes),), jnp.int32))
-        _, states, pool, _, out, _ = jax.lax.while_loop(cond, body, carry)
-        return tuple(self._pin(st) for st in states), pool, self._readable(out)
-
-    def _resize_impl(self, state: DecodeState, rows, capacity: int) -> DecodeState:
-        """Gathers ``rows`` (indices into the old state, -1 = empty) into a state of ``capacity`` slots: the
-        slots' pages stay where they are."""
-        take = jnp.maximum(rows, 0)
-
-        def g(x, axis=0):
-            return jnp.take(x, take, axis=axis)
-
-        keep = rows >= 0
-        return self._pin(DecodeState(
-            tokens=g(state.tokens),
-            positions=g(state.positions), sample_ids=g(state.sample_ids), versions=g(state.versions),
-            seeds=g(state.seeds), active=g(state.active) & keep,
-            sampling=SamplingParams(*(g(a) for a in state.sampling))))
 
     # -- JetStream API ---------------------------------------------------------------------------------------
 
@@ -467,17 +261,11 @@ class Engine:
             return self._prepared
         return self.prepare_params(params)
 
-    def _zeros(self, b: int) -> DecodeState:
-        def z():  # distinct buffers: the state is donated
-            return jnp.zeros((b,), jnp.int32)
-
-        return DecodeState(z(), z(), z(), z(), z(), jnp.zeros((b,), bool), SamplingParams.make(b))
-
     def init_decode_state(self, capacity: int | None = None) -> DecodeState:
         b = capacity or self._max_concurrent_decodes
         if b % self.shards:
             raise EngineError(f"a decode state of {b} slots does not split over the {self.shards} batch shards")
-        state = self._zeros_jit(b) if self.spans_processes else self._zeros(b)
+        state = self._zeros_jit(b) if self.spans_processes else self.programs.zeros(b)
         return self._track(state, _Rows(b))
 
     def prefill(self, *, params: Any = None, existing_prefix: SharedPrefix | None = None, padded_tokens: Any,
@@ -866,19 +654,16 @@ class Engine:
 
     # -- the page pool --------------------------------------------------------------------------------------
 
-    def _new_pool(self) -> PagedKV:
-        return init_pages(self.cfg, self.shards * self.shard_pages, self.page_tokens)
-
     @property
     def pool(self) -> PagedKV:
         """The KV cache of every decode state: ``num_pages`` pages and the scratch page (made at first use)."""
         if self._pool is None:
-            self._pool = self._pool_jit() if self.spans_processes else self._new_pool()
+            self._pool = self._pool_jit() if self.spans_processes else self.programs.new_pool()
         return self._pool
 
     def pool_shape(self) -> PagedKV:
         """The pool's shapes and dtypes, without making it."""
-        return jax.eval_shape(self._new_pool)
+        return jax.eval_shape(self.programs.new_pool)
 
     @property
     def page_bytes(self) -> int:

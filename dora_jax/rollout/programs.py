@@ -1,0 +1,261 @@
+"""The device programs of the rollout engine (:class:`~dora_jax.rollout.engine.Engine`): prefill, insertion,
+one or several decode steps over the page pool, and resizing, as pure functions of arrays that the engine jits.
+
+They hold no host state: which pages a slot holds, when a request is admitted and what the host reads back are
+the engine's (:mod:`dora_jax.rollout.engine`, :mod:`dora_jax.rollout.page_book`). On a mesh spanning processes,
+every program keeps the decode state and the pool in one layout (:meth:`DecodePrograms.pin`), so donation reuses
+their buffers, and returns what the host reads replicated, so each process reads its own copy.
+
+Shape legend: B slots, T prompt bucket, S a prompt's cache length (prefill), W pages per table.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dora_jax.config import ModelConfig
+from dora_jax.models.decoder import DecodeSettings, KVCache, decode_forward, head_logits, init_cache
+from dora_jax.models.paged import PagedKV, decode_forward_paged, init_pages, write_prompt_pages
+from dora_jax.rollout.engine_api import DecodeState, PreparedParams, Prefix, PrefixBatch
+from dora_jax.rollout.sampling import SamplingParams, row_keys, sample
+from dora_jax.sharding import Rules, logical_to_spec
+
+
+def _pack(tokens, valid, positions, logprobs, versions) -> jax.Array:
+    bits = jax.lax.bitcast_convert_type(logprobs.astype(jnp.float32), jnp.int32)
+    return jnp.stack([tokens, valid.astype(jnp.int32), positions, bits, versions], axis=-1)
+
+
+def fitting_sharding(mesh: Mesh, axes: Sequence[str | None], rules: Rules, shape: Sequence[int]) -> NamedSharding:
+    """``axes`` mapped through ``rules`` onto ``mesh``, each dimension sharded only where its mesh axes divide it
+    (a decode state of 1 slot on a data axis of 2 keeps its rows whole and still splits its heads)."""
+    spec = logical_to_spec(axes, rules)
+    out = []
+    for size, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        out.append(entry if names and size % int(np.prod([mesh.shape[a] for a in names])) == 0 else None)
+    return NamedSharding(mesh, PartitionSpec(*out))
+
+
+class DecodePrograms:
+    """The engine's programs for one architecture served in one dtype (``cfg``) with its serving ``settings``.
+
+    Args:
+      cfg: the architecture as the engine runs it (weights and compute in the engine's dtype).
+      settings: how decode reads the cache (:class:`~dora_jax.models.decoder.DecodeSettings`).
+      max_target_length: cache length per slot; a full row's position stays below it.
+      shards: the batch shards the slots split into (each with pages of its own).
+      page_tokens: tokens per page; ``pool_pages``: pages in the pool, every shard's scratch page included.
+      mesh, rules: where the state lives and how its logical axes map to the mesh; ``spans_processes``: whether
+        the mesh holds devices of several processes (then every program pins the layouts).
+    """
+
+    def __init__(self, cfg: ModelConfig, settings: DecodeSettings, *, max_target_length: int, shards: int,
+                 page_tokens: int, pool_pages: int, mesh: Mesh | None, rules: Rules, spans_processes: bool):
+        self.cfg, self.settings = cfg, settings
+        self.max_target_length, self.shards = max_target_length, shards
+        self.page_tokens, self.pool_pages = page_tokens, pool_pages
+        self.mesh, self.rules, self.spans_processes = mesh, rules, spans_processes
+
+    def new_pool(self) -> PagedKV:
+        return init_pages(self.cfg, self.pool_pages, self.page_tokens)
+
+    def zeros(self, b: int) -> DecodeState:
+        def z():  # distinct buffers: the state is donated
+            return jnp.zeros((b,), jnp.int32)
+
+        return DecodeState(z(), z(), z(), z(), z(), jnp.zeros((b,), bool), SamplingParams.make(b))
+
+    def pin(self, state: DecodeState) -> DecodeState:
+        """A decode state in its layout on a mesh spanning processes (as is otherwise): the same layout in and
+        out of every program, so donation reuses the buffers and no program reshards the cache."""
+        if not self.spans_processes:
+            return state
+
+        def rows(x):
+            return fitting_sharding(self.mesh, ("batch",), self.rules, x.shape)
+
+        shardings = DecodeState(*(rows(x) for x in state[:6]), SamplingParams(*(rows(x) for x in state.sampling)))
+        return jax.lax.with_sharding_constraint(state, shardings)
+
+    def pin_pool(self, pool: PagedKV) -> PagedKV:
+        """The page pool in one layout on a mesh spanning processes: KV heads over the tensor axes."""
+        if not self.spans_processes:
+            return pool
+        sharding = fitting_sharding(self.mesh, PagedKV.axes(), self.rules, pool.k.shape)
+        return jax.lax.with_sharding_constraint(pool, PagedKV(sharding, sharding))
+
+    def readable(self, packed: jax.Array) -> jax.Array:
+        """Results the host reads, replicated on a mesh spanning processes: each process reads its own copy (an
+        array split across processes cannot be read by any one of them)."""
+        if not self.spans_processes:
+            return packed
+        return jax.lax.with_sharding_constraint(packed, NamedSharding(self.mesh, PartitionSpec()))
+
+    def prefill(self, params: PreparedParams, tokens_t, true_length, sample_id, version, seed, sampling):
+        t = tokens_t.shape[0]
+        cache = init_cache(self.cfg, 1, t)
+        x, cache = decode_forward(self.cfg, params.tree, tokens_t[None], jnp.arange(t, dtype=jnp.int32)[None], cache,
+                                  logits=False, settings=self.settings)
+        # Only the last prompt token's logits are needed: the head runs on one row, not on the whole bucket.
+        last_x = jax.lax.dynamic_index_in_dim(x[0], true_length - 1, keepdims=True)
+        last = head_logits(self.cfg, params.tree, last_x[None])[0]
+        keys = row_keys(seed, sample_id[None], true_length[None])
+        tok, lp = sample(last, keys, sampling)
+        prefix = Prefix(cache, tok[0], lp[0], true_length, sample_id, version, sampling, seed)
+        # The first token's result, packed here so that reading it costs one transfer and no extra dispatch.
+        return prefix, self.readable(_pack(tok, jnp.ones((1,), bool), true_length[None], lp, version[None]))
+
+    def prefill_rows(self, params: PreparedParams, tokens_pt, lengths_p, prefix: KVCache | None = None):
+        """The model part of :meth:`prefill_batch`: each distinct prompt's cache and last-token logits.
+
+        With ``prefix`` (a shared prefix's cache of n slots), the T tokens are what follows it, at positions
+        n .. n + T - 1, attending to it; each row's cache is the prefix's n slots followed by its own T.
+        ``lengths_p`` counts the tokens given here."""
+        p, t = tokens_pt.shape
+        # The prompts' cache is T (or n + T) slots long, not S: insertion writes each row's first slots.
+        cache, n = init_cache(self.cfg, p, t), 0
+        if prefix is not None:
+            n = prefix.v.shape[3]
+            rows = lambda x: jnp.broadcast_to(x, x.shape[:1] + (p,) + x.shape[2:])  # noqa: E731
+            cache = KVCache(jnp.concatenate([rows(prefix.k), cache.k], axis=4),
+                            jnp.concatenate([rows(prefix.v), cache.v], axis=3))
+        positions = jnp.broadcast_to(n + jnp.arange(t, dtype=jnp.int32), (p, t))
+        x, cache = decode_forward(self.cfg, params.tree, tokens_pt, positions, cache, logits=False,
+                                  settings=self.settings)
+        last_x = jnp.take_along_axis(x, (lengths_p - 1)[:, None, None], axis=1)  # [P, 1, D]
+        return cache, head_logits(self.cfg, params.tree, last_x)[:, 0]  # the head on one row per prompt
+
+    def shared_prefix(self, params: PreparedParams, tokens_n):
+        n = tokens_n.shape[0]
+        _, cache = decode_forward(self.cfg, params.tree, tokens_n[None], jnp.arange(n, dtype=jnp.int32)[None],
+                                  init_cache(self.cfg, 1, n), logits=False, settings=self.settings)
+        return cache
+
+    def first_tokens(self, logits_pv, lengths_p, rows_n, valid_n, sample_ids_n, version, seeds_n, sampling_n):
+        """The sampling part of :meth:`prefill_batch` (a separate program: the model's is compiled per
+        (distinct prompts, bucket), this one per number of requests)."""
+        lengths_n = lengths_p[rows_n]
+        keys = jax.vmap(lambda s, i, q: row_keys(s, i[None], q[None])[0])(seeds_n, sample_ids_n, lengths_n)
+        tok, lp = sample(logits_pv[rows_n], keys, sampling_n)
+        versions_n = jnp.full(rows_n.shape, version, jnp.int32)
+        rest = (rows_n, tok, lp, lengths_n, sample_ids_n, versions_n, sampling_n, seeds_n)  # PrefixBatch order
+        return rest, self.readable(_pack(tok, valid_n, lengths_n, lp, versions_n))
+
+    def insert_batch(self, batch: PrefixBatch, state: DecodeState, pool: PagedKV, slots_n, page_nt, row_nt
+                           ) -> tuple[DecodeState, PagedKV]:
+        """Writes each inserted request's prompt entries at (page, row) per token (scratch for what it does not
+        write: padding, pages it shares with a request before it) and sets its slot. Slot B (out of range)
+        marks a request that is not inserted."""
+        k_rows = batch.cache.k[:, batch.rows].swapaxes(3, 4)  # [L, N, K, T, d]
+        pool = self.pin_pool(write_prompt_pages(pool, k_rows, batch.cache.v[:, batch.rows], page_nt, row_nt))
+
+        def put(vec, values):
+            return vec.at[slots_n].set(values.astype(vec.dtype), mode="drop")
+
+        return self.pin(DecodeState(
+            tokens=put(state.tokens, batch.token), positions=put(state.positions, batch.length),
+            sample_ids=put(state.sample_ids, batch.sample_id), versions=put(state.versions, batch.version),
+            seeds=put(state.seeds, batch.seed), active=put(state.active, jnp.ones(slots_n.shape, bool)),
+            sampling=SamplingParams(*(put(a, b) for a, b in zip(state.sampling, batch.sampling))))), pool
+
+    def decode_step(self, params: PreparedParams, state: DecodeState, pool: PagedKV, tables, write,
+                     filtered: bool | None):
+        """One step's model and sampling for every slot: (new pool, sampled tokens, their log-probs, the
+        position of each sampled token, held below the cache length). Rows where ``write`` is off write their
+        entries to scratch."""
+        logits, pool = decode_forward_paged(self.cfg, params.tree, state.tokens, state.positions, pool, tables,
+                                            write, settings=self.settings, shards=self.shards)
+        nxt = state.positions + 1
+        keys = jax.vmap(lambda s, i, p: row_keys(s, i[None], p[None])[0])(state.seeds, state.sample_ids, nxt)
+        tokens, logprobs = sample(logits, keys, state.sampling, filtered)
+        # A full row stops advancing (the driver finishes it with reason "length" before that matters).
+        return self.pin_pool(pool), tokens, logprobs, jnp.minimum(nxt, self.max_target_length - 1)
+
+    def generate(self, params: PreparedParams, state: DecodeState, pool: PagedKV, tables, step,
+                       filtered: bool | None):
+        """One step of the active slots that ``step`` lets go (the others waited for pages: they keep their
+        token and position and report nothing)."""
+        on = state.active & step
+        pool, tokens, logprobs, nxt = self.decode_step(params, state, pool, tables, on, filtered)
+        new = state._replace(tokens=jnp.where(on, tokens, jnp.where(state.active, state.tokens, 0)),
+                             positions=jnp.where(on, nxt, state.positions))
+        return self.pin(new), pool, self.readable(_pack(jnp.where(on, tokens, 0), on, nxt, logprobs,
+                                                          state.versions))
+
+    def generate_many(self, params_seq, states_seq, pool: PagedKV, tables_seq, steps_seq,
+                            filtered: bool | None):
+        states, rows = [], []
+        for p, st, tables, step in zip(params_seq, states_seq, tables_seq, steps_seq):
+            st, pool, row = self.generate(p, st, pool, tables, step, filtered)
+            states.append(st)
+            rows.append(row)
+        return tuple(states), pool, self.readable(jnp.concatenate(rows, axis=0))
+
+    def generate_steps(self, params_seq, states_seq, pool, tables_seq, budgets_seq, stops_seq, final_seq,
+                             end_after, limit, steps: int, filtered: bool | None):
+        """Up to ``steps`` decode steps of several decode states in one ``lax.while_loop``.
+
+        A slot is live in a step while it is active, has produced fewer tokens than its budget and has not
+        sampled one of its stop ids; only live slots advance (token, position) and report a token. A slot
+        that samples a stop id is marked inactive in the state it returns, so a later call dispatched before
+        its results are read produces nothing for it. A slot is freed when it stops, or when it produces its
+        budget's last token and ``final`` says that token ends its request. The loop ends after ``limit``
+        steps, when no slot is live, or after the step at which some state ``g`` with ``end_after[g] > 0``
+        has had that many slots freed. Only live slots write their entries to their pages (the others write
+        to scratch), so a slot's pages need cover only the tokens its budget lets it produce."""
+        sizes = [st.tokens.shape[0] for st in states_seq]
+        out0 = jnp.zeros((steps, sum(sizes), 5), jnp.int32)
+        produced0 = tuple(jnp.zeros((n,), jnp.int32) for n in sizes)
+
+        def live(st, produced, budget):
+            return st.active & (produced < budget)
+
+        def cond(carry):
+            i, states, _, produced, _, freed = carry
+            anyone = jnp.any(jnp.stack([jnp.any(live(st, n, b)) for st, n, b in zip(states, produced, budgets_seq)]))
+            return (i < limit) & anyone & ~jnp.any((end_after > 0) & (freed >= end_after))
+
+        def body(carry):
+            i, states, pool, produced, out, freed = carry
+            new_states, new_produced, rows, frees = [], [], [], []
+            for p, st, tables, n, budget, stops, final in zip(params_seq, states, tables_seq, produced, budgets_seq,
+                                                              stops_seq, final_seq):
+                on = live(st, n, budget)
+                pool, tok, lp, nxt = self.decode_step(p, st, pool, tables, on, filtered)
+                hit = on & jnp.any(tok[:, None] == stops, axis=1)
+                frees.append(jnp.sum(hit | (on & final & (n + 1 == budget)), dtype=jnp.int32))
+                new_states.append(st._replace(tokens=jnp.where(on, tok, st.tokens),
+                                              positions=jnp.where(on, nxt, st.positions), active=st.active & ~hit))
+                new_produced.append(n + on.astype(jnp.int32))
+                rows.append(_pack(jnp.where(on, tok, 0), on, nxt, lp, st.versions))
+            out = jax.lax.dynamic_update_index_in_dim(out, jnp.concatenate(rows, axis=0), i, axis=0)
+            return i + 1, tuple(new_states), pool, tuple(new_produced), out, freed + jnp.stack(frees)
+
+        # A slot whose next token to feed is one of its stop ids has already ended (a request whose first
+        # token, sampled at prefill, stops it): it produces nothing.
+        states_seq = tuple(st._replace(active=st.active & ~jnp.any(st.tokens[:, None] == stops, axis=1))
+                           for st, stops in zip(states_seq, stops_seq))
+        carry = (jnp.int32(0), states_seq, pool, produced0, out0, jnp.zeros((len(sizes),), jnp.int32))
+        _, states, pool, _, out, _ = jax.lax.while_loop(cond, body, carry)
+        return tuple(self.pin(st) for st in states), pool, self.readable(out)
+
+    def resize(self, state: DecodeState, rows, capacity: int) -> DecodeState:
+        """Gathers ``rows`` (indices into the old state, -1 = empty) into a state of ``capacity`` slots: the
+        slots' pages stay where they are."""
+        take = jnp.maximum(rows, 0)
+
+        def g(x, axis=0):
+            return jnp.take(x, take, axis=axis)
+
+        keep = rows >= 0
+        return self.pin(DecodeState(
+            tokens=g(state.tokens),
+            positions=g(state.positions), sample_ids=g(state.sample_ids), versions=g(state.versions),
+            seeds=g(state.seeds), active=g(state.active) & keep,
+            sampling=SamplingParams(*(g(a) for a in state.sampling))))
