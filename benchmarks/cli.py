@@ -57,6 +57,10 @@ def build_parser(prog: str = "dora-jax bench") -> argparse.ArgumentParser:
     b.add_argument("--profile", help="modes: simulate with this 'bench profile' JSON of this machine (default: "
                    "measure one first)")
     b.add_argument("--seeds", type=_positive_int, default=4, help="convergence: seeds per run name")
+    b.add_argument("--runs", help="convergence: comma-separated run names to train (default: all: sync, "
+                   "dora_k2_none, dora_k2_decoupled, dora_k3_decoupled)")
+    b.add_argument("--decoupled-cap", type=float, default=0.0, help="convergence: train.decoupled_cap of the runs "
+                   "with decoupled PPO (AReaL's weight cap; default 0, none)")
     b.add_argument("--eval-size", type=_positive_int, help="convergence: held-out questions (default: enough for "
                    "256 answers)")
     b.add_argument("--batch", type=_positive_int, help="engine, decode: concurrent sequences (default 32); train, "
@@ -154,7 +158,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         return convergence.bench_convergence(convergence.CONFIG if args.config == DEFAULT_CONFIG else args.config,
                                              seeds=args.seeds, steps=args.steps, eval_size=args.eval_size,
-                                             overrides=ov)
+                                             overrides=ov, names=tuple(args.runs.split(",")) if args.runs else (),
+                                             decoupled_cap=args.decoupled_cap)
     if args.what == "kernel":
         from benchmarks import kernel
 
