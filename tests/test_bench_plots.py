@@ -74,6 +74,36 @@ def test_convergence_target_by_hand():
     assert out["met"] == {"dora_k2_decoupled": True, "dora_k3_decoupled": False}
 
 
+def test_convergence_runs_a_chosen_subset_with_the_cap_on_decoupled_runs_only(monkeypatch, tmp_path):
+    """``--runs`` trains only the names given, ``--decoupled-cap`` reaches the decoupled runs' settings and no
+    other's, and a result without sync says it has no floor. The harness is replaced by one that records what
+    it was asked to train."""
+    trained = []
+
+    class Recorder:
+        def __init__(self, config, overrides, out_dir):
+            self.out_dir = str(tmp_path)
+
+        def run(self, v, extra):
+            trained.append((v.name, list(v.overrides), list(extra)))
+            row = {"reward": 0.5, "train": {"clip_frac": 0.1, "grad_norm": 1.0}, "staleness_max": 1}
+            return {"summary": {"accuracy_before": 0.1, "accuracy_after": 0.3, "reward_after": 0.5, "samples": 32,
+                                "eval_n": 256, "wall_s": 1.0}, "rows": [row]}
+
+        def forget(self):
+            pass
+
+    monkeypatch.setattr(convergence, "Harness", Recorder)
+    out = convergence.bench_convergence(seeds=2, names=("dora_k3_decoupled", "dora_k2_none"), decoupled_cap=5.0)
+    assert list(out["runs"]) == ["dora_k2_none", "dora_k3_decoupled"]  # RUNS' order, only those asked for
+    caps = {name: [o for o in ov if o.startswith("train.decoupled_cap")] for name, ov, _ in trained}
+    assert caps == {"dora_k2_none": [], "dora_k3_decoupled": ["train.decoupled_cap=5.0"]}
+    assert [extra for _, _, extra in trained] == [["rollout.seed=0"], ["rollout.seed=1"]] * 2
+    assert out["target"] == {"floor": None, "met": {}, "why": "no sync run in this result"}
+    with pytest.raises(ValueError, match="unknown run names \\['dora_k9'\\]"):
+        convergence.bench_convergence(names=("dora_k9",))
+
+
 def test_the_reasoning_preset_is_a_valid_run_of_reasoning_length():
     from dora_jax.config import load_config
 
