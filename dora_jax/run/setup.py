@@ -93,11 +93,13 @@ def advice(cfg: Config) -> list[str]:
     """Settings that run but undo what they were chosen for, each said with what to change (logged at start-up)."""
     t, out = cfg.train, []
     if t.correction == "decoupled" and t.minibatches * t.epochs == 1:
-        # Measured: bench convergence, main job, K = 2, 4 seeds x 20 updates (docs/performance.md).
+        # Measured: bench convergence, main job, K = 2, 4 seeds x 20 updates, with and without the cap
+        # (docs/performance.md).
         out.append("train.correction='decoupled' with one update an iteration (train.minibatches x train.epochs = "
-                   "1): the proximal policy is the current one, so the clip never acts and the importance "
-                   "weights pi/mu are unbounded; use train.minibatches >= 2, or correction 'none' (clip against "
-                   "the behaviour policy) or 'tis'")
+                   "1): the proximal policy is the current one, so the clip never acts and nothing bounds how far "
+                   "an update moves from the behaviour policy (train.decoupled_cap only drops the heaviest tokens); "
+                   "use train.minibatches >= 2 with train.learning_rate lowered in proportion, or correction "
+                   "'none' (clip against the behaviour policy) or 'tis'")
     return out
 
 
