@@ -81,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("dora_jax.kernels") is None:
         # An install maps kernels/ to dora_jax.kernels, and dora_jax maps it itself from a checkout on PYTHONPATH;
         # it is missing only from a tree without kernels/.
-        print("error: dora_jax.kernels is not importable: install this checkout first (pip install -e . , or "
-              "pip install --no-deps --no-build-isolation -e . where JAX and the rest are already there)",
+        print("error: dora_jax.kernels is not importable: run from a whole checkout (with kernels/), or install "
+              "it (pip install -e . , or pip install --no-deps --no-build-isolation -e . where JAX and the rest "
+              "are already there)",
               file=sys.stderr)
         return 2
     date = datetime.date.today().isoformat()

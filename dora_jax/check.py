@@ -198,8 +198,7 @@ def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
     # The engine's decode step traced on abstract arguments: exactly what a rollout runs per step.
     def decode_step(p, state, pool, tables):
         every = jnp.ones(state.tokens.shape, bool)  # every slot steps: none waits for pages
-        new_state, new_pool, result = engine.programs.generate(engine.prepare_params(p), state, pool, tables, every, None)
-        return new_state, new_pool, result
+        return engine.programs.generate(engine.prepare_params(p), state, pool, tables, every, None)
 
     temp, args = _compile(jax.jit(decode_step, donate_argnums=(1, 2)), (params, decode, pool, tables), mesh, rules,
                           do_compile)

@@ -169,3 +169,21 @@ def test_decoupled_ppo_with_one_update_an_iteration_is_advised_against():
     assert len(said) == 1 and "train.minibatches" in said[0] and "'none'" in said[0]
     assert advice(load_config("tiny_llama", ["train.correction=decoupled", "train.epochs=2"])) == []
     assert advice(load_config("tiny_llama", ["train.correction=none"])) == []
+
+
+@pytest.mark.parametrize("name", ["attention_impl", "pallas_interpret"])
+def test_a_rollout_setting_under_model_is_refused_with_where_it_lives(name):
+    with pytest.raises(ConfigError, match=rf"model.{name}.*set 'rollout.{name}' instead"):
+        load_config(None, [f"model.{name}=xla"])
+
+
+def test_to_dict_reads_back_to_the_same_config():
+    """A saved config (run directories keep ``to_dict``) is read back field for field, the logical axis rules
+    written as a mapping of lists."""
+    from dora_jax.schema import from_dict
+
+    cfg = load_config("tiny_llama", ["mesh.logical_axis_rules.batch=[data, fsdp]", "train.correction=decoupled",
+                                     "train.decoupled_cap=5"])
+    plain = cfg.to_dict()
+    assert plain["mesh"]["logical_axis_rules"]["batch"] == ["data", "fsdp"]
+    assert from_dict(Config, plain) == cfg
