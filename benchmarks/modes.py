@@ -70,15 +70,26 @@ def _mode_overrides(mode: str, k: int, tbs: int) -> list[str]:
     return [f"dora.mode={mode}", f"train.max_staleness={max(k, 1)}", f"dora.rollout_batch={rbs}"]
 
 
-def plan(split: bool) -> list[Variant]:
+MODE_NAMES = tuple(mode if mode != "dora" else f"dora_k{k}" for mode, k in MODES)
+
+
+def plan(split: bool, only: tuple[str, ...] | None = None) -> list[Variant]:
     """The modes, each a :class:`Variant`. Where there are two devices, every mode runs under split placement
     and again under shared placement (named ``<mode>_shared``); on one device, every mode runs shared.
+    ``only`` keeps the modes of those names (of :data:`MODE_NAMES`; ``sync`` and ``dora_k2`` among them, the
+    pair every comparison and the target are made of).
 
     Shared placement is where decode batch-steps per trained sample count the schedule alone: the trainer and
     the rollout take turns, so no decode step is taken while the rollout waits on a slower trainer, and the
     count is the same on any machine. Under split placement the rollout keeps decoding its long samples, a few
     rows at a time, while the trainer works, so the count there grows with the trainer's share of the time."""
-    names = [(mode if mode != "dora" else f"dora_k{k}", _mode_overrides(mode, k, TBS)) for mode, k in MODES]
+    if only is not None:
+        unknown = sorted(set(only) - set(MODE_NAMES))
+        if unknown or not {"sync", "dora_k2"} <= set(only):
+            raise ValueError(f"modes {list(only)}: each of {list(MODE_NAMES)}, with sync and dora_k2 among them"
+                             + (f" (unknown: {unknown})" if unknown else ""))
+    names = [(name, _mode_overrides(mode, k, TBS)) for name, (mode, k) in zip(MODE_NAMES, MODES)
+             if only is None or name in only]
     if not split:
         return [Variant(name, o, False) for name, o in names]
     return [Variant(name, o, True) for name, o in names] + [Variant(f"{name}_shared", o, False) for name, o in names]
@@ -168,7 +179,8 @@ def compare(results: dict[str, dict[str, Any]], simulated: dict[str, dict[str, A
 def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, noise_seeds: int = 3,
                 profile: str | None = None, out_dir: str | None = None, max_len: int = 256,
                 overrides: tuple[str, ...] = (), warm_rounds: int = 4,
-                profile_grid: dict[str, Any] | None = None) -> dict[str, Any]:
+                profile_grid: dict[str, Any] | None = None,
+                modes: tuple[str, ...] | None = None, simulate: bool = True) -> dict[str, Any]:
     """Runs every mode ``repeats`` times (alternated, after untimed rounds), simulates each with a cost
     profile of this machine, and returns per-mode throughput, schedule figures and the simulator's error.
 
@@ -184,13 +196,18 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
       warm_rounds: untimed rounds at most (:meth:`Harness.warm`).
       profile_grid: the measured profile's decode grid (:func:`benchmarks.profile.bench_profile`'s
         ``versions``, ``batches``, ``rounds``; default its own).
+      modes: run only these modes (:func:`plan`); default all of :data:`MODE_NAMES`.
+      simulate: measure a cost profile and simulate every mode with it. Without it the result's ``simulator``
+        is None: the profile's decode sweeps run to ``max_len`` positions each, minutes of an accelerator's
+        time when outputs reach thousands of tokens.
     """
     from dora_jax.sim.profile import load_profile, parse_profile
 
     from benchmarks.profile import add_train_samples, bench_profile
 
+    plan(False, modes)  # a bad selection fails before anything is built
     h = Harness(config, workload(max_len) + list(overrides) + [f"dora.steps={steps}"], out_dir, shared_devices=1)
-    variants = plan(h.split)
+    variants = plan(h.split, modes)
     # One placement's runs at a time: on XLA:CPU every compiled program holds memory mappings of its own, and the
     # programs of split and shared placement together (a trainer per staleness bound, an engine each) pass Linux's
     # default of 65530 mappings per process. Within a phase the modes alternate, as the comparisons need.
@@ -199,7 +216,7 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
     for i, phase in enumerate(phases):
         # Compiles every shape the runs meet (the profile shares the programs).
         compiled_per_round.append(h.warm(phase, max_rounds=warm_rounds))
-        sample_train = i == 0 and profile is None
+        sample_train = simulate and i == 0 and profile is None
         if sample_train:  # measured between the compiling round and the timed ones, on the same engine and trainer
             measured_profile = bench_profile(config, harness=h, **(profile_grid or {}))
             cfg = h.cfg((), h.split)
@@ -217,10 +234,11 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
                 state[0] = add_train_samples(measured_profile, placement.trainer, state[0], cfg)
 
         runs.update(h.rounds(phase, repeats, on_run=say))
-        if prof is None:
+        if simulate and prof is None:
             prof = (parse_profile(measured_profile, source="measured by this run") if profile is None
                     else load_profile(profile))
-        simulated.update(simulate_modes(h, phase, prof))
+        if simulate:
+            simulated.update(simulate_modes(h, phase, prof))
         if i == 0:
             noise = [[row["reward"] for row in h.run(Variant(f"sync_seed{seed}", _mode_overrides("sync", 0, TBS),
                                                              h.split), [f"rollout.seed={seed}"])["rows"]]
@@ -229,7 +247,7 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
             del placement, state
         h.forget()
     results = {v.name: _mode_result(v.name, runs[v.name]) for v in variants}
-    checked = compare(results, simulated)
+    checked = compare(results, simulated) if simulate else None
     curves = np.asarray([results["sync"]["reward_per_step"]] + noise)
     sync = results["sync"]
     steps_vs_sync = {n: r["decode_steps_per_sample"] / results[reference(n)]["decode_steps_per_sample"]
@@ -249,9 +267,10 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
             # The device-independent target: dora at K = 2 against sync, both where the count is the schedule's.
             "target": {"variant": k2, "decode_steps_per_sample_vs_sync": steps_vs_sync[k2], "at_most": 0.5,
                        "met": bool(steps_vs_sync[k2] <= 0.5)},
-            "simulator": {"profile": profile or "measured in this run, after the untimed rounds of the modes and "
-                                                "before the timed ones, its train costs sampled again before "
-                                                "every timed round (see 'profile')", **checked},
+            "simulator": None if checked is None else {
+                "profile": profile or "measured in this run, after the untimed rounds of the modes and before the "
+                                      "timed ones, its train costs sampled again before every timed round (see "
+                                      "'profile')", **checked},
             "profile": measured_profile,
             "sync_reward_curves": curves.tolist(),
             "sync_reward_spread": {"mean": curves.mean(0).tolist(), "min": curves.min(0).tolist(),
@@ -298,15 +317,18 @@ def plot_modes(result: dict[str, Any], path: str) -> str:
     bx.set_xlabel("mode")
     bx.set_ylabel("trained samples / s")
     meas = np.asarray([result["modes"][n]["measured_wall_s"] for n in names])
-    sim = np.asarray([result["modes"][n]["simulated_wall_s"] for n in names])
     mlo = meas - np.asarray([min(result["modes"][n]["runs"]["wall_s"]) for n in names])
     mhi = np.asarray([max(result["modes"][n]["runs"]["wall_s"]) for n in names]) - meas
     cx.bar(x - 0.2, meas, 0.4, yerr=[mlo, mhi], capsize=3, label="measured (median, min-max)")
-    cx.bar(x + 0.2, sim, 0.4, label="simulated with this machine's profile")
-    for i, (m, s) in enumerate(zip(meas, sim)):
-        cx.annotate(f"{s / m - 1:+.0%}", (i + 0.2, s), ha="center", va="bottom", fontsize=7)
+    if result["simulator"] is not None:
+        sim = np.asarray([result["modes"][n]["simulated_wall_s"] for n in names])
+        cx.bar(x + 0.2, sim, 0.4, label="simulated with this machine's profile")
+        for i, (m, s) in enumerate(zip(meas, sim)):
+            cx.annotate(f"{s / m - 1:+.0%}", (i + 0.2, s), ha="center", va="bottom", fontsize=7)
     cx.set_xticks(x, names, rotation=35, ha="right")
-    cx.set_title("wall time per run, compiling inside it left out: simulated vs measured", fontsize=10)
+    cx.set_title("wall time per run, compiling inside it left out: "
+                 + ("simulated vs measured" if result["simulator"] is not None else "measured (not simulated)"),
+                 fontsize=10)
     cx.set_xlabel("mode")
     cx.set_ylabel("wall seconds of the run")
     cx.legend(fontsize=7, loc="lower right")

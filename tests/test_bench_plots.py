@@ -15,7 +15,7 @@ from benchmarks import cli, convergence, modes  # noqa: E402
 
 def modes_result():
     names = ["sync", "one_step_off", "dora_k2", "sync_shared", "dora_k2_shared"]
-    return {"steps": 3, "repeats": 2, "train_batch": 16, "device": "test device",
+    return {"steps": 3, "repeats": 2, "train_batch": 16, "device": "test device", "simulator": {"target": 0.15},
             "sync_reward_spread": {"mean": [0.1, 0.2, 0.3], "min": [0.0, 0.1, 0.2], "max": [0.2, 0.3, 0.4]},
             "sync_reward_curves": [[0.1, 0.2, 0.3]] * 2,
             "modes": {n: {"reward_per_step": [0.1, 0.2, 0.3], "samples_per_s": 10.0 + i, "measured_wall_s": 2.0 + i,
@@ -48,6 +48,37 @@ def test_modes_plot_has_titles_labels_and_every_mode(tmp_path, monkeypatch):
     assert [p.get_height() for p in steps.patches] == pytest.approx([1.0, 7 / 8, 6 / 8, 1.0, 4 / 5])
     close(fig)
 
+
+
+def test_modes_plot_of_a_run_that_simulated_nothing_shows_the_measured_wall_times_alone(tmp_path, monkeypatch):
+    figures, close = drawn(monkeypatch)
+    result = modes_result()
+    result["simulator"] = None
+    for r in result["modes"].values():
+        del r["simulated_wall_s"]
+    modes.plot_modes(result, str(tmp_path / "modes.png"))
+    (fig,) = figures
+    walls = fig.axes[2]
+    assert len(walls.patches) == 5 and "not simulated" in walls.get_title()
+    close(fig)
+
+
+def test_modes_runs_a_chosen_subset_that_holds_sync_and_dora_k2():
+    assert [v.name for v in modes.plan(False)] == list(modes.MODE_NAMES)
+    assert [v.name for v in modes.plan(False, ("dora_k3", "sync", "dora_k2"))] == ["sync", "dora_k2", "dora_k3"]
+    assert [v.name for v in modes.plan(True, ("sync", "dora_k2"))] == ["sync", "dora_k2", "sync_shared",
+                                                                         "dora_k2_shared"]
+    with pytest.raises(ValueError, match="sync and dora_k2"):
+        modes.plan(False, ("sync", "dora_k3"))
+    with pytest.raises(ValueError, match=r"unknown: \['dora_k9'\]"):
+        modes.plan(False, ("sync", "dora_k2", "dora_k9"))
+    args = cli.build_parser().parse_args(["modes", "--modes", "sync,dora_k2", "--no-simulate"])
+    assert (args.modes, args.no_simulate) == ("sync,dora_k2", True)
+    # Refused before anything is built: a bad selection, the options on another benchmark, a profile with nothing
+    # to simulate.
+    assert cli.main(["modes", "--modes", "sync,one_step_off"]) == 2
+    assert cli.main(["engine", "--modes", "sync,dora_k2"]) == 2 and cli.main(["train", "--no-simulate"]) == 2
+    assert cli.main(["modes", "--no-simulate", "--profile", "p.json"]) == 2
 
 def test_convergence_plot_has_titles_labels_and_every_run(tmp_path, monkeypatch):
     runs = {n: {"reward_mean": [0.1, 0.2], "reward_stderr": [0.01, 0.02], "accuracy_before": [0.1, 0.1],
@@ -158,15 +189,50 @@ def test_simulated_against_measured_by_hand():
     assert out["dora_over_sync_wall"]["dora_k2_shared"]["simulated"] == pytest.approx(0.25)
 
 
+def _mode_run(wall, compile_s, steps_per_sample=4.0):
+    summary = {"mode": "dora", "placement": "shared", "max_staleness": 2, "samples": 128, "wall_s": wall,
+               "decode_batch_steps_per_sample": steps_per_sample, "slot_utilization": 0.5, "decode_batch_steps": 512,
+               "train_s": 1.0, "gen_tok_s": 10.0, "trainer_idle_fraction": 0.1, "max_resident_versions": 3,
+               "sync_s": 0.0, "samples_per_s": 128 / wall}
+    rows = [{"staleness": {"1": 16}, "rollout_share": 0.5, "slot_occupancy": 0.5, "trained_tokens": 640,
+             "reward": 0.5, "len_p50": 8, "len_p99": 200}]
+    return {"summary": summary, "rows": rows, "compile_s": compile_s}
+
+
+def test_modes_without_simulation_measures_no_profile(monkeypatch):
+    import benchmarks.profile
+
+    class FakeHarness:  # the runs' figures by hand: sync 4 s and 8 steps a sample, dora_k2 2 s and 2
+        split, device_count, out_dir = False, 1, "/nowhere"
+
+        def __init__(self, *a, **k):
+            self.warmed = []
+
+        def warm(self, phase, max_rounds):
+            self.warmed.append([v.name for v in phase])
+            return [0]
+
+        def rounds(self, phase, repeats, on_run=None):
+            return {v.name: [_mode_run(4.0, 0.0, 8.0) if v.name == "sync" else _mode_run(2.0, 0.0, 2.0)]
+                    for v in phase}
+
+        def forget(self):
+            pass
+
+    def no_profile(*a, **k):
+        raise AssertionError("a profile was measured")
+
+    monkeypatch.setattr(modes, "Harness", FakeHarness)
+    monkeypatch.setattr(benchmarks.profile, "bench_profile", no_profile)
+    out = modes.bench_modes(modes=("sync", "dora_k2"), simulate=False, noise_seeds=1, repeats=1)
+    assert out["simulator"] is None and out["profile"] is None and list(out["modes"]) == ["sync", "dora_k2"]
+    assert out["speedup_vs_sync"]["dora_k2"] == pytest.approx(2.0)
+    assert out["target"]["decode_steps_per_sample_vs_sync"] == pytest.approx(0.25) and out["target"]["met"]
+    json.dumps(out)
+
+
 def test_a_mode_wall_time_leaves_out_what_compiled_inside_the_run():
-    def run(wall, compile_s):
-        summary = {"mode": "dora", "placement": "split", "max_staleness": 2, "samples": 128, "wall_s": wall,
-                   "decode_batch_steps_per_sample": 4.0, "slot_utilization": 0.5, "decode_batch_steps": 512,
-                   "train_s": 1.0, "gen_tok_s": 10.0, "trainer_idle_fraction": 0.1, "max_resident_versions": 3,
-                   "sync_s": 0.0}
-        rows = [{"staleness": {"1": 16}, "rollout_share": 0.5, "slot_occupancy": 0.5, "trained_tokens": 640,
-                 "reward": 0.5, "len_p50": 8, "len_p99": 200}]
-        return {"summary": summary, "rows": rows, "compile_s": compile_s}
+    run = _mode_run
 
     # Walls 2.0, 5.0 (3.0 of it compiling) and 2.4: net 2.0, 2.0, 2.4, so the median is 2.0, not 2.4.
     r = modes._mode_result("dora_k2", [run(2.0, 0.0), run(5.0, 3.0), run(2.4, 0.0)])

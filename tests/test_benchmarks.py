@@ -105,6 +105,13 @@ def test_the_accelerator_script_stops_at_its_budget(tmp_path):
     summary = json.load(open(tmp_path / "summary.json"))
     assert [p[0] for p in gpu.PARTS] == list(summary["parts"])
     assert all(p["status"] == "skipped" and "left of the budget" in p["why"] for p in summary["parts"].values())
+    # A second call into the folder, with one part and a larger budget, keeps what the first said of the others.
+    summary["parts"]["decode"] = {"status": "ok", "seconds": 17.3}
+    json.dump(summary, open(tmp_path / "summary.json", "w"))
+    assert gpu.main(["--budget-s", "20", "--only", "modes_reasoning", "--out", str(tmp_path)]) == 0
+    again = json.load(open(tmp_path / "summary.json"))
+    assert again["parts"]["decode"] == {"status": "ok", "seconds": 17.3} and again["budget_s"] == 20
+    assert set(again["parts"]) == set(summary["parts"]) and "20s left" in again["parts"]["modes_reasoning"]["why"]
     with pytest.raises(SystemExit):
         gpu.main(["--only", "engine,nonsense", "--out", str(tmp_path)])
 

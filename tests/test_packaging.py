@@ -116,7 +116,7 @@ def test_a_checkout_on_the_path_without_an_install_imports_the_kernels(tmp_path)
     """A source tree handed to a machine and put on PYTHONPATH, never installed (no editable finder: ``-S`` skips
     the .pth files that hold it): ``dora_jax.kernels`` is the tree's ``kernels/``, as an install would map it."""
     tree = tmp_path / "tree"
-    for folder in ("dora_jax", "kernels"):
+    for folder in ("dora_jax", "kernels", "benchmarks"):
         shutil.copytree(REPO / folder, tree / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     deps = os.pathsep.join(dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib")))
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONHOME"}, "PYTHONPATH": f"{tree}{os.pathsep}{deps}"}
@@ -124,6 +124,10 @@ def test_a_checkout_on_the_path_without_an_install_imports_the_kernels(tmp_path)
              "print(p.__file__); print(dora_jax.kernels.paged_attention is p)")
     out = _run([sys.executable, "-S", "-c", probe], cwd=tmp_path, env=env).stdout.split()
     assert out == [str(tree / "kernels" / "paged_attention.py"), "True"]
+    # The accelerator script's own check that the kernels import, run as on such a machine (its first act there).
+    _run([sys.executable, "-S", "-m", "benchmarks.gpu", "--budget-s", "1", "--only", "kernel", "--out", "r"],
+         cwd=tree, env=env)
+    assert json.load(open(tree / "r" / "summary.json"))["parts"]["kernel"]["status"] == "skipped"
     (tree / "kernels" / "__init__.py").unlink()  # a tree without the folder's package: the import fails as before
     shutil.rmtree(tree / "kernels")
     proc = subprocess.run([sys.executable, "-S", "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
