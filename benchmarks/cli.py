@@ -65,6 +65,8 @@ def build_parser(prog: str = "dora-jax bench") -> argparse.ArgumentParser:
                    "dora_k2_none, dora_k2_decoupled, dora_k3_decoupled)")
     b.add_argument("--decoupled-cap", type=float, default=0.0, help="convergence: train.decoupled_cap of the runs "
                    "with decoupled PPO (AReaL's weight cap; default 0, none)")
+    b.add_argument("--merge", help="convergence: comma-separated results of the same recipe and machine (other run "
+                   "names in each) to write as one, the target computed over them all; trains nothing")
     b.add_argument("--eval-size", type=_positive_int, help="convergence: held-out questions (default: enough for "
                    "256 answers)")
     b.add_argument("--batch", type=_positive_int, help="engine, decode: concurrent sequences (default 32; "
@@ -165,6 +167,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.what == "convergence":
         from benchmarks import convergence
 
+        if args.merge:
+            return convergence.merge(args.merge.split(","))
         return convergence.bench_convergence(convergence.CONFIG if args.config == DEFAULT_CONFIG else args.config,
                                              seeds=args.seeds, steps=args.steps, eval_size=args.eval_size,
                                              overrides=ov, names=tuple(args.runs.split(",")) if args.runs else (),
@@ -228,6 +232,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "dora-jax bench") -> int
             plan(False, tuple(args.modes.split(",")))
         except ValueError as e:
             problems.append(f"{prog} modes --modes: {e}")
+    if args.merge and args.what != "convergence":
+        problems.append(f"{prog} {args.what}: --merge is for convergence only")
+    elif args.merge and (args.runs or args.overrides or args.steps or args.eval_size or args.decoupled_cap
+                         or args.seeds != 4 or args.config != DEFAULT_CONFIG):
+        problems.append(f"{prog} convergence --merge: trains nothing; it takes no --runs, --seeds, --steps, "
+                        "--eval-size, --decoupled-cap, --config or key=value overrides")
     if args.quick and not (args.what == "engine" and args.preset):
         problems.append(f"{prog} {args.what}: --quick is for engine --preset only")
     if problems:
@@ -241,7 +251,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "dora-jax bench") -> int
 
     from benchmarks.record import command_line, stamp, write_json
 
-    result = stamp(run(args), command_line(prog, argv))
+    try:
+        produced = run(args)
+    except ValueError as e:
+        if not args.merge:
+            raise
+        print(f"error: {e}", file=sys.stderr)  # a merge's inputs are files: bad ones are named, not a traceback
+        return 2
+    result = stamp(produced, command_line(prog, argv))
     print(json.dumps(result, indent=1))
     if args.json:
         write_json(result, args.json)

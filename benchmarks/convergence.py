@@ -13,11 +13,17 @@ trained batch per seed (``reward_per_iteration``), and their means with standard
 name's mean reward per iteration with a band of one standard error, and the final accuracy with its standard
 error. At least 256 held-out answers (``task.eval_size`` questions x ``task.eval_samples`` answers) per
 evaluation by default.
+
+A comparison can run in pieces (``--runs``): ``--merge A.json,B.json`` writes the results of one recipe on one
+machine as one, with the target computed over all their runs.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
+import shlex
 from typing import Any
 
 import numpy as np
@@ -128,8 +134,73 @@ def bench_convergence(config: str = CONFIG, seeds: int = 4, steps: int | None = 
     return {"machine": machine(), "config": config, "seeds": seeds, "steps": steps,
             "train_batch": base.dora.train_batch, "samples_per_run": steps * base.dora.train_batch,
             "eval_size": eval_size, "eval_samples": samples, "heldout_answers": eval_size * samples,
+            "overrides": list(overrides), "decoupled_cap": decoupled_cap,
             "runs": out, "target": parity(out), "settings": {v.name: v.overrides for v in variants},
             "run_dir": h.out_dir}
+
+
+# What two results must share to be one comparison: the job, its size and evaluation, and the machine (a run is
+# deterministic on one machine, not across machines).
+SAME = ("config", "seeds", "steps", "train_batch", "samples_per_run", "eval_size", "eval_samples", "heldout_answers",
+        "device")
+_OVERRIDE = re.compile(r"^[a-z_]+\.[a-z_]+=")
+
+
+def recipe(result: dict[str, Any]) -> tuple[tuple[str, ...], float]:
+    """The settings every run of ``result`` shares: its ``key=value`` overrides (sorted) and the decoupled cap;
+    read from the command line for a result written before they were recorded as fields."""
+    if "overrides" in result:
+        return tuple(sorted(result["overrides"])), float(result["decoupled_cap"])
+    words = shlex.split(result["command"])
+    cap = float(words[words.index("--decoupled-cap") + 1]) if "--decoupled-cap" in words else 0.0
+    return tuple(sorted(w for w in words if _OVERRIDE.match(w))), cap
+
+
+def merge(paths: list[str]) -> dict[str, Any]:
+    """One result from the ``bench convergence`` JSONs at ``paths``, each holding other run names of the same
+    recipe (a long comparison run in pieces): their runs together, the target computed over them all.
+
+    Raises:
+      ValueError: naming the file and field, for a file that is not such a result, results of different jobs,
+        sizes, machines or recipes, or a run name in two of them.
+    """
+    if len(paths) < 2:
+        raise ValueError(f"bench convergence --merge: two or more results to merge, got {len(paths)}")
+    results = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                r = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"bench convergence --merge: {path}: not readable as JSON ({e})") from None
+        missing = [k for k in (*SAME, "command", "date", "runs", "settings") if k not in r]
+        if missing:
+            raise ValueError(f"bench convergence --merge: {path}: not a bench convergence result (no {missing})")
+        results.append(r)
+    first, where = results[0], paths[0]
+    for path, r in zip(paths[1:], results[1:]):
+        for k in SAME:
+            if r[k] != first[k]:
+                raise ValueError(f"bench convergence --merge: {k} differs: {first[k]!r} in {where}, {r[k]!r} in {path}")
+        if recipe(r) != recipe(first):
+            raise ValueError(f"bench convergence --merge: the recipe differs: {recipe(first)} in {where}, "
+                             f"{recipe(r)} in {path}")
+    runs: dict[str, Any] = {}
+    settings: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for path, r in zip(paths, results):
+        for name in r["runs"]:
+            if name in runs:
+                raise ValueError(f"bench convergence --merge: run {name!r} is in both {source[name]} and {path}")
+            runs[name], settings[name], source[name] = r["runs"][name], r["settings"][name], path
+    order = [n for n, _ in RUNS if n in runs] + [n for n in runs if n not in dict(RUNS)]
+    runs = {n: runs[n] for n in order}
+    overrides, cap = recipe(first)
+    return {**{k: first[k] for k in SAME if k != "device"}, "measured_on": first["device"],
+            "merged_from": [{"path": p, "command": r["command"], "date": r["date"], "runs": list(r["runs"])}
+                            for p, r in zip(paths, results)],
+            "machine": first.get("machine"), "overrides": list(overrides), "decoupled_cap": cap,
+            "runs": runs, "target": parity(runs), "settings": {n: settings[n] for n in order}}
 
 
 def plot_convergence(result: dict[str, Any], path: str) -> str:
@@ -155,7 +226,7 @@ def plot_convergence(result: dict[str, Any], path: str) -> str:
     ax.set_title(f"reward of each trained batch: mean of {result['seeds']} seed(s), band 1 standard error",
                  fontsize=9)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("iteration (update)")
+    ax.set_xlabel("iteration (policy version)")
     ax.set_ylabel("mean reward of the batch")
     ax.legend(fontsize=8)
     x = np.arange(len(names))
@@ -163,6 +234,9 @@ def plot_convergence(result: dict[str, Any], path: str) -> str:
     bx.bar(x, [a["mean"] for a in acc], yerr=[a["stderr"] for a in acc], capsize=4)
     before = np.mean([v for n in names for v in result["runs"][n]["accuracy_before"]])
     bx.axhline(before, color="grey", linestyle="--", label=f"before training ({before:.3f})")
+    floor = result.get("target", {}).get("floor")
+    if floor is not None:
+        bx.axhline(floor, color="red", linestyle=":", label=f"sync's mean - 2 SE ({floor:.3f}): decoupled runs' floor")
     bx.set_xticks(x, names, rotation=20)
     bx.set_title(f"held-out accuracy after {result['samples_per_run']} samples ({result['heldout_answers']} answers), "
                  "mean +- 1 standard error", fontsize=9)

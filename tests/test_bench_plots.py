@@ -91,7 +91,79 @@ def test_convergence_plot_has_titles_labels_and_every_run(tmp_path, monkeypatch)
     for ax in fig.axes:
         assert ax.get_title() and ax.get_xlabel() and ax.get_ylabel()
     assert len(rewards.get_lines()) == len(convergence.RUNS) and len(accuracy.patches) == len(convergence.RUNS)
+    assert [h.get_label()[:15] for h in _levels(accuracy)] == ["before training"]  # no target: no floor drawn
     close(fig)
+    convergence.plot_convergence({"runs": runs, "seeds": 2, "samples_per_run": 32, "heldout_answers": 256,
+                                  "target": {"floor": 0.25}}, str(tmp_path / "conv.png"))
+    (fig,) = figures[1:]
+    assert [h.get_ydata()[0] for h in _levels(fig.axes[1])] == [pytest.approx(0.1), 0.25]
+    close(fig)
+
+
+def _levels(ax):
+    """The horizontal reference lines of an axes (the error bars' lines are not labelled)."""
+    return [h for h in ax.get_lines() if not h.get_label().startswith("_")]
+
+
+def _convergence_file(path, names, accuracies, **changes):
+    """A ``bench convergence`` result as written by the main job's recipe, each run name's seeds at
+    ``accuracies``."""
+    runs = {n: {"final_accuracy": a, "reward_per_iteration": [[0.1, 0.2]] * len(a), "accuracy_before": [0.1] * len(a),
+                "final_accuracy_stats": convergence._stats(a), "reward_mean": [0.1, 0.2], "reward_stderr": [0.0, 0.0]}
+            for n, a in zip(names, accuracies)}
+    result = {"command": "dora-jax bench convergence --decoupled-cap 5 train.minibatches=4 --json x.json",
+              "device": "CPU, 2 cores", "date": "2026-11-26", "config": "smollm2_arith", "seeds": 4, "steps": 20,
+              "train_batch": 32, "samples_per_run": 640, "eval_size": 128, "eval_samples": 2, "heldout_answers": 256,
+              "runs": runs, "settings": {n: [f"setting of {n}"] for n in names}}
+    result.update(changes)
+    path.write_text(json.dumps(result))
+    return str(path)
+
+
+def test_convergence_results_of_one_recipe_merge_into_one_comparison(tmp_path, monkeypatch):
+    a = _convergence_file(tmp_path / "a.json", ["dora_k3_decoupled"], [[0.55, 0.57, 0.59, 0.57]])
+    b = _convergence_file(tmp_path / "b.json", ["sync", "dora_k2_decoupled"],
+                          [[0.5, 0.6, 0.6, 0.7], [0.5, 0.52, 0.5, 0.5]],
+                          command="dora-jax bench convergence train.minibatches=4 --decoupled-cap 5.0",
+                          overrides=["train.minibatches=4"], decoupled_cap=5.0)
+    out = convergence.merge([a, b])
+    assert list(out["runs"]) == ["sync", "dora_k2_decoupled", "dora_k3_decoupled"]  # the benchmark's own order
+    # sync: mean 0.6, SE = std(ddof=1) / 2 = 0.08165 / 2, floor 0.6 - 0.08165 = 0.5184
+    assert out["target"]["floor"] == pytest.approx(0.6 - np.std([0.5, 0.6, 0.6, 0.7], ddof=1))
+    assert out["target"]["met"] == {"dora_k2_decoupled": False, "dora_k3_decoupled": True}
+    assert out["settings"]["sync"] == ["setting of sync"] and out["measured_on"] == "CPU, 2 cores"
+    assert (out["overrides"], out["decoupled_cap"]) == (["train.minibatches=4"], 5.0)
+    assert [m["runs"] for m in out["merged_from"]] == [["dora_k3_decoupled"], ["sync", "dora_k2_decoupled"]]
+    json.dumps(out)
+
+    def refused(paths, match):
+        with pytest.raises(ValueError, match=match):
+            convergence.merge(paths)
+
+    other_steps = _convergence_file(tmp_path / "c.json", ["sync"], [[0.5, 0.6]], steps=40)
+    refused([a, other_steps], f"steps differs: 20 in {a}, 40 in {other_steps}")
+    other_rate = _convergence_file(tmp_path / "d.json", ["sync"], [[0.5, 0.6]],
+                                   command="dora-jax bench convergence --decoupled-cap 5 train.minibatches=4 "
+                                           "train.learning_rate=1e-5")
+    refused([a, other_rate], "the recipe differs")
+    no_cap = _convergence_file(tmp_path / "e.json", ["sync"], [[0.5, 0.6]],
+                               command="dora-jax bench convergence train.minibatches=4")
+    refused([a, no_cap], "the recipe differs")
+    refused([a, _convergence_file(tmp_path / "f.json", ["sync"], [[0.5]], device="NVIDIA H100")], "device differs")
+    refused([b, _convergence_file(tmp_path / "g.json", ["sync"], [[0.5, 0.6]])], f"'sync' is in both {b}")
+    (tmp_path / "h.json").write_text("{not json")
+    refused([a, str(tmp_path / "h.json")], "h.json: not readable as JSON")
+    (tmp_path / "i.json").write_text(json.dumps({"modes": {}}))
+    refused([a, str(tmp_path / "i.json")], "i.json: not a bench convergence result")
+    refused([a], "two or more")
+    # On the command line: a bad merge is an error naming the file, not a traceback; --merge trains nothing.
+    assert cli.main(["convergence", "--merge", f"{a},{other_steps}"]) == 2
+    assert cli.main(["convergence", "--merge", f"{a},{b}", "--runs", "sync"]) == 2
+    assert cli.main(["convergence", "--merge", f"{a},{b}", "train.minibatches=2"]) == 2
+    assert cli.main(["modes", "--merge", f"{a},{b}"]) == 2
+    monkeypatch.setattr(convergence, "bench_convergence", lambda *a, **k: pytest.fail("trained"))
+    assert cli.main(["convergence", "--merge", f"{a},{b}", "--json", str(tmp_path / "m.json")]) == 0
+    assert json.loads((tmp_path / "m.json").read_text())["target"]["met"]["dora_k3_decoupled"] is True
 
 
 def test_convergence_target_by_hand():
