@@ -21,8 +21,9 @@ from invariants import check_trained_samples
 TINY_MODEL = ['model.weights=""', "model.vocab_size=256", "model.hidden_size=64", "model.intermediate_size=128",
               "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16",
               "model.max_seq_len=256"]
+# Two groups an iteration: the preset's 4 minibatches become 2, still several updates a version.
 SHORT = ["dora.steps=2", "dora.train_batch=8", "dora.rollout_batch=16", "rollout.slots=16", "task.eval_size=4",
-         "run.checkpoint_every=1"]
+         "run.checkpoint_every=1", "train.minibatches=2"]
 K, STEPS, TBS, EVAL_N = 1, 2, 8, 4 * 2  # the preset's K = 1 and two samples per held-out question
 
 
@@ -111,6 +112,7 @@ def test_the_files_the_readme_names_are_written_and_agree(run):
     for m in metrics:
         assert 0 <= m["reward"] <= 1 and 0 <= m["accuracy"] <= 1 and m["staleness_max"] <= K
         assert sum(m["staleness"].values()) == TBS and 1 <= m["resident_versions"] <= K + 1
+        assert m["train"]["updates"] == m["train"]["applied"] == 2  # one version: both minibatches' updates
     ledger = Ledger.from_dict(json.load(open(run_dir / "ledger.json"))["ledger"])
     ledger.check(K)
     samples = _lines(run_dir / "samples.jsonl")
@@ -129,8 +131,9 @@ def test_the_plots_show_the_run(run):
     assert sorted(figures) == ["reward.png", "staleness.png", "versions.png"]
     (reward,) = figures["reward.png"]
     title = run_dir.name + ": "
-    assert (reward["title"], reward["xlabel"], reward["ylabel"]) == (title + "reward per update", "update",
-                                                                     "mean over the trained batch")
+    assert (reward["title"], reward["xlabel"], reward["ylabel"]) == (
+        title + "reward per policy version", "policy version (one iteration: train.minibatches x train.epochs updates)",
+        "mean over the trained batch")
     assert [(label, x) for label, x, _ in reward["lines"]] == [("reward (trained batch)", [1, 2]),
                                                               ("accuracy (trained batch)", [1, 2])]
     assert reward["lines"][0][2] == [m["reward"] for m in metrics]
