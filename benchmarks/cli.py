@@ -63,8 +63,8 @@ def build_parser(prog: str = "dora-jax bench") -> argparse.ArgumentParser:
     b.add_argument("--seeds", type=_positive_int, default=4, help="convergence: seeds per run name")
     b.add_argument("--runs", help="convergence: comma-separated run names to train (default: all: sync, "
                    "dora_k2_none, dora_k2_decoupled, dora_k3_decoupled)")
-    b.add_argument("--decoupled-cap", type=float, default=0.0, help="convergence: train.decoupled_cap of the runs "
-                   "with decoupled PPO (AReaL's weight cap; default 0, none)")
+    b.add_argument("--decoupled-cap", type=float, help="convergence: train.decoupled_cap of the runs with decoupled "
+                   "PPO (AReaL's weight cap; default 5, the main job's measured recipe; 0: none)")
     b.add_argument("--merge", help="convergence: comma-separated results of the same recipe and machine (other run "
                    "names in each) to write as one, the target computed over them all; trains nothing")
     b.add_argument("--eval-size", type=_positive_int, help="convergence: held-out questions (default: enough for "
@@ -172,7 +172,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return convergence.bench_convergence(convergence.CONFIG if args.config == DEFAULT_CONFIG else args.config,
                                              seeds=args.seeds, steps=args.steps, eval_size=args.eval_size,
                                              overrides=ov, names=tuple(args.runs.split(",")) if args.runs else (),
-                                             decoupled_cap=args.decoupled_cap)
+                                             decoupled_cap=convergence.DECOUPLED_CAP if args.decoupled_cap is None
+                                             else args.decoupled_cap)
     if args.what == "kernel":
         from benchmarks import kernel
 
@@ -234,7 +235,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "dora-jax bench") -> int
             problems.append(f"{prog} modes --modes: {e}")
     if args.merge and args.what != "convergence":
         problems.append(f"{prog} {args.what}: --merge is for convergence only")
-    elif args.merge and (args.runs or args.overrides or args.steps or args.eval_size or args.decoupled_cap
+    elif args.merge and (args.runs or args.overrides or args.steps or args.eval_size or args.decoupled_cap is not None
                          or args.seeds != 4 or args.config != DEFAULT_CONFIG):
         problems.append(f"{prog} convergence --merge: trains nothing; it takes no --runs, --seeds, --steps, "
                         "--eval-size, --decoupled-cap, --config or key=value overrides")

@@ -73,8 +73,8 @@ def cmd_train(args) -> int:
         summary = Runner(cfg, run_dir).run()
     print(json.dumps({k: v for k, v in summary.items() if k != "filtered_reasons"}, indent=1))
     print(f"accuracy on {summary['eval_n']} held-out answers: {summary['accuracy_before']:.3f} before, "
-          f"{summary['accuracy_after']:.3f} after {summary['steps']} policy versions (the run: {summary['wall_s']:.0f} s, "
-          f"{summary['train_s']:.0f} s of it in train steps)")
+          f"{summary['accuracy_after']:.3f} after {summary['steps']} policy versions "
+          f"(the run: {summary['wall_s']:.0f} s, {summary['train_s']:.0f} s of it in train steps)")
     import jax
 
     if not args.no_plot and jax.process_index() == 0:  # process 0 writes the run directory
