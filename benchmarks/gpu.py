@@ -17,7 +17,8 @@ the budget as its time limit, so a part that runs long is stopped and the next o
 same folder keeps the parts it does not run again), and each part's whole output is in ``bench_<part>.log``.
 
 The order is what the project most needs measured on an accelerator, each part sized to fit a lease of about 15
-minutes in two calls (``--budget-s 420``, then ``--budget-s 300 --only kernel,engine_accel,engine_accel_pallas``):
+minutes, its start included, in two calls (``--budget-s 450``, then ``--budget-s 300 --only
+kernel,engine_accel,engine_accel_pallas``):
 where the accel preset's decode step spends its time (a profile), DORA's speed-up over sync on reasoning-length
 outputs on one device (``bench modes --preset reasoning``), the paged-attention kernel against its reference, the
 engine serving a 1.5B model at 64 sequences against its bandwidth roofline through the XLA gather and then through
