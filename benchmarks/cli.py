@@ -236,7 +236,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "dora-jax bench") -> int
     if args.merge and args.what != "convergence":
         problems.append(f"{prog} {args.what}: --merge is for convergence only")
     elif args.merge and (args.runs or args.overrides or args.steps or args.eval_size or args.decoupled_cap is not None
-                         or args.seeds != 4 or args.config != DEFAULT_CONFIG):
+                         or args.seeds != parser.get_default("seeds") or args.config != DEFAULT_CONFIG):
         problems.append(f"{prog} convergence --merge: trains nothing; it takes no --runs, --seeds, --steps, "
                         "--eval-size, --decoupled-cap, --config or key=value overrides")
     if args.quick and not (args.what == "engine" and args.preset):
