@@ -143,8 +143,8 @@ def bench_convergence(config: str = CONFIG, seeds: int = 4, steps: int | None = 
             "run_dir": h.out_dir}
 
 
-# What two results must share to be one comparison: the job, its size and evaluation, and the machine (a run is
-# deterministic on one machine, not across machines).
+# What two results must share to be one comparison: the job, its size and evaluation, and the machine (another
+# machine's numerics make other samples from the same seed).
 SAME = ("config", "seeds", "steps", "train_batch", "samples_per_run", "eval_size", "eval_samples", "heldout_answers",
         "device")
 _OVERRIDE = re.compile(r"^[a-z_]+\.[a-z_]+=")
