@@ -321,3 +321,140 @@ def test_page_book_admits_and_grows_safely_and_always_progresses(requests, pages
                 book.release(ref)
         book.allocators[0].check()
     assert not waiting and not left and book.held_pages == 0
+
+
+def _python_lines(fn):
+    """Lines of pages.py and page_book.py that ``fn()`` executes (loop iterations included)."""
+    import sys
+
+    from dora_jax.rollout import page_book, pages
+
+    files, count = {pages.__file__, page_book.__file__}, [0]
+
+    def line(frame, event, arg):
+        count[0] += event == "line"
+        return line
+
+    def call(frame, event, arg):
+        return line if frame.f_code.co_filename in files else None
+
+    before = sys.gettrace()
+    sys.settrace(call)
+    try:
+        fn()
+    finally:
+        sys.settrace(before)
+    return count[0]
+
+
+def test_page_book_host_work_follows_the_live_requests_not_the_pool():
+    """The same few requests (a group forked from one prompt, one after a held head) admitted, dispatched
+    across page boundaries, read and released run exactly the same Python lines in a pool of 2,000 pages as in
+    one of 200,000 (whose allocator has 200,000 slots): nothing per call walks the pool."""
+    from dora_jax.rollout.page_book import PageBook
+
+    def run(num_pages):
+        book = PageBook(num_pages, 16, 1, table_width=272)  # building the pool may take time of its size
+
+        def work():
+            first = book.admit(0, 1000, 4352)
+            refs = [first] + [book.admit(0, 1000, 4352, fork=first, fork_tokens=992) for _ in range(3)]
+            head = book.hold_prefix(0, 64, [(100, 4000)])
+            refs.append(book.admit(0, 100, 4000, prefix=head))
+            ids = [refs[:3] + [None], refs[3:]]
+            for n in (1, 20, 40):
+                book.dispatch(ids, [[n] * len(s) for s in ids])
+                book.tables(ids), book.live_pages(ids)
+                assert book.safe(0) and book.admissible([(500, 4352)]) == [0]
+            for ref in refs:
+                book.release(ref)
+            book.release_prefixes({0: head})
+
+        lines = _python_lines(work)
+        assert book.held_pages == 0
+        return lines
+
+    small, huge = run(2_000), run(200_000)
+    assert small == huge, (small, huge)
+
+
+def test_page_book_refuses_a_request_longer_than_a_table():
+    from dora_jax.rollout.page_book import PageBook
+
+    book = PageBook(64, 4, 1, table_width=8)
+    with pytest.raises(PageError, match=r"up to 33 tokens needs 9 pages of 4 tokens; a slot's table holds 8"):
+        book.admit(0, 4, 33)
+    book.admit(0, 4, 32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_page_book_tables_are_full_width_rows_of_the_allocator_tables(data):
+    """After random admissions (fresh, forked from a live request, after a held head) in two batch shards,
+    dispatches and releases, every state's :meth:`PageBook.tables` is int32 at the full table width and equals
+    each slot's allocator table + 1 with scratch (0) after it and for an empty slot, and
+    :meth:`PageBook.live_pages` is each table's length."""
+    import numpy as np
+
+    from dora_jax.rollout.page_book import PageBook, PoolFull
+
+    width, p = 8, 4
+    book = PageBook(60, p, 2, table_width=width)
+    live: list = []
+    heads: dict = {}
+
+    def check():
+        slots = data.draw(st.permutations(live + [None] * data.draw(st.integers(0, 3))))
+        cut = data.draw(st.integers(0, len(slots)))
+        states = [slots[:cut], slots[cut:]]
+        for ids, table, pages in zip(states, book.tables(states), book.live_pages(states)):
+            want = np.zeros((len(ids), width), np.int64)
+            for b, ref in enumerate(ids):
+                t = book.table(ref)
+                want[b, :len(t)] = [page + 1 for page in t]
+            assert table.dtype == np.int32 and table.shape == (len(ids), width)
+            assert table.tolist() == want.tolist()
+            assert pages.dtype == np.int32 and pages.tolist() == [len(book.table(ref)) for ref in ids]
+        for alloc in book.allocators:
+            alloc.check()
+
+    for _ in range(data.draw(st.integers(1, 25))):
+        op = data.draw(st.sampled_from(["admit", "fork", "head", "dispatch", "dispatch", "release"]))
+        shard = data.draw(st.integers(0, 1))
+        try:
+            if op == "admit":
+                prompt = data.draw(st.integers(1, width * p))
+                live.append(book.admit(shard, prompt, data.draw(st.integers(prompt, width * p))))
+            elif op == "fork" and live:
+                src = data.draw(st.sampled_from(live))
+                length = book.allocators[src[0]].length(src[1])
+                if length >= p:
+                    shared = p * data.draw(st.integers(1, length // p))
+                    prompt = data.draw(st.integers(shared, length))
+                    live.append(book.admit(src[0], prompt, data.draw(st.integers(prompt, width * p)), fork=src,
+                                           fork_tokens=shared))
+            elif op == "head":
+                if shard not in heads:
+                    held = book.hold_prefix(shard, p * data.draw(st.integers(1, 3)))
+                    if held is not None:
+                        heads[shard] = held
+                if shard in heads:
+                    prompt = data.draw(st.integers(heads[shard].tokens, width * p))
+                    live.append(book.admit(shard, prompt, data.draw(st.integers(prompt, width * p)),
+                                           prefix=heads[shard]))
+            elif op == "dispatch" and live:
+                ids = data.draw(st.permutations(live))
+                book.dispatch([ids], [[data.draw(st.integers(0, 9)) for _ in ids]])
+            elif op == "release" and live:
+                ref = data.draw(st.sampled_from(live))
+                live.remove(ref)
+                book.release(ref)
+        except PoolFull:
+            pass
+        check()
+    for ref in live:
+        book.release(ref)
+    live.clear()
+    book.release_prefixes(heads)
+    check()
+    assert book.held_pages == 0

@@ -28,6 +28,7 @@ per table, L layers.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -139,6 +140,125 @@ def paged_attention_with_current(q_bhd: jax.Array, k_knpd: jax.Array, v_knpd: ja
     return out.astype(q_bhd.dtype).reshape(b, h, d)
 
 
+# The live-reading XLA path reads a slot's pages in blocks of this many tokens (rounded to whole pages), and
+# sorts the slots by length into this many classes of equal size: each class reads only to its longest slot.
+LIVE_BLOCK_TOKENS = 128
+LIVE_ROW_CLASSES = 8
+
+
+class LivePlan(NamedTuple):
+    """What every layer's live-reading attention shares in one decode step (slots sorted by length, in classes).
+
+    ``order`` [C * R]: slot ids longest first (padding rows point at slot 0 with length 0); ``tables`` [C, R,
+    nblk * bp]; ``lengths`` [C, R]; ``blocks`` [C]: the blocks each class reads; ``starts`` [C]: its first tile;
+    ``tiles``: the tiles of the step (sum of ``blocks``)."""
+
+    order: jax.Array
+    tables: jax.Array
+    lengths: jax.Array
+    blocks: jax.Array
+    starts: jax.Array
+    tiles: jax.Array
+
+
+def live_block_pages(table_width: int, page_tokens: int, block_tokens: int = LIVE_BLOCK_TOKENS) -> int:
+    """Pages per block of the live-reading path: ``block_tokens`` in whole pages, at most the table width."""
+    return max(1, min(table_width, block_tokens // page_tokens))
+
+
+def live_classes(slots: int, row_classes: int = LIVE_ROW_CLASSES) -> int:
+    return max(1, min(row_classes, slots))
+
+
+def live_plan(tables_bw: jax.Array, lengths_b: jax.Array, page_tokens: int, *,
+              block_tokens: int = LIVE_BLOCK_TOKENS, row_classes: int = LIVE_ROW_CLASSES) -> LivePlan:
+    """Sorts the slots by cached length into classes and counts the page blocks each class must read."""
+    b, w = tables_bw.shape
+    bp = live_block_pages(w, page_tokens, block_tokens)
+    nblk = -(-w // bp)
+    c = live_classes(b, row_classes)
+    r = -(-b // c)
+    order = jnp.argsort(-lengths_b, stable=True).astype(jnp.int32)
+    order = jnp.pad(order, (0, c * r - b))
+    lengths = jnp.pad(lengths_b[order[:b]], (0, c * r - b)).reshape(c, r)
+    tables = jnp.pad(tables_bw, ((0, 0), (0, nblk * bp - w)))[order].reshape(c, r, nblk * bp)
+    blocks = -(-jnp.max(lengths, axis=1) // (bp * page_tokens))
+    ends = jnp.cumsum(blocks)
+    return LivePlan(order, tables, lengths, blocks.astype(jnp.int32), (ends - blocks).astype(jnp.int32),
+                    ends[-1].astype(jnp.int32))
+
+
+def live_read_tokens(lengths, table_width: int, page_tokens: int, *, block_tokens: int = LIVE_BLOCK_TOKENS,
+                     row_classes: int = LIVE_ROW_CLASSES) -> int:
+    """Cached tokens one layer of :func:`live_paged_attention` reads for slots of ``lengths`` (numpy, host):
+    what ``kv_read_ratio`` counts for the XLA path."""
+    import numpy as np
+
+    lengths = np.sort(np.asarray(lengths, np.int64))[::-1]
+    b = lengths.shape[0]
+    bp = live_block_pages(table_width, page_tokens, block_tokens)
+    c = live_classes(b, row_classes)
+    r = -(-b // c)
+    padded = np.zeros((c * r,), np.int64)
+    padded[:b] = lengths
+    blocks = -(-padded.reshape(c, r).max(axis=1) // (bp * page_tokens))
+    return int(blocks.sum() * r * bp * page_tokens)
+
+
+def live_paged_attention(q_bhd: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array,
+                         plan: LivePlan, k_new_bkd: jax.Array, v_new_bkd: jax.Array, *, block_pages: int
+                         ) -> jax.Array:
+    """:func:`paged_attention_with_current` reading only each slot class's live page blocks.
+
+    ``k_pool``, ``v_pool`` are the stacked pool [L, K, N, P, d], read at ``layer`` by the gather itself (no
+    copy of a layer). Slots are sorted by length into classes (:func:`live_plan`); a loop over (class, block)
+    tiles, as many as the step's longest slots need, gathers one block of pages for the class's rows and folds
+    it into an online softmax that starts from each row's own new key and value. ``block_pages``: the plan's
+    (:func:`live_block_pages`). Returns [B, H, d]."""
+    b, h, d = q_bhd.shape
+    kv, p = k_pool.shape[1], k_pool.shape[3]
+    c, r, _ = plan.tables.shape
+    bp = block_pages
+    g = h // kv
+    f32 = jnp.float32
+    scale = 1.0 / math.sqrt(d)
+    q = q_bhd.reshape(b, kv, g, d)
+    sn = jnp.sum(q.astype(f32) * k_new_bkd[:, :, None].astype(f32), axis=-1) * scale  # [B, K, G]
+
+    def by_class(x):  # [B, ...] -> [C, R, ...] in the plan's order (padding rows repeat slot 0, length 0)
+        return x[plan.order].reshape((c, r) + x.shape[1:])
+
+    q_c = by_class(q)
+    m0 = by_class(sn)
+    l0 = jnp.ones_like(m0)
+    acc0 = by_class(jnp.broadcast_to(v_new_bkd[:, :, None].astype(f32), (b, kv, g, d)))
+
+    def body(carry):
+        t, m, l, acc = carry
+        cls = jnp.sum(t >= plan.starts + plan.blocks).astype(jnp.int32)  # the class whose tiles hold t
+        blk = t - plan.starts[cls]
+        tab = jax.lax.dynamic_slice_in_dim(plan.tables[cls], blk * bp, bp, axis=1)  # [R, bp]
+        k_b = k_pool[layer, :, tab]  # [R, bp, K, P, d]
+        v_b = v_pool[layer, :, tab]
+        s = jnp.einsum("rkgd,rjkpd->rkgjp", q_c[cls], k_b, preferred_element_type=f32) * scale
+        pos = blk * bp * p + jnp.arange(bp * p, dtype=jnp.int32).reshape(bp, p)
+        valid = (pos[None] < plan.lengths[cls][:, None, None])[:, None, None]  # [R, 1, 1, bp, P]
+        m_old, l_old, acc_old = m[cls], l[cls], acc[cls]
+        m_new = jnp.maximum(m_old, jnp.max(jnp.where(valid, s, _MASK_VALUE), axis=(-2, -1)))
+        e = jnp.where(valid, jnp.exp(s - m_new[..., None, None]), 0.0)
+        alpha = jnp.exp(m_old - m_new)
+        l_new = l_old * alpha + jnp.sum(e, axis=(-2, -1))
+        pv = jnp.einsum("rkgjp,rjkpd->rkgd", e.astype(v_b.dtype), v_b, preferred_element_type=f32)
+        acc_new = acc_old * alpha[..., None] + pv
+        return t + 1, m.at[cls].set(m_new), l.at[cls].set(l_new), acc.at[cls].set(acc_new)
+
+    _, _, l, acc = jax.lax.while_loop(lambda carry: carry[0] < plan.tiles, body, (jnp.int32(0), m0, l0, acc0))
+    out = (acc / l[..., None]).reshape(c * r, kv, g, d)
+    # Back to slot order: padding rows (past B) are dropped by the scatter.
+    out = jnp.zeros((b, kv, g, d), f32).at[plan.order[:b]].set(out[:b])
+    return out.astype(q_bhd.dtype).reshape(b, h, d)
+
+
 def sharded_attention(q_bhd, k_knpd, v_knpd, tables_bw, lengths_b, k_new_bkd, v_new_bkd, shards: int = 1):
     """:func:`paged_attention_with_current` with the slots and pages split into ``shards`` (tables within each
     shard)."""
@@ -147,6 +267,26 @@ def sharded_attention(q_bhd, k_knpd, v_knpd, tables_bw, lengths_b, k_new_bkd, v_
     per_shard = jax.vmap(paged_attention_with_current, in_axes=(0, 1, 1, 0, 0, 0, 0))
     rows = [_shards(x, shards) for x in (q_bhd, tables_bw, lengths_b, k_new_bkd, v_new_bkd)]
     out = per_shard(rows[0], _shards(k_knpd, shards, 1), _shards(v_knpd, shards, 1), *rows[1:])
+    return out.reshape(q_bhd.shape)
+
+
+def sharded_live_plan(tables_bw: jax.Array, lengths_b: jax.Array, page_tokens: int, shards: int = 1) -> LivePlan:
+    """:func:`live_plan` of each batch shard's slots (a leading shard axis when ``shards`` > 1)."""
+    if shards == 1:
+        return live_plan(tables_bw, lengths_b, page_tokens)
+    return jax.vmap(lambda t, n: live_plan(t, n, page_tokens))(_shards(tables_bw, shards), _shards(lengths_b, shards))
+
+
+def sharded_live_attention(q_bhd, k_pool, v_pool, layer, plan, k_new_bkd, v_new_bkd, *, block_pages: int,
+                           shards: int = 1):
+    """:func:`live_paged_attention` with the slots and pages split into ``shards`` (``plan`` from
+    :func:`sharded_live_plan`)."""
+    attend = functools.partial(live_paged_attention, block_pages=block_pages)
+    if shards == 1:
+        return attend(q_bhd, k_pool, v_pool, layer, plan, k_new_bkd, v_new_bkd)
+    per_shard = jax.vmap(attend, in_axes=(0, 2, 2, None, 0, 0, 0))
+    rows = [_shards(x, shards) for x in (q_bhd, k_new_bkd, v_new_bkd)]
+    out = per_shard(rows[0], _shards(k_pool, shards, 2), _shards(v_pool, shards, 2), layer, plan, *rows[1:])
     return out.reshape(q_bhd.shape)
 
 
@@ -164,13 +304,17 @@ def decode_forward_paged(cfg: ModelConfig, p: dict, tokens_b: jax.Array, positio
     x0 = embed_tokens(cfg, p["embed"], tokens_b[:, None])
     layers = jnp.arange(pool.k.shape[0], dtype=jnp.int32)
     if impl == "xla":
+        # Slots sorted by length once per step; every layer reads only its classes' live page blocks.
+        plan = sharded_live_plan(tables_bw, positions_b, pool.page_tokens, shards)
+        bp = live_block_pages(tables_bw.shape[1], pool.page_tokens)
+
         def block(x, layer):
             lp, i = layer
-            # The pool is closed over, not carried: layers only read it, and it is written once after them.
-            k_l = jax.lax.dynamic_index_in_dim(pool.k, i, keepdims=False)
-            v_l = jax.lax.dynamic_index_in_dim(pool.v, i, keepdims=False)
+            # The pool is closed over, not carried: layers only read it (the gather indexes the layer itself),
+            # and it is written once after them.
             q, k, v = qkv_projection(cfg, lp, x, positions_b[:, None])
-            att = sharded_attention(q[:, 0], k_l, v_l, tables_bw, positions_b, k[:, 0], v[:, 0], shards)
+            att = sharded_live_attention(q[:, 0], pool.k, pool.v, i, plan, k[:, 0], v[:, 0], block_pages=bp,
+                                         shards=shards)
             return finish_block(cfg, lp, x, att[:, None]), (k[:, 0], v[:, 0])
 
         x, (k_new, v_new) = jax.lax.scan(block, x0, (p["layers"], layers))

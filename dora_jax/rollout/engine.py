@@ -29,7 +29,9 @@ Shape legend: B slots, T prompt bucket, S a prompt's cache length (prefill), W p
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 import weakref
 from typing import Any, Sequence
 
@@ -39,6 +41,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from dora_jax.compiles import Programs
 from dora_jax.config import ATTENTION_IMPLS, DEFAULT_RULES, MAX_DECODE_STEPS, ROLLOUT_DTYPES
 from dora_jax.models.decoder import FUSED_INPUTS, Decoder, DecodeSettings, fuse_layer_params, resolve_attention_impl
 from dora_jax.models.paged import PagedKV, token_bytes
@@ -196,22 +199,30 @@ class Engine:
                                        page_tokens=self.page_tokens, pool_pages=self.shards * self.shard_pages,
                                        mesh=mesh, rules=self.rules, spans_processes=self.spans_processes)
         progs = self.programs
-        self._prefill_jit = serial_jit(progs.prefill)
-        self._prefill_rows_jit = serial_jit(progs.prefill_rows)
-        self._shared_prefix_jit = serial_jit(progs.shared_prefix)
-        self._first_tokens_jit = serial_jit(progs.first_tokens)
-        self._insert_batch_jit = serial_jit(progs.insert_batch, donate_argnums=(1, 2))
-        self._generate_jit = serial_jit(progs.generate, donate_argnums=(1, 2), static_argnums=(5,))
-        self._generate_many_jit = serial_jit(progs.generate_many, donate_argnums=(1, 2), static_argnums=(5,))
-        self._generate_steps_jit = serial_jit(progs.generate_steps, donate_argnums=(1, 2), static_argnums=(9, 10))
-        self._pool_jit = serial_jit(lambda: progs.pin_pool(progs.new_pool()))
-        self._resize_jit = serial_jit(progs.resize, static_argnums=(2,))
-        self._free_jit = serial_jit(
-            lambda state, slot: progs.pin(state._replace(active=state.active.at[slot].set(False))),
-            donate_argnums=(0,))
-        self._zeros_jit = serial_jit(lambda b: progs.pin(progs.zeros(b)), static_argnums=(0,))
-        self._fuse_jit = serial_jit(fuse_layer_params)
-        self._cast_jit = serial_jit(lambda tree: jax.tree.map(lambda x: x.astype(self.dtype), tree))
+        # Every jitted program, so warm-up can compile them all and a later compile is logged with its shape.
+        self.compiled = Programs("rollout engine", serial_jit)
+        jit = self.compiled.jit
+        self._prefill_jit = jit("prefill", progs.prefill)
+        self._prefill_rows_jit = jit("prefill_rows", progs.prefill_rows)
+        self._shared_prefix_jit = jit("shared_prefix", progs.shared_prefix)
+        self._first_tokens_jit = jit("first_tokens", progs.first_tokens)
+        self._write_prompts_jit = jit("write_prompts", progs.write_prompts, donate_argnums=(2,))
+        self._set_slots_jit = jit("set_slots", progs.set_slots, donate_argnums=(1,))
+        self._generate_jit = jit("generate", progs.generate, donate_argnums=(1, 2), static_argnums=(5,))
+        self._generate_many_jit = jit("generate_many", progs.generate_many, donate_argnums=(1, 2),
+                                      static_argnums=(5,))
+        self._generate_steps_jit = jit("generate_steps", progs.generate_steps, donate_argnums=(1, 2),
+                                       static_argnums=(9, 10))
+        self._pool_jit = jit("new_pool", lambda: progs.pin_pool(progs.new_pool()))
+        self._resize_jit = jit("resize", progs.resize, static_argnums=(2,))
+        self._free_jit = jit("free_slot", lambda state, slot: progs.pin(state._replace(active=state.active.at[slot].set(False))),
+                             donate_argnums=(0,))
+        self._zeros_jit = jit("zeros", lambda b: progs.pin(progs.zeros(b)), static_argnums=(0,))
+        self._fuse_jit = jit("fuse_params", fuse_layer_params)
+        self._cast_jit = jit("cast_params", lambda tree: jax.tree.map(lambda x: x.astype(self.dtype), tree))
+        # Requests of one prefill program: fixed per engine (padding rows are never inserted), so the programs
+        # after the model's prefill are compiled per distinct-prompt count and prompt bucket only.
+        self.request_rows = bucket(max_concurrent_decodes, minimum=1)
 
     # -- JetStream API properties --------------------------------------------------------------------------
 
@@ -265,8 +276,7 @@ class Engine:
         b = capacity or self._max_concurrent_decodes
         if b % self.shards:
             raise EngineError(f"a decode state of {b} slots does not split over the {self.shards} batch shards")
-        state = self._zeros_jit(b) if self.spans_processes else self.programs.zeros(b)
-        return self._track(state, _Rows(b))
+        return self._track(self._zeros_jit(b), _Rows(b))
 
     def prefill(self, *, params: Any = None, existing_prefix: SharedPrefix | None = None, padded_tokens: Any,
                 true_length: int, sample_id: int = 0, version: int = 0,
@@ -366,8 +376,11 @@ class Engine:
         if n == 0 or len(sample_ids) != n or len(samplings) != n:
             raise EngineError(f"prefill_batch: {n} prompts, {len(sample_ids)} sample ids, {len(samplings)} "
                               "sampling settings; need as many of each, at least one")
+        if n > self.request_rows:
+            raise EngineError(f"prefill_batch: {n} requests; one program takes at most {self.request_rows} "
+                              "(the engine's slots)")
         distinct: dict[tuple[int, ...], int] = {}
-        rows = np.zeros((bucket(n, minimum=1),), np.int32)
+        rows = np.zeros((self.request_rows,), np.int32)
         for i, (prompt, sampling) in enumerate(zip(prompts, samplings)):
             sampling.validate()
             key = tuple(int(x) for x in prompt)
@@ -479,8 +492,8 @@ class Engine:
                 self._release_row(rec, slot)
             self.book.release_prefixes({k: held.pop(k) for k in fresh})  # never written: the scatter did not run
             raise EngineError(str(e)) from None
-        state, self._pool = self._insert_batch_jit(batch._replace(host=None), decode_state, self.pool, idx,
-                                                   page_nt, row_nt)
+        self._pool = self._write_prompts_jit(batch.cache, batch.rows, self.pool, page_nt, row_nt)
+        state = self._set_slots_jit(batch._replace(cache=None, host=None), decode_state, idx)
         return self._handoff(decode_state, state)
 
     def _hold_head(self, head: SharedPrefix | None, b: int, slots: Sequence[int | None], lengths, limits
@@ -542,7 +555,7 @@ class Engine:
         steps = self.book.dispatch([rec.ids for rec in recs], [[1 if i is not None else 0 for i in rec.ids]
                                                               for rec in recs])
         states, self._pool, data = self._generate_many_jit(tuple(self._prepared_params(p) for p in params_seq),
-                                                           tuple(states_seq), self.pool, self.book.tables([rec.ids for rec in recs]),
+                                                           tuple(states_seq), self.pool, tuple(self.book.tables([rec.ids for rec in recs])),
                                                            tuple(x > 0 for x in steps), filtered)
         return tuple(self._handoff(a, b) for a, b in zip(states_seq, states)), ResultTokens(data)
 
@@ -611,7 +624,8 @@ class Engine:
         final_arrays = [f & (g == np.minimum(b, limit)) for f, g, b in zip(final_arrays, granted, budget_arrays)]
         budget_arrays = [g.astype(np.int32) for g in granted]
         states, self._pool, data = self._generate_steps_jit(
-            tuple(self._prepared_params(p) for p in params_seq), tuple(states_seq), self.pool, self.book.tables([rec.ids for rec in recs]),
+            tuple(self._prepared_params(p) for p in params_seq), tuple(states_seq), self.pool,
+            tuple(self.book.tables([rec.ids for rec in recs])),
             tuple(budget_arrays), tuple(stop_arrays), tuple(final_arrays), end_after, np.int32(limit), int(steps),
             filtered)
         # What each row was granted, to take back what the program did not write once its results are read.
@@ -652,13 +666,155 @@ class Engine:
         rec.ids = moved
         return state
 
+    # -- warm-up --------------------------------------------------------------------------------------------
+
+    def capacities(self) -> list[int]:
+        """The decode-state capacities a driver uses: powers of two below the slots, and the slots (every slot
+        on an engine whose slots split over batch shards, where a driver never compacts)."""
+        full = self._max_concurrent_decodes
+        if self.shards > 1:
+            return [full]
+        return sorted({min(1 << i, full) for i in range(full.bit_length() + 1)})
+
+    def prompt_buckets(self, prefix_tokens: int = 0) -> list[int]:
+        """The prompt buckets :meth:`prefill_batch` compiles for prompts after a prefix of ``prefix_tokens``."""
+        longest = self._max_prefill_length - prefix_tokens
+        lengths = {min(1 << i, longest) for i in range(longest.bit_length() + 1)}
+        return sorted({min(bucket(x), self.max_target_length - prefix_tokens) for x in lengths})
+
+    def warmup_plan(self, params: Any = None, *, versions: int = 1, decode_steps: int | None = None,
+                    filtered: Sequence[bool] = (False,), stop_width: int = 4, prefix_tokens: int = 0,
+                    prefill_tokens: int = 8192) -> list[tuple[str, tuple]]:
+        """Every program shape a :class:`~dora_jax.rollout.driver.RolloutDriver` of this engine can dispatch,
+        as ``(program, arguments)`` (arguments abstract where they are device arrays).
+
+        Args:
+          params: prepared params of one version (``None``: the engine's own); only shapes are used.
+          versions: the most policy versions the driver steps together (K + 1).
+          decode_steps: the driver's decode steps per program (default: the engine's setting).
+          filtered: the sampling variants (:func:`~dora_jax.rollout.sampling.needs_filter` of the requests).
+          stop_width: stop ids per slot, as :func:`~dora_jax.rollout.engine_api.stop_table` pads them.
+          prefix_tokens: the driver's shared prefix (0: prompts are prefilled whole).
+          prefill_tokens: the driver's prefill budget (distinct prompts x prompt bucket per program).
+        """
+        steps = resolve_decode_steps(self.settings) if decode_steps is None else int(decode_steps)
+        spec = self._spec
+        prepared = jax.tree.map(spec, self._prepared_params(params))
+        pool = jax.tree.map(spec, self.pool)
+        caps = self.capacities()
+        width = self.table_width
+        plan: list[tuple[str, tuple]] = []
+
+        zero_states = {cap: jax.tree.map(spec, self._zeros_jit(cap)) for cap in caps}  # in the layout calls see
+
+        def state(cap):
+            return zero_states[cap]
+
+        def host(cap, dtype, value=0, *tail):
+            return np.full((cap,) + tail, value, dtype)
+
+        for v in range(1, versions + 1):
+            for cap in caps:
+                for f in map(bool, filtered):
+                    states = tuple(state(cap) for _ in range(v))
+                    tables = tuple(host(cap, np.int32, 0, width) for _ in range(v))
+                    if steps > 1:
+                        plan.append(("generate_steps", (
+                            (prepared,) * v, states, pool, tables, tuple(host(cap, np.int32) for _ in range(v)),
+                            tuple(host(cap, np.int32, -1, stop_width) for _ in range(v)),
+                            tuple(host(cap, bool) for _ in range(v)), np.zeros((v,), np.int32), np.int32(0),
+                            steps, f)))
+                    elif v == 1:
+                        plan.append(("generate", (prepared, states[0], pool, tables[0], host(cap, bool), f)))
+                    else:
+                        plan.append(("generate_many", ((prepared,) * v, states, pool, tables,
+                                                       tuple(host(cap, bool) for _ in range(v)), f)))
+        for cap in caps:
+            plan.append(("zeros", (cap,)))
+            plan.append(("free_slot", (state(cap), np.int32(0))))
+            for new in caps:
+                if new != cap:
+                    plan.append(("resize", (state(cap), host(new, np.int32, -1), new)))
+        # Prefill: distinct prompts (powers of two) x prompt bucket within the driver's budget, each then sampled
+        # (first_tokens), written to the pool (write_prompts) and set in a decode state of every capacity.
+        n = self.request_rows
+        prefix = None
+        if prefix_tokens:
+            head = jax.ShapeDtypeStruct((prefix_tokens,), np.int32)
+            plan.append(("shared_prefix", (prepared, head)))
+            prefix = self._outputs("shared_prefix", prepared, head)
+        sampling = SamplingParams(host(n, np.float32), host(n, np.int32), host(n, np.float32, 1.0))
+        for t in self.prompt_buckets(prefix_tokens):
+            for d in sorted({min(1 << i, n) for i in range(n.bit_length() + 1)}):
+                if d > 1 and d * t > prefill_tokens:
+                    continue
+                tokens, lengths = np.zeros((d, t), np.int32), np.ones((d,), np.int32)
+                plan.append(("prefill_rows", (prepared, tokens, lengths, prefix)))
+                cache, logits = self._outputs("prefill_rows", prepared, tokens, lengths, prefix)
+                first = (logits, lengths, host(n, np.int32), host(n, bool), host(n, np.int32), np.int32(0),
+                         host(n, np.int32), sampling)
+                if t == self.prompt_buckets(prefix_tokens)[0]:
+                    plan.append(("first_tokens", first))
+                rest, _ = self._outputs("first_tokens", *first)
+                cols = cache.v.shape[3]
+                plan.append(("write_prompts", (cache, rest[0], pool, host(n, np.int32, 0, cols),
+                                               host(n, np.int32, 0, cols))))
+                if t == self.prompt_buckets(prefix_tokens)[0] and d == 1:
+                    batch = PrefixBatch(None, *rest)
+                    for cap in caps:
+                        plan.append(("set_slots", (batch, state(cap), host(n, np.int32))))
+        return plan
+
+    def warmup(self, params: Any = None, *, progress: bool = False, **plan_args: Any) -> dict[str, Any]:
+        """Compiles every program of :meth:`warmup_plan` (same arguments) without running any, then logs any
+        later compile with its shape (:class:`~dora_jax.compiles.Programs`).
+
+        Returns:
+          ``programs`` (compiled now), ``seconds`` (the warm-up's wall time), ``by_program`` (counts).
+        """
+        import time
+
+        from tqdm.auto import tqdm
+
+        start = time.perf_counter()
+        plan = self.warmup_plan(params, **plan_args)
+        # Tracing holds the GIL, XLA's compiler does not: programs are traced here one by one and compiled on
+        # every core at once.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool, \
+                tqdm(total=len(plan), desc="compiling rollout programs", unit="program", disable=not progress,
+                     leave=False) as bar:
+            futures = [pool.submit(self.compiled.compile_lowered, name, self.compiled.lower(name, *args))
+                       for name, args in plan]
+            for f in concurrent.futures.as_completed(futures):
+                f.result()
+                bar.update()
+        self.compiled.seal()
+        by_program: dict[str, int] = {}
+        for name, _ in plan:
+            by_program[name] = by_program.get(name, 0) + 1
+        return {"programs": len(plan), "seconds": time.perf_counter() - start, "by_program": by_program}
+
+    def _outputs(self, name: str, *args: Any) -> Any:
+        """Program ``name``'s outputs for ``args``, abstract, in the layout its compiled form gives them (what a
+        program fed by them is compiled for). Compiles it: warm-up compiles it anyway, and JAX keeps it."""
+        lowered = self.compiled.lower(name, *args)
+        return jax.tree.map(lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
+                            lowered.out_info, lowered.compile().output_shardings)
+
+    def _spec(self, x: Any) -> Any:
+        """A device array as an abstract argument with its sharding (the program is compiled for that layout);
+        host values as they are."""
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return x
+
     # -- the page pool --------------------------------------------------------------------------------------
 
     @property
     def pool(self) -> PagedKV:
         """The KV cache of every decode state: ``num_pages`` pages and the scratch page (made at first use)."""
         if self._pool is None:
-            self._pool = self._pool_jit() if self.spans_processes else self.programs.new_pool()
+            self._pool = self._pool_jit() if self.mesh is not None else self.programs.new_pool()
         return self._pool
 
     def pool_shape(self) -> PagedKV:

@@ -16,7 +16,12 @@ used without reservation. A live request is a *ref*, ``(shard, allocator slot)``
   can always take every page it may need, so some slot always progresses.
 - **What was written**: the positions each request's programs may have written (``asked``); a program that
   ends early wrote fewer, and :meth:`PageBook.settle` sets the count back from what its rows produced.
-- **Tables** (:meth:`PageBook.tables`): each slot's page ids within its shard, as the device reads them.
+- **Tables** (:meth:`PageBook.tables`, :meth:`PageBook.live_pages`): each slot's page ids within its shard at
+  the full table width, as the device reads them, and how many of them the slot holds.
+
+Host time per call grows with the live requests and the slots asked about, not with the pool (whose allocators
+have one slot per page): every program's launch goes through :meth:`PageBook.dispatch` and
+:meth:`PageBook.tables`.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dora_jax.rollout.pages import PageError, PagePool, SharedPrefix, bucket, pages_for, safe_to_grow
+from dora_jax.rollout.pages import PageError, PagePool, SharedPrefix, pages_for, safe_to_grow
 
 Ref = tuple[int, int]  # (batch shard, allocator slot)
 SCRATCH = 0  # the page of each shard's range that no slot holds (dora_jax.models.paged.SCRATCH_PAGE)
@@ -50,6 +55,12 @@ class PageBook:
         self._serials: dict[Ref, int] = {}  # which request holds an allocator slot now
         self._serial = 0
         self.waits = 0  # dispatches of a live slot cut short (or to nothing) to wait for pages
+        # What the device reads, kept up to date as pages are taken so that tables() only gathers rows: each
+        # live request's table row (page ids + 1, scratch past its pages) and page count. Row 0 is no request's.
+        self._rows = np.zeros((1, table_width), np.int32)
+        self._row_pages = np.zeros((1,), np.int32)
+        self._row_of: dict[Ref, int] = {}
+        self._free_rows: list[int] = []
 
     # -- what the pool holds --------------------------------------------------------------------------------
 
@@ -81,9 +92,12 @@ class PageBook:
         prefix pages.
 
         Raises:
-          PageError: a request that could never fit (naming its pages and the pool's).
+          PageError: a request that could never fit (naming its pages and the pool's, or the table width).
           PoolFull: one that does not fit now.
         """
+        if pages_for(limit, self.page_tokens) > self.table_width:
+            raise PageError(f"a request of up to {limit} tokens needs {pages_for(limit, self.page_tokens)} pages of "
+                            f"{self.page_tokens} tokens; a slot's table holds {self.table_width}")
         if fork is not None and fork[0] != shard:
             fork, fork_tokens = None, 0  # pages are shared within a shard only
         alloc, rid = self.allocators[shard], self._free_ids[shard].pop()
@@ -109,6 +123,8 @@ class PageBook:
         self._asked[ref] = prompt_tokens
         self._serial += 1
         self._serials[ref] = self._serial
+        self._row_of[ref] = self._take_row()
+        self._write_row(ref, 0)
         return ref
 
     def hold_prefix(self, shard: int, tokens: int, extra: Sequence[tuple[int, int]] = ()) -> SharedPrefix | None:
@@ -141,13 +157,18 @@ class PageBook:
         self._free_ids[ref[0]].append(ref[1])
         self._asked.pop(ref, None)
         self._serials.pop(ref, None)
+        row = self._row_of.pop(ref, None)
+        if row is not None:
+            self._rows[row] = SCRATCH
+            self._row_pages[row] = 0
+            self._free_rows.append(row)
 
     def safe(self, shard: int, extra: Sequence[tuple[int, int]] = ()) -> bool:
         """Whether every live request of the shard (and ``extra`` ones, (prompt tokens, limit), not admitted yet)
         could still reach its limit."""
         alloc = self.allocators[shard]
         free = alloc.free_pages
-        live = [(alloc.need(i), alloc.own_pages(i)) for i in alloc.live_slots()]
+        live = alloc.prospects()
         for prompt, limit in extra:
             own = pages_for(prompt, self.page_tokens)
             free -= own
@@ -180,17 +201,16 @@ class PageBook:
         rows = [(g, b, ref, int(n)) for g, (ids, ns) in enumerate(zip(ids_seq, tokens_seq))
                 for b, (ref, n) in enumerate(zip(ids, ns)) if ref is not None and n > 0]
         wants = {}
+        by_shard: dict[int, list[tuple[tuple[int, int], Ref]]] = {}
         for g, b, ref, n in rows:
             alloc = self.allocators[ref[0]]
             wants[(g, b)] = max(0, min(self._asked[ref] + n, alloc.limit(ref[1])) - alloc.length(ref[1]))
-        by_shard: dict[int, list[tuple[tuple[int, int], Ref]]] = {}
-        for g, b, ref, _ in rows:
             by_shard.setdefault(ref[0], []).append(((g, b), ref))
         for shard, members in by_shard.items():
             alloc = self.allocators[shard]
             growth = {key: alloc.growth(ref[1], wants[key]) for key, ref in members}
             # No new page (the dispatch after the driver's own grant, or tokens within held pages): nothing
-            # to check, and the banker's test walks every live request's table.
+            # to check, and the banker's test sorts every live request of the shard.
             if not any(growth.values()) or self._safe_after(shard, {ref[1]: growth[key] for key, ref in members}):
                 for key, ref in members:
                     self._append(ref, wants[key])
@@ -203,11 +223,11 @@ class PageBook:
                     self._append(ref, min(wants[key], pages_for(length, self.page_tokens) * self.page_tokens - length))
         out = []
         for ids, ns in zip(ids_seq, tokens_seq):
-            got = np.zeros((len(ids),), np.int32)
+            got = [0] * len(ids)
             for b, (ref, n) in enumerate(zip(ids, ns)):
                 if ref is not None and n > 0:
                     got[b] = min(int(n), self.allocators[ref[0]].length(ref[1]) - self._asked[ref])
-            out.append(got)
+            out.append(np.asarray(got, np.int32))
         return out
 
     def dispatch(self, ids_seq: Sequence[Sequence[Ref | None]], tokens_seq: Sequence[Sequence[int]]
@@ -215,7 +235,7 @@ class PageBook:
         """:meth:`grant`, then books the granted tokens as dispatched (and a slot granted less as a wait)."""
         granted = self.grant(ids_seq, tokens_seq)
         for ids, got, wanted in zip(ids_seq, granted, tokens_seq):
-            for ref, n, w in zip(ids, got, wanted):
+            for ref, n, w in zip(ids, got.tolist(), wanted):
                 if ref is not None:
                     self._asked[ref] += int(n)
                     self.waits += int(n < w)
@@ -234,30 +254,51 @@ class PageBook:
         alloc = self.allocators[shard]
         if sum(extra.values()) > alloc.free_pages:
             return False
-        live = [(alloc.need(i) - extra.get(i, 0), alloc.own_pages(i) + extra.get(i, 0)) for i in alloc.live_slots()]
-        return safe_to_grow(alloc.free_pages - sum(extra.values()), live)
+        return safe_to_grow(alloc.free_pages - sum(extra.values()), alloc.prospects(extra))
 
     def _append(self, ref: Ref, tokens: int) -> None:
         if tokens > 0:
+            length = self.allocators[ref[0]].length(ref[1])
             copies = self.allocators[ref[0]].append(ref[1], tokens)
             assert not copies, "only full pages are shared: nothing to copy"
+            held = pages_for(length, self.page_tokens)
+            if pages_for(length + tokens, self.page_tokens) > held:
+                self._write_row(ref, held)
+
+    def _take_row(self) -> int:
+        if not self._free_rows:  # doubling: never more than twice the rows of the most requests live at once
+            n = len(self._rows)
+            self._rows = np.concatenate([self._rows, np.full_like(self._rows, SCRATCH)])
+            self._row_pages = np.concatenate([self._row_pages, np.zeros_like(self._row_pages)])
+            self._free_rows = list(range(2 * n - 1, n - 1, -1))
+        return self._free_rows.pop()
+
+    def _write_row(self, ref: Ref, start: int) -> None:
+        """Copies the request's table entries from ``start`` on into its row (its earlier ones never change:
+        nothing is ever copied on write here)."""
+        pages = self.allocators[ref[0]].table(ref[1], start)
+        row = self._row_of[ref]
+        self._rows[row, start:start + len(pages)] = np.asarray(pages, np.int32) + 1
+        self._row_pages[row] = start + len(pages)
+
+    def _row_index(self, ids: Sequence[Ref | None]) -> np.ndarray:
+        try:
+            return np.fromiter((0 if ref is None else self._row_of[ref] for ref in ids), np.intp, len(ids))
+        except KeyError as e:
+            raise PageError(f"slot {e.args[0][1]!r} is not live") from None
 
     # -- what the device reads ------------------------------------------------------------------------------
 
     def tables(self, ids_seq: Sequence[Sequence[Ref | None]]) -> list[np.ndarray]:
-        """Each slot's page ids within its shard (the allocator's + 1; scratch past its pages), int32, at one
-        width for all: a power of two of the longest table (at least 8 pages), so the programs stay few and a
-        step reads only as far as its longest slot."""
-        tables = [[self.table(ref) for ref in ids] for ids in ids_seq]
-        longest = max((len(t) for ts in tables for t in ts), default=0)
-        width = min(bucket(longest, minimum=min(8, self.table_width)), self.table_width)
-        out = []
-        for ts in tables:
-            arr = np.full((len(ts), width), SCRATCH, np.int32)
-            for b, t in enumerate(ts):
-                arr[b, :len(t)] = np.asarray(t, np.int32) + 1
-            out.append(arr)
-        return out
+        """Per state, int32 ``[B, table_width]``: each slot's page ids within its shard (the allocator's + 1),
+        scratch past its pages and for an empty slot (``None``). Always the full width, so the programs' shapes
+        do not follow the longest slot; :meth:`live_pages` says how far each row is live. Fresh arrays."""
+        return [self._rows[self._row_index(ids)] for ids in ids_seq]
+
+    def live_pages(self, ids_seq: Sequence[Sequence[Ref | None]]) -> list[np.ndarray]:
+        """Per state, int32 ``[B]``: how many pages each slot's table holds now (0 for an empty slot), the
+        entries of :meth:`tables` before its scratch."""
+        return [self._row_pages[self._row_index(ids)] for ids in ids_seq]
 
     def prompt_pages(self, ref: Ref, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         """Pool-wide page ids and rows for positions ``start .. length - 1`` of a request (its prompt's, to

@@ -75,6 +75,9 @@ class PagePool:
     when a slot may grow (:func:`safe_to_grow`, the engine's rule), and :meth:`append` raises
     :class:`PageError` on an exhausted pool instead of drawing on a reservation.
 
+    Host time of everything but :meth:`check` grows with the live slots (and a slot's own pages), not with
+    the pool: a pool may have as many slots as pages.
+
     Raises:
       PageError: when the pool cannot hold one page per slot.
     """
@@ -89,7 +92,7 @@ class PagePool:
         self.num_pages, self.page_tokens, self.slots, self.reserve = num_pages, page_tokens, slots, reserve
         self._refs = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # pop() takes the lowest page first
-        self._slots: list[_Slot | None] = [None] * slots
+        self._slots: dict[int, _Slot] = {}  # the live slots, in order of admission
         self._prefixes: set[SharedPrefix] = set()
 
     # -- what the pool holds ------------------------------------------------------------------------------
@@ -105,7 +108,7 @@ class PagePool:
         without reservation."""
         if not self.reserve:
             return 0
-        live = [s for s in self._slots if s is not None]
+        live = self._slots.values()
         shared = {s.table[-1] for s in live if self._writes_shared(s)}
         return sum(self.pages_for(s.limit) - len(s.table) for s in live) + sum(self._copies(x) for x in shared)
 
@@ -115,11 +118,12 @@ class PagePool:
         return self.free_pages - self.reserved_pages
 
     def live_slots(self) -> list[int]:
-        return [i for i, s in enumerate(self._slots) if s is not None]
+        """The live slots, in order of admission."""
+        return list(self._slots)
 
-    def table(self, slot: int) -> list[int]:
-        """The slot's page table (a copy)."""
-        return list(self._live(slot).table)
+    def table(self, slot: int, start: int = 0) -> list[int]:
+        """The slot's page table from entry ``start`` on (a copy)."""
+        return self._live(slot).table[start:]
 
     def length(self, slot: int) -> int:
         """Tokens written to the slot."""
@@ -190,7 +194,7 @@ class PagePool:
         """
         if not 0 <= slot < self.slots:
             raise PageError(f"slot {slot!r} does not exist (slots 0..{self.slots - 1})")
-        if self._slots[slot] is not None:
+        if slot in self._slots:
             raise PageError(f"slot {slot} is live")
         if not 1 <= prompt_tokens <= max_tokens:
             raise PageError(f"a request needs 1 <= prompt_tokens ({prompt_tokens}) <= max_tokens ({max_tokens})")
@@ -253,9 +257,9 @@ class PagePool:
     def growth(self, slot: int, tokens: int) -> int:
         """Pages :meth:`append` of ``tokens`` would take for the slot (a copy of a shared partial last page
         included)."""
-        s = self._live(slot)
-        copy = 1 if tokens and s.length % self.page_tokens and self._refs[s.table[-1]] > 1 else 0
-        return self.pages_for(s.length + tokens) - len(s.table) + copy
+        s, p = self._live(slot), self.page_tokens
+        copy = 1 if tokens and s.length % p and self._refs[s.table[-1]] > 1 else 0
+        return -(-(s.length + tokens) // p) - len(s.table) + copy  # pages_for, inline: once per slot and program
 
     def need(self, slot: int) -> int:
         """Pages the slot may still take, up to its limit."""
@@ -264,12 +268,23 @@ class PagePool:
 
     def own_pages(self, slot: int) -> int:
         """Pages only this slot references: what its end frees for certain."""
-        return sum(1 for page in self._live(slot).table if self._refs[page] == 1)
+        table = self._live(slot).table
+        return len(table) - self._shared_run(table)
+
+    def prospects(self, extra: dict[int, int] | None = None) -> list[tuple[int, int]]:
+        """Each live slot's (pages it may still take, pages its end frees for certain), as :func:`safe_to_grow`
+        takes them; with ``extra``, as they would be once slot ``i`` took ``extra[i]`` more pages of its own."""
+        p, extra = self.page_tokens, extra or {}
+        out = []
+        for i, s in self._slots.items():
+            more, held = extra.get(i, 0), len(s.table)
+            out.append((-(-s.limit // p) - held - more, held - self._shared_run(s.table) + more))
+        return out
 
     def finish(self, slot: int) -> None:
         """Frees a finished slot: its pages go back to the pool once nothing else references them."""
         s = self._live(slot)
-        self._slots[slot] = None
+        del self._slots[slot]
         for page in s.table:
             self._release(page)
 
@@ -278,17 +293,22 @@ class PagePool:
     def check(self) -> None:
         """Raises AssertionError unless the bookkeeping is consistent: each page's count is the number of
         tables and prefixes referencing it, the free pages are exactly the unreferenced ones, each table
-        covers its slot's tokens, and the reservation fits the free pages."""
+        covers its slot's tokens, the pages it shares lead its table (what :meth:`own_pages` counts on), and
+        the reservation fits the free pages."""
         counts = [0] * self.num_pages
-        for s in self._slots:
-            if s is not None:
-                assert len(s.table) == self.pages_for(s.length), (s.table, s.length)
-                for page in s.table:
-                    counts[page] += 1
+        for i, s in self._slots.items():
+            assert 0 <= i < self.slots, i
+            assert len(s.table) == self.pages_for(s.length), (s.table, s.length)
+            for page in s.table:
+                counts[page] += 1
         for prefix in self._prefixes:
             for page in prefix.pages:
                 counts[page] += 1
         assert counts == self._refs, "reference counts differ from the references"
+        for i, s in self._slots.items():
+            shared = [self._refs[page] > 1 for page in s.table]
+            assert shared == sorted(shared, reverse=True), f"slot {i} shares pages after one of its own: {s.table}"
+            assert self.own_pages(i) == shared.count(False), i
         assert len(set(self._free)) == len(self._free), "a page is free twice"
         assert set(self._free) == {i for i, c in enumerate(counts) if c == 0}, "free list differs from unreferenced pages"
         assert self.available_pages >= 0, "live slots reserve more pages than are free"
@@ -296,7 +316,7 @@ class PagePool:
     # -- internals -----------------------------------------------------------------------------------------
 
     def _live(self, slot: int) -> _Slot:
-        s = self._slots[slot] if 0 <= slot < self.slots else None
+        s = self._slots.get(slot)
         if s is None:
             raise PageError(f"slot {slot!r} is not live")
         return s
@@ -310,8 +330,26 @@ class PagePool:
 
     def _writers(self, page: int) -> int:
         """Live slots whose next token goes into ``page``."""
-        return sum(1 for s in self._slots if s is not None and s.table and s.table[-1] == page
-                   and self._writes_into_last(s))
+        return sum(1 for s in self._slots.values() if s.table and s.table[-1] == page and self._writes_into_last(s))
+
+    def _shared_run(self, table: list[int]) -> int:
+        """How many pages of ``table`` something else references too: always its first ones.
+
+        Pages are only ever shared as leading runs at the same positions: a fork shares its source's first
+        pages, a prefix's pages are the first of every table holding it, a copy on write replaces a table's
+        last page, and every other page a slot takes is fresh. So a page that is shared has only shared
+        pages before it, and a binary search over the table finds where its own pages start."""
+        refs = self._refs
+        if not table or refs[table[0]] == 1:  # nothing shared: the common case
+            return 0
+        lo, hi = 1, len(table)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if refs[table[mid]] > 1:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
 
     def _copies(self, page: int) -> int:
         """Copies a shared partial page may still cost: one per slot that will write into it, except that
@@ -340,7 +378,8 @@ class PagePool:
             self._release(old)
             s.table[-1] = new
         s.length += tokens
-        while len(s.table) < self.pages_for(s.length):
+        held = self.pages_for(s.length)
+        while len(s.table) < held:
             s.table.append(self._take())
         return copies
 

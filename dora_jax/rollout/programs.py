@@ -72,9 +72,10 @@ class DecodePrograms:
         return DecodeState(z(), z(), z(), z(), z(), jnp.zeros((b,), bool), SamplingParams.make(b))
 
     def pin(self, state: DecodeState) -> DecodeState:
-        """A decode state in its layout on a mesh spanning processes (as is otherwise): the same layout in and
-        out of every program, so donation reuses the buffers and no program reshards the cache."""
-        if not self.spans_processes:
+        """A decode state in its layout on the mesh (as is without one): the same layout in and out of every
+        program, so donation reuses the buffers, no program reshards the cache, and the programs compiled at
+        warm-up are the ones every later call finds."""
+        if self.mesh is None:
             return state
 
         def rows(x):
@@ -84,8 +85,8 @@ class DecodePrograms:
         return jax.lax.with_sharding_constraint(state, shardings)
 
     def pin_pool(self, pool: PagedKV) -> PagedKV:
-        """The page pool in one layout on a mesh spanning processes: KV heads over the tensor axes."""
-        if not self.spans_processes:
+        """The page pool in one layout on the mesh: KV heads over the tensor axes."""
+        if self.mesh is None:
             return pool
         sharding = fitting_sharding(self.mesh, PagedKV.axes(), self.rules, pool.k.shape)
         return jax.lax.with_sharding_constraint(pool, PagedKV(sharding, sharding))
@@ -147,14 +148,16 @@ class DecodePrograms:
         rest = (rows_n, tok, lp, lengths_n, sample_ids_n, versions_n, sampling_n, seeds_n)  # PrefixBatch order
         return rest, self.readable(_pack(tok, valid_n, lengths_n, lp, versions_n))
 
-    def insert_batch(self, batch: PrefixBatch, state: DecodeState, pool: PagedKV, slots_n, page_nt, row_nt
-                           ) -> tuple[DecodeState, PagedKV]:
-        """Writes each inserted request's prompt entries at (page, row) per token (scratch for what it does not
-        write: padding, pages it shares with a request before it) and sets its slot. Slot B (out of range)
-        marks a request that is not inserted."""
-        k_rows = batch.cache.k[:, batch.rows].swapaxes(3, 4)  # [L, N, K, T, d]
-        pool = self.pin_pool(write_prompt_pages(pool, k_rows, batch.cache.v[:, batch.rows], page_nt, row_nt))
+    def write_prompts(self, cache: KVCache, rows_n, pool: PagedKV, page_nt, row_nt) -> PagedKV:
+        """Writes each inserted request's prompt entries (its cache row ``rows_n[i]``) at (page, row) per token
+        (scratch for what it does not write: padding, pages it shares with a request before it). Compiled per
+        (distinct prompts, prompt bucket): the request count is fixed per engine."""
+        k_rows = cache.k[:, rows_n].swapaxes(3, 4)  # [L, N, K, T, d]
+        return self.pin_pool(write_prompt_pages(pool, k_rows, cache.v[:, rows_n], page_nt, row_nt))
 
+    def set_slots(self, batch: PrefixBatch, state: DecodeState, slots_n) -> DecodeState:
+        """Sets each inserted request's slot (``batch.cache`` is not read). Slot B (out of range) marks a request
+        that is not inserted. Compiled per decode-state capacity."""
         def put(vec, values):
             return vec.at[slots_n].set(values.astype(vec.dtype), mode="drop")
 
@@ -162,7 +165,7 @@ class DecodePrograms:
             tokens=put(state.tokens, batch.token), positions=put(state.positions, batch.length),
             sample_ids=put(state.sample_ids, batch.sample_id), versions=put(state.versions, batch.version),
             seeds=put(state.seeds, batch.seed), active=put(state.active, jnp.ones(slots_n.shape, bool)),
-            sampling=SamplingParams(*(put(a, b) for a, b in zip(state.sampling, batch.sampling))))), pool
+            sampling=SamplingParams(*(put(a, b) for a, b in zip(state.sampling, batch.sampling)))))
 
     def decode_step(self, params: PreparedParams, state: DecodeState, pool: PagedKV, tables, write,
                      filtered: bool | None):

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 from tqdm.auto import tqdm
 
+from dora_jax.compiles import COUNTER, compile_count
 from dora_jax.config import Config
 from dora_jax.distributed import gather_decisions
 from dora_jax.dora.scheduler import Scheduler
@@ -33,6 +34,7 @@ from dora_jax.run.resume import RunStore, fsync_file, pack_run_state, unpack_run
 from dora_jax.run.rollout import RolloutSide
 from dora_jax.run.setup import (advice, agree, byte_tokenizer, check_multiprocess, check_placement, check_run_dir,
                                 save_ledger, schedule_policy, summarize, truncate_outputs)
+from dora_jax.rollout.sampling import needs_filter
 from dora_jax.run.training import TrainInFlight, batch_row, build_batch, write_samples
 from dora_jax.tasks import Task, load_task
 from dora_jax.tokenizer import chat_template_head
@@ -86,6 +88,7 @@ class Runner:
         head = chat_template_head(tokenizer) if cfg.rollout.shared_prefix else []  # prefilled once per version
         self.shared_prefix = tuple(head) if 0 < len(head) < self.placement.engine.max_prefill_length else ()
         self.driver = self.placement.drivers(tokenizer.eos_ids, cfg.rollout.overlap, self.shared_prefix)
+        self.warmup = self._warm_up()
         self.sched = Scheduler(self.policy)
         self.rollout = RolloutSide(cfg, self.sched, self.task, tokenizer, self.driver,
                                    cfg.rollout.slots * len(self.engines), spans=self.placement.spans)
@@ -99,6 +102,21 @@ class Runner:
             self._restore(found)
         else:
             self._publish(0, self.trainer.policy_params(self.state))
+
+    def _warm_up(self) -> dict[str, Any]:
+        """Compiles every program the rollout engines can dispatch before the first update (later compiles are
+        logged with their shapes, and counted in each metrics row's ``compiles``)."""
+        cfg = self.cfg
+        r, t = cfg.rollout, cfg.task
+        filtered = sorted({needs_filter([r.top_k], [r.top_p]), False})  # evaluation samples without filters
+        out = {"programs": 0, "seconds": 0.0}
+        for engine in self.engines:
+            got = engine.warmup(versions=self.policy.bound + 1, filtered=filtered,
+                                prefix_tokens=len(self.shared_prefix), progress=self.progress and self.writes)
+            out["programs"] += got["programs"]
+            out["seconds"] += got["seconds"]
+        log.info("warm-up: %d rollout programs compiled in %.1f s", out["programs"], out["seconds"])
+        return out
 
     def _publish(self, version: int, params: Any) -> None:
         self.versions.count(self.sched.ledger.outstanding())  # versions the batch just trained drained make room
@@ -201,6 +219,7 @@ class Runner:
         bar = tqdm(total=cfg.dora.steps, initial=self.sched.version, desc=f"{cfg.dora.mode} K={self.policy.bound}",
                    unit="update", disable=not self.progress or not self.writes)
         meter, led, rollout = Meter(m), self.sched.ledger, self.rollout
+        compiled, names = compile_count(), COUNTER.names()
         loaded = self.versions.__contains__  # a version whose train step is still running is not: its prompts wait
         while agree(self.multi, "going on", not self.sched.done() or self._in_flight is not None,
                     f"before update {self.sched.version + 1}"):
@@ -223,9 +242,15 @@ class Runner:
             if (finished or nothing_to_decode) and (done_step := self._complete()) is not None:
                 row, train_s = done_step
                 row = meter.update(row, train_s)
+                compiled, seen = compile_count(), compiled
+                names, seen_names = COUNTER.names(), names
+                if (compiled - seen).compiles and self.sched.version > 1:
+                    log.warning("compiled during update %d: %s", self.sched.version,
+                                ", ".join(f"{k} x{v}" for k, v in (names - seen_names).items()))
                 row.update(step=self.sched.version, version=self.sched.version, filtered=led.count("filtered"),
                            resident_versions=len(self.versions.resident()),
-                           slot_utilization=self.driver.slot_utilization)
+                           slot_utilization=self.driver.slot_utilization,
+                           compiles=(compiled - seen).compiles, compile_cache_loads=(compiled - seen).cache_loads)
                 if writer is not None:
                     writer.write(row)
                 self._lines["metrics.jsonl"] += 1
