@@ -84,8 +84,9 @@ def build_parser(prog: str = "dora-jax bench") -> argparse.ArgumentParser:
                    "long-tailed outputs up to 4,096 tokens")
     b.add_argument("--attention-impl", choices=("auto", "xla", "pallas_gpu", "pallas_tpu"), help="engine --preset "
                    "accel: the decode attention over the page pool (default: rollout.attention_impl's default)")
-    b.add_argument("--quick", action="store_true", help="engine --preset: a small form that runs in minutes on a "
-                   "CPU")
+    b.add_argument("--quick", action="store_true", help="engine --preset cpu: a small form that runs in minutes; "
+                   "engine --preset accel: the accelerator's requests, slots and lengths on a two-layer model, a "
+                   "replay of its schedule on a CPU (its counts are the accelerator run's)")
     return b
 
 

@@ -522,9 +522,18 @@ def measure_decode(eng, prepared, requests, warmup=None, prefix=()) -> dict[str,
         trajs, seconds = timed(lambda: (d.run(reqs), d.block_until_ready())[0])
         return d, trajs, seconds
 
+    from dora_jax.compiles import compile_count
+
     firsts = [dataclasses.replace(r, max_new_tokens=1) for r in requests]
     run(warmup or requests), run(firsts)
+    # The timed run counts its compiles and its attention's reads (the counting's host time taken off).
+    before, eng.count_reads = compile_count(), True
+    eng.kv_read_tokens = eng.kv_live_tokens = 0
+    eng.count_reads_s = 0.0
     d, trajs, seconds = run(requests)
+    compiles, eng.count_reads = compile_count() - before, False
+    seconds -= eng.count_reads_s
+    host_s = d.host_s - eng.count_reads_s
     prefill_s = run(firsts)[2]
     by_id = {r.sample_id: len(r.prompt_ids) for r in requests}
     tokens = [len(t.tokens) for t in trajs]
@@ -535,7 +544,10 @@ def measure_decode(eng, prepared, requests, warmup=None, prefix=()) -> dict[str,
             "tokens_per_s": sum(tokens) / seconds, "decode_steps": d.steps, "decode_step_ms": 1e3 * decode_s / steps,
             "live_tokens_per_step": live_token_steps([by_id[t.sample_id] for t in trajs], tokens) / steps,
             **_per_dispatch(d), "slot_utilization": d.slot_utilization,
-            "kv_bytes_ratio": None if ratio is None else float(ratio)}
+            "kv_bytes_ratio": None if ratio is None else float(ratio),
+            "compiles_during_timing": compiles.compiles, "compile_cache_loads_during_timing": compiles.cache_loads,
+            "kv_read_ratio": eng.kv_read_ratio, "host_ms_per_dispatch": 1e3 * host_s / max(d.dispatches, 1),
+            "dispatches": d.dispatches}
 
 
 def _roofline(summary: dict[str, Any], weight_bytes: int, token_bytes: int, bw: float) -> None:
@@ -550,9 +562,10 @@ def _roofline(summary: dict[str, Any], weight_bytes: int, token_bytes: int, bw: 
 ACCEL_ENGINE_MODEL = dict(family="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
                           num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128, rope_theta=1000000.0,
                           tie_embeddings=True, qkv_bias=True, param_dtype="bfloat16", compute_dtype="bfloat16")
-# Its --quick form, small enough for a CPU test: Qwen's vocabulary and head layout, a two-layer body.
-QUICK_ENGINE_MODEL = dict(ACCEL_ENGINE_MODEL, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                          num_kv_heads=2, head_dim=16)
+# Its --quick form, the accelerator's schedule replayed on a CPU: Qwen's head layout, a two-layer body and a small
+# vocabulary (neither changes the schedule's counts).
+QUICK_ENGINE_MODEL = dict(ACCEL_ENGINE_MODEL, vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2,
+                          num_heads=4, num_kv_heads=2, head_dim=16)
 
 
 def _top_level(preset: str, summary: dict[str, Any], bw: float, source: str, hf: float | None) -> dict[str, Any]:
@@ -567,19 +580,40 @@ def _top_level(preset: str, summary: dict[str, Any], bw: float, source: str, hf:
             "decode_steps_per_dispatch": summary.get("decode_steps_per_dispatch_steady")
             or summary["decode_steps_per_dispatch"],
             "slot_utilization": summary["slot_utilization"], "hf_tokens_per_s": hf,
-            "bandwidth_bytes_s": bw, "bandwidth_source": source}
+            "bandwidth_bytes_s": bw, "bandwidth_source": source,
+            **{k: summary.get(k) for k in ("compiles_during_timing", "kv_read_ratio", "host_ms_per_dispatch",
+                                           "kernels_per_layer", "warmup_s")}}
+
+
+def warm_engine(eng, prepared, **plan_args) -> dict[str, Any]:
+    """``Engine.warmup`` with the figures a benchmark records: ``warmup_s``, ``warmup_programs`` and
+    ``kernels_per_layer`` (kernels of one layer of the widest decode program, from its compiled HLO, and of one
+    tile of the attention loop inside it)."""
+    from dora_jax.compiles import layer_kernels
+
+    got = eng.warmup(prepared, progress=True, **plan_args)
+    name, args = [x for x in eng.warmup_plan(prepared, **plan_args) if x[0].startswith("generate")][-1]
+    counts = layer_kernels(eng.compiled.lower(name, *args).compile().as_text(), eng.cfg.num_layers)
+    return {"warmup_s": got["seconds"], "warmup_programs": got["programs"],
+            "kernels_per_layer": None if counts is None else counts["per_layer"],
+            "kernels_per_attention_tile": None if counts is None else counts["per_inner_trip"]}
 
 
 def bench_engine_accel(quick: bool = False, batches: tuple[int, ...] | None = None, seed: int = 0,
-                       attention_impl: str | None = None) -> dict[str, Any]:
+                       attention_impl: str | None = None, prompt_tokens: int = 256, max_new_tokens: int = 4096,
+                       median_new_tokens: int = 256) -> dict[str, Any]:
     """``bench engine --preset accel``: the engine serving a Qwen2.5-1.5B-shaped model (random weights, bf16) at
     64 and 256 concurrent sequences, each batch of slots fed twice as many requests of 256 random prompt tokens
     with long-tailed output lengths (p50 256, up to 4,096), continuous batching as a training run's rollout
     does. The top-level figures are the largest batch's; every batch's are under ``batches``.
 
-    ``quick``: a two-layer body of the same vocabulary, 4 and 8 sequences of 32-token prompts, outputs up to
-    64 tokens (a CPU check that the preset runs, not a measurement). ``attention_impl``: the decode attention
-    over the page pool (``rollout.attention_impl``; default its default).
+    ``quick``: the same requests, slots and lengths on a model of two small layers and a small vocabulary: a
+    replay of the accelerator's schedule on a CPU, whose counts (decode steps, table widths, live tokens,
+    compiles, attention reads, host time per dispatch) are the accelerator run's. ``attention_impl``: the decode
+    attention over the page pool (``rollout.attention_impl``; default its default).
+
+    Every program is compiled before the clock starts (``Engine.warmup``; ``warmup_s``), and the timed run
+    records ``compiles_during_timing``, ``kv_read_ratio`` and ``host_ms_per_dispatch``.
     """
     import dataclasses
 
@@ -591,8 +625,8 @@ def bench_engine_accel(quick: bool = False, batches: tuple[int, ...] | None = No
     from dora_jax.rollout.driver import Request
     from dora_jax.rollout.engine import Engine, RequestSampling
 
-    prompt, max_out, p50 = (32, 64, 8) if quick else (256, 4096, 256)
-    batches = batches or ((4, 8) if quick else (64, 256))
+    prompt, max_out, p50 = prompt_tokens, max_new_tokens, median_new_tokens  # smaller only in tests
+    batches = batches or (64, 256)
     target = -(-(prompt + max_out) // 256) * 256  # whole 256-token blocks of cache
     model = init_model(ModelConfig(**(QUICK_ENGINE_MODEL if quick else ACCEL_ENGINE_MODEL), max_seq_len=target),
                        seed=seed)
@@ -611,9 +645,10 @@ def bench_engine_accel(quick: bool = False, batches: tuple[int, ...] | None = No
         lengths = _lengths(n, rng, p50=p50, tail=max_out, max_len=max_out)
         reqs = [Request(i, tuple(rng.integers(3, eng.cfg.vocab_size, prompt).tolist()), max_new_tokens=int(k),
                         sampling=sampling) for i, k in enumerate(lengths)]
-        # Compiles the programs the timed run reaches (every capacity down to one row) in a fraction of its steps.
-        warm = [dataclasses.replace(r, max_new_tokens=min(r.max_new_tokens, 16)) for r in reqs]
-        s = measure_decode(eng, prepared, reqs, warmup=warm)
+        warm = warm_engine(eng, prepared)
+        # The prompts' prefill and insertion once more before timing (every program is compiled already).
+        s = measure_decode(eng, prepared, reqs, warmup=[dataclasses.replace(r, max_new_tokens=1) for r in reqs])
+        s.update(warm)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(prepared.tree))
         token_bytes = kv_token_bytes(eng.cfg)
         _roofline(s, weight_bytes, token_bytes, bw)

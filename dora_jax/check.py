@@ -207,7 +207,19 @@ def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
     parts = {f"params x{versions} versions": versions * per_device_bytes(params),
              "kv cache": per_device_bytes(pool)}
     pool_tokens = pool.k.shape[2] * pool.k.shape[3]
-    return RoleMemory("rollout", mesh.size, parts, temp, args, token_bytes=parts["kv cache"] / pool_tokens)
+    # What the engine compiles at warm-up, before the first update (a run's shared prefix is the tokenizer's
+    # chat-template head, unknown here: counted as one, its own program per length).
+    from dora_jax.rollout.sampling import needs_filter
+
+    catalog = engine.program_catalog(versions=versions, filtered=sorted({needs_filter([r.top_k], [r.top_p]), False}),
+                                     prefix_tokens=1 if r.shared_prefix else 0)
+    kinds: dict[str, int] = {}
+    for name, *_ in catalog:
+        kinds[name] = kinds.get(name, 0) + 1
+    note = (f"rollout engine: {len(catalog)} programs compiled at warm-up, none after ("
+            + ", ".join(f"{k} {v}" for k, v in kinds.items()) + ")")
+    return RoleMemory("rollout", mesh.size, parts, temp, args, notes=(note,),
+                      token_bytes=parts["kv cache"] / pool_tokens)
 
 
 def role_meshes_of_run(cfg: Any, processes: int = 1) -> tuple[Any, Any, bool]:
@@ -306,7 +318,7 @@ def run_check(cfg: Any, *, do_compile: bool = True, log: Callable[[str], None] =
         roles = [both]
     else:
         roles = [train, roll]
-    for note in train.notes:
+    for note in train.notes + roll.notes:
         log(note)
     for role in (train, roll):
         if role.temp is not None:

@@ -16,6 +16,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import re
 import threading
 from typing import Any, Callable
 
@@ -159,3 +160,44 @@ class Programs:
     def total_warmed(self) -> int:
         """Variants compiled ahead of time (:meth:`compile`)."""
         return sum(self.warmed.values())
+
+
+# Instructions that launch no work of their own.
+_FREE_OPS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+                       "opt-barrier", "partition-id", "replica-id"})
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?[\w.\-]+ = .*?\s([a-z][a-z0-9\-]*)\(")
+
+
+def _computations(hlo_text: str) -> dict[str, list[tuple[str, str]]]:
+    """Each computation of an HLO module's text: its (opcode, line) in order."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        head = _COMPUTATION.match(line)
+        if head and not line.startswith(" "):
+            current = out.setdefault(head.group(1), [])
+            continue
+        op = _INSTRUCTION.match(line)
+        if op and current is not None:
+            current.append((op.group(1), line))
+    return out
+
+
+def layer_kernels(hlo_text: str, num_layers: int) -> dict[str, int] | None:
+    """Kernels (instructions that launch work) per layer of a compiled program whose layers run in one scan:
+    the body of the while loop XLA found ``num_layers`` trips for. ``per_layer`` counts the body's own kernels
+    (a loop inside it once), ``per_inner_trip`` the kernels of the loops inside it per trip (the live-reading
+    attention's tiles). None when no such loop is found (XLA unrolled it)."""
+    comps = _computations(hlo_text)
+    trips = re.compile(r'known_trip_count":\{"n":"(\d+)"')
+    body_of = re.compile(r"body=%?([\w.\-]+)")
+    for ops in comps.values():
+        for op, line in ops:
+            found = trips.search(line)
+            if op == "while" and found and int(found.group(1)) == num_layers:
+                body = comps.get(body_of.search(line).group(1), [])
+                inner = [comps.get(body_of.search(x).group(1), []) for o, x in body if o == "while"]
+                return {"per_layer": sum(o not in _FREE_OPS for o, _ in body),
+                        "per_inner_trip": sum(o not in _FREE_OPS for ops_ in inner for o, _ in ops_)}
+    return None

@@ -477,6 +477,10 @@ class RolloutConfig:
     decode_steps: int | str = "auto"
     page_tokens: int = 16
     kv_pages: int = 0
+    # Compile every program the engine can dispatch before the first update (Engine.warmup), so none compiles
+    # while the run decodes; off, each compiles at its first use. null: on for accelerators, off on CPU, where
+    # compiling the shapes a run never reaches costs more than the stalls it saves (docs/rollout.md, "Warm-up").
+    warmup: bool | None = None
 
     def validate(self, path: str = "rollout") -> None:
         for name in ("slots", "max_prompt_len", "max_new_tokens"):

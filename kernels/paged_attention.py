@@ -160,6 +160,17 @@ def _tpu_block(W, P, pages_per_compute_block, described):
     return ppcb
 
 
+def compute_block_pages(impl, table_width, page_tokens, head_dim, interpret=False):
+    """The pages a kernel of ``impl`` loads per compute block at its default choice (what it reads past a slot's
+    length is the rest of that block); 0 for ``"xla"``, which has no such block."""
+    described = f"table width {table_width}, page tokens {page_tokens}, head dim {head_dim}"
+    if impl == "pallas_gpu":
+        return _gpu_blocks(table_width, page_tokens, head_dim, None, interpret, described)[0]
+    if impl == "pallas_tpu":
+        return _tpu_block(table_width, page_tokens, None, described)
+    return 0
+
+
 def paged_attention(q, k_pages, v_pages, tables, lengths, *, impl, interpret=False, pages_per_compute_block=None):
     """Decode attention of ``q`` ``[B, H, d]`` over the paged pool; ``[B, H, d]`` in ``q``'s dtype.
 

@@ -392,3 +392,20 @@ def test_a_placement_built_for_another_model_is_refused(tmp_path, shared):
         with pytest.raises(RunError, match=rf"placement was built for another {name}"):
             Runner(tiny(override), str(tmp_path / name), **shared())
         assert not (tmp_path / name).exists()
+
+
+def test_a_warmed_up_run_compiles_nothing_after_its_first_update(tmp_path, shared):
+    """With ``rollout.warmup`` the engine compiles every program it can dispatch before the first update: ten
+    updates of a dora run (two versions in flight, evaluation before and after) compile nothing after the
+    first, counted through ``jax.monitoring`` (persistent-cache loads included), and the engine logs no late
+    compile."""
+    runner = Runner(tiny("dora.mode=dora", "dora.steps=10", "rollout.warmup=true"), str(tmp_path), **shared())
+    assert runner.warmup["programs"] > 0 and runner.warmup["seconds"] > 0
+    summary = runner.run()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 10
+    late = [(r["step"], r["compiles"], r["compile_cache_loads"]) for r in rows[1:]
+            if r["compiles"] or r["compile_cache_loads"]]
+    assert late == [], late
+    assert all(not engine.compiled.late for engine in runner.engines)
+    assert summary["warmup_programs"] == runner.warmup["programs"]

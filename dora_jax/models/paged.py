@@ -141,9 +141,11 @@ def paged_attention_with_current(q_bhd: jax.Array, k_knpd: jax.Array, v_knpd: ja
 
 
 # The live-reading XLA path reads a slot's pages in blocks of this many tokens (rounded to whole pages), and
-# sorts the slots by length into this many classes of equal size: each class reads only to its longest slot.
+# sorts the slots by length into classes of equal size, at most this many and of at least LIVE_CLASS_ROWS rows:
+# each class reads only to its longest slot, and each costs a loop trip per block it reads.
 LIVE_BLOCK_TOKENS = 128
-LIVE_ROW_CLASSES = 8
+LIVE_ROW_CLASSES = 16
+LIVE_CLASS_ROWS = 16
 
 
 class LivePlan(NamedTuple):
@@ -167,7 +169,8 @@ def live_block_pages(table_width: int, page_tokens: int, block_tokens: int = LIV
 
 
 def live_classes(slots: int, row_classes: int = LIVE_ROW_CLASSES) -> int:
-    return max(1, min(row_classes, slots))
+    """Length classes for ``slots`` slots: at most ``row_classes``, each of at least ``LIVE_CLASS_ROWS`` rows."""
+    return max(1, min(row_classes, slots // LIVE_CLASS_ROWS))
 
 
 def live_plan(tables_bw: jax.Array, lengths_b: jax.Array, page_tokens: int, *,
@@ -203,6 +206,22 @@ def live_read_tokens(lengths, table_width: int, page_tokens: int, *, block_token
     padded[:b] = lengths
     blocks = -(-padded.reshape(c, r).max(axis=1) // (bp * page_tokens))
     return int(blocks.sum() * r * bp * page_tokens)
+
+
+def attention_read_tokens(impl: str, lengths, table_width: int, page_tokens: int, head_dim: int,
+                          interpret: bool = False) -> int:
+    """Cached tokens one layer's decode attention reads for slots of ``lengths`` (numpy, host), by the path
+    ``impl`` takes: the live-reading XLA path's classes and blocks, or a kernel's compute blocks up to each
+    slot's length. ``kv_read_ratio`` is this over the live tokens."""
+    import numpy as np
+
+    if impl == "xla":
+        return live_read_tokens(lengths, table_width, page_tokens)
+    from dora_jax.kernels.paged_attention import compute_block_pages
+
+    block = compute_block_pages(impl, table_width, page_tokens, head_dim, interpret) * page_tokens
+    lengths = np.asarray(lengths, np.int64)
+    return int((-(-lengths // block) * block).sum())
 
 
 def live_paged_attention(q_bhd: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array,
@@ -305,7 +324,8 @@ def decode_forward_paged(cfg: ModelConfig, p: dict, tokens_b: jax.Array, positio
     layers = jnp.arange(pool.k.shape[0], dtype=jnp.int32)
     if impl == "xla":
         # Slots sorted by length once per step; every layer reads only its classes' live page blocks.
-        plan = sharded_live_plan(tables_bw, positions_b, pool.page_tokens, shards)
+        # Rows that do not produce this step read nothing (their output is dropped).
+        plan = sharded_live_plan(tables_bw, jnp.where(write_b, positions_b, 0), pool.page_tokens, shards)
         bp = live_block_pages(tables_bw.shape[1], pool.page_tokens)
 
         def block(x, layer):

@@ -38,7 +38,8 @@ from typing import Any, Iterable, Sequence
 import jax
 import numpy as np
 
-from dora_jax.rollout.engine import Engine, EngineError, RequestSampling, SharedPrefix, bucket, resolve_decode_steps
+from dora_jax.rollout.engine import (Engine, EngineError, RequestSampling, SharedPrefix, bucket, prompt_rows,
+                                     resolve_decode_steps)
 from dora_jax.rollout.engine_api import continues
 from dora_jax.rollout.sampling import needs_filter
 
@@ -176,6 +177,9 @@ class RolloutDriver:
         self.kv_live_tokens = 0
         self.page_waits = 0  # dispatches of a live row cut short, or to nothing, to wait for KV pages
         self._kv_steady = False  # kv_bytes_ratio counts the steady state only, from its first dispatch
+        # Host time of dispatching and reading back programs, device waits excluded (host_ms_per_dispatch).
+        self.host_s = 0.0
+        self.wait_s = 0.0
 
     # -- versions -------------------------------------------------------------------------------------------
 
@@ -200,6 +204,12 @@ class RolloutDriver:
         jax.block_until_ready([r.data for x in computing for r in x.results])
         del self._groups[version]
         g.params = g.state = g.prefix = None  # the launched step keeps the group for its bookkeeping only
+
+    def params(self, version: int) -> Any:
+        """A loaded version's params as the engine takes them (prepared for decode, on the engine's devices)."""
+        if version not in self._groups:
+            raise EngineError(f"policy version {version} is not loaded (loaded: {self.versions})")
+        return self._groups[version].params
 
     def held(self) -> list[int]:
         """The policy versions whose weights this driver holds now: the loaded ones, and any other whose group a
@@ -373,7 +383,7 @@ class RolloutDriver:
         for item in items:
             p = item[0].prompt_ids
             grown, new_longest = prompts | {p}, max(longest, len(p) - skip)
-            cost = bucket(len(grown), minimum=1) * bucket(new_longest)
+            cost = prompt_rows(len(grown), self.engine.max_concurrent_decodes) * bucket(new_longest)
             if p not in prompts and chunks[-1] and cost > self.prefill_tokens:
                 chunks.append([])
                 grown, new_longest = {p}, len(p) - skip
@@ -399,6 +409,7 @@ class RolloutDriver:
             lives = [_Live(request, [], [], submitted, started, in_flight=1) for request, submitted in chunk]
             admitted.append((first, list(lives)))
         else:
+            self._ready(first.data)
             cols = first.to_host().columns()
             for i, (request, submitted) in enumerate(chunk):
                 live = _Live(request, [int(cols["token"][i])], [float(cols["logprob"][i])], submitted, started)
@@ -453,12 +464,27 @@ class RolloutDriver:
     def dispatch(self) -> None:
         """The first half of :meth:`step`: admits and dispatches a decode step (:meth:`launch`), queued for
         :meth:`harvest`. Drivers on other devices can dispatch theirs before any result is read."""
+        start, waited = time.perf_counter(), self.wait_s
         self._launched.append(self.launch())
         self._count_held()
+        self.host_s += time.perf_counter() - start - (self.wait_s - waited)
+
+    def _ready(self, data: Any) -> None:
+        """Waits for a program's results before the host reads them, counted apart from host time."""
+        start = time.perf_counter()
+        jax.block_until_ready(data)
+        self.wait_s += time.perf_counter() - start
+
+    @property
+    def host_ms_per_dispatch(self) -> float | None:
+        """Host milliseconds per decode dispatch (admission, bookkeeping, dispatch and reading results back),
+        device waits excluded."""
+        return 1e3 * self.host_s / self.dispatches if self.dispatches else None
 
     def harvest(self) -> list[Trajectory]:
         """The second half of :meth:`step`: reads back the oldest dispatched step (without ``overlap``: the one
         just dispatched; with it: the one before, while the newest runs) and returns what finished."""
+        start, waited = time.perf_counter(), self.wait_s
         out: list[Trajectory] = []
         if len(self._launched) > (1 if self.overlap else 0):
             out += self.collect(self._launched.popleft())
@@ -468,6 +494,7 @@ class RolloutDriver:
             # trajectory (an eos or stop at the step just read): nothing would run beside it, and keeping it
             # would keep its groups alive past the end of the work.
             out += self.collect(self._launched.popleft())
+        self.host_s += time.perf_counter() - start - (self.wait_s - waited)
         return out
 
     def launch(self) -> "_Launched":
@@ -580,6 +607,7 @@ class RolloutDriver:
         """Reads a launched step's results (one device-to-host transfer) and returns what finished."""
         done, active, floor = launched.done, launched.active, launched.floor
         for first, lives in launched.admitted:  # first tokens before the step's: they come first
+            self._ready(first.data)
             cols = first.to_host().columns()
             now = time.perf_counter()
             for i, live in enumerate(lives):
@@ -587,6 +615,7 @@ class RolloutDriver:
                 self._append(live, int(cols["token"][i]), float(cols["logprob"][i]), now, done)
         if not active:  # nothing was dispatched
             return done
+        self._ready([r.data for r in launched.results])
         if launched.budgets is not None:
             return self._collect_steps(launched)
         if not launched.fused:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
+import time
 import weakref
 from typing import Any, Sequence
 
@@ -44,7 +45,7 @@ from jax.sharding import Mesh
 from dora_jax.compiles import Programs
 from dora_jax.config import ATTENTION_IMPLS, DEFAULT_RULES, MAX_DECODE_STEPS, ROLLOUT_DTYPES
 from dora_jax.models.decoder import FUSED_INPUTS, Decoder, DecodeSettings, fuse_layer_params, resolve_attention_impl
-from dora_jax.models.paged import PagedKV, token_bytes
+from dora_jax.models.paged import PagedKV, attention_read_tokens, token_bytes
 from dora_jax.rollout.engine_api import (DecodeState, EngineError, PreparedParams, Prefix, PrefixBatch,
                                          RequestSampling, ResultSteps, ResultTokens, SharedPrefix, stop_table)
 from dora_jax.rollout.page_book import PageBook
@@ -61,6 +62,12 @@ def _check_settings(dtype: str, settings: DecodeSettings) -> None:
                                  ("attention_impl", settings.attention_impl, ATTENTION_IMPLS)):
         if value not in allowed:
             raise EngineError(f"{name} {value!r}: allowed {', '.join(map(repr, allowed))}")
+    impl = settings.attention_impl
+    platform = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}.get(impl)
+    if platform and not settings.pallas_interpret and jax.default_backend() != platform:
+        raise EngineError(f"attention_impl {impl!r} runs on {platform.upper()} only, and this backend is "
+                          f"{jax.default_backend()!r}: use 'xla' (or pallas_interpret=True to run the kernel in "
+                          "the Pallas interpreter)")
     steps = settings.decode_steps
     if steps != "auto" and not (isinstance(steps, (int, np.integer)) and 1 <= steps <= MAX_DECODE_STEPS):
         raise EngineError(f"decode_steps {steps!r}: allowed 'auto' or 1 .. {MAX_DECODE_STEPS}")
@@ -92,6 +99,16 @@ def batch_shards(mesh: Mesh | None, rules: Rules, slots: int) -> int:
     names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
     n = int(np.prod([mesh.shape[a] for a in names if a in mesh.shape]))
     return n if n > 1 and slots % n == 0 else 1
+
+
+def prompt_rows(distinct: int, slots: int) -> int:
+    """Rows of a prefill program for ``distinct`` prompts on an engine of ``slots`` slots: a power of four
+    (prefill is a small share of a rollout's time, and every row count is a program compiled at warm-up), at
+    most the slots' power of two."""
+    rows = 1
+    while rows < distinct:
+        rows *= 4
+    return min(rows, bucket(slots, minimum=1))
 
 
 class _Rows:
@@ -223,6 +240,11 @@ class Engine:
         # Requests of one prefill program: fixed per engine (padding rows are never inserted), so the programs
         # after the model's prefill are compiled per distinct-prompt count and prompt bucket only.
         self.request_rows = bucket(max_concurrent_decodes, minimum=1)
+        # Attention reads per decode step, counted on the host from each program's results when asked
+        # (benchmarks: kv_read_ratio); off by default, as it costs host time per dispatch.
+        self.count_reads = False
+        self.kv_read_tokens = self.kv_live_tokens = 0
+        self.count_reads_s = 0.0  # host time the counting took (benchmarks take it off what they time)
 
     # -- JetStream API properties --------------------------------------------------------------------------
 
@@ -398,7 +420,7 @@ class Engine:
         # The bucket of the tokens prefilled here, cut to what the cache holds after the prefix (a prompt is
         # shorter than max_target_length, so its tokens always fit).
         t = min(bucket(max(len(k) for k in distinct) - skip), self.max_target_length - skip)
-        tokens = np.zeros((bucket(len(distinct), minimum=1), t), np.int32)
+        tokens = np.zeros((self.prompt_rows(len(distinct)), t), np.int32)
         lengths = np.ones((tokens.shape[0],), np.int32)  # padding rows: one token, never read
         for key, r in distinct.items():
             tokens[r, :len(key) - skip] = key[skip:]
@@ -620,6 +642,8 @@ class Engine:
         recs = [self._record(st) for st in states_seq]
         # Pages for every token a slot may produce; a slot the pool cannot serve safely gets a smaller budget
         # (what its pages cover), and its final flag only if it keeps its whole budget.
+        starts = [np.array([0 if ref is None else self.book.dispatched(ref) for ref in rec.ids], np.int64)
+                  for rec in recs] if self.count_reads else None
         granted = self.book.dispatch([rec.ids for rec in recs], [np.minimum(b, limit) for b in budget_arrays])
         final_arrays = [f & (g == np.minimum(b, limit)) for f, g, b in zip(final_arrays, granted, budget_arrays)]
         budget_arrays = [g.astype(np.int32) for g in granted]
@@ -632,8 +656,36 @@ class Engine:
         booked = [(ref, self.book.serial(ref), int(n)) for rec, got in zip(recs, budget_arrays)
                   for ref, n in zip(rec.ids, got) if ref is not None]
         rows = [i for i, ref in enumerate(ref for rec in recs for ref in rec.ids) if ref is not None]
-        return (tuple(self._handoff(a, b) for a, b in zip(states_seq, states)),
-                ResultSteps(data, lambda d: self.book.settle(booked, d[..., 1].sum(axis=0)[rows])))
+        def on_read(d):
+            produced = d[..., 1].sum(axis=0)
+            self.book.settle(booked, produced[rows])
+            if starts is not None:
+                start = time.perf_counter()
+                self._count_reads(starts, produced)
+                self.count_reads_s += time.perf_counter() - start
+
+        return tuple(self._handoff(a, b) for a, b in zip(states_seq, states)), ResultSteps(data, on_read)
+
+    def _count_reads(self, starts: list[np.ndarray], produced: np.ndarray) -> None:
+        """Adds one program's attention reads and live tokens (per layer) to :attr:`kv_read_tokens` and
+        :attr:`kv_live_tokens`: at each step, every producing row reads its cached tokens."""
+        impl = resolve_attention_impl(self.settings)
+        row = 0
+        for start in starts:
+            n = produced[row:row + start.shape[0]]
+            row += start.shape[0]
+            for s in range(int(n.max(initial=0))):
+                lengths = np.where(n > s, start + s, 0)
+                for shard in np.split(lengths, self.shards):  # each shard's slots are planned apart
+                    self.kv_read_tokens += attention_read_tokens(impl, shard, self.table_width, self.page_tokens,
+                                                                 self.cfg.head_dim, self.settings.pallas_interpret)
+                self.kv_live_tokens += int(lengths.sum())
+
+    @property
+    def kv_read_ratio(self) -> float | None:
+        """Cached tokens the decode attention read over the live tokens it had to read, over the programs counted
+        since :attr:`count_reads` was set (None before any)."""
+        return self.kv_read_tokens / self.kv_live_tokens if self.kv_live_tokens else None
 
     def free_slot(self, decode_state: DecodeState, slot: int) -> DecodeState:
         """Marks ``slot`` empty (the decode state is donated) and returns its pages to the pool; its row is
@@ -676,93 +728,119 @@ class Engine:
             return [full]
         return sorted({min(1 << i, full) for i in range(full.bit_length() + 1)})
 
+    def prompt_rows(self, distinct: int) -> int:
+        """:func:`prompt_rows` of this engine."""
+        return prompt_rows(distinct, self._max_concurrent_decodes)
+
     def prompt_buckets(self, prefix_tokens: int = 0) -> list[int]:
         """The prompt buckets :meth:`prefill_batch` compiles for prompts after a prefix of ``prefix_tokens``."""
         longest = self._max_prefill_length - prefix_tokens
         lengths = {min(1 << i, longest) for i in range(longest.bit_length() + 1)}
         return sorted({min(bucket(x), self.max_target_length - prefix_tokens) for x in lengths})
 
-    def warmup_plan(self, params: Any = None, *, versions: int = 1, decode_steps: int | None = None,
-                    filtered: Sequence[bool] = (False,), stop_width: int = 4, prefix_tokens: int = 0,
-                    prefill_tokens: int = 8192) -> list[tuple[str, tuple]]:
-        """Every program shape a :class:`~dora_jax.rollout.driver.RolloutDriver` of this engine can dispatch,
-        as ``(program, arguments)`` (arguments abstract where they are device arrays).
+    def program_catalog(self, *, versions: int = 1, decode_steps: int | None = None,
+                        filtered: Sequence[bool] = (False,), prefix_tokens: int = 0, prefill_tokens: int = 8192
+                        ) -> list[tuple]:
+        """Every program shape a :class:`~dora_jax.rollout.driver.RolloutDriver` of this engine can dispatch, as
+        ``(program, *shape key)``: what :meth:`warmup` compiles and ``dora-jax check`` counts.
 
         Args:
-          params: prepared params of one version (``None``: the engine's own); only shapes are used.
           versions: the most policy versions the driver steps together (K + 1).
           decode_steps: the driver's decode steps per program (default: the engine's setting).
           filtered: the sampling variants (:func:`~dora_jax.rollout.sampling.needs_filter` of the requests).
-          stop_width: stop ids per slot, as :func:`~dora_jax.rollout.engine_api.stop_table` pads them.
           prefix_tokens: the driver's shared prefix (0: prompts are prefilled whole).
           prefill_tokens: the driver's prefill budget (distinct prompts x prompt bucket per program).
         """
         steps = resolve_decode_steps(self.settings) if decode_steps is None else int(decode_steps)
+        caps = self.capacities()
+        decode = "generate_steps" if steps > 1 else "generate"
+        out: list[tuple] = [(decode if v == 1 or steps > 1 else "generate_many", v, cap, bool(f), steps)
+                            for v in range(1, versions + 1) for cap in caps for f in dict.fromkeys(filtered)]
+        for cap in caps:
+            out += [("zeros", cap), ("free_slot", cap)] + [("resize", cap, new) for new in caps if new != cap]
+        if prefix_tokens:
+            out.append(("shared_prefix", prefix_tokens))
+        n = self.request_rows
+        buckets = self.prompt_buckets(prefix_tokens)
+        # Prefill: distinct prompts (powers of two) x prompt bucket within the driver's budget, then sampling
+        # (per distinct-prompt count), the pool write, and the slots set in a decode state of every capacity.
+        for t in buckets:
+            for d in sorted({self.prompt_rows(1 << i) for i in range(n.bit_length() + 1)}):
+                if d == 1 or d * t <= prefill_tokens:
+                    out.append(("prefill_rows", d, t))
+                    if t == buckets[0]:
+                        out.append(("first_tokens", d))
+                    out.append(("write_prompts", d, t))
+        out += [("set_slots", cap) for cap in caps]
+        return out
+
+    def warmup_plan(self, params: Any = None, *, stop_width: int = 4, prefix_tokens: int = 0,
+                    **catalog_args: Any) -> list[tuple[str, tuple]]:
+        """:meth:`program_catalog` (same arguments) as ``(program, arguments)`` to compile, arguments abstract
+        where they are device arrays, in the layouts the calls will have. ``params``: prepared params of one
+        version (``None``: the engine's own; only shapes are used); ``stop_width``: stop ids per slot, as
+        :func:`~dora_jax.rollout.engine_api.stop_table` pads them. Programs whose outputs feed others (the
+        prefill chain) are compiled here to learn their outputs' layouts."""
         spec = self._spec
         prepared = jax.tree.map(spec, self._prepared_params(params))
         pool = jax.tree.map(spec, self.pool)
-        caps = self.capacities()
-        width = self.table_width
-        plan: list[tuple[str, tuple]] = []
-
-        zero_states = {cap: jax.tree.map(spec, self._zeros_jit(cap)) for cap in caps}  # in the layout calls see
-
-        def state(cap):
-            return zero_states[cap]
+        width, n = self.table_width, self.request_rows
+        states = {cap: jax.tree.map(spec, self._zeros_jit(cap)) for cap in self.capacities()}
 
         def host(cap, dtype, value=0, *tail):
             return np.full((cap,) + tail, value, dtype)
 
-        for v in range(1, versions + 1):
-            for cap in caps:
-                for f in map(bool, filtered):
-                    states = tuple(state(cap) for _ in range(v))
-                    tables = tuple(host(cap, np.int32, 0, width) for _ in range(v))
-                    if steps > 1:
-                        plan.append(("generate_steps", (
-                            (prepared,) * v, states, pool, tables, tuple(host(cap, np.int32) for _ in range(v)),
-                            tuple(host(cap, np.int32, -1, stop_width) for _ in range(v)),
-                            tuple(host(cap, bool) for _ in range(v)), np.zeros((v,), np.int32), np.int32(0),
-                            steps, f)))
-                    elif v == 1:
-                        plan.append(("generate", (prepared, states[0], pool, tables[0], host(cap, bool), f)))
-                    else:
-                        plan.append(("generate_many", ((prepared,) * v, states, pool, tables,
-                                                       tuple(host(cap, bool) for _ in range(v)), f)))
-        for cap in caps:
-            plan.append(("zeros", (cap,)))
-            plan.append(("free_slot", (state(cap), np.int32(0))))
-            for new in caps:
-                if new != cap:
-                    plan.append(("resize", (state(cap), host(new, np.int32, -1), new)))
-        # Prefill: distinct prompts (powers of two) x prompt bucket within the driver's budget, each then sampled
-        # (first_tokens), written to the pool (write_prompts) and set in a decode state of every capacity.
-        n = self.request_rows
         prefix = None
         if prefix_tokens:
-            head = jax.ShapeDtypeStruct((prefix_tokens,), np.int32)
-            plan.append(("shared_prefix", (prepared, head)))
-            prefix = self._outputs("shared_prefix", prepared, head)
+            prefix = self._outputs("shared_prefix", prepared, jax.ShapeDtypeStruct((prefix_tokens,), np.int32))
         sampling = SamplingParams(host(n, np.float32), host(n, np.int32), host(n, np.float32, 1.0))
-        for t in self.prompt_buckets(prefix_tokens):
-            for d in sorted({min(1 << i, n) for i in range(n.bit_length() + 1)}):
-                if d > 1 and d * t > prefill_tokens:
-                    continue
-                tokens, lengths = np.zeros((d, t), np.int32), np.ones((d,), np.int32)
-                plan.append(("prefill_rows", (prepared, tokens, lengths, prefix)))
-                cache, logits = self._outputs("prefill_rows", prepared, tokens, lengths, prefix)
-                first = (logits, lengths, host(n, np.int32), host(n, bool), host(n, np.int32), np.int32(0),
-                         host(n, np.int32), sampling)
-                if t == self.prompt_buckets(prefix_tokens)[0]:
-                    plan.append(("first_tokens", first))
-                rest, _ = self._outputs("first_tokens", *first)
+        chain: dict[int, tuple] = {}  # distinct prompts -> first_tokens arguments and outputs
+
+        def prefill(d, t):
+            tokens, lengths = np.zeros((d, t), np.int32), np.ones((d,), np.int32)
+            return (prepared, tokens, lengths, prefix), lengths
+
+        def first(d):
+            if d not in chain:
+                args, lengths = prefill(d, self.prompt_buckets(prefix_tokens)[0])
+                _, logits = self._outputs("prefill_rows", *args)
+                first_args = (logits, lengths, host(n, np.int32), host(n, bool), host(n, np.int32), np.int32(0),
+                              host(n, np.int32), sampling)
+                chain[d] = (first_args, self._outputs("first_tokens", *first_args)[0])
+            return chain[d]
+
+        plan: list[tuple[str, tuple]] = []
+        for name, *key in self.program_catalog(prefix_tokens=prefix_tokens, **catalog_args):
+            if name in ("generate_steps", "generate", "generate_many"):
+                v, cap, f, steps = key
+                st, tables = (states[cap],) * v, tuple(host(cap, np.int32, 0, width) for _ in range(v))
+                if name == "generate_steps":
+                    args = ((prepared,) * v, st, pool, tables, tuple(host(cap, np.int32) for _ in range(v)),
+                            tuple(host(cap, np.int32, -1, stop_width) for _ in range(v)),
+                            tuple(host(cap, bool) for _ in range(v)), np.zeros((v,), np.int32), np.int32(0), steps, f)
+                elif name == "generate":
+                    args = (prepared, st[0], pool, tables[0], host(cap, bool), f)
+                else:
+                    args = ((prepared,) * v, st, pool, tables, tuple(host(cap, bool) for _ in range(v)), f)
+            elif name == "zeros":
+                args = (key[0],)
+            elif name == "free_slot":
+                args = (states[key[0]], np.int32(0))
+            elif name == "resize":
+                args = (states[key[0]], host(key[1], np.int32, -1), key[1])
+            elif name == "shared_prefix":
+                args = (prepared, jax.ShapeDtypeStruct((prefix_tokens,), np.int32))
+            elif name == "prefill_rows":
+                args = prefill(*key)[0]
+            elif name == "first_tokens":
+                args = first(key[0])[0]
+            elif name == "write_prompts":
+                cache, _ = self._outputs("prefill_rows", *prefill(*key)[0])
                 cols = cache.v.shape[3]
-                plan.append(("write_prompts", (cache, rest[0], pool, host(n, np.int32, 0, cols),
-                                               host(n, np.int32, 0, cols))))
-                if t == self.prompt_buckets(prefix_tokens)[0] and d == 1:
-                    batch = PrefixBatch(None, *rest)
-                    for cap in caps:
-                        plan.append(("set_slots", (batch, state(cap), host(n, np.int32))))
+                args = (cache, first(key[0])[1][0], pool, host(n, np.int32, 0, cols), host(n, np.int32, 0, cols))
+            else:  # set_slots
+                args = (PrefixBatch(None, *first(1)[1]), states[key[0]], host(n, np.int32))
+            plan.append((name, args))
         return plan
 
     def warmup(self, params: Any = None, *, progress: bool = False, **plan_args: Any) -> dict[str, Any]:
@@ -772,8 +850,6 @@ class Engine:
         Returns:
           ``programs`` (compiled now), ``seconds`` (the warm-up's wall time), ``by_program`` (counts).
         """
-        import time
-
         from tqdm.auto import tqdm
 
         start = time.perf_counter()
@@ -798,6 +874,9 @@ class Engine:
         """Program ``name``'s outputs for ``args``, abstract, in the layout its compiled form gives them (what a
         program fed by them is compiled for). Compiles it: warm-up compiles it anyway, and JAX keeps it."""
         lowered = self.compiled.lower(name, *args)
+        if self.mesh is None:
+            lowered.compile()
+            return lowered.out_info
         return jax.tree.map(lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
                             lowered.out_info, lowered.compile().output_shardings)
 
@@ -805,7 +884,8 @@ class Engine:
         """A device array as an abstract argument with its sharding (the program is compiled for that layout);
         host values as they are."""
         if isinstance(x, jax.Array):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+            # Without a mesh every array sits on the default device uncommitted: no sharding, as calls see them.
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if self.mesh is not None else None)
         return x
 
     # -- the page pool --------------------------------------------------------------------------------------

@@ -79,6 +79,10 @@ class PageBook:
     def table(self, ref: Ref | None) -> list[int]:
         return [] if ref is None else self.allocators[ref[0]].table(ref[1])
 
+    def dispatched(self, ref: Ref) -> int:
+        """Positions the request's dispatched programs may have written (its length once they are read)."""
+        return self._asked[ref]
+
     def serial(self, ref: Ref) -> int:
         return self._serials[ref]
 

@@ -88,7 +88,6 @@ class Runner:
         head = chat_template_head(tokenizer) if cfg.rollout.shared_prefix else []  # prefilled once per version
         self.shared_prefix = tuple(head) if 0 < len(head) < self.placement.engine.max_prefill_length else ()
         self.driver = self.placement.drivers(tokenizer.eos_ids, cfg.rollout.overlap, self.shared_prefix)
-        self.warmup = self._warm_up()
         self.sched = Scheduler(self.policy)
         self.rollout = RolloutSide(cfg, self.sched, self.task, tokenizer, self.driver,
                                    cfg.rollout.slots * len(self.engines), spans=self.placement.spans)
@@ -102,6 +101,13 @@ class Runner:
             self._restore(found)
         else:
             self._publish(0, self.trainer.policy_params(self.state))
+        self.warmup = self._warm_up()
+
+    @property
+    def warms(self) -> bool:
+        """Whether the run compiles its rollout programs before the first update (``rollout.warmup``)."""
+        on = self.cfg.rollout.warmup
+        return jax.default_backend() != "cpu" if on is None else bool(on)
 
     def _warm_up(self) -> dict[str, Any]:
         """Compiles every program the rollout engines can dispatch before the first update (later compiles are
@@ -109,10 +115,15 @@ class Runner:
         cfg = self.cfg
         r, t = cfg.rollout, cfg.task
         filtered = sorted({needs_filter([r.top_k], [r.top_p]), False})  # evaluation samples without filters
-        out = {"programs": 0, "seconds": 0.0}
-        for engine in self.engines:
-            got = engine.warmup(versions=self.policy.bound + 1, filtered=filtered,
-                                prefix_tokens=len(self.shared_prefix), progress=self.progress and self.writes)
+        out = {"programs": 0, "seconds": 0.0, "on": self.warms}
+        if not self.warms:
+            return out
+        drivers = getattr(self.driver, "drivers", [self.driver])
+        for engine, driver in zip(self.engines, drivers):
+            # The newest version as the engine holds it: the programs are compiled for its devices and layout.
+            got = engine.warmup(driver.params(self.sched.version), versions=self.policy.bound + 1,
+                                filtered=filtered, prefix_tokens=len(self.shared_prefix),
+                                progress=self.progress and self.writes)
             out["programs"] += got["programs"]
             out["seconds"] += got["seconds"]
         log.info("warm-up: %d rollout programs compiled in %.1f s", out["programs"], out["seconds"])
@@ -244,7 +255,7 @@ class Runner:
                 row = meter.update(row, train_s)
                 compiled, seen = compile_count(), compiled
                 names, seen_names = COUNTER.names(), names
-                if (compiled - seen).compiles and self.sched.version > 1:
+                if (compiled - seen).compiles and self.sched.version > 1 and self.warms:
                     log.warning("compiled during update %d: %s", self.sched.version,
                                 ", ".join(f"{k} x{v}" for k, v in (names - seen_names).items()))
                 row.update(step=self.sched.version, version=self.sched.version, filtered=led.count("filtered"),

@@ -34,7 +34,7 @@ import numpy as np
 
 from dora_jax.dora.ledger import Ledger
 from dora_jax.dora.scheduler import SchedulePolicy, Scheduler
-from dora_jax.rollout.engine import bucket
+from dora_jax.rollout.engine import bucket, prompt_rows
 from dora_jax.sim.profile import Profile
 from dora_jax.trainer.batch import bucket_length, bucket_rows
 
@@ -189,7 +189,8 @@ class TimedEngine:
         skip = 0 if shared_prefix is None else len(shared_prefix.tokens)
         distinct = {tuple(p) for p in prompts}
         t = min(bucket(max(len(p) for p in distinct) - skip), self.max_target_length - skip)
-        self._charge("prefill", self.profile.prefill(bucket(len(distinct), minimum=1) * t), len(prompts))
+        self._charge("prefill", self.profile.prefill(prompt_rows(len(distinct), self.max_concurrent_decodes) * t),
+                     len(prompts))
         n = len(prompts)
         lengths = np.asarray([len(p) for p in prompts], np.int64)
         return lengths, _Result({"token": np.zeros(n, np.int64), "valid": np.ones(n, bool), "position": lengths,
