@@ -55,7 +55,8 @@ def build_parser(prog: str = "dora-jax bench") -> argparse.ArgumentParser:
     b.add_argument("--warm-rounds", type=_positive_int, default=4, help="modes: untimed rounds at most, until one "
                    "compiles nothing (default 4; a timed run's own compile time is taken out of its wall time)")
     b.add_argument("--profile", help="modes: simulate with this 'bench profile' JSON of this machine (default: "
-                   "measure one first)")
+                   "measure one first); engine --preset accel: trace steady decode dispatches of the largest batch "
+                   "with jax.profiler into this folder and write its top device ops (top_ops.json there)")
     b.add_argument("--modes", help="modes: comma-separated modes to run (default all: sync, one_step_off, dora_k1, "
                    "dora_k2, dora_k3; sync and dora_k2 always among them)")
     b.add_argument("--no-simulate", action="store_true", help="modes: measure no cost profile and simulate nothing "
@@ -141,7 +142,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         if args.preset == "accel":
             return engine.bench_engine_accel(quick=args.quick, attention_impl=args.attention_impl,
-                                             batches=(args.batch,) if args.batch else None)
+                                             batches=(args.batch,) if args.batch else None, profile=args.profile)
         if args.preset == "cpu":
             return engine.bench_engine_cpu(quick=args.quick, with_hf=not args.no_reference, rounds=args.repeats or 3)
         return engine.bench_engine(args.config, batch=args.batch or 32, new_tokens=args.new_tokens,
@@ -225,6 +226,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "dora-jax bench") -> int
                         "rollout.attention_impl=...)")
     if (args.modes or args.no_simulate) and args.what != "modes":
         problems.append(f"{prog} {args.what}: --modes and --no-simulate are for modes only")
+    if args.profile and args.what not in ("modes", "engine") or args.what == "engine" and args.profile \
+            and args.preset != "accel":
+        problems.append(f"{prog} {args.what}: --profile is for modes and engine --preset accel only")
     elif args.no_simulate and args.profile:
         problems.append(f"{prog} modes: --profile is what it simulates with; --no-simulate simulates nothing")
     elif args.modes:

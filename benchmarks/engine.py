@@ -601,7 +601,7 @@ def warm_engine(eng, prepared, **plan_args) -> dict[str, Any]:
 
 def bench_engine_accel(quick: bool = False, batches: tuple[int, ...] | None = None, seed: int = 0,
                        attention_impl: str | None = None, prompt_tokens: int = 256, max_new_tokens: int = 4096,
-                       median_new_tokens: int = 256) -> dict[str, Any]:
+                       median_new_tokens: int = 256, profile: str | None = None) -> dict[str, Any]:
     """``bench engine --preset accel``: the engine serving a Qwen2.5-1.5B-shaped model (random weights, bf16) at
     64 and 256 concurrent sequences, each batch of slots fed twice as many requests of 256 random prompt tokens
     with long-tailed output lengths (p50 256, up to 4,096), continuous batching as a training run's rollout
@@ -610,7 +610,9 @@ def bench_engine_accel(quick: bool = False, batches: tuple[int, ...] | None = No
     ``quick``: the same requests, slots and lengths on a model of two small layers and a small vocabulary: a
     replay of the accelerator's schedule on a CPU, whose counts (decode steps, table widths, live tokens,
     compiles, attention reads, host time per dispatch) are the accelerator run's. ``attention_impl``: the decode
-    attention over the page pool (``rollout.attention_impl``; default its default).
+    attention over the page pool (``rollout.attention_impl``; default its default). ``profile``: a folder for a
+    ``jax.profiler`` trace of steady decode dispatches at the largest batch (:func:`profile_decode`), whose top
+    device ops go to ``top_ops.json`` there and under ``profile`` in the result.
 
     Every program is compiled before the clock starts (``Engine.warmup``; ``warmup_s``), and the timed run
     records ``compiles_during_timing``, ``kv_read_ratio`` and ``host_ms_per_dispatch``.
@@ -659,6 +661,13 @@ def bench_engine_accel(quick: bool = False, batches: tuple[int, ...] | None = No
         out["batches"][str(b)] = s
         print(f"accel batch {b}: {s['tokens_per_s']:.1f} tokens/s, decode step {s['decode_step_ms']:.2f} ms "
               f"(roofline {s['roofline_decode_step_ms']:.2f} ms)", flush=True)
+        if profile and b == max(batches):
+            import json
+
+            os.makedirs(profile, exist_ok=True)
+            out["profile"] = profile_decode(eng, prepared, reqs, profile)
+            with open(os.path.join(profile, "top_ops.json"), "w") as f:
+                json.dump(out["profile"], f, indent=1)
         del eng, prepared
     top = _top_level("accel", out["batches"][str(max(batches))], bw, source, None)
     top["batch"] = max(batches)
@@ -682,3 +691,53 @@ def bench_engine_cpu(quick: bool = False, with_hf: bool = True, rounds: int = 3,
     top.update(tokens_per_s=detail["engine_tok_s"], batch=detail["batch"], quick=quick)
     batch = detail["batch"]
     return {**top, "batches": {str(batch): s}, "detail": detail, "machine": machine()}
+
+
+def profile_decode(eng, prepared, requests, out_dir: str, dispatches: int = 4) -> dict[str, Any]:
+    """Where a steady decode dispatch's time goes, op by op: ``requests`` run on a fresh driver until every slot
+    is live, then ``dispatches`` dispatches run under ``jax.profiler`` (the trace is kept in ``out_dir``); the
+    device ops are read back from the trace and summed by name.
+
+    Returns:
+      ``steps`` traced, ``trace_dir``, ``plane`` (the trace's device plane read), and ``top_ops``: the 25 ops
+      that took the most time, each with ``op``, ``count`` (kernel launches), ``ms_per_step`` and ``bytes``
+      (what the trace reports the op accessed, when it does).
+    """
+    import collections
+    import glob
+
+    from dora_jax.rollout.driver import RolloutDriver
+
+    d = RolloutDriver(eng)
+    d.add_version(0, prepared)
+    for r in requests:
+        d.submit(r)
+    while d.live_rows < eng.max_concurrent_decodes and not d.idle:  # the steady state: every slot live
+        d.step()
+    before = d.steps
+    jax.profiler.start_trace(out_dir)
+    for _ in range(dispatches):
+        d.step()
+    d.block_until_ready()
+    jax.profiler.stop_trace()
+    steps = max(d.steps - before, 1)
+    paths = sorted(glob.glob(os.path.join(out_dir, "**", "*.xplane.pb"), recursive=True))
+    data = jax.profiler.ProfileData.from_file(paths[-1])
+    planes = [p for p in data.planes if p.name.startswith("/device:")] or [p for p in data.planes
+                                                                          if p.name.startswith("/host:")]
+    ops: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    plane = planes[0]
+    for line in plane.lines:
+        if "XLA Ops" not in line.name and plane.name.startswith("/device:"):
+            continue
+        for event in line.events:
+            entry = ops[event.name]
+            entry[0] += 1
+            entry[1] += event.duration_ns / 1e6
+            stats = dict(event.stats)
+            entry[2] += float(stats.get("bytes_accessed", 0) or 0)
+    top = sorted(ops.items(), key=lambda kv: -kv[1][1])[:25]
+    return {"steps": steps, "trace_dir": out_dir, "plane": plane.name,
+            "top_ops": [{"op": name, "count": int(c), "ms_per_step": ms / steps, "bytes": b or None}
+                        for name, (c, ms, b) in top]}
+

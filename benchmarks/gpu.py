@@ -47,7 +47,9 @@ from benchmarks.record import device, machine
 PARTS = [
     # The engine's own target first: a Qwen2.5-1.5B-shaped model in bf16 at 256 sequences, every program
     # compiled before the clock starts (compiles_during_timing 0), roofline_fraction against 0.5.
-    ("engine_accel_256", ["engine", "--preset", "accel", "--batch", "256"], 150),
+    # A jax.profiler trace of its steady dispatches says where each millisecond goes (top_ops.json).
+    ("engine_accel_256", ["engine", "--preset", "accel", "--batch", "256", "--profile", "{out}/trace_accel_256"],
+     150),
     # Where the time of the accel preset's decode step goes, op by op, at position 2,048 of 64 rows (a profiler
     # trace): that step measured 16-23 ms against a bandwidth roofline of 0.75-1.07 ms (H200, H100; 2026-11-26),
     # and the profile is what says why, in about a minute and a half.
@@ -133,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             report["parts"][name] = {"status": "skipped", "why": f"{left:.0f}s left of the budget, needs {least}s",
                                      "args": bench_args}
             continue
+        bench_args = [a.replace("{out}", out) for a in bench_args]
         path, log = os.path.join(out, f"bench_{name}.json"), os.path.join(out, f"bench_{name}.log")
         t0 = time.monotonic()
         # The whole output goes to a log beside the JSON, so a part cut at the budget still leaves its progress.

@@ -138,13 +138,14 @@ def test_the_accelerator_script_without_the_weights_or_the_installed_kernels(tmp
     assert "pip install" in capsys.readouterr().err and not (tmp_path / "b").exists()
 
 
-def test_the_quick_accel_engine_preset_runs_on_cpu(capsys):
+def test_the_quick_accel_engine_preset_runs_on_cpu(tmp_path, capsys):
     """``bench engine --preset accel --quick`` (its schedule shortened here): the Qwen2.5-1.5B-shaped preset on
     a two-layer body runs end to end on a CPU, compiles nothing while timed, and carries the summary of its
     largest batch on top with the engine's counts."""
     from benchmarks.engine import bench_engine_accel
 
-    result = bench_engine_accel(quick=True, batches=(4, 8), prompt_tokens=32, max_new_tokens=64, median_new_tokens=8)
+    result = bench_engine_accel(quick=True, batches=(4, 8), prompt_tokens=32, max_new_tokens=64, median_new_tokens=8,
+                                profile=str(tmp_path / "trace"))
     for key in ("device", "date", "preset", "tokens_per_s", "roofline_fraction", "kv_bytes_ratio",
                 "decode_steps_per_dispatch", "slot_utilization", "hf_tokens_per_s", "bandwidth_source",
                 "compiles_during_timing", "kv_read_ratio", "host_ms_per_dispatch", "kernels_per_layer", "warmup_s"):
@@ -152,6 +153,9 @@ def test_the_quick_accel_engine_preset_runs_on_cpu(capsys):
     assert result["compiles_during_timing"] == 0
     assert result["kv_read_ratio"] >= 1 and result["host_ms_per_dispatch"] > 0 and result["warmup_s"] > 0
     assert result["kernels_per_layer"] > 0
+    top = json.loads((tmp_path / "trace" / "top_ops.json").read_text())
+    assert top == result["profile"] and top["steps"] >= 1 and top["top_ops"]
+    assert all(op["ms_per_step"] >= 0 and op["count"] >= 1 for op in top["top_ops"])
     assert result["preset"] == "accel" and result["hf_tokens_per_s"] is None
     assert list(result["batches"]) == ["4", "8"] and result["batch"] == 8
     largest = result["batches"]["8"]
@@ -169,7 +173,8 @@ def test_the_quick_accel_engine_preset_runs_on_cpu(capsys):
 def test_the_engine_presets_are_refused_where_they_do_not_apply(capsys):
     for argv in (["train", "--preset", "cpu"], ["engine", "--quick"],
                  ["engine", "--preset", "accel", "--config", "tiny_llama"],
-                 ["engine", "--preset", "cpu", "--attention-impl", "xla"], ["decode", "--attention-impl", "xla"]):
+                 ["engine", "--preset", "cpu", "--attention-impl", "xla"], ["decode", "--attention-impl", "xla"],
+                 ["engine", "--profile", "trace"], ["train", "--profile", "trace"]):
         assert cli.main(["bench", *argv]) == 2, argv
         assert "error:" in capsys.readouterr().err
 

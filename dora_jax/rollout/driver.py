@@ -283,6 +283,11 @@ class RolloutDriver:
                 if s is not None and n == 0}
 
     @property
+    def live_rows(self) -> int:
+        """Slots holding a live trajectory now, over every version."""
+        return sum(g.live for g in self._groups.values())
+
+    @property
     def idle(self) -> bool:
         return not self._pending and all(g.live == 0 for g in self._groups.values())
 
