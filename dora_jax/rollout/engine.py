@@ -14,10 +14,10 @@ architecture's: the dtype it holds weights and computes in, and how decode reads
 weights (:class:`~dora_jax.models.decoder.DecodeSettings`; a config's ``rollout`` section). Pass params
 through :meth:`Engine.prepare_params` once per version (JetStream's ``load_params``): it casts them to the
 engine's dtype and fuses q|k|v and gate|up into one weight each so a step runs fewer, larger matmuls; a raw
-``nnx.State`` is accepted too and prepared on every call. Every function is jitted
-once per shape: prefill per power-of-two prompt bucket, insert per decode-state capacity, generate per
-capacity, page-table width (a power of two of the longest slot's pages) and sampling variant (with or without
-top-k / top-p filtering).
+``nnx.State`` is accepted too and prepared on every call. Every program is jitted once per shape, from a fixed
+catalog (:meth:`Engine.program_catalog`: decode per versions stepped together, capacity and sampling variant;
+page tables are always full width; prefill per distinct-prompt rows and prompt bucket) that
+:meth:`Engine.warmup` compiles ahead of time; a compile after it is logged with its shape.
 
 The KV cache is one page pool per engine (:attr:`Engine.pool`, :mod:`dora_jax.models.paged`), shared by every
 decode state; which pages each slot holds, and when it may take more, is the engine's host-side book
@@ -232,8 +232,8 @@ class Engine:
                                        static_argnums=(9, 10))
         self._pool_jit = jit("new_pool", lambda: progs.pin_pool(progs.new_pool()))
         self._resize_jit = jit("resize", progs.resize, static_argnums=(2,))
-        self._free_jit = jit("free_slot", lambda state, slot: progs.pin(state._replace(active=state.active.at[slot].set(False))),
-                             donate_argnums=(0,))
+        self._free_jit = jit("free_slot", lambda state, slot: progs.pin(
+            state._replace(active=state.active.at[slot].set(False))), donate_argnums=(0,))
         self._zeros_jit = jit("zeros", lambda b: progs.pin(progs.zeros(b)), static_argnums=(0,))
         self._fuse_jit = jit("fuse_params", fuse_layer_params)
         self._cast_jit = jit("cast_params", lambda tree: jax.tree.map(lambda x: x.astype(self.dtype), tree))
@@ -577,7 +577,8 @@ class Engine:
         steps = self.book.dispatch([rec.ids for rec in recs], [[1 if i is not None else 0 for i in rec.ids]
                                                               for rec in recs])
         states, self._pool, data = self._generate_many_jit(tuple(self._prepared_params(p) for p in params_seq),
-                                                           tuple(states_seq), self.pool, tuple(self.book.tables([rec.ids for rec in recs])),
+                                                           tuple(states_seq), self.pool,
+                                                           tuple(self.book.tables([rec.ids for rec in recs])),
                                                            tuple(x > 0 for x in steps), filtered)
         return tuple(self._handoff(a, b) for a, b in zip(states_seq, states)), ResultTokens(data)
 
