@@ -694,50 +694,47 @@ def bench_engine_cpu(quick: bool = False, with_hf: bool = True, rounds: int = 3,
 
 
 def profile_decode(eng, prepared, requests, out_dir: str, dispatches: int = 4) -> dict[str, Any]:
-    """Where a steady decode dispatch's time goes, op by op: ``requests`` run on a fresh driver until every slot
-    is live, then ``dispatches`` dispatches run under ``jax.profiler`` (the trace is kept in ``out_dir``); the
-    device ops are read back from the trace and summed by name.
+    """Where a steady decode dispatch's time goes, op by op: ``requests`` run on a fresh driver for two
+    dispatches (the first fills every slot), then ``dispatches`` dispatches run under ``jax.profiler`` (the trace is kept in ``out_dir``); the
+    trace's events of the widest decode program's ops are summed by op.
 
     Returns:
-      ``steps`` traced, ``trace_dir``, ``plane`` (the trace's device plane read), and ``top_ops``: the 25 ops
-      that took the most time, each with ``op``, ``count`` (kernel launches), ``ms_per_step`` and ``bytes``
-      (what the trace reports the op accessed, when it does).
+      ``steps`` traced, ``trace_dir``, and ``top_ops``: the 25 ops that took the most time, each with ``op``,
+      ``count`` (launches), ``ms_per_step`` and ``result`` (its result shape in the compiled HLO).
     """
     import collections
     import glob
+    import gzip
+    import json
+    import re
 
     from dora_jax.rollout.driver import RolloutDriver
 
+    results = {}  # every decode program's ops (a dispatch runs the one of its capacity), compiled at warm-up
+    for name, args in eng.warmup_plan(prepared):
+        if name.startswith("generate"):
+            hlo = eng.compiled.lower(name, *args).compile().as_text()
+            results.update((m.group(1), m.group(2)) for m in re.finditer(r"^\s*(?:ROOT )?%(\S+) = (\S+) ", hlo, re.M))
     d = RolloutDriver(eng)
     d.add_version(0, prepared)
     for r in requests:
         d.submit(r)
-    while d.live_rows < eng.max_concurrent_decodes and not d.idle:  # the steady state: every slot live
+    for _ in range(2):  # the first dispatch admits into every slot; the next one runs them all
         d.step()
     before = d.steps
-    jax.profiler.start_trace(out_dir)
-    for _ in range(dispatches):
-        d.step()
-    d.block_until_ready()
-    jax.profiler.stop_trace()
+    with jax.profiler.trace(out_dir, create_perfetto_trace=True):
+        for _ in range(dispatches):
+            d.step()
+        d.block_until_ready()
     steps = max(d.steps - before, 1)
-    paths = sorted(glob.glob(os.path.join(out_dir, "**", "*.xplane.pb"), recursive=True))
-    data = jax.profiler.ProfileData.from_file(paths[-1])
-    planes = [p for p in data.planes if p.name.startswith("/device:")] or [p for p in data.planes
-                                                                          if p.name.startswith("/host:")]
-    ops: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
-    plane = planes[0]
-    for line in plane.lines:
-        if "XLA Ops" not in line.name and plane.name.startswith("/device:"):
-            continue
-        for event in line.events:
-            entry = ops[event.name]
-            entry[0] += 1
-            entry[1] += event.duration_ns / 1e6
-            stats = dict(event.stats)
-            entry[2] += float(stats.get("bytes_accessed", 0) or 0)
-    top = sorted(ops.items(), key=lambda kv: -kv[1][1])[:25]
-    return {"steps": steps, "trace_dir": out_dir, "plane": plane.name,
-            "top_ops": [{"op": name, "count": int(c), "ms_per_step": ms / steps, "bytes": b or None}
-                        for name, (c, ms, b) in top]}
-
+    trace = json.load(gzip.open(sorted(glob.glob(f"{out_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]))
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    total, count = collections.defaultdict(float), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("name") in results:
+            total[e["name"]] += e["dur"] / 1e3
+            count[e["name"]] += 1
+    top = sorted(total.items(), key=lambda kv: -kv[1])[:25]
+    return {"steps": steps, "trace_dir": out_dir,
+            "top_ops": [{"op": op, "count": count[op], "ms_per_step": ms / steps, "result": results[op]}
+                        for op, ms in top]}

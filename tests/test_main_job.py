@@ -42,6 +42,8 @@ SUMMARY = {
     "accuracy_before": FRACTION, "accuracy_after": FRACTION, "reward_before": FRACTION, "reward_after": FRACTION,
     "eval_n": _count(EVAL_N), "steps": _count(STEPS), "samples": _count(STEPS * TBS), "filtered": _in(0, math.inf),
     "filtered_reasons": lambda v: isinstance(v, list) and all(isinstance(r, str) and r for r in v),
+    # On a CPU rollout.warmup defaults to off: nothing compiled ahead of the first update.
+    "warmup_s": lambda v: v == 0.0, "warmup_programs": _count(0),
     "wall_s": POSITIVE, "eval_s": POSITIVE, "train_s": POSITIVE, "checkpoint_s": POSITIVE,
     "samples_per_s": POSITIVE, "gen_tok_s": POSITIVE, "trainer_idle_fraction": FRACTION,
     "max_resident_versions": _in(1, K + 1), "placement": lambda v: v == "shared", "rollout_groups": _count(1),

@@ -38,7 +38,9 @@ def fitting_sharding(mesh: Mesh, axes: Sequence[str | None], rules: Rules, shape
     out = []
     for size, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
         names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        out.append(entry if names and size % int(np.prod([mesh.shape[a] for a in names])) == 0 else None)
+        names = tuple(a for a in names if a in mesh.shape)  # rules may name axes this mesh does not have
+        out.append((names if len(names) > 1 else names[0]) if names and size % int(
+            np.prod([mesh.shape[a] for a in names])) == 0 else None)
     return NamedSharding(mesh, PartitionSpec(*out))
 
 
