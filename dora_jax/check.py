@@ -209,14 +209,14 @@ def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
     pool_tokens = pool.k.shape[2] * pool.k.shape[3]
     # What the engine compiles at warm-up, before the first update (a run's shared prefix is the tokenizer's
     # chat-template head, unknown here: counted as one, its own program per length).
-    from dora_jax.rollout.sampling import needs_filter
+    from dora_jax.rollout.sampling import run_filters
 
-    catalog = engine.program_catalog(versions=versions, filtered=sorted({needs_filter([r.top_k], [r.top_p]), False}),
+    catalog = engine.program_catalog(versions=versions, filtered=run_filters(r.top_k, r.top_p),
                                      prefix_tokens=1 if r.shared_prefix else 0)
     kinds: dict[str, int] = {}
     for name, *_ in catalog:
         kinds[name] = kinds.get(name, 0) + 1
-    note = (f"rollout engine: {len(catalog)} programs compiled at warm-up, none after ("
+    note = (f"rollout engine: {len(catalog)} programs to compile at warm-up (rollout.warmup; "
             + ", ".join(f"{k} {v}" for k, v in kinds.items()) + ")")
     return RoleMemory("rollout", mesh.size, parts, temp, args, notes=(note,),
                       token_bytes=parts["kv cache"] / pool_tokens)

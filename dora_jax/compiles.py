@@ -5,9 +5,8 @@ One counter for the whole process (:data:`COUNTER`), fed by ``jax.monitoring``: 
 compilation cache (``/jax/compilation_cache/cache_hits``), which costs a read, not a compile. Benchmarks read it
 around a timed run (``compiles_during_timing``), the runner after its warm-up.
 
-:class:`Programs` is the registry of one owner's jitted programs (the rollout engine's). It knows how many
-compiled variants it holds, and once :meth:`Programs.seal` is called, a call that compiles a new variant is
-logged with its name and argument shapes: it still runs, it is never silent.
+:class:`Programs` is the registry of one owner's jitted programs (the rollout engine's): once
+:meth:`Programs.seal` is called, a call that compiles is logged with its name and argument shapes; it still runs.
 """
 
 from __future__ import annotations
@@ -100,8 +99,8 @@ def describe_args(args: tuple, kwargs: dict | None = None) -> str:
 
 
 class Programs:
-    """Named jitted programs of one owner; counts their compiled variants and logs those compiled after
-    :meth:`seal`.
+    """Named jitted programs of one owner; compiles them ahead of time (:meth:`compile`) and logs any call that
+    compiles after :meth:`seal`.
 
     Args:
       owner: how the log names the owner (``"rollout engine"``).

@@ -17,8 +17,8 @@ without a branch, and table entries past a slot's pages point there and are mask
 
 :func:`decode_forward_paged` is :func:`~dora_jax.models.decoder.decode_forward` for one new token per row.
 With ``attention_impl = "xla"`` each layer reads the slot's cached tokens ``0 .. position - 1`` through its
-table (a gather, then masked attention) and merges the current token's own key and value in the same float32
-softmax; the pool is only read inside the layer scan and the new entries are written once after it, so no
+table, only as far as its length class needs (:func:`live_paged_attention`), and merges the current token's own
+key and value in the same float32 online softmax; the pool is only read inside the layer scan and the new entries are written once after it, so no
 layer copies the pool. The kernel implementations read the current token from the pool, so each layer writes
 its entry first (:mod:`dora_jax.kernels.paged_attention` picks and calls the kernel).
 
@@ -119,7 +119,7 @@ def paged_attention_with_current(q_bhd: jax.Array, k_knpd: jax.Array, v_knpd: ja
     """One query per row over its cached tokens ``0 .. lengths[b] - 1`` (read through its page table) plus the
     row's own new key and value, in one float32 softmax. Returns [B, H, d].
 
-    The XLA path of decode: the test oracle of the kernels' path and what the CPU runs."""
+    Every slot read to the table's width: the dense oracle of the kernels and of the live-reading path."""
     b, h, d = q_bhd.shape
     kv, _, p, _ = k_knpd.shape
     w = tables_bw.shape[1]

@@ -79,6 +79,12 @@ def needs_filter(top_k: Sequence[int], top_p: Sequence[float]) -> bool:
     return any(int(k) > 0 for k in top_k) or any(float(p) < 1.0 for p in top_p)
 
 
+def run_filters(top_k: int, top_p: float) -> list[bool]:
+    """The sampling variants a run's engine dispatches: its rollout's (``rollout.top_k`` / ``top_p``) and the
+    unfiltered one its evaluation samples with."""
+    return sorted({needs_filter([top_k], [top_p]), False})
+
+
 def sample(logits_bv: jax.Array, keys_b: jax.Array, params: SamplingParams,
            filtered: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """Samples one token per row.

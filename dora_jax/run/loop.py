@@ -34,7 +34,7 @@ from dora_jax.run.resume import RunStore, fsync_file, pack_run_state, unpack_run
 from dora_jax.run.rollout import RolloutSide
 from dora_jax.run.setup import (advice, agree, byte_tokenizer, check_multiprocess, check_placement, check_run_dir,
                                 save_ledger, schedule_policy, summarize, truncate_outputs)
-from dora_jax.rollout.sampling import needs_filter
+from dora_jax.rollout.sampling import run_filters
 from dora_jax.run.training import TrainInFlight, batch_row, build_batch, write_samples
 from dora_jax.tasks import Task, load_task
 from dora_jax.tokenizer import chat_template_head
@@ -113,8 +113,8 @@ class Runner:
         """Compiles every program the rollout engines can dispatch before the first update (later compiles are
         logged with their shapes, and counted in each metrics row's ``compiles``)."""
         cfg = self.cfg
-        r, t = cfg.rollout, cfg.task
-        filtered = sorted({needs_filter([r.top_k], [r.top_p]), False})  # evaluation samples without filters
+        r = cfg.rollout
+        filtered = run_filters(r.top_k, r.top_p)
         out = {"programs": 0, "seconds": 0.0, "on": self.warms}
         if not self.warms:
             return out
