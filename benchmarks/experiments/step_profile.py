@@ -65,10 +65,10 @@ def profile_steps(engine, params, prompts, position: int, steps: int, top: int) 
     while int(np.max(np.asarray(state.positions))) < position:
         state, _ = engine.generate(params, state, filtered=False)
     jax.block_until_ready(state)
-    # The one-step program as generate() calls it (the page tables' width is the longest row's, bucketed).
-    ids = engine._record(state).ids
-    tables, step = engine.book.tables([ids])[0], np.asarray([i is not None for i in ids])
-    hlo = engine._generate_jit.lower(params, state, engine.pool, tables, step, False).compile().as_text()
+    # The one-step program as generate() calls it, at these rows and without top-k/top-p filtering.
+    name, args = next((n, a) for n, a in engine.warmup_plan(params, decode_steps=1) if n == "generate"
+                      and a[1].tokens.shape[0] == b and a[-1] is False)
+    hlo = engine.compiled.lower(name, *args).compile().as_text()
     # Each op's result shape and the source op it was compiled from (the shape tells which it is: for SmolLM2,
     # [3072, 32] is gate|up for 32 rows, [32, 1, 9, 64] the attention output, ...).
     ops = {m.group(1): (m.group(2), m.group(3))

@@ -144,8 +144,8 @@ def paged_attention_with_current(q_bhd: jax.Array, k_knpd: jax.Array, v_knpd: ja
 # sorts the slots by length into classes of equal size, at most this many and of at least LIVE_CLASS_ROWS rows:
 # each class reads only to its longest slot, and each costs a loop trip per block it reads.
 LIVE_BLOCK_TOKENS = 128
-LIVE_ROW_CLASSES = 16
-LIVE_CLASS_ROWS = 16
+LIVE_ROW_CLASSES = 32
+LIVE_CLASS_ROWS = 8
 
 
 class LivePlan(NamedTuple):

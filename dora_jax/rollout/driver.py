@@ -78,6 +78,7 @@ class _Live:
     started_s: float
     in_flight: int = 0  # tokens that decode programs dispatched and not yet read back may produce for this row
     finished: bool = False  # its last token is read: rows of it in steps still in flight are discarded
+    stops: tuple[int, ...] = ()  # the ids that end it on the device: the driver's eos ids and its own stop ids
 
     @property
     def needs_step(self) -> bool:
@@ -92,6 +93,7 @@ class _Group:
     state: Any = None
     slots: list[_Live | None] = dataclasses.field(default_factory=list)
     prefix: SharedPrefix | None = None  # the driver's shared prefix prefilled by this version, made at first use
+    freed: list[int] = dataclasses.field(default_factory=list)  # rows ended since the state last freed slots
 
     @property
     def live(self) -> int:
@@ -151,6 +153,8 @@ class RolloutDriver:
         self.compact = compact
         self.fuse = fuse
         self.eos_ids = frozenset(int(i) for i in eos_ids)
+        self._eos_tuple = tuple(sorted(self.eos_ids))
+        self._eos_array = np.asarray(self._eos_tuple, np.int64)
         self._groups: dict[int, _Group] = {}
         self._pending: collections.deque[tuple[Request, float]] = collections.deque()
         # Requests wait for a slot outside the driver (a caller that submits only into free slots sets this
@@ -177,7 +181,8 @@ class RolloutDriver:
         self.kv_live_tokens = 0
         self.page_waits = 0  # dispatches of a live row cut short, or to nothing, to wait for KV pages
         self._kv_steady = False  # kv_bytes_ratio counts the steady state only, from its first dispatch
-        # Host time of dispatching and reading back programs, device waits excluded (host_ms_per_dispatch).
+        # The driver thread's CPU time dispatching and reading back programs (host_ms_per_dispatch), and the
+        # wall time it waited for the device.
         self.host_s = 0.0
         self.wait_s = 0.0
 
@@ -330,6 +335,9 @@ class RolloutDriver:
         return Trajectory(r.sample_id, r.version, list(r.prompt_ids), live.tokens, live.logprobs, reason,
                           live.submitted_s, live.started_s, now)
 
+    def _stops(self, request: Request) -> tuple[int, ...]:
+        return self._eos_tuple + tuple(i for i in request.stop_ids if i not in self.eos_ids)
+
     def _reason(self, live: _Live, token: int) -> str | None:
         r = live.request
         if token in self.eos_ids:
@@ -411,13 +419,15 @@ class RolloutDriver:
         if self.overlap:
             # Reading the first tokens now would wait for the step in flight (one device stream): insert every
             # request, its first token counted in flight, and read it with the next step's results.
-            lives = [_Live(request, [], [], submitted, started, in_flight=1) for request, submitted in chunk]
+            lives = [_Live(request, [], [], submitted, started, in_flight=1, stops=self._stops(request))
+                     for request, submitted in chunk]
             admitted.append((first, list(lives)))
         else:
             self._ready(first.data)
             cols = first.to_host().columns()
             for i, (request, submitted) in enumerate(chunk):
-                live = _Live(request, [int(cols["token"][i])], [float(cols["logprob"][i])], submitted, started)
+                live = _Live(request, [int(cols["token"][i])], [float(cols["logprob"][i])], submitted, started,
+                             stops=self._stops(request))
                 reason = self._reason(live, live.tokens[0])
                 if reason is not None:
                     done.append(self._finish(live, reason, time.perf_counter()))
@@ -469,10 +479,10 @@ class RolloutDriver:
     def dispatch(self) -> None:
         """The first half of :meth:`step`: admits and dispatches a decode step (:meth:`launch`), queued for
         :meth:`harvest`. Drivers on other devices can dispatch theirs before any result is read."""
-        start, waited = time.perf_counter(), self.wait_s
+        start = time.thread_time()
         self._launched.append(self.launch())
         self._count_held()
-        self.host_s += time.perf_counter() - start - (self.wait_s - waited)
+        self.host_s += time.thread_time() - start
 
     def _ready(self, data: Any) -> None:
         """Waits for a program's results before the host reads them, counted apart from host time."""
@@ -482,14 +492,15 @@ class RolloutDriver:
 
     @property
     def host_ms_per_dispatch(self) -> float | None:
-        """Host milliseconds per decode dispatch (admission, bookkeeping, dispatch and reading results back),
-        device waits excluded."""
+        """Host milliseconds per decode dispatch (admission, bookkeeping, dispatch and reading results back): the
+        driver thread's CPU time, so device waits are left out, and so is the time the OS gives other threads
+        (on a CPU backend the device's own threads run on the same cores)."""
         return 1e3 * self.host_s / self.dispatches if self.dispatches else None
 
     def harvest(self) -> list[Trajectory]:
         """The second half of :meth:`step`: reads back the oldest dispatched step (without ``overlap``: the one
         just dispatched; with it: the one before, while the newest runs) and returns what finished."""
-        start, waited = time.perf_counter(), self.wait_s
+        start = time.thread_time()
         out: list[Trajectory] = []
         if len(self._launched) > (1 if self.overlap else 0):
             out += self.collect(self._launched.popleft())
@@ -499,7 +510,7 @@ class RolloutDriver:
             # trajectory (an eos or stop at the step just read): nothing would run beside it, and keeping it
             # would keep its groups alive past the end of the work.
             out += self.collect(self._launched.popleft())
-        self.host_s += time.perf_counter() - start - (self.wait_s - waited)
+        self.host_s += time.thread_time() - start
         return out
 
     def launch(self) -> "_Launched":
@@ -558,17 +569,19 @@ class RolloutDriver:
         for g in active:  # fused groups share one capacity, as in launch
             if len(g.slots) < floor:
                 self._resize(g, floor)
-        def left(s: _Live) -> int:  # tokens not yet read nor in flight
-            return s.request.max_new_tokens - len(s.tokens) - s.in_flight
-
-        budgets = [[0 if s is None or not s.needs_step else min(n, left(s)) for s in g.slots] for g in active]
-        # A slot the page pool cannot serve now runs fewer tokens, or none.
-        granted = [list(map(int, b)) for b in self.engine.grant_pages([g.state for g in active], budgets)]
-        self.page_waits += sum(x < y for g, w in zip(granted, budgets) for x, y in zip(g, w))
-        budgets = granted
-        final = [[s is not None and 0 < b == left(s) for s, b in zip(g.slots, bs)] for g, bs in zip(active, budgets)]
-        stops = [[() if s is None else tuple(self.eos_ids) + tuple(s.request.stop_ids) for s in g.slots]
-                 for g in active]
+        budgets, final, stops = [], [], []
+        for g in active:  # one pass over the rows: each live row's budget, whether it ends it, its stop ids
+            bs, fs, ss = [0] * len(g.slots), [False] * len(g.slots), [()] * len(g.slots)
+            for i, s in enumerate(g.slots):
+                if s is None:
+                    continue
+                ss[i] = s.stops
+                left = 0 if s.finished else s.request.max_new_tokens - len(s.tokens) - s.in_flight
+                if left > 0:
+                    bs[i], fs[i] = min(n, left), left <= n
+            budgets.append(np.asarray(bs, np.int32))
+            final.append(np.asarray(fs, bool))
+            stops.append(ss)
         if self._pending or self.waiting_outside:  # a freed slot takes a waiting request
             end_after = [1] * len(active)
         elif self.compact:  # frees that bring a group to half its rows, where _compact shrinks it
@@ -576,26 +589,29 @@ class RolloutDriver:
         else:
             end_after = [0] * len(active)
         programs = [list(range(len(active)))] if fused or len(active) == 1 else [[i] for i in range(len(active))]
-        results = []
+        results, granted = [], [None] * len(active)
         for idx in programs:
+            # The engine cuts a budget the page pool cannot serve now (that slot waits), and then its final flag.
             states, result = self.engine.generate_steps(
                 [active[i].params for i in idx], [active[i].state for i in idx], steps=n,
                 budgets=[budgets[i] for i in idx], stop_ids=[stops[i] for i in idx], final=[final[i] for i in idx],
                 end_after=[end_after[i] for i in idx], filtered=filtered)
-            for i, state in zip(idx, states):
+            for i, state, got in zip(idx, states, result.granted):
                 active[i].state = state
+                granted[i] = got
             results.append(result)
+        self.page_waits += sum(int((got < want).sum()) for got, want in zip(granted, budgets))
         rows = [list(g.slots) for g in active]
-        for slots, bs in zip(rows, budgets):
-            for live, b in zip(slots, bs):
+        steady = sum(g.live for g in self._groups.values()) == self.engine.max_concurrent_decodes
+        for slots, got in zip(rows, granted):
+            for live, b in zip(slots, got.tolist()):
                 if live is not None:
                     live.in_flight += b
+                    steady = steady and (b == n or live.finished)
         self._count_kv()
         # The steady state: every slot live, and each may run the whole program (none about to drain).
-        steady = (sum(g.live for g in self._groups.values()) == self.engine.max_concurrent_decodes
-                  and all(b == n for g, bs in zip(active, budgets) for s, b in zip(g.slots, bs) if s is not None))
-        return _Launched(done, active, results, floor, fused=fused, rows=rows, admitted=admitted, budgets=budgets,
-                         steady=steady)
+        return _Launched(done, active, results, floor, fused=fused, rows=rows, admitted=admitted,
+                         budgets=[g.tolist() for g in granted], steady=steady)
 
     def _dispatched(self, active: list[_Group]) -> list[list[_Live | None]]:
         """Books a dispatched step: each group's slots as they are now (their results come in this layout,
@@ -618,6 +634,8 @@ class RolloutDriver:
             for i, live in enumerate(lives):
                 live.in_flight -= 1
                 self._append(live, int(cols["token"][i]), float(cols["logprob"][i]), now, done)
+        for g in self._groups.values():
+            self._free(g)
         if not active:  # nothing was dispatched
             return done
         self._ready([r.data for r in launched.results])
@@ -675,15 +693,24 @@ class RolloutDriver:
         where it is now (resizes since the dispatch may have moved it; rows compare by identity)."""
         live.tokens.append(token)
         live.logprobs.append(logprob)
+        self._ended(self._groups[live.request.version], live, token, now, done)
+
+    def _ended(self, g: _Group, live: _Live, token: int, now: float, done: list[Trajectory]) -> None:
+        """Finishes ``live`` if ``token``, its last, ends it, freeing its slot."""
         reason = self._reason(live, token)
         if reason is None:
             return
         live.finished = True
         done.append(self._finish(live, reason, now))
-        g = self._groups[live.request.version]
         slot = g.slots.index(live)
         g.slots[slot] = None
-        g.state = self.engine.free_slot(g.state, slot)
+        g.freed.append(slot)
+
+    def _free(self, g: _Group) -> None:
+        """Frees the rows of ``g`` ended since the last call, in one program."""
+        if g.freed:
+            g.state = self.engine.free_slots(g.state, g.freed)
+            g.freed = []
 
     def _take(self, g: _Group, rows: list[_Live | None], cols: dict[str, np.ndarray], now: float,
               done: list[Trajectory], floor: int = 1, waited: set[tuple[int, int]] = frozenset()) -> None:
@@ -703,28 +730,43 @@ class RolloutDriver:
             if not cols["valid"][slot] or cols["version"][slot] != g.version:
                 raise RuntimeError(f"slot {slot} of version {g.version} returned no result")  # engine bug
             self._append(live, int(cols["token"][slot]), float(cols["logprob"][slot]), now, done)
+        self._free(g)
         self._compact(g, floor)
 
     def _take_steps(self, g: _Group, rows: list[_Live | None], budgets: list[int], cols: dict[str, np.ndarray],
                     now: float, done: list[Trajectory], floor: int = 1) -> None:
         """:meth:`_take` for several steps (``cols`` [steps, rows]): each row's valid tokens, in order, up to
-        the one that ends its trajectory (the device stopped it there too)."""
-        counts = cols["valid"].sum(axis=0)
+        the one that ends its trajectory (the device stopped it there too). The checks run over the whole
+        block at once; the Python per row is a few list operations, not one per token."""
+        valid, tokens = cols["valid"], cols["token"]
+        counts = valid.sum(axis=0)
+        step = np.arange(valid.shape[0])[:, None]
+        order = valid == (step < counts)  # each row's tokens are the first steps'
+        ours = ~valid | (cols["version"] == g.version)
+        eos = np.isin(tokens, self._eos_array) & valid
+        early = eos & (step < counts - 1)  # an eos before the row's last token
+        bad = ~order.all(axis=0) | ~ours.all(axis=0) | early.any(axis=0) | (counts > np.asarray(budgets))
+        last_eos = eos[np.maximum(counts - 1, 0), np.arange(counts.size)].tolist()
+        toks, lps, counts = tokens.T.tolist(), cols["logprob"].T.tolist(), counts.tolist()
         for slot, live in enumerate(rows):
             if live is None:
                 continue
             live.in_flight -= budgets[slot]
             if live.finished:  # ended before this program's results (the device stopped it: no tokens)
                 continue
-            n = int(counts[slot])
-            if not cols["valid"][:n, slot].all() or (cols["version"][:n, slot] != g.version).any() or n > budgets[slot]:
-                raise RuntimeError(f"slot {slot} of version {g.version} returned {n} tokens out of order or past "
-                                   f"its budget of {budgets[slot]}")  # engine bug
-            for t in range(n):
-                if live.finished:
-                    raise RuntimeError(f"slot {slot} of version {g.version} produced tokens past its end")
-                self.rows_live += 1
-                self._append(live, int(cols["token"][t, slot]), float(cols["logprob"][t, slot]), now, done)
+            n = counts[slot]
+            if not n:
+                continue
+            mine = live.request.stop_ids
+            if bad[slot] or (mine and not set(toks[slot][:n - 1]).isdisjoint(mine)):
+                raise RuntimeError(f"slot {slot} of version {g.version} returned {n} tokens out of order, past its "
+                                   f"end or past its budget of {budgets[slot]}")  # engine bug
+            self.rows_live += n
+            live.tokens += toks[slot][:n]
+            live.logprobs += lps[slot][:n]
+            if last_eos[slot] or len(live.tokens) >= live.request.max_new_tokens or (mine and toks[slot][n - 1] in mine):
+                self._ended(g, live, toks[slot][n - 1], now, done)
+        self._free(g)
         self._compact(g, floor)
 
     def _compact(self, g: _Group, floor: int) -> None:

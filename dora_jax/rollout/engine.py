@@ -30,6 +30,7 @@ Shape legend: B slots, T prompt bucket, S a prompt's cache length (prefill), W p
 from __future__ import annotations
 
 import concurrent.futures
+import collections
 import dataclasses
 import os
 import time
@@ -50,7 +51,7 @@ from dora_jax.rollout.engine_api import (DecodeState, EngineError, PreparedParam
                                          RequestSampling, ResultSteps, ResultTokens, SharedPrefix, stop_table)
 from dora_jax.rollout.page_book import PageBook
 from dora_jax.rollout.pages import DEFAULT_PAGE_TOKENS, PageError, bucket, pages_for
-from dora_jax.rollout.pages import SharedPrefix as HeldPages
+from dora_jax.rollout.pages import HeldPages
 from dora_jax.rollout.programs import DecodePrograms
 from dora_jax.rollout.sampling import SamplingParams
 from dora_jax.sharding import Rules, logical_to_spec, serial_jit
@@ -112,12 +113,12 @@ def prompt_rows(distinct: int, slots: int) -> int:
 
 
 class _Rows:
-    """The host side of one decode state: the page-pool request each row holds (``None``: empty)."""
+    """The host side of one decode state: the page book's record of the request each row holds (0: empty)."""
 
     __slots__ = ("ids",)
 
     def __init__(self, n: int):
-        self.ids: list[int | None] = [None] * n
+        self.ids = np.zeros((n,), np.int64)
 
 
 class Engine:
@@ -232,8 +233,6 @@ class Engine:
                                        static_argnums=(9, 10))
         self._pool_jit = jit("new_pool", lambda: progs.pin_pool(progs.new_pool()))
         self._resize_jit = jit("resize", progs.resize, static_argnums=(2,))
-        self._free_jit = jit("free_slot", lambda state, slot: progs.pin(
-            state._replace(active=state.active.at[slot].set(False))), donate_argnums=(0,))
         self._zeros_jit = jit("zeros", lambda b: progs.pin(progs.zeros(b)), static_argnums=(0,))
         self._fuse_jit = jit("fuse_params", fuse_layer_params)
         self._cast_jit = jit("cast_params", lambda tree: jax.tree.map(lambda x: x.astype(self.dtype), tree))
@@ -245,6 +244,12 @@ class Engine:
         self.count_reads = False
         self.kv_read_tokens = self.kv_live_tokens = 0
         self.count_reads_s = 0.0  # host time the counting took (benchmarks take it off what they time)
+        # Device arrays whose last use is a program still in flight (a prefill's logits and cache), each with the
+        # number of decode programs dispatched before it: dropped once a later decode program's results are
+        # read. Dropping the last reference to an array in use blocks the host on some backends (XLA:CPU), and
+        # the decode program that follows depends on every one of them.
+        self._retired: collections.deque[tuple[int, Any]] = collections.deque()
+        self._decodes = 0
 
     # -- JetStream API properties --------------------------------------------------------------------------
 
@@ -439,8 +444,10 @@ class Engine:
         cache, logits = self._prefill_rows_jit(self._prepared_params(params), tokens, lengths,
                                                       None if shared_prefix is None else shared_prefix.cache)
         ids, seeds = col(sample_ids, np.int32, 0), col([s.seed for s in samplings], np.int32, 0)
+        self._retire(logits)
         rest, packed = self._first_tokens_jit(logits, lengths + skip, rows, valid, ids, np.int32(version),
                                                      seeds, sp)
+        self._retire(packed)
         host_lengths = np.array([len(p) for p in prompts], np.int32)
         return PrefixBatch(cache, *rest, host=(host_lengths, rows[:n].copy(), shared_prefix)), ResultTokens(packed)
 
@@ -514,6 +521,7 @@ class Engine:
                 self._release_row(rec, slot)
             self.book.release_prefixes({k: held.pop(k) for k in fresh})  # never written: the scatter did not run
             raise EngineError(str(e)) from None
+        self._retire(batch._replace(host=None))  # its arrays only: the host part holds the head
         self._pool = self._write_prompts_jit(batch.cache, batch.rows, self.pool, page_nt, row_nt)
         state = self._set_slots_jit(batch._replace(cache=None, host=None), decode_state, idx)
         return self._handoff(decode_state, state)
@@ -557,7 +565,7 @@ class Engine:
             from its requests' settings with :func:`~dora_jax.rollout.sampling.needs_filter`.
         """
         rec = self._record(decode_state)
-        step = self.book.dispatch([rec.ids], [[1 if i is not None else 0 for i in rec.ids]])[0] > 0
+        step = self.book.dispatch([rec.ids], [rec.ids > 0])[0] > 0
         state, self._pool, data = self._generate_jit(self._prepared_params(params), decode_state, self.pool,
                                                      self.book.tables([rec.ids])[0], step, filtered)
         return self._handoff(decode_state, state), ResultTokens(data)
@@ -574,8 +582,7 @@ class Engine:
         if len(params_seq) != len(states_seq) or not states_seq:
             raise EngineError(f"generate_many: {len(params_seq)} params for {len(states_seq)} decode states")
         recs = [self._record(st) for st in states_seq]
-        steps = self.book.dispatch([rec.ids for rec in recs], [[1 if i is not None else 0 for i in rec.ids]
-                                                              for rec in recs])
+        steps = self.book.dispatch([rec.ids for rec in recs], [rec.ids > 0 for rec in recs])
         states, self._pool, data = self._generate_many_jit(tuple(self._prepared_params(p) for p in params_seq),
                                                            tuple(states_seq), self.pool,
                                                            tuple(self.book.tables([rec.ids for rec in recs])),
@@ -643,29 +650,39 @@ class Engine:
         recs = [self._record(st) for st in states_seq]
         # Pages for every token a slot may produce; a slot the pool cannot serve safely gets a smaller budget
         # (what its pages cover), and its final flag only if it keeps its whole budget.
-        starts = [np.array([0 if ref is None else self.book.dispatched(ref) for ref in rec.ids], np.int64)
-                  for rec in recs] if self.count_reads else None
+        starts = [self.book.dispatched(rec.ids) for rec in recs] if self.count_reads else None
         granted = self.book.dispatch([rec.ids for rec in recs], [np.minimum(b, limit) for b in budget_arrays])
         final_arrays = [f & (g == np.minimum(b, limit)) for f, g, b in zip(final_arrays, granted, budget_arrays)]
         budget_arrays = [g.astype(np.int32) for g in granted]
+        self._decodes += 1
+        decode = self._decodes
         states, self._pool, data = self._generate_steps_jit(
             tuple(self._prepared_params(p) for p in params_seq), tuple(states_seq), self.pool,
             tuple(self.book.tables([rec.ids for rec in recs])),
             tuple(budget_arrays), tuple(stop_arrays), tuple(final_arrays), end_after, np.int32(limit), int(steps),
             filtered)
         # What each row was granted, to take back what the program did not write once its results are read.
-        booked = [(ref, self.book.serial(ref), int(n)) for rec, got in zip(recs, budget_arrays)
-                  for ref, n in zip(rec.ids, got) if ref is not None]
-        rows = [i for i, ref in enumerate(ref for rec in recs for ref in rec.ids) if ref is not None]
+        ids = np.concatenate([rec.ids for rec in recs])
+        rows = np.flatnonzero(ids)
+        booked = ids[rows], self.book.serials(ids[rows]), np.concatenate(budget_arrays)[rows]
+
         def on_read(d):
             produced = d[..., 1].sum(axis=0)
-            self.book.settle(booked, produced[rows])
+            while self._retired and self._retired[0][0] < decode:
+                self._retired.popleft()
+            self.book.settle(*booked, produced[rows])
             if starts is not None:
                 start = time.perf_counter()
                 self._count_reads(starts, produced)
                 self.count_reads_s += time.perf_counter() - start
 
-        return tuple(self._handoff(a, b) for a, b in zip(states_seq, states)), ResultSteps(data, on_read)
+        return tuple(self._handoff(a, b) for a, b in zip(states_seq, states)), ResultSteps(data, on_read,
+                                                                                            granted=budget_arrays)
+
+    def _retire(self, x: Any) -> None:
+        self._retired.append((self._decodes, x))
+        if len(self._retired) > 256:  # callers that never read a decode program's results
+            self._retired.popleft()
 
     def _count_reads(self, starts: list[np.ndarray], produced: np.ndarray) -> None:
         """Adds one program's attention reads and live tokens (per layer) to :attr:`kv_read_tokens` and
@@ -689,11 +706,17 @@ class Engine:
         return self.kv_read_tokens / self.kv_live_tokens if self.kv_live_tokens else None
 
     def free_slot(self, decode_state: DecodeState, slot: int) -> DecodeState:
-        """Marks ``slot`` empty (the decode state is donated) and returns its pages to the pool; its row is
-        computed but never reported."""
+        """Marks ``slot`` empty and returns its pages to the pool: no program steps it again (its row is
+        computed but never reported) until an insertion fills it."""
+        return self.free_slots(decode_state, [slot])
+
+    def free_slots(self, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
+        """:meth:`free_slot` of several slots. Host work only: a row without a request gets no budget and no
+        step from the page book in any later program, so nothing on the device needs to change."""
         rec = self._record(decode_state)
-        self._release_row(rec, slot)
-        return self._handoff(decode_state, self._free_jit(decode_state, np.int32(slot)))
+        for slot in slots:
+            self._release_row(rec, slot)
+        return decode_state
 
     def resize(self, decode_state: DecodeState, rows: list[int], capacity: int) -> DecodeState:
         """Compacts or grows a decode state: new slot ``i`` holds old slot ``rows[i]`` (-1 or missing: empty).
@@ -704,17 +727,17 @@ class Engine:
         old = decode_state.tokens.shape[0]
         if capacity % self.shards:
             raise EngineError(f"resize: {capacity} slots do not split over the {self.shards} batch shards")
-        moved_shard = [(int(r), i) for i, r in enumerate(idx) if r >= 0 and rec.ids[r] is not None
+        moved_shard = [(int(r), i) for i, r in enumerate(idx) if r >= 0 and rec.ids[r]
                        and self.row_shard(old, int(r)) != self.row_shard(capacity, i)]
         if moved_shard:
             r, i = moved_shard[0]
             raise EngineError(f"resize: slot {r} would move from batch shard {self.row_shard(old, r)} to "
                               f"{self.row_shard(capacity, i)}; a slot's pages stay in its shard")
         kept = {int(r) for r in idx if r >= 0}
-        for r, rid in enumerate(rec.ids):
-            if rid is not None and r not in kept:
+        for r in np.flatnonzero(rec.ids).tolist():
+            if r not in kept:
                 self._release_row(rec, r)
-        moved = [rec.ids[r] if r >= 0 else None for r in idx]
+        moved = np.where(idx >= 0, rec.ids[np.maximum(idx, 0)], 0)
         state = self._handoff(decode_state, self._resize_jit(decode_state, idx, capacity))
         rec.ids = moved
         return state
@@ -758,7 +781,7 @@ class Engine:
         out: list[tuple] = [(decode if v == 1 or steps > 1 else "generate_many", v, cap, bool(f), steps)
                             for v in range(1, versions + 1) for cap in caps for f in dict.fromkeys(filtered)]
         for cap in caps:
-            out += [("zeros", cap), ("free_slot", cap)] + [("resize", cap, new) for new in caps if new != cap]
+            out += [("zeros", cap)] + [("resize", cap, new) for new in caps if new != cap]
         if prefix_tokens:
             out.append(("shared_prefix", prefix_tokens))
         n = self.request_rows
@@ -825,8 +848,6 @@ class Engine:
                     args = ((prepared,) * v, st, pool, tables, tuple(host(cap, bool) for _ in range(v)), f)
             elif name == "zeros":
                 args = (key[0],)
-            elif name == "free_slot":
-                args = (states[key[0]], np.int32(0))
             elif name == "resize":
                 args = (states[key[0]], host(key[1], np.int32, -1), key[1])
             elif name == "shared_prefix":
@@ -945,9 +966,9 @@ class Engine:
         return self.book.grant([self._record(st).ids for st in states_seq], tokens_seq)
 
     def _release_row(self, rec: _Rows, row: int) -> None:
-        ref = rec.ids[row]
-        if ref is not None:
-            rec.ids[row] = None
+        ref = int(rec.ids[row])
+        if ref:
+            rec.ids[row] = 0
             self.book.release(ref)
 
     def _track(self, state: DecodeState, rows: _Rows) -> DecodeState:

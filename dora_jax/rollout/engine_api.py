@@ -151,9 +151,12 @@ class ResultSteps:
     [N, B, 5] (the columns of :class:`ResultTokens`) and fetched with one copy (:meth:`to_host`). A slot's valid
     tokens are its first ``counts()[b]`` steps: once a slot stops or uses up its budget it produces no more."""
 
-    def __init__(self, data: jax.Array | np.ndarray, on_read: Any = None):
+    def __init__(self, data: jax.Array | np.ndarray, on_read: Any = None, granted: Sequence[np.ndarray] = ()):
         self.data = data
         self._on_read = on_read  # the engine's bookkeeping of what the program wrote, run at the first read
+        # Per decode state, int32 [B]: the tokens each slot was allowed to produce, its budget cut to what the
+        # page pool could serve.
+        self.granted = tuple(granted)
 
     def _host(self) -> np.ndarray:
         d = np.asarray(self.data)
@@ -163,7 +166,7 @@ class ResultSteps:
         return d
 
     def to_host(self) -> "ResultSteps":
-        return ResultSteps(self._host())
+        return ResultSteps(self._host(), granted=self.granted)
 
     def columns(self) -> dict[str, np.ndarray]:
         """Each column as [N, B]."""
@@ -185,6 +188,10 @@ def stop_table(stop_ids: Sequence[Sequence[int]], minimum: int = 4) -> np.ndarra
     so the compiled programs stay few."""
     width = bucket(max((len(s) for s in stop_ids), default=0), minimum=minimum)
     out = np.full((len(stop_ids), width), -1, np.int32)
+    rows: dict[tuple[int, ...], list[int]] = {}  # slots share a few lists (the eos ids): one write per list
     for b, ids in enumerate(stop_ids):
-        out[b, :len(ids)] = list(ids)
+        rows.setdefault(tuple(ids), []).append(b)
+    for ids, at in rows.items():
+        if ids:
+            out[at, :len(ids)] = ids
     return out

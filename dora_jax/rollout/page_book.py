@@ -1,38 +1,37 @@
-"""The host-side book of one rollout engine's KV page pool: plain Python and NumPy, no JAX.
+"""The host-side book of one rollout engine's KV page pool: NumPy arrays, no JAX.
 
 The engine's pool is split into one range of pages per batch shard of its mesh (one range without a mesh), each
-with its scratch page (page 0 of the range) and its own :class:`~dora_jax.rollout.pages.PagePool` allocator,
-used without reservation. A live request is a *ref*, ``(shard, allocator slot)``. The book decides:
+with its scratch page (page 0 of the range). Each live request has a *record*, an integer >= 1 (0 is no
+request): its shard, its page table, how many tokens its pages cover, what its programs may have written, its
+limit. Every operation on many requests is a few array operations over their records, so host time per dispatch
+grows with the live requests in NumPy, not in Python, and never with the pool.
 
-- **Admission** (:meth:`PageBook.admit`, :meth:`PageBook.admissible`): a request takes its prompt's pages and
-  is admitted only while every live request of its shard could still reach its limit one after another
+- **Admission** (:meth:`PageBook.admit`, :meth:`PageBook.admissible`): a request takes its prompt's pages and is
+  admitted only while every live request of its shard could still reach its limit one after another
   (:func:`~dora_jax.rollout.pages.safe_to_grow`, the banker's test for one resource).
-- **Shared heads** (:meth:`PageBook.hold_prefix`): the full pages of a head many prompts start with, held
-  once per shard and shared read-only by the requests admitted with them; no request's end frees them, so the
-  banker's test never counts them as freed.
+- **Sharing**: a request may share the full pages of a live request of its shard with the same prompt (a GRPO
+  group's members, ``fork``) or of a held head (:meth:`PageBook.hold_prefix`); shared pages are read-only and
+  only ever full, so nothing is copied on write. A request's end frees the pages only it references; the book
+  counts a page as its own (``own``) from the moment it was the only referrer, and never counts a shared page
+  as freed, so the banker's test errs on the side of waiting.
 - **Growth** (:meth:`PageBook.grant`, :meth:`PageBook.dispatch`): before a program, each slot gets the pages
   for the tokens its budget lets it produce where that stays safe; a slot the pool cannot serve safely gets
   what its held pages still cover, maybe nothing, and waits. In a safe state the request closest to its limit
   can always take every page it may need, so some slot always progresses.
-- **What was written**: the positions each request's programs may have written (``asked``); a program that
-  ends early wrote fewer, and :meth:`PageBook.settle` sets the count back from what its rows produced.
+- **What was written** (``asked``): the positions a request's dispatched programs may have written; a program
+  that ends early wrote fewer, and :meth:`PageBook.settle` sets the count back from what its rows produced.
 - **Tables** (:meth:`PageBook.tables`, :meth:`PageBook.live_pages`): each slot's page ids within its shard at
   the full table width, as the device reads them, and how many of them the slot holds.
-
-Host time per call grows with the live requests and the slots asked about, not with the pool (whose allocators
-have one slot per page): every program's launch goes through :meth:`PageBook.dispatch` and
-:meth:`PageBook.tables`.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from dora_jax.rollout.pages import PageError, PagePool, SharedPrefix, pages_for, safe_to_grow
+from dora_jax.rollout.pages import PageError, HeldPages, pages_for, safe_to_grow
 
-Ref = tuple[int, int]  # (batch shard, allocator slot)
 SCRATCH = 0  # the page of each shard's range that no slot holds (dora_jax.models.paged.SCRATCH_PAGE)
 
 
@@ -40,273 +39,384 @@ class PoolFull(PageError):
     """A request the pool cannot take now (it may later); the message names the sizes."""
 
 
+def ids_array(ids: Any) -> np.ndarray:
+    """Records as an integer array, 0 for an empty slot (``None`` in a list)."""
+    if isinstance(ids, np.ndarray):
+        return ids.astype(np.intp, copy=False)
+    return np.fromiter((0 if i is None else i for i in ids), np.intp, len(ids))
+
+
 class PageBook:
     """``num_pages`` pages of ``page_tokens`` tokens over ``shards`` batch shards (each shard ``ceil(num_pages /
-    shards)`` of them, plus its scratch page), for slots of at most ``table_width`` pages."""
+    shards)`` of them, plus its scratch page), for slots of at most ``table_width`` pages.
+
+    Page ids here are within a shard's range without its scratch page: ``0 .. shard_pages - 2``. The tables the
+    device reads hold them + 1 (0 is the scratch page)."""
 
     def __init__(self, num_pages: int, page_tokens: int, shards: int, table_width: int):
-        self.page_tokens, self.shards, self.table_width = page_tokens, shards, table_width
+        for name, value in (("num_pages", num_pages), ("page_tokens", page_tokens), ("shards", shards),
+                            ("table_width", table_width)):
+            if not (isinstance(value, (int, np.integer)) and value >= 1):
+                raise PageError(f"{name} must be an integer >= 1, got {value!r}")
+        self.page_tokens, self.shards, self.table_width = int(page_tokens), int(shards), int(table_width)
         self.shard_pages = -(-num_pages // shards) + 1  # device pages per shard, scratch included
-        self.allocators = [PagePool(self.shard_pages - 1, page_tokens, self.shard_pages - 1, reserve=False)
-                           for _ in range(shards)]
-        self._free_ids = [list(range(self.shard_pages - 2, -1, -1)) for _ in range(shards)]
-        # Positions each request's dispatched programs may have written: what its pages must cover.
-        self._asked: dict[Ref, int] = {}
-        self._serials: dict[Ref, int] = {}  # which request holds an allocator slot now
-        self._serial = 0
+        n = self.shard_pages - 1
+        self._refs = np.zeros((shards, n), np.int32)  # requests and held heads referencing each page
+        # Each shard's free pages as a stack whose top is the lowest id: pages are taken low first.
+        self._free = np.tile(np.arange(n - 1, -1, -1, dtype=np.int32), (shards, 1))
+        self._nfree = np.full((shards,), n, np.int64)
+        self._heads: list[set[HeldPages]] = [set() for _ in range(shards)]
         self.waits = 0  # dispatches of a live slot cut short (or to nothing) to wait for pages
-        # What the device reads, kept up to date as pages are taken so that tables() only gathers rows: each
-        # live request's table row (page ids + 1, scratch past its pages) and page count. Row 0 is no request's.
-        self._rows = np.zeros((1, table_width), np.int32)
-        self._row_pages = np.zeros((1,), np.int32)
-        self._row_of: dict[Ref, int] = {}
-        self._free_rows: list[int] = []
+        self._serial = 0
+        self._spare: list[int] = []
+        self._grow_records(16)
+
+    def _grow_records(self, n: int) -> None:
+        """Room for ``n`` records (index 0 is the empty slot's, never live): doubled as requests come, so never
+        more than twice the most requests live at once."""
+        old = getattr(self, "_live", np.zeros((0,), bool)).shape[0]
+
+        def grown(name: str, dtype, *tail: int) -> None:
+            new = np.zeros((n, *tail), dtype)
+            if old:
+                new[:old] = getattr(self, name)
+            setattr(self, name, new)
+
+        for name in ("_shard", "_length", "_asked", "_limit", "_npages", "_own", "_serials"):
+            grown(name, np.int64)
+        grown("_live", bool)
+        grown("_rows", np.int32, self.table_width)  # page ids + 1 (0: scratch past its pages)
+        self._spare += list(range(n - 1, max(old, 1) - 1, -1))
 
     # -- what the pool holds --------------------------------------------------------------------------------
 
     @property
     def free_pages(self) -> int:
-        return sum(a.free_pages for a in self.allocators)
+        return int(self._nfree.sum())
 
     @property
     def held_pages(self) -> int:
-        """Pages live requests and held prefixes hold (shared pages once)."""
-        return sum(a.num_pages - a.free_pages for a in self.allocators)
+        """Pages live requests and held heads hold (shared pages once)."""
+        return self.shards * (self.shard_pages - 1) - self.free_pages
 
     def shard_free(self, shard: int) -> int:
-        return self.allocators[shard].free_pages
+        return int(self._nfree[shard])
 
-    def table(self, ref: Ref | None) -> list[int]:
-        return [] if ref is None else self.allocators[ref[0]].table(ref[1])
+    def table(self, ref: int | None) -> list[int]:
+        """A request's page ids within its shard, in order (``[]`` for no request)."""
+        if not ref:
+            return []
+        self._check_live(ref)
+        return (self._rows[ref, :self._npages[ref]] - 1).tolist()
 
-    def dispatched(self, ref: Ref) -> int:
-        """Positions the request's dispatched programs may have written (its length once they are read)."""
-        return self._asked[ref]
+    def refs(self, shard: int, page: int) -> int:
+        """Requests and held heads referencing a page of a shard."""
+        return int(self._refs[shard, page])
 
-    def serial(self, ref: Ref) -> int:
-        return self._serials[ref]
+    def length(self, ref: int) -> int:
+        """Tokens the request's pages were taken for (at least what its programs may have written)."""
+        self._check_live(ref)
+        return int(self._length[ref])
 
-    # -- admission ------------------------------------------------------------------------------------------
+    def dispatched(self, ids: Any) -> np.ndarray:
+        """Per slot, the positions its request's dispatched programs may have written (0 for an empty slot):
+        its length once they are read."""
+        return np.where(self._live[ids_array(ids)], self._asked[ids_array(ids)], 0)
 
-    def admit(self, shard: int, prompt_tokens: int, limit: int, fork: Ref | None = None, fork_tokens: int = 0,
-              prefix: SharedPrefix | None = None) -> Ref:
-        """A request of ``prompt_tokens`` (written now) growing up to ``limit`` tokens, in ``shard``; with
-        ``fork``, sharing that request's first ``fork_tokens`` (full pages); else with ``prefix`` (held in this
-        shard by :meth:`hold_prefix`), sharing its pages. A fork's full pages already include its request's
-        prefix pages.
+    def serials(self, ids: Any) -> np.ndarray:
+        """Per slot, which admission its record comes from (a record is reused once its request ends)."""
+        return self._serials[ids_array(ids)]
 
-        Raises:
-          PageError: a request that could never fit (naming its pages and the pool's, or the table width).
-          PoolFull: one that does not fit now.
-        """
-        if pages_for(limit, self.page_tokens) > self.table_width:
-            raise PageError(f"a request of up to {limit} tokens needs {pages_for(limit, self.page_tokens)} pages of "
-                            f"{self.page_tokens} tokens; a slot's table holds {self.table_width}")
-        if fork is not None and fork[0] != shard:
-            fork, fork_tokens = None, 0  # pages are shared within a shard only
-        alloc, rid = self.allocators[shard], self._free_ids[shard].pop()
-        where = f" in batch shard {shard} of {self.shards}" if self.shards > 1 else ""
-        try:
-            copies = alloc.admit(rid, prompt_tokens=prompt_tokens, max_tokens=limit,
-                                 prefix=prefix if fork is None else None,
-                                 fork=None if fork is None else fork[1], fork_tokens=fork_tokens or None)
-        except PageError as e:
-            self._free_ids[shard].append(rid)
-            raise PageError(f"{e}{where}") from None
-        if copies is None or not self.safe(shard):
-            if copies is not None:
-                alloc.finish(rid)
-            self._free_ids[shard].append(rid)
-            raise PoolFull(f"the page pool has no room now{where} for a request of {prompt_tokens} prompt tokens "
-                           f"growing to {limit} ({pages_for(limit, self.page_tokens)} pages of {self.page_tokens} "
-                           f"tokens): {alloc.free_pages} of {alloc.num_pages} pages are free, and with it the live "
-                           "requests could not all reach their limits; free slots first, or give the engine more "
-                           "pages (rollout.kv_pages)")
-        assert not copies, "only full pages are shared: nothing to copy"
-        ref = (shard, rid)
-        self._asked[ref] = prompt_tokens
-        self._serial += 1
-        self._serials[ref] = self._serial
-        self._row_of[ref] = self._take_row()
-        self._write_row(ref, 0)
-        return ref
+    def _check_live(self, ref: int) -> None:
+        if not (0 < ref < self._live.shape[0] and self._live[ref]):
+            raise PageError(f"request record {ref!r} is not live")
 
-    def hold_prefix(self, shard: int, tokens: int, extra: Sequence[tuple[int, int]] = ()) -> SharedPrefix | None:
-        """Pages for ``tokens`` tokens (whole pages) that requests of ``shard`` will share read-only, held until
-        :meth:`release_prefixes`; ``None`` when the shard cannot give them now and stay safe with the ``extra``
-        requests, (prompt tokens, limit), admitted after them.
+    # -- the banker's test ----------------------------------------------------------------------------------
 
-        The ``extra`` requests count their whole prompts as their own, as :meth:`admissible` counts them: the
-        held pages are never freed by a request's end, so without them in the check the requests
-        :meth:`admissible` let through could fail to fit behind the hold."""
-        alloc = self.allocators[shard]
-        if pages_for(tokens, self.page_tokens) > alloc.free_pages:
-            return None
-        held = alloc.hold_prefix(tokens)
-        if held is not None and not self.safe(shard, extra):
-            alloc.release_prefix(held)
-            return None
-        return held
+    def _members(self, shard: int) -> np.ndarray:
+        return np.flatnonzero(self._live & (self._shard == shard))
 
-    def release_prefixes(self, held: dict[int, SharedPrefix]) -> None:
-        """Drops the holds of ``held`` (shard -> prefix), emptying it; each page goes back once no request
-        references it."""
-        for shard, prefix in held.items():
-            self.allocators[shard].release_prefix(prefix)
-        held.clear()
-
-    def release(self, ref: Ref) -> None:
-        """A request ends: its pages go back once nothing else holds them."""
-        self.allocators[ref[0]].finish(ref[1])
-        self._free_ids[ref[0]].append(ref[1])
-        self._asked.pop(ref, None)
-        self._serials.pop(ref, None)
-        row = self._row_of.pop(ref, None)
-        if row is not None:
-            self._rows[row] = SCRATCH
-            self._row_pages[row] = 0
-            self._free_rows.append(row)
+    def _safe(self, shard: int, taken: int = 0, grow: tuple[np.ndarray, np.ndarray] | None = None,
+              extra: Sequence[tuple[int, int]] = (), lose: tuple[int, int] | None = None) -> bool:
+        """Whether the shard stays safe after ``taken`` more pages leave its free pages, live records
+        ``grow[0]`` take ``grow[1]`` more pages each (counted in ``taken`` by the caller), ``extra`` requests
+        (pages they may still take, pages their end frees) join, and record ``lose[0]`` stops owning
+        ``lose[1]`` pages (a fork now shares them)."""
+        idx = self._members(shard)
+        held, own = self._npages[idx].copy(), self._own[idx].copy()
+        if grow is not None and grow[0].size:
+            at = np.searchsorted(idx, grow[0])
+            held[at] += grow[1]
+            own[at] += grow[1]
+        if lose is not None:
+            at = np.searchsorted(idx, lose[0])
+            own[at] = max(own[at] - lose[1], 0)
+        need = -(-self._limit[idx] // self.page_tokens) - held
+        if extra:
+            more = np.asarray(extra, np.int64).reshape(-1, 2)
+            need, own = np.concatenate([need, more[:, 0]]), np.concatenate([own, more[:, 1]])
+        return safe_to_grow(int(self._nfree[shard]) - taken, need, own)
 
     def safe(self, shard: int, extra: Sequence[tuple[int, int]] = ()) -> bool:
-        """Whether every live request of the shard (and ``extra`` ones, (prompt tokens, limit), not admitted yet)
-        could still reach its limit."""
-        alloc = self.allocators[shard]
-        free = alloc.free_pages
-        live = alloc.prospects()
-        for prompt, limit in extra:
-            own = pages_for(prompt, self.page_tokens)
-            free -= own
-            live.append((pages_for(limit, self.page_tokens) - own, own))
-        return free >= 0 and safe_to_grow(free, live)
+        """Whether every live request of the shard (and ``extra`` ones, (prompt tokens, limit), not admitted
+        yet, their whole prompts their own) could still reach its limit."""
+        pages = [(pages_for(limit, self.page_tokens) - pages_for(prompt, self.page_tokens),
+                  pages_for(prompt, self.page_tokens)) for prompt, limit in extra]
+        return self._safe(shard, sum(own for _, own in pages), extra=pages)
 
     def admissible(self, requests: Sequence[tuple[int, int]]) -> list[int] | None:
         """The batch shard each request of (prompt tokens, limit) would go to if admitted now together: each to
         the shard with the most free pages, as long as every shard stays safe; ``None`` when they do not all fit
         now (a sample's prompt pages shared with its group count as its own: the check errs on the side of
         waiting)."""
-        free = [a.free_pages for a in self.allocators]
+        free = self._nfree.copy()
         placed: list[list[tuple[int, int]]] = [[] for _ in range(self.shards)]
         out = []
         for prompt, limit in requests:
-            shard = max(range(self.shards), key=lambda k: (free[k], -k))
+            shard = int(np.argmax(free))  # the lowest shard among those with the most free pages
             placed[shard].append((prompt, limit))
             free[shard] -= pages_for(prompt, self.page_tokens)
             out.append(shard)
         return out if all(self.safe(k, placed[k]) for k in range(self.shards) if placed[k]) else None
 
+    # -- pages ----------------------------------------------------------------------------------------------
+
+    def _take(self, shard: int, k: int) -> np.ndarray:
+        """``k`` free pages of the shard, lowest first (the caller checked there are as many)."""
+        top = int(self._nfree[shard])
+        if k > top:
+            raise AssertionError(f"batch shard {shard}: {k} pages taken, {top} free")
+        pages = self._free[shard, top - k:top][::-1].copy()
+        self._nfree[shard] = top - k
+        self._refs[shard, pages] = 1
+        return pages
+
+    def _drop(self, shard: int, pages: np.ndarray) -> None:
+        """One reference less to each of ``pages`` (distinct); those referenced by nothing now are free."""
+        refs = self._refs[shard]
+        refs[pages] -= 1
+        freed = np.sort(pages[refs[pages] == 0])[::-1]  # the lowest on top
+        top = int(self._nfree[shard])
+        self._free[shard, top:top + freed.size] = freed
+        self._nfree[shard] = top + freed.size
+
+    def _extend(self, refs: np.ndarray, more: np.ndarray) -> None:
+        """Records ``refs`` (one shard's, distinct) take ``more[i]`` fresh pages each, appended to their tables."""
+        keep = more > 0
+        refs, more = refs[keep], more[keep]
+        if not refs.size:
+            return
+        total = int(more.sum())
+        pages = self._take(int(self._shard[refs[0]]), total)
+        who = np.repeat(refs, more)
+        col = np.repeat(self._npages[refs], more) + np.arange(total) - np.repeat(np.cumsum(more) - more, more)
+        self._rows[who, col] = pages + 1
+        self._npages[refs] += more
+        self._own[refs] += more
+
+    # -- admission ------------------------------------------------------------------------------------------
+
+    def hold_prefix(self, shard: int, tokens: int, extra: Sequence[tuple[int, int]] = ()) -> HeldPages | None:
+        """Pages for ``tokens`` tokens (whole pages) that requests of ``shard`` will share read-only, held until
+        :meth:`release_prefixes`; ``None`` when the shard cannot give them now and stay safe with the ``extra``
+        requests, (prompt tokens, limit), admitted after them (their whole prompts their own, as
+        :meth:`admissible` counts them: the held pages are never freed by a request's end)."""
+        if tokens < 1 or tokens % self.page_tokens:
+            raise PageError(f"a held head covers whole pages of {self.page_tokens} tokens, got {tokens!r} tokens")
+        need = tokens // self.page_tokens
+        pages = [(pages_for(limit, self.page_tokens) - pages_for(prompt, self.page_tokens),
+                  pages_for(prompt, self.page_tokens)) for prompt, limit in extra]
+        if not self._safe(shard, need + sum(own for _, own in pages), extra=pages):
+            return None
+        held = HeldPages(tuple(self._take(shard, need).tolist()), tokens)
+        self._heads[shard].add(held)
+        return held
+
+    def release_prefixes(self, held: dict[int, HeldPages]) -> None:
+        """Drops the holds of ``held`` (shard -> head), emptying it; each page goes back once no request
+        references it."""
+        for shard, prefix in held.items():
+            if prefix not in self._heads[shard]:
+                raise PageError(f"release_prefixes: the head is not held in batch shard {shard}")
+            self._heads[shard].remove(prefix)
+            self._drop(shard, np.asarray(prefix.pages, np.int32))
+        held.clear()
+
+    def admit(self, shard: int, prompt_tokens: int, limit: int, fork: int | None = None, fork_tokens: int = 0,
+              prefix: HeldPages | None = None) -> int:
+        """A request of ``prompt_tokens`` (written now) growing up to ``limit`` tokens, in ``shard``; with
+        ``fork`` (a live record of the same shard), sharing its first ``fork_tokens`` tokens (whole pages); else
+        with ``prefix`` (held in this shard by :meth:`hold_prefix`), sharing its pages. Returns its record.
+
+        Raises:
+          PageError: a request that could never fit (naming its pages and the pool's, or the table width), or
+            an inconsistent fork or head.
+          PoolFull: one that does not fit now (nothing changed).
+        """
+        p, where = self.page_tokens, f" in batch shard {shard} of {self.shards}" if self.shards > 1 else ""
+        if not 1 <= prompt_tokens <= limit:
+            raise PageError(f"a request needs 1 <= prompt tokens ({prompt_tokens}) <= its limit ({limit})")
+        if pages_for(limit, p) > self.table_width:
+            raise PageError(f"a request of up to {limit} tokens needs {pages_for(limit, p)} pages of {p} tokens; "
+                            f"a slot's table holds {self.table_width}")
+        if pages_for(limit, p) > self.shard_pages - 1:
+            raise PageError(f"a request of up to {limit} tokens needs {pages_for(limit, p)} pages of {p} tokens; "
+                            f"the pool has {self.shard_pages - 1} pages ({(self.shard_pages - 1) * p} tokens){where}")
+        if fork is not None and (not fork_tokens or self._shard[fork] != shard):
+            fork = None
+        lose = None
+        if fork is not None:
+            self._check_live(fork)
+            if not (fork_tokens % p == 0 and 0 < fork_tokens <= min(prompt_tokens, self._length[fork])):
+                raise PageError(f"admit: fork_tokens {fork_tokens!r} must be whole pages of {p} tokens within the "
+                                f"prompt ({prompt_tokens}) and the forked request ({self._length[fork]})")
+            shared = self._rows[fork, :fork_tokens // p] - 1
+            lose = (int(fork), int((self._refs[shard, shared] == 1).sum()))  # pages only the fork held so far
+        elif prefix is not None:
+            if prefix not in self._heads[shard]:
+                raise PageError(f"admit: the head is not held in batch shard {shard}")
+            if prefix.tokens > prompt_tokens:
+                raise PageError(f"admit: a prompt of {prompt_tokens} tokens cannot start with a head of "
+                                f"{prefix.tokens}")
+            shared = np.asarray(prefix.pages, np.int32)
+        else:
+            shared = np.zeros((0,), np.int32)
+        fresh = pages_for(prompt_tokens, p) - shared.size
+        need = pages_for(limit, p) - pages_for(prompt_tokens, p)
+        if fresh > self._nfree[shard] or not self._safe(shard, fresh, extra=[(need, fresh)], lose=lose):
+            raise PoolFull(f"the page pool has no room now{where} for a request of {prompt_tokens} prompt tokens "
+                           f"growing to {limit} ({pages_for(limit, p)} pages of {p} tokens): "
+                           f"{self._nfree[shard]} of {self.shard_pages - 1} pages are free, and with it the live "
+                           "requests could not all reach their limits; free slots first, or give the engine more "
+                           "pages (rollout.kv_pages)")
+        if not self._spare:
+            self._grow_records(2 * self._live.shape[0])
+        ref = self._spare.pop()
+        self._refs[shard, shared] += 1
+        if lose is not None:
+            self._own[lose[0]] = max(self._own[lose[0]] - lose[1], 0)
+        self._serial += 1
+        self._shard[ref], self._limit[ref], self._serials[ref] = shard, limit, self._serial
+        self._length[ref] = self._asked[ref] = prompt_tokens
+        self._rows[ref, :shared.size] = shared + 1
+        self._npages[ref], self._own[ref], self._live[ref] = shared.size, 0, True
+        self._extend(np.array([ref]), np.array([fresh]))
+        return ref
+
+    def release(self, ref: int) -> None:
+        """A request ends: its pages go back once nothing else holds them."""
+        self._check_live(ref)
+        shard = int(self._shard[ref])
+        self._drop(shard, self._rows[ref, :self._npages[ref]] - 1)
+        self._rows[ref] = SCRATCH
+        self._npages[ref] = self._own[ref] = 0
+        self._live[ref] = False
+        self._spare.append(ref)
+
     # -- growth ---------------------------------------------------------------------------------------------
 
-    def grant(self, ids_seq: Sequence[Sequence[Ref | None]], tokens_seq: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        """Takes the pages for ``tokens_seq[g][b]`` more tokens of each live slot where the pool can serve them
-        safely, every slot at once when that is safe (the common case), else slot by slot, those closest to
-        their limits first (they free their pages soonest). Returns the tokens each slot's pages cover past
-        what is already dispatched, at most what was asked: what a program may run. Asking twice before a
-        dispatch grants the same and takes nothing more."""
-        rows = [(g, b, ref, int(n)) for g, (ids, ns) in enumerate(zip(ids_seq, tokens_seq))
-                for b, (ref, n) in enumerate(zip(ids, ns)) if ref is not None and n > 0]
-        wants = {}
-        by_shard: dict[int, list[tuple[tuple[int, int], Ref]]] = {}
-        for g, b, ref, n in rows:
-            alloc = self.allocators[ref[0]]
-            wants[(g, b)] = max(0, min(self._asked[ref] + n, alloc.limit(ref[1])) - alloc.length(ref[1]))
-            by_shard.setdefault(ref[0], []).append(((g, b), ref))
-        for shard, members in by_shard.items():
-            alloc = self.allocators[shard]
-            growth = {key: alloc.growth(ref[1], wants[key]) for key, ref in members}
-            # No new page (the dispatch after the driver's own grant, or tokens within held pages): nothing
-            # to check, and the banker's test sorts every live request of the shard.
-            if not any(growth.values()) or self._safe_after(shard, {ref[1]: growth[key] for key, ref in members}):
-                for key, ref in members:
-                    self._append(ref, wants[key])
+    def grant(self, ids_seq: Sequence[Any], tokens_seq: Sequence[Any]) -> list[np.ndarray]:
+        """Takes the pages for ``tokens_seq[g][b]`` more tokens of each live slot (``ids_seq[g][b]``, 0 or None:
+        none) where the pool can serve them safely: every slot at once when that is safe (the common case),
+        else slot by slot, those closest to their limits first (they free their pages soonest). Returns the
+        tokens each slot's pages cover past what is already dispatched, at most what was asked: what a program
+        may run. Asking twice before a dispatch grants the same and takes nothing more."""
+        ids = [ids_array(x) for x in ids_seq]
+        asks = [np.asarray(t, np.int64).reshape(-1) for t in tokens_seq]
+        refs, n = np.concatenate(ids), np.concatenate(asks)
+        keep = (refs > 0) & (n > 0)
+        refs, n = refs[keep], n[keep]
+        if refs.size and not self._live[refs].all():
+            raise PageError(f"request record {int(refs[~self._live[refs]][0])} is not live")
+        p = self.page_tokens
+        wants = np.maximum(0, np.minimum(self._asked[refs] + n, self._limit[refs]) - self._length[refs])
+        growth = -(-(self._length[refs] + wants) // p) - self._npages[refs]
+        for shard in np.unique(self._shard[refs]).tolist() if growth.any() else []:
+            at = np.flatnonzero(self._shard[refs] == shard)
+            members, more = refs[at], growth[at]
+            total = int(more.sum())
+            if total <= self._nfree[shard] and self._safe(shard, total, grow=(members, more)):
+                self._extend(members, more)
                 continue
-            for key, ref in sorted(members, key=lambda m: alloc.need(m[1][1])):
-                if self._safe_after(shard, {ref[1]: growth[key]}):
-                    self._append(ref, wants[key])
-                else:  # what its last page still holds costs no page
-                    length = alloc.length(ref[1])
-                    self._append(ref, min(wants[key], pages_for(length, self.page_tokens) * self.page_tokens - length))
-        out = []
-        for ids, ns in zip(ids_seq, tokens_seq):
-            got = [0] * len(ids)
-            for b, (ref, n) in enumerate(zip(ids, ns)):
-                if ref is not None and n > 0:
-                    got[b] = min(int(n), self.allocators[ref[0]].length(ref[1]) - self._asked[ref])
-            out.append(np.asarray(got, np.int32))
+            # Slot by slot, in order of need; one the pool cannot serve gets what its last page still holds.
+            order = np.argsort(-(-self._limit[members] // p) - self._npages[members], kind="stable")
+            for i in order.tolist():
+                ref, g = members[i:i + 1], more[i:i + 1]
+                if g[0] == 0 or (g[0] <= self._nfree[shard] and self._safe(shard, int(g[0]), grow=(ref, g))):
+                    self._extend(ref, g)
+                else:
+                    wants[at[i]] = self._npages[ref[0]] * p - self._length[ref[0]]
+        self._length[refs] += wants
+        out, row = [], 0
+        for x, t in zip(ids, asks):
+            got = np.zeros(x.shape, np.int32)
+            live = np.flatnonzero((x > 0) & (t > 0))
+            got[live] = np.minimum(t[live], self._length[x[live]] - self._asked[x[live]])
+            out.append(got)
         return out
 
-    def dispatch(self, ids_seq: Sequence[Sequence[Ref | None]], tokens_seq: Sequence[Sequence[int]]
-                 ) -> list[np.ndarray]:
+    def dispatch(self, ids_seq: Sequence[Any], tokens_seq: Sequence[Any]) -> list[np.ndarray]:
         """:meth:`grant`, then books the granted tokens as dispatched (and a slot granted less as a wait)."""
         granted = self.grant(ids_seq, tokens_seq)
         for ids, got, wanted in zip(ids_seq, granted, tokens_seq):
-            for ref, n, w in zip(ids, got.tolist(), wanted):
-                if ref is not None:
-                    self._asked[ref] += int(n)
-                    self.waits += int(n < w)
+            x = ids_array(ids)
+            live = x > 0
+            self._asked[x[live]] += got[live]
+            self.waits += int((got[live] < np.asarray(wanted).reshape(-1)[live]).sum())
         return granted
 
-    def settle(self, booked: Sequence[tuple[Ref, int, int]], produced: Sequence[int]) -> None:
-        """A program's results are read: each of its rows, (ref, serial, tokens granted), produced
-        ``produced[i]`` tokens, so it wrote that many positions, not what it was granted (a request that has
-        ended since, or whose slot another request holds now, is left alone)."""
-        for (ref, serial, granted), n in zip(booked, produced):
-            if self._serials.get(ref) == serial:
-                self._asked[ref] -= granted - int(n)
-
-    def _safe_after(self, shard: int, extra: dict[int, int]) -> bool:
-        """:meth:`safe` after giving allocator slot ``i`` ``extra[i]`` more pages."""
-        alloc = self.allocators[shard]
-        if sum(extra.values()) > alloc.free_pages:
-            return False
-        return safe_to_grow(alloc.free_pages - sum(extra.values()), alloc.prospects(extra))
-
-    def _append(self, ref: Ref, tokens: int) -> None:
-        if tokens > 0:
-            length = self.allocators[ref[0]].length(ref[1])
-            copies = self.allocators[ref[0]].append(ref[1], tokens)
-            assert not copies, "only full pages are shared: nothing to copy"
-            held = pages_for(length, self.page_tokens)
-            if pages_for(length + tokens, self.page_tokens) > held:
-                self._write_row(ref, held)
-
-    def _take_row(self) -> int:
-        if not self._free_rows:  # doubling: never more than twice the rows of the most requests live at once
-            n = len(self._rows)
-            self._rows = np.concatenate([self._rows, np.full_like(self._rows, SCRATCH)])
-            self._row_pages = np.concatenate([self._row_pages, np.zeros_like(self._row_pages)])
-            self._free_rows = list(range(2 * n - 1, n - 1, -1))
-        return self._free_rows.pop()
-
-    def _write_row(self, ref: Ref, start: int) -> None:
-        """Copies the request's table entries from ``start`` on into its row (its earlier ones never change:
-        nothing is ever copied on write here)."""
-        pages = self.allocators[ref[0]].table(ref[1], start)
-        row = self._row_of[ref]
-        self._rows[row, start:start + len(pages)] = np.asarray(pages, np.int32) + 1
-        self._row_pages[row] = start + len(pages)
-
-    def _row_index(self, ids: Sequence[Ref | None]) -> np.ndarray:
-        try:
-            return np.fromiter((0 if ref is None else self._row_of[ref] for ref in ids), np.intp, len(ids))
-        except KeyError as e:
-            raise PageError(f"slot {e.args[0][1]!r} is not live") from None
+    def settle(self, refs: np.ndarray, serials: np.ndarray, granted: np.ndarray, produced: np.ndarray) -> None:
+        """A program's results are read: its row of record ``refs[i]`` (from admission ``serials[i]``), granted
+        ``granted[i]`` tokens, produced ``produced[i]``, so it wrote that many positions, not what it was granted
+        (a request that has ended since, or whose record another request holds now, is left alone)."""
+        same = self._live[refs] & (self._serials[refs] == serials)
+        self._asked[refs[same]] -= granted[same] - produced[same]
 
     # -- what the device reads ------------------------------------------------------------------------------
 
-    def tables(self, ids_seq: Sequence[Sequence[Ref | None]]) -> list[np.ndarray]:
-        """Per state, int32 ``[B, table_width]``: each slot's page ids within its shard (the allocator's + 1),
-        scratch past its pages and for an empty slot (``None``). Always the full width, so the programs' shapes
-        do not follow the longest slot; :meth:`live_pages` says how far each row is live. Fresh arrays."""
-        return [self._rows[self._row_index(ids)] for ids in ids_seq]
+    def tables(self, ids_seq: Sequence[Any]) -> list[np.ndarray]:
+        """Per state, int32 ``[B, table_width]``: each slot's page ids within its shard + 1, scratch (0) past its
+        pages and for an empty slot. Always the full width, so the programs' shapes do not follow the longest
+        slot; :meth:`live_pages` says how far each row is live. Fresh arrays."""
+        return [self._rows[ids_array(ids)] for ids in ids_seq]
 
-    def live_pages(self, ids_seq: Sequence[Sequence[Ref | None]]) -> list[np.ndarray]:
-        """Per state, int32 ``[B]``: how many pages each slot's table holds now (0 for an empty slot), the
-        entries of :meth:`tables` before its scratch."""
-        return [self._row_pages[self._row_index(ids)] for ids in ids_seq]
+    def live_pages(self, ids_seq: Sequence[Any]) -> list[np.ndarray]:
+        """Per state, int32 ``[B]``: how many pages each slot's table holds now (0 for an empty slot)."""
+        return [self._npages[ids_array(ids)].astype(np.int32) for ids in ids_seq]
 
-    def prompt_pages(self, ref: Ref, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    def prompt_pages(self, ref: int, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         """Pool-wide page ids and rows for positions ``start .. length - 1`` of a request (its prompt's, to
         write at insertion)."""
-        table = np.asarray(self.table(ref), np.int32)
         pos = np.arange(start, length)
-        return ref[0] * self.shard_pages + table[pos // self.page_tokens] + 1, pos % self.page_tokens
+        return (self._shard[ref] * self.shard_pages + self._rows[ref, pos // self.page_tokens]).astype(np.int32), \
+            (pos % self.page_tokens).astype(np.int32)
+
+    # -- invariants -----------------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raises AssertionError unless the book is consistent: each page's count is the number of tables and
+        held heads referencing it, the free pages are exactly the unreferenced ones, each table covers its
+        request's length (and nothing past it), shared pages lead every table, each record's ``own`` count is
+        at most the pages only it references, and written <= covered <= limit."""
+        counts = np.zeros_like(self._refs)
+        live = np.flatnonzero(self._live)
+        for ref in live.tolist():
+            s, k = int(self._shard[ref]), int(self._npages[ref])
+            assert k == pages_for(self._length[ref], self.page_tokens), (ref, k, self._length[ref])
+            assert 0 <= self._asked[ref] <= self._length[ref] <= self._limit[ref], ref
+            assert (self._rows[ref, k:] == SCRATCH).all() and (self._rows[ref, :k] > 0).all(), ref
+            np.add.at(counts[s], self._rows[ref, :k] - 1, 1)
+        for s, heads in enumerate(self._heads):
+            for h in heads:
+                np.add.at(counts[s], np.asarray(h.pages, np.intp), 1)
+        assert (counts == self._refs).all(), "reference counts differ from the references"
+        for ref in live.tolist():
+            shared = self._refs[self._shard[ref], self._rows[ref, :self._npages[ref]] - 1] > 1
+            assert (np.diff(shared.astype(np.int8)) <= 0).all(), f"record {ref} shares a page after one of its own"
+            assert self._own[ref] <= (~shared).sum(), f"record {ref} counts {self._own[ref]} pages as its own"
+        assert not (self._rows[~self._live] != SCRATCH).any(), "a free record keeps a table"
+        for s in range(self.shards):
+            free = self._free[s, :self._nfree[s]]
+            assert np.unique(free).size == free.size, "a page is free twice"
+            assert set(free.tolist()) == set(np.flatnonzero(self._refs[s] == 0).tolist()), \
+                "free pages differ from the unreferenced ones"

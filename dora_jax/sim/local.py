@@ -89,9 +89,10 @@ class Clock:
 class _Result:
     """An engine call's results as the driver reads them (already on the host)."""
 
-    def __init__(self, cols: dict[str, np.ndarray]):
+    def __init__(self, cols: dict[str, np.ndarray], granted: Sequence[np.ndarray] = ()):
         self.cols = cols
         self.data = cols["token"]
+        self.granted = tuple(granted)  # generate_steps: every budget in full (no page pool to wait for)
 
     def to_host(self) -> "_Result":
         return self
@@ -174,8 +175,8 @@ class TimedEngine:
         self._charge("resize", self.profile.resize_s, capacity)
         return _State(state.positions[take], state.active[take] & keep, state.versions[take])
 
-    def free_slot(self, state: _State, slot: int) -> _State:
-        state.active[slot] = False
+    def free_slots(self, state: _State, slots: Sequence[int]) -> _State:
+        state.active[list(slots)] = False
         self._charge("free_slot", self.profile.free_slot_s)
         return state
 
@@ -260,8 +261,9 @@ class TimedEngine:
                 produced[j] += on
             i += 1
         self._charge("decode", cost, sum(len(s.active) for s in states_seq))
-        return tuple(states_seq), self._pack([np.stack([out[t][j] for t in range(steps)])
-                                              for j in range(len(states_seq))])
+        result = self._pack([np.stack([out[t][j] for t in range(steps)]) for j in range(len(states_seq))])
+        result.granted = tuple(np.asarray(b, np.int32) for b in budgets)
+        return tuple(states_seq), result
 
 
 @dataclasses.dataclass(frozen=True)
