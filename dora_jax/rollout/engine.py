@@ -566,6 +566,7 @@ class Engine:
         """
         rec = self._record(decode_state)
         step = self.book.dispatch([rec.ids], [rec.ids > 0])[0] > 0
+        self._next_decode()
         state, self._pool, data = self._generate_jit(self._prepared_params(params), decode_state, self.pool,
                                                      self.book.tables([rec.ids])[0], step, filtered)
         return self._handoff(decode_state, state), ResultTokens(data)
@@ -583,6 +584,7 @@ class Engine:
             raise EngineError(f"generate_many: {len(params_seq)} params for {len(states_seq)} decode states")
         recs = [self._record(st) for st in states_seq]
         steps = self.book.dispatch([rec.ids for rec in recs], [rec.ids > 0 for rec in recs])
+        self._next_decode()
         states, self._pool, data = self._generate_many_jit(tuple(self._prepared_params(p) for p in params_seq),
                                                            tuple(states_seq), self.pool,
                                                            tuple(self.book.tables([rec.ids for rec in recs])),
@@ -654,8 +656,7 @@ class Engine:
         granted = self.book.dispatch([rec.ids for rec in recs], [np.minimum(b, limit) for b in budget_arrays])
         final_arrays = [f & (g == np.minimum(b, limit)) for f, g, b in zip(final_arrays, granted, budget_arrays)]
         budget_arrays = [g.astype(np.int32) for g in granted]
-        self._decodes += 1
-        decode = self._decodes
+        decode = self._next_decode()
         states, self._pool, data = self._generate_steps_jit(
             tuple(self._prepared_params(p) for p in params_seq), tuple(states_seq), self.pool,
             tuple(self.book.tables([rec.ids for rec in recs])),
@@ -681,8 +682,14 @@ class Engine:
 
     def _retire(self, x: Any) -> None:
         self._retired.append((self._decodes, x))
-        if len(self._retired) > 256:  # callers that never read a decode program's results
+
+    def _next_decode(self) -> int:
+        """Counts a decode program about to be dispatched and drops what the one two before it consumed: a
+        driver has read that one by now (one program in flight, two with overlap)."""
+        self._decodes += 1
+        while self._retired and self._retired[0][0] < self._decodes - 2:
             self._retired.popleft()
+        return self._decodes
 
     def _count_reads(self, starts: list[np.ndarray], produced: np.ndarray) -> None:
         """Adds one program's attention reads and live tokens (per layer) to :attr:`kv_read_tokens` and
