@@ -329,7 +329,7 @@ def test_live_attention_reads_live_blocks_and_equals_float64(slots, width, page,
     q = rng.normal(size=(slots, kv * g, d)).astype(np.float32)
     k_new, v_new = (rng.normal(size=(slots, kv, d)).astype(np.float32) for _ in range(2))
     plan = live_plan(jnp.asarray(tables), jnp.asarray(lengths, jnp.int32), page)
-    bp = live_block_pages(width, page)
+    bp = live_block_pages(width, page, slots)
     for layer in range(layers):
         got = live_paged_attention(jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.int32(layer), plan,
                                    jnp.asarray(k_new), jnp.asarray(v_new), block_pages=bp)

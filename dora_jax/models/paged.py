@@ -140,12 +140,22 @@ def paged_attention_with_current(q_bhd: jax.Array, k_knpd: jax.Array, v_knpd: ja
     return out.astype(q_bhd.dtype).reshape(b, h, d)
 
 
-# The live-reading XLA path reads a slot's pages in blocks of this many tokens (rounded to whole pages), and
-# sorts the slots by length into classes of equal size, at most this many and of at least LIVE_CLASS_ROWS rows:
-# each class reads only to its longest slot, and each costs a loop trip per block it reads.
-LIVE_BLOCK_TOKENS = 128
+# The live-reading XLA path sorts a state's slots by length into classes of equal size (each reads to its own
+# longest slot, in blocks of whole pages; each class costs a loop trip per block it reads). A full state reads
+# classes of 8 rows in blocks of 128 tokens; the small states a long tail compacts into hold few, long rows, so
+# they take classes of fewer rows (less padding next to a long row) and longer blocks (fewer trips for the same
+# rounding). At most LIVE_ROW_CLASSES classes.
 LIVE_ROW_CLASSES = 32
-LIVE_CLASS_ROWS = 8
+
+
+def live_block_tokens(slots: int) -> int:
+    """Tokens per block of the live-reading path for a state (or batch shard) of ``slots`` slots."""
+    return 128 if slots >= 128 else 256 if slots >= 32 else 512
+
+
+def live_class_rows(slots: int) -> int:
+    """Rows per length class of the live-reading path for ``slots`` slots: 8 from 128 slots, down to 2."""
+    return min(8, max(2, slots // 16))
 
 
 class LivePlan(NamedTuple):
@@ -163,21 +173,22 @@ class LivePlan(NamedTuple):
     tiles: jax.Array
 
 
-def live_block_pages(table_width: int, page_tokens: int, block_tokens: int = LIVE_BLOCK_TOKENS) -> int:
-    """Pages per block of the live-reading path: ``block_tokens`` in whole pages, at most the table width."""
-    return max(1, min(table_width, block_tokens // page_tokens))
+def live_block_pages(table_width: int, page_tokens: int, slots: int) -> int:
+    """Pages per block of the live-reading path for ``slots`` slots: :func:`live_block_tokens` in whole pages,
+    at most the table width."""
+    return max(1, min(table_width, live_block_tokens(slots) // page_tokens))
 
 
 def live_classes(slots: int, row_classes: int = LIVE_ROW_CLASSES) -> int:
-    """Length classes for ``slots`` slots: at most ``row_classes``, each of at least ``LIVE_CLASS_ROWS`` rows."""
-    return max(1, min(row_classes, slots // LIVE_CLASS_ROWS))
+    """Length classes for ``slots`` slots: at most ``row_classes``, of :func:`live_class_rows` rows each."""
+    return max(1, min(row_classes, slots // live_class_rows(slots)))
 
 
 def live_plan(tables_bw: jax.Array, lengths_b: jax.Array, page_tokens: int, *,
-              block_tokens: int = LIVE_BLOCK_TOKENS, row_classes: int = LIVE_ROW_CLASSES) -> LivePlan:
+              row_classes: int = LIVE_ROW_CLASSES) -> LivePlan:
     """Sorts the slots by cached length into classes and counts the page blocks each class must read."""
     b, w = tables_bw.shape
-    bp = live_block_pages(w, page_tokens, block_tokens)
+    bp = live_block_pages(w, page_tokens, b)
     nblk = -(-w // bp)
     c = live_classes(b, row_classes)
     r = -(-b // c)
@@ -191,15 +202,14 @@ def live_plan(tables_bw: jax.Array, lengths_b: jax.Array, page_tokens: int, *,
                     ends[-1].astype(jnp.int32))
 
 
-def live_read_tokens(lengths, table_width: int, page_tokens: int, *, block_tokens: int = LIVE_BLOCK_TOKENS,
-                     row_classes: int = LIVE_ROW_CLASSES) -> int:
+def live_read_tokens(lengths, table_width: int, page_tokens: int, *, row_classes: int = LIVE_ROW_CLASSES) -> int:
     """Cached tokens one layer of :func:`live_paged_attention` reads for slots of ``lengths`` (numpy, host):
     what ``kv_read_ratio`` counts for the XLA path."""
     import numpy as np
 
     lengths = np.sort(np.asarray(lengths, np.int64))[::-1]
     b = lengths.shape[0]
-    bp = live_block_pages(table_width, page_tokens, block_tokens)
+    bp = live_block_pages(table_width, page_tokens, b)
     c = live_classes(b, row_classes)
     r = -(-b // c)
     padded = np.zeros((c * r,), np.int64)
@@ -326,7 +336,7 @@ def decode_forward_paged(cfg: ModelConfig, p: dict, tokens_b: jax.Array, positio
         # Slots sorted by length once per step; every layer reads only its classes' live page blocks.
         # Rows that do not produce this step read nothing (their output is dropped).
         plan = sharded_live_plan(tables_bw, jnp.where(write_b, positions_b, 0), pool.page_tokens, shards)
-        bp = live_block_pages(tables_bw.shape[1], pool.page_tokens)
+        bp = live_block_pages(tables_bw.shape[1], pool.page_tokens, tables_bw.shape[0] // shards)
 
         def block(x, layer):
             lp, i = layer
