@@ -42,7 +42,8 @@ MIN_ANSWERS = 256
 DECOUPLED_CAP = 5.0
 
 
-def _stats(xs: list[float]) -> dict[str, float]:
+def seed_stats(xs: list[float]) -> dict[str, float]:
+    """The mean of one figure over seeds and its standard error (0 for a single seed)."""
     a = np.asarray(xs, float)
     se = float(a.std(ddof=1) / math.sqrt(len(a))) if len(a) > 1 else 0.0
     return {"mean": float(a.mean()), "stderr": se}
@@ -127,7 +128,7 @@ def bench_convergence(config: str = CONFIG, seeds: int = 4, steps: int | None = 
         out[name] = {"final_accuracy": [r["final_accuracy"] for r in rs],
                      "reward_per_iteration": curves.tolist(),
                      "accuracy_before": [r["accuracy_before"] for r in rs],
-                     "final_accuracy_stats": _stats([r["final_accuracy"] for r in rs]),
+                     "final_accuracy_stats": seed_stats([r["final_accuracy"] for r in rs]),
                      "reward_mean": curves.mean(0).tolist(),
                      "reward_stderr": (curves.std(0, ddof=1) / math.sqrt(len(rs))).tolist() if len(rs) > 1
                      else [0.0] * curves.shape[1],

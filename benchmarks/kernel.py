@@ -24,7 +24,7 @@ import numpy as np
 
 from benchmarks.record import device
 from benchmarks.timing import median_of
-from dora_jax.kernels.paged_attention import _gpu_blocks, paged_attention
+from dora_jax.kernels.paged_attention import gpu_blocks, paged_attention
 from dora_jax.models.paged import SCRATCH_PAGE
 
 # The sweep's pages per compute block, on 16-token pages: 16 to 256 tokens per block (the Triton lowering needs
@@ -174,7 +174,7 @@ def sweep_kernel_tiles(repeats: int = 50, seed: int = 1) -> dict[str, Any]:
             args = (q, k, v, page_tables(rng, lengths, page_tokens, table_pages), jnp.asarray(lengths))
             t_x = median_of(lambda: xla(*args), repeats=repeats)
             for ppcb in SWEEP_PAGES_PER_BLOCK:
-                _, k_splits = _gpu_blocks(table_pages, page_tokens, d, ppcb, False, "sweep")
+                _, k_splits = gpu_blocks(table_pages, page_tokens, d, ppcb, False, "sweep")
                 f = jax.jit(functools.partial(paged_attention, impl="pallas_gpu", pages_per_compute_block=ppcb))
                 t = median_of(lambda: f(*args), repeats=repeats)
                 t_x = min(t_x, median_of(lambda: xla(*args), repeats=repeats))

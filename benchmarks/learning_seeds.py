@@ -53,7 +53,7 @@ def main(argv=None):
     rows = []
     for seed in tqdm(range(args.first, args.first + args.seeds), desc="seeds"):
         t0 = time.perf_counter()
-        rewards, greedy = tt._learn(seed, args.steps, args.lr)
+        rewards, greedy = tt.learn_digit_task(seed, args.steps, args.lr)
         rows.append(dict(seed=seed, first3=float(np.mean(rewards[:3])), last5=float(np.mean(rewards[-5:])),
                          greedy_acc=greedy, seconds=round(time.perf_counter() - t0, 1)))
         tqdm.write(json.dumps(rows[-1]))

@@ -100,7 +100,7 @@ def reference(name: str) -> str:
     return "sync_shared" if name.endswith("_shared") else "sync"
 
 
-def _mode_result(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+def mode_result(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One mode's figures over its timed runs: medians, every run's value, and the median run's details."""
     # A program a run meets for the first time compiles inside it (which programs a run calls follows its
     # schedule, and under split placement the schedule follows the machine's timing): its wall time is taken
@@ -246,7 +246,7 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
         if sample_train:
             del placement, state
         h.forget()
-    results = {v.name: _mode_result(v.name, runs[v.name]) for v in variants}
+    results = {v.name: mode_result(v.name, runs[v.name]) for v in variants}
     checked = compare(results, simulated) if simulate else None
     curves = np.asarray([results["sync"]["reward_per_step"]] + noise)
     sync = results["sync"]

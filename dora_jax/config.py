@@ -329,11 +329,23 @@ class TrainConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self, path: str = "train") -> None:
+        self._check_choices(path)
+        self._check_loss(path)
+        self._check_importance_weights(path)
+        self._check_sizes(path)
+        self._check_optimizer(path)
+        self._check_forward(path)
+        self.lora.validate(f"{path}.lora")
+
+    def _check_choices(self, path: str) -> None:
         for name, allowed in (("loss", _LOSSES), ("advantage", _ADVANTAGES), ("correction", _CORRECTIONS),
                               ("behaviour_logprobs", ("engine", "recompute")), ("optimizer", ("adamw",)),
                               ("schedule", ("constant", "warmup_cosine"))):
             if getattr(self, name) not in allowed:
                 _fail(f"{path}.{name}", getattr(self, name), f"allowed: {', '.join(allowed)}")
+
+    def _check_loss(self, path: str) -> None:
+        """The clips, the overlong punishment and the KL term."""
         for name in ("clip_low", "clip_high"):
             if not 0 <= getattr(self, name) < 10:
                 _fail(f"{path}.{name}", getattr(self, name), "must be in [0, 10)")
@@ -355,6 +367,9 @@ class TrainConfig:
             _fail(f"{path}.correction", self.correction, "GSPO's ratio is per sequence: use mis_seq")
         if self.kl_coef < 0:
             _fail(f"{path}.kl_coef", self.kl_coef, "must be >= 0")
+
+    def _check_importance_weights(self, path: str) -> None:
+        """The staleness bound and the importance corrections' caps and bounds."""
         if self.max_staleness < 0:
             _fail(f"{path}.max_staleness", self.max_staleness, "must be >= 0 (0 is on-policy)")
         if self.is_cap <= 0:
@@ -366,12 +381,17 @@ class TrainConfig:
                   f"{path}.correction is {self.correction!r}: set it to 'decoupled' or the cap to 0")
         if not 0 <= self.is_low < 1 < self.is_high:
             _fail(f"{path}.is_low/is_high", (self.is_low, self.is_high), "need 0 <= is_low < 1 < is_high")
+
+    def _check_sizes(self, path: str) -> None:
+        """Counts and the length buckets."""
         for name in ("max_response_tokens", "group_size", "minibatches", "epochs", "micro_batches", "total_steps"):
             if getattr(self, name) <= 0:
                 _fail(f"{path}.{name}", getattr(self, name), "must be a positive integer")
         if not self.length_buckets or any(b <= 0 for b in self.length_buckets) or \
                 list(self.length_buckets) != sorted(set(self.length_buckets)):
             _fail(f"{path}.length_buckets", list(self.length_buckets), "must be increasing positive lengths")
+
+    def _check_optimizer(self, path: str) -> None:
         if self.learning_rate <= 0:
             _fail(f"{path}.learning_rate", self.learning_rate, "must be > 0")
         if not 0 <= self.warmup_steps <= self.total_steps:
@@ -385,6 +405,9 @@ class TrainConfig:
             _fail(f"{path}.eps", (self.eps, self.std_eps), "eps and std_eps must be > 0")
         if self.grad_clip < 0:
             _fail(f"{path}.grad_clip", self.grad_clip, "must be >= 0 (0 disables clipping)")
+
+    def _check_forward(self, path: str) -> None:
+        """Remat, the training attention and its tiles, chunked log-probs and packing."""
         if self.remat not in REMAT_POLICIES:
             _fail(f"{path}.remat", self.remat, f"allowed: {', '.join(REMAT_POLICIES)}")
         if self.attention_impl not in TRAIN_ATTENTION_IMPLS:
@@ -410,7 +433,6 @@ class TrainConfig:
             _fail(f"{path}.packing", self.packing, "packed rows hold several samples told apart by segment ids, and "
                   "train.attention_impl = 'cudnn' takes only each row's length; use train.attention_impl "
                   "'pallas_gpu' (GPU, segment ids) or 'blockwise', or train.packing 'none'")
-        self.lora.validate(f"{path}.lora")
 
 
 REMAT_POLICIES = ("none", "full", "dots", "offload")
@@ -451,8 +473,8 @@ class RolloutConfig:
     ``decode_steps`` is how many decode steps one dispatched program runs (``RolloutDriver(decode_steps=...)``):
     each slot stops on the device at an end-of-sequence or stop id or at its token budget, and the host admits
     and finishes requests between programs, so a dispatch and a result transfer serve N steps instead of one.
-    A program ends where the host would act on a freed slot (a waiting request, or a group that can compact),
-    so those happen at the steps they would with one step per program. ``"auto"``: 8 on every backend
+    A program ends where the host would act on freed slots (waiting requests, admitted together once 1/32 of the
+    slots are free, or a group that can compact). ``"auto"``: 8 on every backend
     (docs/rollout.md). Tokens and log-probs are those of one step per program.
     """
 

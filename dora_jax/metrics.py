@@ -55,6 +55,11 @@ class MetricsWriter:
             if SummaryWriter is not None:
                 self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
 
+    @property
+    def wandb_run(self) -> Any:
+        """The W&B run the rows go to; None when ``metrics.wandb`` is off or after :meth:`close`."""
+        return self._wandb
+
     def write(self, row: dict[str, Any]) -> None:
         self._f.write(json.dumps(row, sort_keys=True) + "\n")
         self._f.flush()
@@ -195,7 +200,7 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.legend()
     ax.grid(alpha=0.3)
-    paths.append(_save(fig, out_dir, "reward.png"))
+    paths.append(save_figure(fig, out_dir, "reward.png"))
 
     hist: dict[int, int] = {}
     for r in rows:
@@ -207,7 +212,7 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     ax.set_title(f"{run}: staleness of trained samples")
     ax.set_xlabel("staleness (trainer version - sample version)")
     ax.set_ylabel("trained samples")
-    paths.append(_save(fig, out_dir, "staleness.png"))
+    paths.append(save_figure(fig, out_dir, "staleness.png"))
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     versions = sorted({int(v) for r in rows for v in r["in_flight"]})
@@ -219,11 +224,12 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     ax.set_ylabel("samples in flight")
     if len(versions) <= 12:
         ax.legend(fontsize=7, ncol=2)
-    paths.append(_save(fig, out_dir, "versions.png"))
+    paths.append(save_figure(fig, out_dir, "versions.png"))
     return paths
 
 
-def _save(fig, out_dir: str, name: str) -> str:
+def save_figure(fig, out_dir: str, name: str) -> str:
+    """Writes a plot's figure to ``OUT_DIR/name`` and closes it; returns the path (every plot is saved here)."""
     path = os.path.join(out_dir, name)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

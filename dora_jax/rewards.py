@@ -167,6 +167,7 @@ class RewardPool:
         self._shared: dict[int, tuple[int, Any]] = {}  # id(obj) -> (token, obj): the obj held so ids stay unique
         self._tokens = itertools.count()
         self._outstanding = 0
+        self._sent_bytes = 0
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="reward-pool", daemon=True)
         self._thread.start()
@@ -185,6 +186,11 @@ class RewardPool:
     def outstanding(self) -> int:
         """Submitted and not yet returned by :meth:`poll`."""
         return self._outstanding
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes of pickled calls sent to the workers so far (an argument calls share goes once per worker)."""
+        return self._sent_bytes
 
     def poll(self, wait_s: float = 0.0) -> list[RewardResult]:
         """Finished results (failures and timeouts included). Waits up to ``wait_s`` for the first one when none
@@ -289,6 +295,7 @@ class RewardPool:
             slot.job, slot.started, slot.loaded = job, time.perf_counter(), False
             try:
                 slot.conn.send((key, payload))
+                self._sent_bytes += len(payload)
             except OSError:
                 pass  # the worker is gone: its sentinel reports it below
 

@@ -397,7 +397,7 @@ class ProcessLocalCopy:
     one jitted program moves it onto a mesh that stacks every process's mesh along a ``process`` axis, with the
     same partition specs: each device receives exactly the shard its process's copy needs (XLA's collectives,
     device to device, never through host memory). When it lives on other devices (``split``: the trainer's),
-    :class:`_Across` sends each rollout device its block, a part of the tree at a time (:func:`_parts`). The
+    :class:`_Across` sends each rollout device its block, a part of the tree at a time (:func:`move_parts`). The
     shards a process holds then form its copy, an array on its own devices only, usable by programs that never
     span processes (the rollout engine's decode).
     Every process calls it at the same point, with the same tree.
@@ -425,7 +425,7 @@ class ProcessLocalCopy:
             if key not in self._across:
                 specs = [s.spec for s in self.local]
                 self._across[key] = [(part, _Across([leaves[i] for i in part], [specs[i] for i in part], self.meshes))
-                                     for part in _parts(leaves, self.local, len(source))]
+                                     for part in move_parts(leaves, self.local, len(source))]
             out = [None] * len(leaves)
             for part, move in self._across[key]:
                 # One part at a time: what a move stages on the trainer's devices stays within MOVE_PART_BYTES.
@@ -442,7 +442,7 @@ class ProcessLocalCopy:
 MOVE_PART_BYTES = 1 << 30  # per trainer device: what a split move stages at once beside the trainer's state
 
 
-def _parts(leaves: list[jax.Array], targets: list[NamedSharding], sources: int) -> list[list[int]]:
+def move_parts(leaves: list[jax.Array], targets: list[NamedSharding], sources: int) -> list[list[int]]:
     """``leaves``' indices in consecutive parts, each staging at most :data:`MOVE_PART_BYTES` on a source
     device (an array above it alone): its target block, or the whole array when the blocks do not fit the
     ``sources`` devices."""

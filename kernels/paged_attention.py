@@ -116,7 +116,7 @@ def _is_pow2(n):
     return n > 0 and n & (n - 1) == 0
 
 
-def _gpu_blocks(W, P, d, pages_per_compute_block, interpret, described):
+def gpu_blocks(W, P, d, pages_per_compute_block, interpret, described):
     """Picks ``(pages_per_compute_block, k_splits)`` for the GPU kernel, which needs ``k_splits`` to divide ``W``
     and the compute block to divide each partition's ``W / k_splits`` pages."""
     hardware = not interpret
@@ -165,7 +165,7 @@ def compute_block_pages(impl, table_width, page_tokens, head_dim, interpret=Fals
     length is the rest of that block); 0 for ``"xla"``, which has no such block."""
     described = f"table width {table_width}, page tokens {page_tokens}, head dim {head_dim}"
     if impl == "pallas_gpu":
-        return _gpu_blocks(table_width, page_tokens, head_dim, None, interpret, described)[0]
+        return gpu_blocks(table_width, page_tokens, head_dim, None, interpret, described)[0]
     if impl == "pallas_tpu":
         return _tpu_block(table_width, page_tokens, None, described)
     return 0
@@ -197,7 +197,7 @@ def paged_attention(q, k_pages, v_pages, tables, lengths, *, impl, interpret=Fal
     if impl == "pallas_gpu":
         from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
 
-        ppcb, k_splits = _gpu_blocks(W, P, d, pages_per_compute_block, interpret, described)
+        ppcb, k_splits = gpu_blocks(W, P, d, pages_per_compute_block, interpret, described)
         out = gpu_paged.paged_attention(
             # The kernel's dot takes both operands in one dtype.
             q_scaled.astype(k_pages.dtype),

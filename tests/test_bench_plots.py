@@ -109,7 +109,8 @@ def _convergence_file(path, names, accuracies, **changes):
     """A ``bench convergence`` result as written by the main job's recipe, each run name's seeds at
     ``accuracies``."""
     runs = {n: {"final_accuracy": a, "reward_per_iteration": [[0.1, 0.2]] * len(a), "accuracy_before": [0.1] * len(a),
-                "final_accuracy_stats": convergence._stats(a), "reward_mean": [0.1, 0.2], "reward_stderr": [0.0, 0.0]}
+                "final_accuracy_stats": convergence.seed_stats(a), "reward_mean": [0.1, 0.2],
+                "reward_stderr": [0.0, 0.0]}
             for n, a in zip(names, accuracies)}
     result = {"command": "dora-jax bench convergence --decoupled-cap 5 train.minibatches=4 --json x.json",
               "device": "CPU, 2 cores", "date": "2026-11-26", "config": "smollm2_arith", "seeds": 4, "steps": 20,
@@ -168,10 +169,10 @@ def test_convergence_results_of_one_recipe_merge_into_one_comparison(tmp_path, m
 
 def test_convergence_target_by_hand():
     # sync: mean 0.40, standard error 0.02 (seeds 0.38, 0.42): the floor is 0.36.
-    runs = {"sync": {"final_accuracy_stats": convergence._stats([0.38, 0.42])},
-            "dora_k2_none": {"final_accuracy_stats": convergence._stats([0.1, 0.1])},
-            "dora_k2_decoupled": {"final_accuracy_stats": convergence._stats([0.36, 0.37])},
-            "dora_k3_decoupled": {"final_accuracy_stats": convergence._stats([0.35, 0.36])}}
+    runs = {"sync": {"final_accuracy_stats": convergence.seed_stats([0.38, 0.42])},
+            "dora_k2_none": {"final_accuracy_stats": convergence.seed_stats([0.1, 0.1])},
+            "dora_k2_decoupled": {"final_accuracy_stats": convergence.seed_stats([0.36, 0.37])},
+            "dora_k3_decoupled": {"final_accuracy_stats": convergence.seed_stats([0.35, 0.36])}}
     out = convergence.parity(runs)
     assert out["floor"] == pytest.approx(0.36)
     assert out["met"] == {"dora_k2_decoupled": True, "dora_k3_decoupled": False}
@@ -307,6 +308,6 @@ def test_a_mode_wall_time_leaves_out_what_compiled_inside_the_run():
     run = _mode_run
 
     # Walls 2.0, 5.0 (3.0 of it compiling) and 2.4: net 2.0, 2.0, 2.4, so the median is 2.0, not 2.4.
-    r = modes._mode_result("dora_k2", [run(2.0, 0.0), run(5.0, 3.0), run(2.4, 0.0)])
+    r = modes.mode_result("dora_k2", [run(2.0, 0.0), run(5.0, 3.0), run(2.4, 0.0)])
     assert r["measured_wall_s"] == pytest.approx(2.0) and r["runs"]["wall_with_compile_s"] == [2.0, 5.0, 2.4]
     assert r["samples_per_s"] == pytest.approx(64.0) and r["runs"]["compile_s"] == [0.0, 3.0, 0.0]

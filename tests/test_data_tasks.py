@@ -38,8 +38,10 @@ def _parquet(path, rows):
     return str(path)
 
 
-def _prompts(task):
-    return sorted(task.train_item(i).prompt for i in range(len(task._train))) + sorted(
+def _prompts(task, rows):
+    """The prompts of a task read from ``rows`` rows: its training items (the rows not held out) and the held-out
+    ones."""
+    return sorted(task.train_item(i).prompt for i in range(rows - len(task.eval_items()))) + sorted(
         it.prompt for it in task.eval_items())
 
 
@@ -49,7 +51,7 @@ def test_gsm8k_from_jsonl_json_and_parquet(tmp_path):
     tasks.append(GSM8KTask(str(tmp_path / "g.json"), eval_size=2))
     tasks.append(GSM8KTask(_parquet(tmp_path / "g.parquet", GSM8K), eval_size=2))
     for task in tasks:
-        assert sorted(_prompts(task)) == sorted(r["question"] for r in GSM8K)
+        assert sorted(_prompts(task, len(GSM8K))) == sorted(r["question"] for r in GSM8K)
         item = task.eval_items()[0]
         assert task.score(item, f"So the total is {item.answer}.").correct
         assert not task.score(item, "I think 1000.").correct
@@ -70,13 +72,13 @@ def test_math_task_from_math_and_dapo_layouts(tmp_path):
     assert item.answer == "9" and dapo.score(item, "3 squared is 9.\nAnswer: 9").correct
     assert not dapo.score(item, "Answer: 6").correct
     pq = MathTask(_parquet(tmp_path / "dapo.parquet", DAPO), eval_size=1)
-    assert sorted(_prompts(pq)) == sorted(_prompts(dapo))
+    assert sorted(_prompts(pq, len(DAPO))) == sorted(_prompts(dapo, len(DAPO)))
 
 
 def test_field_mapping(tmp_path):
     rows = [{"q": {"text": f"question {i}?"}, "a": {"final": i}} for i in range(5)]
     task = MathTask(_jsonl(tmp_path / "m.jsonl", rows), eval_size=1, prompt_field="q.text", answer_field="a.final")
-    assert sorted(_prompts(task)) == [f"question {i}?" for i in range(5)]
+    assert sorted(_prompts(task, len(rows))) == [f"question {i}?" for i in range(5)]
     with pytest.raises(TaskDataError, match=r"m.jsonl:1: needs a non-empty prompt in field 'question'"):
         MathTask(str(tmp_path / "m.jsonl"), eval_size=1, prompt_field="question", answer_field="a.final")
 

@@ -60,7 +60,7 @@ def run(tmp_path_factory):
     from dora_jax import metrics
 
     run_dir = tmp_path_factory.mktemp("smollm2_arith")
-    figures, save = {}, metrics._save
+    figures, save = {}, metrics.save_figure
 
     def recording(fig, out_dir, name):
         figures[name] = [{"xlabel": ax.get_xlabel(), "ylabel": ax.get_ylabel(), "title": ax.get_title(),
@@ -71,11 +71,11 @@ def run(tmp_path_factory):
                           "inches": tuple(fig.get_size_inches())} for ax in fig.axes]
         return save(fig, out_dir, name)
 
-    metrics._save = recording
+    metrics.save_figure = recording
     try:
         assert main(["train", "--config", "smollm2_arith", "--run-dir", str(run_dir), *TINY_MODEL, *SHORT]) == 0
     finally:
-        metrics._save = save
+        metrics.save_figure = save
     return run_dir, figures
 
 

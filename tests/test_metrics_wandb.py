@@ -24,7 +24,7 @@ def test_wandb_offline_gets_the_rows_and_the_config(tmp_path, monkeypatch):
     w = MetricsWriter(run_dir, tensorboard=False)
     for step in (1, 2):
         w.write({"step": step, "reward": step / 4, "accuracy": 0.5, "staleness": {"0": 3}, "train": {"loss": 0.1 * step}})
-    run = w._wandb
+    run = w.wandb_run
     assert run.config["metrics"]["wandb_project"] == "dora-test" and run.config["task"]["reward_timeout_s"] == 10.0
     assert run.summary["reward"] == 0.5 and run.summary["train"]["loss"] == pytest.approx(0.2)
     w.close()

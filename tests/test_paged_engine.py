@@ -106,7 +106,7 @@ def test_a_short_pool_makes_requests_and_slots_wait_never_evicts(model):
         out, most = [], 0
         while not d.idle:
             out += d.step()
-            most = max(most, sum(g.live for g in d._groups.values()))
+            most = max(most, d.live_rows)
             assert eng.pages_held <= eng.num_pages
         assert eng.pages_held == 0
         return {t.sample_id: t for t in out}, most, d.page_waits
@@ -244,7 +244,7 @@ def test_a_group_after_a_shared_head_shares_the_head_and_its_own_full_pages(mode
                                  shared_prefix=shared)
     state = eng.insert_batch(batch, eng.init_decode_state(8), [0, 1, 2, 3, 4], limits)
     assert eng.pages_held == 2 + 2 + 4 * 1 + 1
-    tables = [eng.book.table(eng._record(state).ids[slot]) for slot in range(5)]
+    tables = [eng.page_table(state, slot) for slot in range(5)]
     assert all(t[:4] == tables[0][:4] for t in tables[:4]) and tables[4][:2] == tables[0][:2]
     assert len({t[4] for t in tables[:4]} | {tables[4][2]}) == 5  # partial last pages: each its own
     ref = alone.insert_batch(_unshared(batch), alone.init_decode_state(8), [0, 1, 2, 3, 4], limits)

@@ -148,12 +148,12 @@ def test_a_removed_version_leaves_the_devices_while_a_step_that_used_it_is_in_fl
     done = []
     while not any(t.sample_id == 0 for t in done):
         done += d.step()
-    in_flight = [x for x in d._launched if any(g.version == 0 for g in x.active)]
+    in_flight = d.results_in_flight(0)
     assert in_flight, "the scenario needs a step in flight that computes a row of version 0"
-    weights = [weakref.ref(x) for x in jax.tree.leaves(d._groups[0].params)]
+    weights = [weakref.ref(x) for x in jax.tree.leaves(d.params(0))]
     assert d.held() == [0, 1] and d.max_held == 2
     d.remove_version(0)
-    assert all(r.data.is_ready() for x in in_flight for r in x.results)
+    assert all(r.is_ready() for r in in_flight)
     assert d.held() == [1]
     gc.collect()
     assert all(w() is None for w in weights)  # no copy of version 0 left (the step in flight kept none)

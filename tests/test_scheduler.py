@@ -250,13 +250,6 @@ def _valid_ledger():
     return led
 
 
-def _set_state(led, sample_id, state):
-    """Moves a sample to ``state`` keeping the counts right, past every transition rule."""
-    led._counts[led.entries[sample_id].state] -= 1
-    led._counts[state] += 1
-    led.entries[sample_id].state = state
-
-
 def _entry(**fields):
     def brk(led, sample_id):
         for k, v in fields.items():
@@ -265,8 +258,8 @@ def _entry(**fields):
 
 
 BROKEN_LEDGERS = {
-    "split group": (lambda led: _set_state(led, 1, "finished"), r"group 0 was split: member states \['consumed', "
-                                                                  r"'finished'\]"),
+    "split group": (lambda led: led.set_state(1, "finished"), r"group 0 was split: member states \['consumed', "
+                                                                r"'finished'\]"),
     "two versions in one group": (lambda led: _entry(version=0)(led, 5), r"group 2 mixes versions \[0, 1\]"),
     "staleness above K": (lambda led: [_entry(trained_at=3)(led, s) for s in (2, 3)],
                           r"sample 2 \(version 1\) was trained at version 3: lag 2 outside \[0, 1\]"),
@@ -277,7 +270,8 @@ BROKEN_LEDGERS = {
     "consumed without its version": (lambda led: _entry(trained_at=-1)(led, 0),
                                      "sample 0 is consumed without the version it was trained at"),
     "filtered without a reason": (lambda led: _entry(reason="")(led, 4), "sample 4 is filtered without a reason"),
-    "counts off": (lambda led: led._counts.update(consumed=5), "state counts .* do not match the entries"),
+    # A state changed behind the ledger's back: its counts no longer match the entries.
+    "counts off": (lambda led: _entry(state="finished")(led, 0), "state counts .* do not match the entries"),
     "unknown state": (lambda led: _entry(state="lost")(led, 5), "sample 5 has unknown state 'lost'"),
     "a sample in two groups": (lambda led: led.groups[2].sample_ids.append(0),
                                r"sample 0 names group 0 but is listed by groups \[0, 2\]"),
@@ -345,7 +339,7 @@ def test_the_samples_file_check_rejects_broken_records():
                                              r"\[\(1, 1\), \(1, 2\)\]"):
         check_trained_samples(_rows(led), led, 1)
     led = _valid_ledger()
-    _set_state(led, 1, "finished")  # one member trained, the other not
+    led.set_state(1, "finished")  # one member trained, the other not
     with pytest.raises(AssertionError, match=r"group 0 trained in part: \[1\] missing"):
         check_trained_samples(_rows(led), led, 1)
 
@@ -464,6 +458,11 @@ def test_one_step_off_starts_a_batch_once_the_previous_one_is_generated():
     assert [g.group_id for g in s.dispatch()] == [4, 5] and s.batches == [[2, 3], [4, 5]]
 
 
+def _budget_left(s):
+    """Samples the scheduler may still dispatch: trained + outstanding stays within ``total_samples``."""
+    return s.policy.total_samples - s.trained_samples - sum(s.ledger.outstanding().values())
+
+
 def test_refill_replaces_filtered_groups_within_the_budget():
     """DAPO's dynamic sampling in sync mode: each wholly filtered group of the batch in flight is replaced by a
     new one, exactly enough for TBS live samples, as long as trained + outstanding samples stay within the
@@ -479,11 +478,11 @@ def test_refill_replaces_filtered_groups_within_the_budget():
     assert s.next_batch() == [1, 2]
     s.trained([1, 2])
     g3, g4 = s.dispatch()  # the last batch: the budget is spent
-    assert s._budget() == 0
+    assert _budget_left(s) == 0
     _filter_group(led, g3)
     _filter_group(led, g4)
     assert [g.group_id for g in s.dispatch()] == [5, 6]  # two replacements, the second with exactly 4 left
-    assert s.batches == [[3, 4, 5, 6]] and s._budget() == 0 and s.dispatch() == []
+    assert s.batches == [[3, 4, 5, 6]] and _budget_left(s) == 0 and s.dispatch() == []
 
     plain = Scheduler(SchedulePolicy("sync", 0, 8, 8, 4, 16))
     g0, g1 = plain.dispatch()

@@ -274,21 +274,20 @@ def test_an_unpicklable_reward_is_named():
 
 def test_a_shared_task_is_sent_once_per_worker():
     """The task every call shares reaches each worker once; later calls refer to it."""
+    from dora_jax.tasks.base import score_answer
+
     task = ArithmeticTask(seed=0, eval_size=400)  # its held-out set makes it tens of kB
     item = task.train_item(0)
+    big = len(pickle.dumps(task))
+    got, sent = {}, [0]
     with RewardPool(workers=1, timeout_s=5.0) as pool:
-        from dora_jax.tasks.base import score_answer
-
-        big = len(pickle.dumps(task))
-        slot = pool._start_worker()
-        first = pool._payload(slot, score_answer, (task, item, item.answer))
-        again = pool._payload(slot, score_answer, (task, item, item.answer))
-        assert len(first) > big and len(again) < big / 20
-        slot.has.clear()  # neither payload was sent
-        for k in range(3):
+        for k in range(3):  # one call at a time, all to the one worker
             pool.submit(k, score_answer, task, item, item.answer)
-        got = _collect(pool, 3)
-    assert all(r.reward == 1.0 and r.correct for r in got.values())
+            got.update(_collect(pool, 1))
+            sent.append(pool.sent_bytes)
+    first, *again = [b - a for a, b in zip(sent, sent[1:])]
+    assert first > big and all(n < big / 20 for n in again), (big, sent)
+    assert sorted(got) == [0, 1, 2] and all(r.reward == 1.0 and r.correct for r in got.values())
 
 
 def test_metrics_file_and_plots(tmp_path):

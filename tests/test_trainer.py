@@ -314,7 +314,7 @@ def _answer(d):
     return int((d - 2 + 3) % 10 + 2)
 
 
-def _learn(seed, steps, learning_rate):
+def learn_digit_task(seed, steps, learning_rate):
     """GRPO on the digit task with engine rollouts at temperature 1 on the current version; returns the mean
     reward of every step and the final greedy accuracy over all ten prompts."""
     cfg = Config(model=TASK, train=TrainConfig(group_size=8, learning_rate=learning_rate, length_buckets=(4,),
@@ -350,7 +350,7 @@ def _learn(seed, steps, learning_rate):
 def test_grpo_learns_a_verifiable_task(seed):
     """Prompt [1, d] for a digit token d; reward 1 iff the one response token is the digit three places on
     (mod 10). Chance is 1/16."""
-    rewards, greedy_acc = _learn(seed, STEPS, LEARNING_RATE)
+    rewards, greedy_acc = learn_digit_task(seed, STEPS, LEARNING_RATE)
     assert np.mean(rewards[:3]) < START_BELOW, rewards[:3]  # starts near chance (1/16)
     assert np.mean(rewards[-5:]) >= REWARD_AT_LEAST and greedy_acc >= GREEDY_AT_LEAST, (greedy_acc, rewards)
 
@@ -380,13 +380,13 @@ def test_an_iteration_is_its_minibatch_updates_in_order():
     """``minibatches=2, epochs=2``: four updates of two whole groups each, every epoch a fresh shuffle, the
     version advanced once. Equal to four single-update iterations on the same minibatches (the version held at
     the iteration's), and the plan itself partitions the groups."""
-    from dora_jax.trainer.step import _minibatch_rows
+    from dora_jax.trainer.step import minibatch_rows
 
     samples = _samples(seed=4)
     cfg = _config(minibatches=2, epochs=2)
     trainer, state = _trainer(cfg, tx=optax.sgd(0.05))
     host = make_batch(samples, group_size=4, length_buckets=cfg.train.length_buckets, row_multiple=1)
-    plan = _minibatch_rows(host.group_ids, host.valid, 2, 2, np.random.default_rng([cfg.run.seed, 9]), 1)
+    plan = minibatch_rows(host.group_ids, host.valid, 2, 2, np.random.default_rng([cfg.run.seed, 9]), 1)
     assert len(plan) == 4
     for epoch in (plan[:2], plan[2:]):  # each epoch: every group exactly once, whole, two per update
         seen = [tuple(sorted(set(host.group_ids[idx[real]].tolist()))) for idx, real, _ in epoch]

@@ -161,7 +161,7 @@ def test_process_local_copy_from_the_trainers_devices_moves_a_part_at_a_time(mon
     shardings = state_shardings(abstract_model(cfg)[1], mesh, rules)
     monkeypatch.setattr(sharding, "MOVE_PART_BYTES", 16 << 10)
     leaves, targets = jax.tree.leaves(params), jax.tree.leaves(shardings)
-    parts = sharding._parts(leaves, targets, 4)
+    parts = sharding.move_parts(leaves, targets, 4)
     assert len(parts) > 2 and sorted(i for p in parts for i in p) == list(range(len(leaves)))
     for p in parts:
         staged = [int(np.prod(targets[i].shard_shape(leaves[i].shape))) * leaves[i].dtype.itemsize for i in p]

@@ -82,6 +82,17 @@ class Ledger:
         e.state = to
         return e
 
+    def set_state(self, sample_id: int, state: str) -> None:
+        """Puts a sample in ``state`` past the transition rules, the counts kept right (as a saved ledger loads)."""
+        e = self.entries.get(sample_id)
+        if e is None:
+            raise LedgerError(f"sample {sample_id} is not in the ledger")
+        if state not in STATES:
+            raise LedgerError(f"sample {sample_id}: unknown state {state!r}")
+        self._counts[e.state] -= 1
+        self._counts[state] += 1
+        e.state = state
+
     def move_version(self, group_id: int, version: int) -> None:
         """Re-tags a group none of whose samples has started to ``version`` (the version it was dispatched on is
         never published, so nothing of it was generated)."""
@@ -189,9 +200,8 @@ class Ledger:
             e = led.entries[sid]
             if state not in STATES:
                 raise LedgerError(f"saved ledger: sample {sid} has unknown state {state!r}")
-            led._counts[e.state] -= 1
-            led._counts[state] += 1
-            e.state, e.reason, e.trained_at = state, reason, trained_at
+            led.set_state(sid, state)
+            e.reason, e.trained_at = reason, trained_at
             if state == "filtered" and not reason.startswith("group member"):
                 led._causes.setdefault(e.group_id, set()).add(sid)
         if len(seen) != len(led.entries):

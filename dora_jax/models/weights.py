@@ -435,77 +435,110 @@ def export_hf(model: Decoder, out_dir: str, *, tokenizer: Any = None, dtype: str
     export (a ``config.json`` beside ``*.safetensors``): a run directory or any other data is never replaced.
     """
     cfg = model.cfg
-    if not out_dir:
-        raise WeightsError("export: no output directory given")
-    here = os.path.abspath(os.getcwd())
-    if os.path.exists(out_dir):
-        if not os.path.isdir(out_dir):
-            raise WeightsError(f"{out_dir} exists and is a file, not a directory; choose another directory")
-        names = os.listdir(out_dir)
-        if names and not overwrite:
-            raise WeightsError(f"{out_dir} exists and is not empty; choose another directory or pass "
-                               "overwrite=True (--overwrite on the command line) to replace an earlier export")
-        if names and not ("config.json" in names and any(n.endswith(".safetensors") for n in names)):
-            raise WeightsError(f"{out_dir} is not an earlier export (no config.json beside *.safetensors), so it "
-                               f"is not replaced even with overwrite; it holds {', '.join(sorted(names)[:5])}"
-                               + (", ..." if len(names) > 5 else ""))
-        others = sorted(n + ("/" if os.path.isdir(os.path.join(out_dir, n)) else "") for n in names
-                        if not _export_file(n) or os.path.isdir(os.path.join(out_dir, n)))
-        if others:
-            raise WeightsError(f"{out_dir} holds files an export does not write ({', '.join(others[:5])}"
-                               + (", ..." if len(others) > 5 else "") + "), so it is not replaced even with "
-                               "overwrite; choose another directory")
-        if (here + os.sep).startswith(os.path.abspath(out_dir).rstrip(os.sep) + os.sep):
-            raise WeightsError(f"{out_dir} is the current directory (or holds it), so it is not replaced; run from "
-                               "elsewhere or choose another directory")
+    _check_export_target(out_dir, overwrite)
     np_dtype = _np_dtype(dtype or cfg.param_dtype)
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
-        shards: list[dict[str, np.ndarray]] = [{}]
-        size = 0
-        for spec in param_table(cfg):
-            full = np.asarray(jax.device_get(getattr(model, spec.name)[...]))  # one parameter on the host at a time
-            items = ([(spec.hf.format(i=i), full[i]) for i in range(cfg.num_layers)] if spec.stacked
-                     else [(spec.hf, full)])
-            for name, arr in items:
-                arr = np.ascontiguousarray(spec.to_hf(arr).astype(np_dtype))
-                if size + arr.nbytes > max_shard_bytes and shards[-1]:
-                    shards.append({})
-                    size = 0
-                shards[-1][name] = arr
-                size += arr.nbytes
-        if len(shards) == 1:
-            write_safetensors(os.path.join(tmp, "model.safetensors"), shards[0])
-        else:
-            weight_map = {}
-            for k, shard in enumerate(shards):
-                fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-                write_safetensors(os.path.join(tmp, fname), shard)
-                weight_map.update({n: fname for n in shard})
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
-        ids = None
-        if tokenizer is not None:
-            tokenizer.save_hf(tmp)
-            ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_ids[0] if tokenizer.eos_ids else None}
-        hf_cfg = hf_config_from_model(dataclasses.replace(cfg, param_dtype=np.dtype(np_dtype).name), ids)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf_cfg, f, indent=2)
-        aside = None
-        if os.path.exists(out_dir):  # the earlier export moves aside until the new one is in place
-            aside = tempfile.mkdtemp(prefix=".replaced-", dir=parent)
-            os.replace(out_dir, os.path.join(aside, "old"))
-        try:
-            os.replace(tmp, out_dir)
-        except BaseException:
-            if aside:
-                os.replace(os.path.join(aside, "old"), out_dir)
-            raise
-        if aside:
-            shutil.rmtree(aside, ignore_errors=True)
+        _write_weights(tmp, _export_shards(model, np_dtype, max_shard_bytes))
+        _write_config(tmp, cfg, np_dtype, tokenizer)
+        _replace_dir(tmp, out_dir, parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _check_export_target(out_dir: str, overwrite: bool) -> None:
+    """Refuses an ``out_dir`` that :func:`export_hf` may not write or replace.
+
+    Raises:
+      WeightsError: naming the directory and why.
+    """
+    if not out_dir:
+        raise WeightsError("export: no output directory given")
+    here = os.path.abspath(os.getcwd())
+    if not os.path.exists(out_dir):
+        return
+    if not os.path.isdir(out_dir):
+        raise WeightsError(f"{out_dir} exists and is a file, not a directory; choose another directory")
+    names = os.listdir(out_dir)
+    if names and not overwrite:
+        raise WeightsError(f"{out_dir} exists and is not empty; choose another directory or pass "
+                           "overwrite=True (--overwrite on the command line) to replace an earlier export")
+    if names and not ("config.json" in names and any(n.endswith(".safetensors") for n in names)):
+        raise WeightsError(f"{out_dir} is not an earlier export (no config.json beside *.safetensors), so it "
+                           f"is not replaced even with overwrite; it holds {', '.join(sorted(names)[:5])}"
+                           + (", ..." if len(names) > 5 else ""))
+    others = sorted(n + ("/" if os.path.isdir(os.path.join(out_dir, n)) else "") for n in names
+                    if not _export_file(n) or os.path.isdir(os.path.join(out_dir, n)))
+    if others:
+        raise WeightsError(f"{out_dir} holds files an export does not write ({', '.join(others[:5])}"
+                           + (", ..." if len(others) > 5 else "") + "), so it is not replaced even with "
+                           "overwrite; choose another directory")
+    if (here + os.sep).startswith(os.path.abspath(out_dir).rstrip(os.sep) + os.sep):
+        raise WeightsError(f"{out_dir} is the current directory (or holds it), so it is not replaced; run from "
+                           "elsewhere or choose another directory")
+
+
+def _export_shards(model: Decoder, np_dtype: Any, max_shard_bytes: int) -> list[dict[str, np.ndarray]]:
+    """The model's tensors by Hugging Face name in ``np_dtype``, in shards of at most ``max_shard_bytes`` (a
+    tensor larger than that alone in its shard)."""
+    cfg = model.cfg
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for spec in param_table(cfg):
+        full = np.asarray(jax.device_get(getattr(model, spec.name)[...]))  # one parameter on the host at a time
+        items = ([(spec.hf.format(i=i), full[i]) for i in range(cfg.num_layers)] if spec.stacked
+                 else [(spec.hf, full)])
+        for name, arr in items:
+            arr = np.ascontiguousarray(spec.to_hf(arr).astype(np_dtype))
+            if size + arr.nbytes > max_shard_bytes and shards[-1]:
+                shards.append({})
+                size = 0
+            shards[-1][name] = arr
+            size += arr.nbytes
+    return shards
+
+
+def _write_weights(tmp: str, shards: list[dict[str, np.ndarray]]) -> None:
+    """One ``model.safetensors``, or numbered shards and their ``model.safetensors.index.json``."""
+    if len(shards) == 1:
+        write_safetensors(os.path.join(tmp, "model.safetensors"), shards[0])
+        return
+    weight_map = {}
+    for k, shard in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(os.path.join(tmp, fname), shard)
+        weight_map.update({n: fname for n in shard})
+    with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+
+
+def _write_config(tmp: str, cfg: ModelConfig, np_dtype: Any, tokenizer: Any) -> None:
+    """``config.json`` (with the tokenizer's special ids and its files, when one is given)."""
+    ids = None
+    if tokenizer is not None:
+        tokenizer.save_hf(tmp)
+        ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_ids[0] if tokenizer.eos_ids else None}
+    hf_cfg = hf_config_from_model(dataclasses.replace(cfg, param_dtype=np.dtype(np_dtype).name), ids)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(hf_cfg, f, indent=2)
+
+
+def _replace_dir(tmp: str, out_dir: str, parent: str) -> None:
+    """Renames ``tmp`` to ``out_dir``; an earlier export there is moved aside first, and back if the rename
+    fails."""
+    aside = None
+    if os.path.exists(out_dir):
+        aside = tempfile.mkdtemp(prefix=".replaced-", dir=parent)
+        os.replace(out_dir, os.path.join(aside, "old"))
+    try:
+        os.replace(tmp, out_dir)
+    except BaseException:
+        if aside:
+            os.replace(os.path.join(aside, "old"), out_dir)
+        raise
+    if aside:
+        shutil.rmtree(aside, ignore_errors=True)

@@ -22,9 +22,10 @@ inserted before their first token (sampled at prefill) is read; it is read with 
 With ``decode_steps`` N > 1 (``rollout.decode_steps``, 8 by default) one dispatched program runs up to N decode
 steps (:meth:`Engine.generate_steps`): each row stops on the device at an eos or stop id or at its
 ``max_new_tokens``, and the host reads the N steps' tokens with one transfer, then finishes, admits and
-compacts between programs. A program ends where the host would act on a freed slot: at the first step that
-frees one while requests wait for a slot (pending here, or ``waiting_outside``), or when enough rows are freed
-for a group to compact. "Step" above then reads "program": overlap dispatches program t + 1 before reading
+compacts between programs. A program ends where the host would act on freed slots: while requests wait for a
+slot (pending here, or ``waiting_outside``), at the step that frees 1/32 of the engine's slots (one on an engine
+of fewer than 32, at most as many as wait: :data:`ADMIT_SLOTS_FRACTION`), or when enough rows are freed for a
+group to compact. "Step" above then reads "program": overlap dispatches program t + 1 before reading
 program t.
 """
 
@@ -42,6 +43,13 @@ from dora_jax.rollout.engine import (Engine, EngineError, RequestSampling, Share
                                      resolve_decode_steps)
 from dora_jax.rollout.engine_api import continues
 from dora_jax.rollout.sampling import needs_filter
+
+
+# While requests wait for a slot, a program of several steps ends once this fraction of the engine's slots
+# (1 / N, at least one slot, at most the requests waiting) has been freed, so they are admitted together: one
+# prefill for several requests and programs that run most of their steps, for at most a few steps' wait of the
+# freed slots. An engine of fewer than N slots admits at every freed slot.
+ADMIT_SLOTS_FRACTION = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,10 +102,23 @@ class _Group:
     slots: list[_Live | None] = dataclasses.field(default_factory=list)
     prefix: SharedPrefix | None = None  # the driver's shared prefix prefilled by this version, made at first use
     freed: list[int] = dataclasses.field(default_factory=list)  # rows ended since the state last freed slots
+    live: int = 0  # rows holding a live trajectory (kept with ``slots``: the hot path reads it per program)
+    # Each row's stop ids as the engine reads them (int32 [rows, M], -1 padded), kept with ``slots``.
+    stops: np.ndarray = dataclasses.field(default_factory=lambda: np.full((0, 4), -1, np.int32))
 
-    @property
-    def live(self) -> int:
-        return sum(s is not None for s in self.slots)
+    def put(self, slot: int, live: _Live) -> None:
+        self.slots[slot] = live
+        self.live += 1
+        # A new table, not written in place: a program in flight may read the one it was given (on CPU, JAX
+        # reads a NumPy argument without copying it).
+        width = max(self.stops.shape[1], bucket(len(live.stops), minimum=4))
+        self.stops = np.pad(self.stops, ((0, 0), (0, width - self.stops.shape[1])), constant_values=-1)
+        self.stops[slot] = -1
+        self.stops[slot, :len(live.stops)] = live.stops
+
+    def clear(self, slot: int) -> None:
+        self.slots[slot] = None
+        self.live -= 1
 
 
 @dataclasses.dataclass
@@ -116,6 +137,7 @@ class _Launched:
     # was read; it is read with this step's results. One entry per prefill program: its first tokens, the
     # requests' rows in order.
     admitted: list[tuple[Any, list[_Live]]] = dataclasses.field(default_factory=list)
+    stops: list[np.ndarray] = dataclasses.field(default_factory=list)  # each group's stop table at dispatch
     steady: bool = False  # every slot was live, and could run the whole program, when it was dispatched
     # One step per program: (version, row) of the live rows the page pool could not give a token's page.
     waited: set[tuple[int, int]] = dataclasses.field(default_factory=set)
@@ -154,7 +176,6 @@ class RolloutDriver:
         self.fuse = fuse
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self._eos_tuple = tuple(sorted(self.eos_ids))
-        self._eos_array = np.asarray(self._eos_tuple, np.int64)
         self._groups: dict[int, _Group] = {}
         self._pending: collections.deque[tuple[Request, float]] = collections.deque()
         # Requests wait for a slot outside the driver (a caller that submits only into free slots sets this
@@ -215,6 +236,16 @@ class RolloutDriver:
         if version not in self._groups:
             raise EngineError(f"policy version {version} is not loaded (loaded: {self.versions})")
         return self._groups[version].params
+
+    def decode_state(self, version: int) -> Any:
+        """A loaded version's decode state (its rows; the engine's pages hold their cache)."""
+        if version not in self._groups:
+            raise EngineError(f"policy version {version} is not loaded (loaded: {self.versions})")
+        return self._groups[version].state
+
+    def results_in_flight(self, version: int) -> list[Any]:
+        """The results of dispatched programs not read back yet that compute a row of ``version``."""
+        return [r.data for x in self._launched if any(g.version == version for g in x.active) for r in x.results]
 
     def held(self) -> list[int]:
         """The policy versions whose weights this driver holds now: the loaded ones, and any other whose group a
@@ -329,6 +360,9 @@ class RolloutDriver:
         else:
             g.state = self.engine.resize(g.state, rows, capacity)
         g.slots = [g.slots[i] for i in rows] + [None] * (capacity - len(rows))
+        stops = np.full((capacity, g.stops.shape[1]), -1, np.int32)
+        stops[:len(rows)] = g.stops[rows]
+        g.stops = stops
 
     def _finish(self, live: _Live, reason: str, now: float) -> Trajectory:
         r = live.request
@@ -377,12 +411,12 @@ class RolloutDriver:
                 g.prefix = self.engine.prefill_shared_prefix(params=g.params, tokens=self.shared_prefix,
                                                              version=version)
                 self.prefilled_tokens += n
-            for chunk in self._prefill_chunks(whole):
+            for chunk in self.prefill_chunks(whole):
                 self._prefill_and_insert(g, chunk, done, admitted, None)
-            for chunk in self._prefill_chunks(after, skip=n):
+            for chunk in self.prefill_chunks(after, skip=n):
                 self._prefill_and_insert(g, chunk, done, admitted, g.prefix)
 
-    def _prefill_chunks(self, items: list[tuple[Request, float]], skip: int = 0) -> list[list[tuple[Request, float]]]:
+    def prefill_chunks(self, items: list[tuple[Request, float]], skip: int = 0) -> list[list[tuple[Request, float]]]:
         """Splits admitted requests so that (distinct prompts x bucket of the tokens prefilled, which start
         ``skip`` tokens in) stays within the budget; without ``batch_prefill``, one request per chunk (each
         prompt prefilled on its own, as JetStream does)."""
@@ -444,7 +478,7 @@ class RolloutDriver:
         g.state = self.engine.insert_batch(batch, g.state, slots, limits)
         for slot, live in zip(slots, lives):
             if slot is not None:
-                g.slots[slot] = live
+                g.put(slot, live)
 
     def _free_rows(self, g: _Group, lives: list[_Live | None]) -> list[int | None]:
         """A free row of ``g`` for each live request, in order; across batch shards, each in the shard with
@@ -559,31 +593,28 @@ class RolloutDriver:
         """:meth:`launch` with ``decode_steps`` steps per program (:meth:`Engine.generate_steps`): each live row
         may produce up to ``decode_steps`` tokens, fewer where its ``max_new_tokens`` ends sooner (counting the
         tokens of programs still in flight), and stops on the device at an eos or stop id. The program ends
-        where the host would act on a freed slot: while requests wait for a slot, at the first step that frees
-        one (a stop, or a row's last token); otherwise, when a group's freed rows would let it compact (at most
-        half its rows live). So admission and compaction happen at the steps they would with one step per
-        program, and the steps between them run without the host."""
+        where the host would act on freed slots (a stop, or a row's last token): while requests wait for a slot,
+        at the step that frees :data:`ADMIT_SLOTS_FRACTION` of the slots (module docstring); otherwise, when a
+        group's freed rows would let it compact (at most half its rows live). The steps between run without the
+        host."""
         n = self.decode_steps
         fused = self.fuse and len(active) > 1
         floor = max(len(g.slots) for g in active) if fused else 1
         for g in active:  # fused groups share one capacity, as in launch
             if len(g.slots) < floor:
                 self._resize(g, floor)
-        budgets, final, stops = [], [], []
-        for g in active:  # one pass over the rows: each live row's budget, whether it ends it, its stop ids
-            bs, fs, ss = [0] * len(g.slots), [False] * len(g.slots), [()] * len(g.slots)
-            for i, s in enumerate(g.slots):
-                if s is None:
-                    continue
-                ss[i] = s.stops
-                left = 0 if s.finished else s.request.max_new_tokens - len(s.tokens) - s.in_flight
-                if left > 0:
-                    bs[i], fs[i] = min(n, left), left <= n
-            budgets.append(np.asarray(bs, np.int32))
-            final.append(np.asarray(fs, bool))
-            stops.append(ss)
-        if self._pending or self.waiting_outside:  # a freed slot takes a waiting request
-            end_after = [1] * len(active)
+        budgets, final = [], []
+        for g in active:  # each live row's budget, and whether its budget's last token ends it
+            left = np.array([0 if s is None or s.finished else s.request.max_new_tokens - len(s.tokens) - s.in_flight
+                             for s in g.slots], np.int64)
+            budgets.append(np.clip(left, 0, n).astype(np.int32))
+            final.append((left > 0) & (left <= n))
+        stops = [g.stops for g in active]
+        if self._pending or self.waiting_outside:  # freed slots take waiting requests
+            want = max(1, self.engine.max_concurrent_decodes // ADMIT_SLOTS_FRACTION)
+            if not self.waiting_outside:
+                want = min(want, len(self._pending))
+            end_after = [min(want, g.live) for g in active]
         elif self.compact:  # frees that bring a group to half its rows, where _compact shrinks it
             end_after = [max(g.live - len(g.slots) // 2, 0) for g in active]
         else:
@@ -604,14 +635,16 @@ class RolloutDriver:
         rows = [list(g.slots) for g in active]
         steady = sum(g.live for g in self._groups.values()) == self.engine.max_concurrent_decodes
         for slots, got in zip(rows, granted):
-            for live, b in zip(slots, got.tolist()):
-                if live is not None:
-                    live.in_flight += b
-                    steady = steady and (b == n or live.finished)
+            taken = got.tolist()
+            for i in np.flatnonzero(got).tolist():
+                slots[i].in_flight += taken[i]
+            # Every live row that is not already finished runs the whole program.
+            if steady and not (got == n).all():
+                steady = all(slots[i] is None or slots[i].finished for i in np.flatnonzero(got != n).tolist())
         self._count_kv()
         # The steady state: every slot live, and each may run the whole program (none about to drain).
         return _Launched(done, active, results, floor, fused=fused, rows=rows, admitted=admitted,
-                         budgets=[g.tolist() for g in granted], steady=steady)
+                         budgets=[g.tolist() for g in granted], stops=stops, steady=steady)
 
     def _dispatched(self, active: list[_Group]) -> list[list[_Live | None]]:
         """Books a dispatched step: each group's slots as they are now (their results come in this layout,
@@ -664,7 +697,7 @@ class RolloutDriver:
         step order; the rows computed are the program's rows times the steps it ran."""
         done, active = launched.done, launched.active
         per_group, ran = [], []
-        groups = list(zip(active, launched.rows, launched.budgets))
+        groups = list(zip(active, launched.rows, launched.budgets, launched.stops))
         programs = [groups] if len(launched.results) == 1 else [[x] for x in groups]  # fused, or one per group
         for result, members in zip(launched.results, programs):
             host = result.to_host()
@@ -672,14 +705,14 @@ class RolloutDriver:
             ran.append(steps)
             self.batch_steps += steps
             row = 0
-            for g, rows, budgets in members:
+            for g, rows, budgets, stops in members:
                 self.rows_computed += len(rows) * steps
-                per_group.append((g, rows, budgets, {k: v[:, row:row + len(rows)] for k, v in cols.items()}))
+                per_group.append((g, rows, budgets, stops, {k: v[:, row:row + len(rows)] for k, v in cols.items()}))
                 row += len(rows)
         now = time.perf_counter()
         floor = bucket(max(g.live for g in active), minimum=1) if launched.floor > 1 else 1
-        for g, rows, budgets, cols in per_group:
-            self._take_steps(g, rows, budgets, cols, now, done, floor)
+        for g, rows, budgets, stops, cols in per_group:
+            self._take_steps(g, rows, budgets, stops, cols, now, done, floor)
         self.steps += max(ran)
         self.dispatches += 1
         self.dispatch_steps[max(ran)] += 1
@@ -703,7 +736,7 @@ class RolloutDriver:
         live.finished = True
         done.append(self._finish(live, reason, now))
         slot = g.slots.index(live)
-        g.slots[slot] = None
+        g.clear(slot)
         g.freed.append(slot)
 
     def _free(self, g: _Group) -> None:
@@ -733,39 +766,38 @@ class RolloutDriver:
         self._free(g)
         self._compact(g, floor)
 
-    def _take_steps(self, g: _Group, rows: list[_Live | None], budgets: list[int], cols: dict[str, np.ndarray],
-                    now: float, done: list[Trajectory], floor: int = 1) -> None:
-        """:meth:`_take` for several steps (``cols`` [steps, rows]): each row's valid tokens, in order, up to
-        the one that ends its trajectory (the device stopped it there too). The checks run over the whole
-        block at once; the Python per row is a few list operations, not one per token."""
+    def _take_steps(self, g: _Group, rows: list[_Live | None], budgets: list[int], stops: np.ndarray,
+                    cols: dict[str, np.ndarray], now: float, done: list[Trajectory], floor: int = 1) -> None:
+        """:meth:`_take` for several steps (``cols`` [steps, rows]; ``stops``: the rows' stop table at dispatch):
+        each row's valid tokens, in order, up to the one that ends its trajectory (the device stopped it there
+        too). The checks run over the whole block at once; the Python per row is a few list operations."""
         valid, tokens = cols["valid"], cols["token"]
         counts = valid.sum(axis=0)
         step = np.arange(valid.shape[0])[:, None]
         order = valid == (step < counts)  # each row's tokens are the first steps'
         ours = ~valid | (cols["version"] == g.version)
-        eos = np.isin(tokens, self._eos_array) & valid
-        early = eos & (step < counts - 1)  # an eos before the row's last token
-        bad = ~order.all(axis=0) | ~ours.all(axis=0) | early.any(axis=0) | (counts > np.asarray(budgets))
-        last_eos = eos[np.maximum(counts - 1, 0), np.arange(counts.size)].tolist()
+        stop = (tokens[..., None] == stops[None]).any(axis=-1) & valid  # an eos or one of the row's stop ids
+        early = stop & (step < counts - 1)  # a stop before the row's last token
+        bad = (~order.all(axis=0) | ~ours.all(axis=0) | early.any(axis=0) | (counts > np.asarray(budgets))).tolist()
+        ends = stop[np.maximum(counts - 1, 0), np.arange(counts.size)].tolist()
         toks, lps, counts = tokens.T.tolist(), cols["logprob"].T.tolist(), counts.tolist()
+        produced = 0
         for slot, live in enumerate(rows):
             if live is None:
                 continue
             live.in_flight -= budgets[slot]
-            if live.finished:  # ended before this program's results (the device stopped it: no tokens)
-                continue
             n = counts[slot]
-            if not n:
+            if live.finished or not n:  # ended before this program's results (the device stopped it: no tokens)
                 continue
-            mine = live.request.stop_ids
-            if bad[slot] or (mine and not set(toks[slot][:n - 1]).isdisjoint(mine)):
+            if bad[slot]:
                 raise RuntimeError(f"slot {slot} of version {g.version} returned {n} tokens out of order, past its "
                                    f"end or past its budget of {budgets[slot]}")  # engine bug
-            self.rows_live += n
+            produced += n
             live.tokens += toks[slot][:n]
             live.logprobs += lps[slot][:n]
-            if last_eos[slot] or len(live.tokens) >= live.request.max_new_tokens or (mine and toks[slot][n - 1] in mine):
+            if ends[slot] or len(live.tokens) >= live.request.max_new_tokens:
                 self._ended(g, live, toks[slot][n - 1], now, done)
+        self.rows_live += produced
         self._free(g)
         self._compact(g, floor)
 

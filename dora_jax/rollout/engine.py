@@ -112,6 +112,39 @@ def prompt_rows(distinct: int, slots: int) -> int:
     return min(rows, bucket(slots, minimum=1))
 
 
+def _step_arguments(states_seq, steps, budgets, stop_ids, final, end_after, limit):
+    """:meth:`Engine.generate_steps`'s per-state arguments, checked, as its program takes them: (limit, budgets,
+    stop tables of one width, final flags, end_after)."""
+    if not states_seq or len(budgets) != len(states_seq) or len(stop_ids) != len(states_seq):
+        raise EngineError(f"generate_steps: {len(budgets)} budgets and {len(stop_ids)} stop-id lists for "
+                          f"{len(states_seq)} decode states")
+    if not (isinstance(steps, (int, np.integer)) and steps >= 1):
+        raise EngineError(f"generate_steps: steps must be an integer >= 1, got {steps!r}")
+    limit = steps if limit is None else limit
+    if not 0 <= limit <= steps:
+        raise EngineError(f"generate_steps: limit {limit!r} must be in [0, steps = {steps}]")
+    final = [np.zeros((st.tokens.shape[0],), bool) for st in states_seq] if final is None else final
+    end_after = np.zeros((len(states_seq),), np.int32) if end_after is None else np.asarray(end_after, np.int32)
+    if len(final) != len(states_seq) or end_after.shape != (len(states_seq),):
+        raise EngineError(f"generate_steps: {len(final)} final flags and {end_after.size} end_after counts for "
+                          f"{len(states_seq)} decode states")
+    budget_arrays, stop_arrays, final_arrays = [], [], []
+    for st, budget, stops, ends in zip(states_seq, budgets, stop_ids, final):
+        b = st.tokens.shape[0]
+        budget = np.asarray(budget, np.int32).reshape(-1)
+        ends = np.asarray(ends, bool).reshape(-1)
+        if budget.shape[0] != b or len(stops) != b or ends.shape[0] != b:
+            raise EngineError(f"generate_steps: a decode state of {b} slots got {budget.shape[0]} budgets, "
+                              f"{len(stops)} stop-id lists and {ends.shape[0]} final flags")
+        budget_arrays.append(budget)
+        stop_arrays.append(stops if isinstance(stops, np.ndarray) and stops.ndim == 2 else stop_table(stops))
+        final_arrays.append(ends)
+    width = max(x.shape[1] for x in stop_arrays)  # one width for all states: one program per mix
+    stop_arrays = [x if x.shape[1] == width else np.pad(x, ((0, 0), (0, width - x.shape[1])), constant_values=-1)
+                   for x in stop_arrays]
+    return limit, budget_arrays, stop_arrays, final_arrays, end_after
+
+
 class _Rows:
     """The host side of one decode state: the page book's record of the request each row holds (0: empty)."""
 
@@ -216,8 +249,25 @@ class Engine:
         self.programs = DecodePrograms(cfg, settings, max_target_length=max_target_length, shards=self.shards,
                                        page_tokens=self.page_tokens, pool_pages=self.shards * self.shard_pages,
                                        mesh=mesh, rules=self.rules, spans_processes=self.spans_processes)
-        progs = self.programs
-        # Every jitted program, so warm-up can compile them all and a later compile is logged with its shape.
+        self._jit_programs(self.programs)
+        # Requests of one prefill program: fixed per engine (padding rows are never inserted), so the programs
+        # after the model's prefill are compiled per distinct-prompt count and prompt bucket only.
+        self.request_rows = bucket(max_concurrent_decodes, minimum=1)
+        # Attention reads per decode step, counted on the host from each program's results when asked
+        # (benchmarks: kv_read_ratio); off by default, as it costs host time per dispatch.
+        self.count_reads = False
+        self.kv_read_tokens = self.kv_live_tokens = 0
+        self.count_reads_s = 0.0  # host time the counting took (benchmarks take it off what they time)
+        # Device arrays whose last use is a program still in flight (a prefill's logits and cache), each with the
+        # number of decode programs dispatched before it: dropped once a later decode program's results are
+        # read. Dropping the last reference to an array in use blocks the host on some backends (XLA:CPU), and
+        # the decode program that follows depends on every one of them.
+        self._retired: collections.deque[tuple[int, Any]] = collections.deque()
+        self._decodes = 0
+
+    def _jit_programs(self, progs: DecodePrograms) -> None:
+        """Jits every program under its name (:attr:`compiled`), so warm-up compiles them all and a later compile
+        is logged with its shape."""
         self.compiled = Programs("rollout engine", serial_jit)
         jit = self.compiled.jit
         self._prefill_jit = jit("prefill", progs.prefill)
@@ -236,20 +286,6 @@ class Engine:
         self._zeros_jit = jit("zeros", lambda b: progs.pin(progs.zeros(b)), static_argnums=(0,))
         self._fuse_jit = jit("fuse_params", fuse_layer_params)
         self._cast_jit = jit("cast_params", lambda tree: jax.tree.map(lambda x: x.astype(self.dtype), tree))
-        # Requests of one prefill program: fixed per engine (padding rows are never inserted), so the programs
-        # after the model's prefill are compiled per distinct-prompt count and prompt bucket only.
-        self.request_rows = bucket(max_concurrent_decodes, minimum=1)
-        # Attention reads per decode step, counted on the host from each program's results when asked
-        # (benchmarks: kv_read_ratio); off by default, as it costs host time per dispatch.
-        self.count_reads = False
-        self.kv_read_tokens = self.kv_live_tokens = 0
-        self.count_reads_s = 0.0  # host time the counting took (benchmarks take it off what they time)
-        # Device arrays whose last use is a program still in flight (a prefill's logits and cache), each with the
-        # number of decode programs dispatched before it: dropped once a later decode program's results are
-        # read. Dropping the last reference to an array in use blocks the host on some backends (XLA:CPU), and
-        # the decode program that follows depends on every one of them.
-        self._retired: collections.deque[tuple[int, Any]] = collections.deque()
-        self._decodes = 0
 
     # -- JetStream API properties --------------------------------------------------------------------------
 
@@ -610,7 +646,8 @@ class Engine:
           states_seq: the decode states.
           steps: the most steps (compiled in: one program per value, so callers keep to a few).
           budgets: per state, int [B]: the most tokens each slot may produce (0: none).
-          stop_ids: per state, each slot's stop ids (end-of-sequence ids and the request's own).
+          stop_ids: per state, each slot's stop ids (end-of-sequence ids and the request's own), or the table
+            :func:`~dora_jax.rollout.engine_api.stop_table` makes of them (int32 [B, M], -1 padded).
           final: per state, bool [B]: the budget's last token ends the slot's request (its ``max_new_tokens``),
             so producing it frees the slot. Default: none does.
           end_after: per state, end the program after the step at which this many of the state's slots have
@@ -622,33 +659,10 @@ class Engine:
         Only ``steps`` and ``filtered`` are compiled in; budgets, stop ids, ``final``, ``end_after`` and ``limit``
         are arguments.
         """
-        if len(params_seq) != len(states_seq) or not states_seq or len(budgets) != len(states_seq) \
-                or len(stop_ids) != len(states_seq):
-            raise EngineError(f"generate_steps: {len(params_seq)} params, {len(budgets)} budgets and "
-                              f"{len(stop_ids)} stop-id lists for {len(states_seq)} decode states")
-        if not (isinstance(steps, (int, np.integer)) and steps >= 1):
-            raise EngineError(f"generate_steps: steps must be an integer >= 1, got {steps!r}")
-        limit = steps if limit is None else limit
-        if not 0 <= limit <= steps:
-            raise EngineError(f"generate_steps: limit {limit!r} must be in [0, steps = {steps}]")
-        final = [np.zeros((st.tokens.shape[0],), bool) for st in states_seq] if final is None else final
-        end_after = np.zeros((len(states_seq),), np.int32) if end_after is None else np.asarray(end_after, np.int32)
-        if len(final) != len(states_seq) or end_after.shape != (len(states_seq),):
-            raise EngineError(f"generate_steps: {len(final)} final flags and {end_after.size} end_after counts for "
-                              f"{len(states_seq)} decode states")
-        budget_arrays, stop_arrays, final_arrays = [], [], []
-        for st, budget, stops, ends in zip(states_seq, budgets, stop_ids, final):
-            b = st.tokens.shape[0]
-            budget = np.asarray(budget, np.int32).reshape(-1)
-            ends = np.asarray(ends, bool).reshape(-1)
-            if budget.shape[0] != b or len(stops) != b or ends.shape[0] != b:
-                raise EngineError(f"generate_steps: a decode state of {b} slots got {budget.shape[0]} budgets, "
-                                  f"{len(stops)} stop-id lists and {ends.shape[0]} final flags")
-            budget_arrays.append(budget)
-            stop_arrays.append(stop_table(stops))
-            final_arrays.append(ends)
-        width = max(x.shape[1] for x in stop_arrays)  # one width for all states: one program per mix
-        stop_arrays = [np.pad(x, ((0, 0), (0, width - x.shape[1])), constant_values=-1) for x in stop_arrays]
+        if len(params_seq) != len(states_seq):
+            raise EngineError(f"generate_steps: {len(params_seq)} params for {len(states_seq)} decode states")
+        limit, budget_arrays, stop_arrays, final_arrays, end_after = _step_arguments(
+            states_seq, steps, budgets, stop_ids, final, end_after, limit)
         recs = [self._record(st) for st in states_seq]
         # Pages for every token a slot may produce; a slot the pool cannot serve safely gets a smaller budget
         # (what its pages cover), and its final flag only if it keeps its whole budget.
@@ -955,6 +969,10 @@ class Engine:
     def row_shard(self, capacity: int, row: int) -> int:
         """The batch shard of slot ``row`` in a decode state of ``capacity`` slots."""
         return row * self.shards // capacity
+
+    def page_table(self, decode_state: DecodeState, slot: int) -> list[int]:
+        """The pages of the request ``slot`` of ``decode_state`` holds, in order (empty for an empty slot)."""
+        return self.book.table(self._record(decode_state).ids[slot])
 
     def pages_needed(self, limit: int) -> int:
         """Pages a request of up to ``limit`` tokens holds at its longest (sharing with its group aside)."""

@@ -88,114 +88,123 @@ def _rewind(prefix: Prefix, last_token) -> Prefix:
                            length=prefix.length - 1)
 
 
+class _AdapterMethods:
+    """The adapter's methods. :func:`_make_class` puts them before JetStream's ``Engine`` in a subclass of it,
+    with ``_result_tokens`` that module's ``ResultTokens``: google-jetstream is imported only then."""
+
+    _result_tokens: type
+
+    def __init__(self, engine: Engine, tokenizer: Any = None, tokenizer_params: Any = None):
+        self.engine = engine
+        self._tokenizer = tokenizer
+        self._tokenizer_params = tokenizer_params
+        self._rewind_jit = serial_jit(_rewind)
+        self._start_jit = serial_jit(self._start_impl, donate_argnums=(0, 1))
+        self._lengths_jit = serial_jit(self._lengths_impl, donate_argnums=(0,))
+
+    # -- pure implementations --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _start_impl(starts, lengths, slot, length):
+        return starts.at[slot].set(length + 1), lengths.at[slot].set(0)
+
+    def _lengths_impl(self, lengths, starts, packed):
+        active = packed[:, 1] == 1
+        lengths = lengths + active.astype(jnp.int32)
+        # The token of this step sits at position starts + lengths - 1; the cache holds positions up to
+        # max_target_length - 1, and a step past them (the engine holds the row there) reports nothing.
+        valid = active & (starts + lengths <= self.engine.max_target_length)
+        data = jnp.stack([packed[:, 0], valid.astype(jnp.int32), lengths, packed[:, 3], packed[:, 4]], axis=-1)
+        return lengths, data
+
+    # -- computation -----------------------------------------------------------------------------------------
+
+    def prefill(self, *, params: Any, existing_prefix: SharedPrefix | None = None, padded_tokens: Any,
+                true_length: int, sample_id: int = 0, version: int = 0,
+                sampling: RequestSampling = RequestSampling()) -> Prefix:
+        padded = np.asarray(padded_tokens, np.int32).reshape(-1)
+        prefix, _ = self.engine.prefill(params=params, existing_prefix=existing_prefix, padded_tokens=padded,
+                                        true_length=true_length, sample_id=sample_id, version=version,
+                                        sampling=sampling)
+        rewound = self._rewind_jit(prefix._replace(host_length=None, head=None), padded[true_length - 1])
+        return rewound._replace(host_length=prefix.host_length, head=prefix.head)
+
+    def insert(self, prefix: Prefix, decode_state: JetStreamDecodeState, slot: int) -> JetStreamDecodeState:
+        b = decode_state.starts.shape[0]
+        if not (isinstance(slot, (int, np.integer)) and 0 <= slot < b):
+            raise EngineError(f"slot {slot!r} does not exist (decode state has slots 0..{b - 1})")
+        # The engine writes the prompt into the slot's pages; the adapter keeps where its tokens start.
+        state = self.engine.insert(prefix, decode_state.engine, int(slot))
+        starts, lengths = self._start_jit(decode_state.starts, decode_state.lengths, np.int32(slot),
+                                          prefix.length)
+        return JetStreamDecodeState(state, starts, lengths)
+
+    def generate(self, params: Any, decode_state: JetStreamDecodeState, *, filtered: bool | None = None
+                 ) -> tuple[JetStreamDecodeState, Any]:
+        state, result = self.engine.generate(params, decode_state.engine, filtered=filtered)
+        lengths, data = self._lengths_jit(decode_state.lengths, decode_state.starts, result.data)
+        state = JetStreamDecodeState(state, decode_state.starts, lengths)
+        return state, self._result_tokens(data=data, tokens_idx=(TOKEN, TOKEN + 1),
+                                          valid_idx=(VALID, VALID + 1), length_idx=(LENGTH, LENGTH + 1),
+                                          samples_per_slot=1)
+
+    def load_params(self, params: Any = None) -> Any:
+        return self.engine.prepare_params(self.engine.params if params is None else params)
+
+    def init_decode_state(self, capacity: int | None = None) -> JetStreamDecodeState:
+        state = self.engine.init_decode_state(capacity)
+        b = state.tokens.shape[0]
+        return JetStreamDecodeState(state, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32))
+
+    def get_prefix_destination_sharding(self) -> Any:
+        """Where a prefix goes for :meth:`insert`: every leaf replicated over the engine's mesh (one device
+        without a mesh), in the structure of :class:`~dora_jax.rollout.engine.Prefix`."""
+        s = NamedSharding(self.mesh, PartitionSpec())
+        if self.engine.mesh is None:
+            s = SingleDeviceSharding(self.mesh.devices.flat[0])
+        return Prefix(KVCache(s, s), s, s, s, s, s, SamplingParams(s, s, s), s, s)
+
+    # -- tokenizer ---------------------------------------------------------------------------------------------
+
+    def get_tokenizer(self) -> Any:
+        return self._tokenizer_params
+
+    def build_tokenizer(self, metadata: Any) -> Any:
+        if self._tokenizer is None:
+            raise EngineError("build_tokenizer: no tokenizer was given to as_jetstream_engine")
+        return self._tokenizer
+
+    # -- capacity ----------------------------------------------------------------------------------------------
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self.engine.max_concurrent_decodes
+
+    @property
+    def samples_per_slot(self) -> int:
+        return 1
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self.engine.max_prefill_length
+
+    @property
+    def mesh(self) -> Mesh:
+        if self.engine.mesh is not None:
+            return self.engine.mesh
+        device = next(iter(jax.tree.leaves(self.engine.params)[0].devices()))
+        return Mesh(np.array([device]), ("data",))
+
+    @property
+    def colocated_cpus(self) -> None:
+        return None
+
+
 def _make_class(engine_api) -> type:
-    class DoraJetStreamEngine(engine_api.Engine):
+    class DoraJetStreamEngine(_AdapterMethods, engine_api.Engine):
         """A dora_jax rollout engine behind JetStream's abstract ``Engine`` interface."""
 
-        def __init__(self, engine: Engine, tokenizer: Any = None, tokenizer_params: Any = None):
-            self.engine = engine
-            self._tokenizer = tokenizer
-            self._tokenizer_params = tokenizer_params
-            self._rewind_jit = serial_jit(_rewind)
-            self._start_jit = serial_jit(self._start_impl, donate_argnums=(0, 1))
-            self._lengths_jit = serial_jit(self._lengths_impl, donate_argnums=(0,))
-
-        # -- pure implementations ----------------------------------------------------------------------------
-
-        @staticmethod
-        def _start_impl(starts, lengths, slot, length):
-            return starts.at[slot].set(length + 1), lengths.at[slot].set(0)
-
-        def _lengths_impl(self, lengths, starts, packed):
-            active = packed[:, 1] == 1
-            lengths = lengths + active.astype(jnp.int32)
-            # The token of this step sits at position starts + lengths - 1; the cache holds positions up to
-            # max_target_length - 1, and a step past them (the engine holds the row there) reports nothing.
-            valid = active & (starts + lengths <= self.engine.max_target_length)
-            data = jnp.stack([packed[:, 0], valid.astype(jnp.int32), lengths, packed[:, 3], packed[:, 4]], axis=-1)
-            return lengths, data
-
-        # -- computation -------------------------------------------------------------------------------------
-
-        def prefill(self, *, params: Any, existing_prefix: SharedPrefix | None = None, padded_tokens: Any,
-                    true_length: int, sample_id: int = 0, version: int = 0,
-                    sampling: RequestSampling = RequestSampling()) -> Prefix:
-            padded = np.asarray(padded_tokens, np.int32).reshape(-1)
-            prefix, _ = self.engine.prefill(params=params, existing_prefix=existing_prefix, padded_tokens=padded,
-                                            true_length=true_length, sample_id=sample_id, version=version,
-                                            sampling=sampling)
-            rewound = self._rewind_jit(prefix._replace(host_length=None, head=None), padded[true_length - 1])
-            return rewound._replace(host_length=prefix.host_length, head=prefix.head)
-
-        def insert(self, prefix: Prefix, decode_state: JetStreamDecodeState, slot: int) -> JetStreamDecodeState:
-            b = decode_state.starts.shape[0]
-            if not (isinstance(slot, (int, np.integer)) and 0 <= slot < b):
-                raise EngineError(f"slot {slot!r} does not exist (decode state has slots 0..{b - 1})")
-            # The engine writes the prompt into the slot's pages; the adapter keeps where its tokens start.
-            state = self.engine.insert(prefix, decode_state.engine, int(slot))
-            starts, lengths = self._start_jit(decode_state.starts, decode_state.lengths, np.int32(slot),
-                                              prefix.length)
-            return JetStreamDecodeState(state, starts, lengths)
-
-        def generate(self, params: Any, decode_state: JetStreamDecodeState, *, filtered: bool | None = None
-                     ) -> tuple[JetStreamDecodeState, Any]:
-            state, result = self.engine.generate(params, decode_state.engine, filtered=filtered)
-            lengths, data = self._lengths_jit(decode_state.lengths, decode_state.starts, result.data)
-            state = JetStreamDecodeState(state, decode_state.starts, lengths)
-            return state, engine_api.ResultTokens(data=data, tokens_idx=(TOKEN, TOKEN + 1),
-                                                  valid_idx=(VALID, VALID + 1), length_idx=(LENGTH, LENGTH + 1),
-                                                  samples_per_slot=1)
-
-        def load_params(self, params: Any = None) -> Any:
-            return self.engine.prepare_params(self.engine.params if params is None else params)
-
-        def init_decode_state(self, capacity: int | None = None) -> JetStreamDecodeState:
-            state = self.engine.init_decode_state(capacity)
-            b = state.tokens.shape[0]
-            return JetStreamDecodeState(state, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32))
-
-        def get_prefix_destination_sharding(self) -> Any:
-            """Where a prefix goes for :meth:`insert`: every leaf replicated over the engine's mesh (one device
-            without a mesh), in the structure of :class:`~dora_jax.rollout.engine.Prefix`."""
-            s = NamedSharding(self.mesh, PartitionSpec())
-            if self.engine.mesh is None:
-                s = SingleDeviceSharding(self.mesh.devices.flat[0])
-            return Prefix(KVCache(s, s), s, s, s, s, s, SamplingParams(s, s, s), s, s)
-
-        # -- tokenizer -----------------------------------------------------------------------------------------
-
-        def get_tokenizer(self) -> Any:
-            return self._tokenizer_params
-
-        def build_tokenizer(self, metadata: Any) -> Any:
-            if self._tokenizer is None:
-                raise EngineError("build_tokenizer: no tokenizer was given to as_jetstream_engine")
-            return self._tokenizer
-
-        # -- capacity ------------------------------------------------------------------------------------------
-
-        @property
-        def max_concurrent_decodes(self) -> int:
-            return self.engine.max_concurrent_decodes
-
-        @property
-        def samples_per_slot(self) -> int:
-            return 1
-
-        @property
-        def max_prefill_length(self) -> int:
-            return self.engine.max_prefill_length
-
-        @property
-        def mesh(self) -> Mesh:
-            if self.engine.mesh is not None:
-                return self.engine.mesh
-            device = next(iter(jax.tree.leaves(self.engine.params)[0].devices()))
-            return Mesh(np.array([device]), ("data",))
-
-        @property
-        def colocated_cpus(self) -> None:
-            return None
+        _result_tokens = engine_api.ResultTokens
 
     return DoraJetStreamEngine
 

@@ -34,7 +34,8 @@ import numpy as np
 
 from dora_jax.dora.ledger import Ledger
 from dora_jax.dora.scheduler import SchedulePolicy, Scheduler
-from dora_jax.rollout.engine import bucket, prompt_rows
+from dora_jax.rollout.driver import Request, RolloutDriver
+from dora_jax.rollout.engine import RequestSampling, bucket, prompt_rows
 from dora_jax.sim.profile import Profile
 from dora_jax.trainer.batch import bucket_length, bucket_rows
 
@@ -302,69 +303,124 @@ def simulate_run(profile: Profile, setup: RunSetup, policy: SchedulePolicy) -> d
       ``decode_batch_steps`` (and per trained sample), ``slot_utilization``, ``max_resident_versions``, the
       engine calls made and one record per update.
     """
-    from dora_jax.rollout.driver import Request, RolloutDriver
-    from dora_jax.rollout.engine import RequestSampling
+    run = _LocalRun(profile, setup, policy)
+    run.publish(0)
+    while not run.sched.done() or run.in_flight is not None:
+        run.iteration()
+    run.led.check(policy.bound)
+    return run.result()
 
-    clock = Clock()
-    engine = TimedEngine(profile, clock, slots=setup.slots, max_prefill_length=setup.max_prefill_length,
-                         max_target_length=setup.max_target_length, decode_steps=setup.decode_steps,
-                         beside_train=setup.split)
-    driver = RolloutDriver(engine, overlap=setup.overlap, shared_prefix=setup.shared_prefix)
-    sched = Scheduler(policy, Ledger())
-    led = sched.ledger
-    sampling = RequestSampling()
-    waiting: dict[int, deque] = {}
-    prompt_of: dict[int, int] = {}
-    length_of: dict[int, int] = {}
-    resident: set[int] = set()
-    rewards: deque = deque()  # (ready at, sample id)
-    updates: list[dict[str, Any]] = []
-    state = {"in_flight": None, "max_resident": 0}
 
-    def publish(version: int) -> None:
-        out = led.outstanding()
-        for v in sorted(resident):
+class _LocalRun:
+    """One simulated run's state (scheduler, driver on a :class:`TimedEngine`, clock, queues) and the steps of the
+    runner's loop iteration, in :mod:`dora_jax.run.loop`'s order."""
+
+    def __init__(self, profile: Profile, setup: RunSetup, policy: SchedulePolicy) -> None:
+        self.profile, self.setup, self.policy = profile, setup, policy
+        self.clock = Clock()
+        self.engine = TimedEngine(profile, self.clock, slots=setup.slots, max_prefill_length=setup.max_prefill_length,
+                                  max_target_length=setup.max_target_length, decode_steps=setup.decode_steps,
+                                  beside_train=setup.split)
+        self.driver = RolloutDriver(self.engine, overlap=setup.overlap, shared_prefix=setup.shared_prefix)
+        self.sched = Scheduler(policy, Ledger())
+        self.led = self.sched.ledger
+        self.sampling = RequestSampling()
+        self.waiting: dict[int, deque] = {}
+        self.prompt_of: dict[int, int] = {}
+        self.length_of: dict[int, int] = {}
+        self.resident: set[int] = set()
+        self.rewards: deque = deque()  # (ready at, sample id)
+        self.updates: list[dict[str, Any]] = []
+        self.in_flight: dict[str, Any] | None = None  # the train step dispatched and not yet noticed done
+        self.max_resident = 0
+
+    def iteration(self) -> None:
+        """One iteration of the runner's loop."""
+        sched, led, clock = self.sched, self.led, self.clock
+        self.dispatch()
+        started = self.admit()
+        self.decode()
+        for sid in started:
+            led.start(sid)
+        self.collect()
+        self.dispatch()
+        self.drop_versions()
+        if self.in_flight is None and not sched.done():
+            batch = sched.next_batch()
+            if batch is not None:
+                self.train(batch)
+        nothing_to_decode = self.driver.idle and not self.has_waiting()
+        f = self.in_flight
+        if f is not None and (clock.train_ready() or not self.setup.split or nothing_to_decode):
+            self.end_train(f)
+        elif nothing_to_decode and f is None:
+            self.stall()
+        clock.work(self.profile.iteration_host_s, "iteration_host")
+
+    def publish(self, version: int) -> None:
+        out = self.led.outstanding()
+        for v in sorted(self.resident):
             if not out.get(v):
-                resident.discard(v)
-                driver.remove_version(v)
-        resident.add(version)
-        driver.add_version(version, version)
-        state["max_resident"] = max(state["max_resident"], len(resident), len(driver.held()))
+                self.resident.discard(v)
+                self.driver.remove_version(v)
+        self.resident.add(version)
+        self.driver.add_version(version, version)
+        self.max_resident = max(self.max_resident, len(self.resident), len(self.driver.held()))
 
-    def dispatch() -> int:
-        groups = sched.dispatch()
+    def dispatch(self) -> int:
+        groups = self.sched.dispatch()
         for g in groups:
-            ids = setup.prompt(g.prompt_index)
+            ids = self.setup.prompt(g.prompt_index)
             for m, sid in enumerate(g.sample_ids):
-                prompt_of[sid] = g.prompt_index
-                length_of[sid] = setup.length(g.prompt_index, m)
-                waiting.setdefault(g.version, deque()).append(Request(
-                    sid, ids, version=g.version, max_new_tokens=length_of[sid], sampling=sampling))
+                self.prompt_of[sid] = g.prompt_index
+                self.length_of[sid] = self.setup.length(g.prompt_index, m)
+                self.waiting.setdefault(g.version, deque()).append(Request(
+                    sid, ids, version=g.version, max_new_tokens=self.length_of[sid], sampling=self.sampling))
         return len(groups)
 
-    def has_waiting() -> bool:
-        return any(q for v, q in waiting.items() if v in resident)
+    def has_waiting(self) -> bool:
+        return any(q for v, q in self.waiting.items() if v in self.resident)
 
-    def admit() -> list[int]:
-        free = setup.slots - sum(driver.in_flight().values())
-        pending = {v: len(q) for v, q in waiting.items() if q and v in resident}
+    def admit(self) -> list[int]:
+        free = self.setup.slots - sum(self.driver.in_flight().values())
+        pending = {v: len(q) for v, q in self.waiting.items() if q and v in self.resident}
         started = []
-        for v, n in sched.assign_slots(free, pending).items():
+        for v, n in self.sched.assign_slots(free, pending).items():
             for _ in range(n):
-                req = waiting[v].popleft()
-                driver.submit(req)
+                req = self.waiting[v].popleft()
+                self.driver.submit(req)
                 started.append(req.sample_id)
         return started
 
-    def collect(wait: bool = False) -> None:
+    def decode(self) -> None:
+        """A driver step; each sample it finishes has its reward back ``reward_latency_s`` later."""
+        if not self.driver.idle:
+            finished = self.driver.step()
+            for t in finished:
+                self.rewards.append((self.clock.now + self.profile.reward_latency_s, t.sample_id))
+            self.clock.work(self.profile.reward_host_s * len(finished), "reward_host")
+
+    def collect(self, wait: bool = False) -> None:
+        rewards, clock = self.rewards, self.clock
         if wait and rewards and rewards[0][0] > clock.now:
             clock.work(rewards[0][0] - clock.now, "reward_wait")
         while rewards and rewards[0][0] <= clock.now:
-            led.finish(rewards.popleft()[1])
+            self.led.finish(rewards.popleft()[1])
 
-    def train(group_ids: list[int]) -> None:
-        ids = [s for g in group_ids for s in led.groups[g].sample_ids]
-        longest = max(len(setup.prompt(prompt_of[s])) + length_of[s] for s in ids)
+    def drop_versions(self) -> None:
+        """Versions no sample needs leave the driver, except the newest published one (while a train step is in
+        flight, the version before the one it makes)."""
+        out = self.led.outstanding()
+        newest = self.sched.version if self.in_flight is None else self.in_flight["version"] - 1
+        for v in sorted(self.resident):
+            if v != newest and not out.get(v):
+                self.resident.discard(v)
+                self.driver.remove_version(v)
+
+    def train(self, group_ids: list[int]) -> None:
+        profile, setup, clock, sched = self.profile, self.setup, self.clock, self.sched
+        ids = [s for g in group_ids for s in self.led.groups[g].sample_ids]
+        longest = max(len(setup.prompt(self.prompt_of[s])) + self.length_of[s] for s in ids)
         tokens = _padded_tokens(len(ids), longest, setup)
         # The batch built and put on the trainer's devices, the step called (the host's share), then the step runs.
         clock.work(profile.train_host_s + profile.train_dispatch_s, "train_host")
@@ -372,56 +428,44 @@ def simulate_run(profile: Profile, setup: RunSetup, policy: SchedulePolicy) -> d
         dispatched = clock.now
         clock.start_train(seconds)
         sched.trained(group_ids)
-        state["in_flight"] = {"version": sched.version, "dispatched": dispatched, "tokens": tokens,
-                              "samples": len(ids), "train_alone_s": seconds}
+        self.in_flight = {"version": sched.version, "dispatched": dispatched, "tokens": tokens,
+                          "samples": len(ids), "train_alone_s": seconds}
         if not setup.split:
             clock.wait_train()
 
-    publish(0)
-    while not sched.done() or state["in_flight"] is not None:
-        dispatch()
-        started = admit()
-        if not driver.idle:
-            finished = driver.step()
-            for t in finished:
-                rewards.append((clock.now + profile.reward_latency_s, t.sample_id))
-            clock.work(profile.reward_host_s * len(finished), "reward_host")
-        for sid in started:
-            led.start(sid)
-        collect()
-        dispatch()
-        out = led.outstanding()
-        newest = sched.version if state["in_flight"] is None else state["in_flight"]["version"] - 1
-        for v in sorted(resident):
-            if v != newest and not out.get(v):
-                resident.discard(v)
-                driver.remove_version(v)
-        if state["in_flight"] is None and not sched.done():
-            batch = sched.next_batch()
-            if batch is not None:
-                train(batch)
-        nothing_to_decode = driver.idle and not has_waiting()
-        f = state["in_flight"]
-        if f is not None and (clock.train_ready() or not setup.split or nothing_to_decode):
-            clock.wait_train()
-            clock.end_train()
-            updates.append({**f, "train_s": clock.now - f["dispatched"], "end": clock.now})
-            state["in_flight"] = None
-            clock.work(profile.publish_s, "publish")
-            clock.work(profile.update_host_s, "update_host")
-            publish(f["version"])
-        elif nothing_to_decode and f is None:
-            if rewards:
-                collect(wait=True)
-            elif not dispatch() and not led.count("finished") and not sched.done():
-                raise RuntimeError(f"simulated run: no progress possible at version {sched.version}: "
-                                   f"ledger {led.counts()}")
-        clock.work(profile.iteration_host_s, "iteration_host")
-    led.check(policy.bound)
-    wall = clock.now
-    samples = led.count("consumed")
-    return {"mode": policy.mode, "max_staleness": policy.bound, "wall_s": wall, "samples": samples,
-            "samples_per_s": samples / wall if wall else 0.0, "train_s": sum(u["train_s"] for u in updates),
-            "decode_batch_steps": driver.batch_steps, "decode_batch_steps_per_sample": driver.batch_steps / max(samples, 1),
-            "slot_utilization": driver.slot_utilization, "max_resident_versions": max(state["max_resident"], driver.max_held),
-            "engine_calls": dict(engine.calls), "spent_s": dict(sorted(clock.spent.items())), "updates": updates}
+    def end_train(self, f: dict[str, Any]) -> None:
+        """The loop notices the train step ``f`` done (waiting for it if need be) and publishes its version."""
+        clock = self.clock
+        clock.wait_train()
+        clock.end_train()
+        self.updates.append({**f, "train_s": clock.now - f["dispatched"], "end": clock.now})
+        self.in_flight = None
+        clock.work(self.profile.publish_s, "publish")
+        clock.work(self.profile.update_host_s, "update_host")
+        self.publish(f["version"])
+
+    def stall(self) -> None:
+        """Nothing to decode and no train step in flight: wait for the next reward, or fail if none can come.
+
+        Raises:
+          RuntimeError: no progress is possible.
+        """
+        led, sched = self.led, self.sched
+        if self.rewards:
+            self.collect(wait=True)
+        elif not self.dispatch() and not led.count("finished") and not sched.done():
+            raise RuntimeError(f"simulated run: no progress possible at version {sched.version}: "
+                               f"ledger {led.counts()}")
+
+    def result(self) -> dict[str, Any]:
+        driver, policy = self.driver, self.policy
+        wall = self.clock.now
+        samples = self.led.count("consumed")
+        return {"mode": policy.mode, "max_staleness": policy.bound, "wall_s": wall, "samples": samples,
+                "samples_per_s": samples / wall if wall else 0.0, "train_s": sum(u["train_s"] for u in self.updates),
+                "decode_batch_steps": driver.batch_steps,
+                "decode_batch_steps_per_sample": driver.batch_steps / max(samples, 1),
+                "slot_utilization": driver.slot_utilization,
+                "max_resident_versions": max(self.max_resident, driver.max_held),
+                "engine_calls": dict(self.engine.calls), "spent_s": dict(sorted(self.clock.spent.items())),
+                "updates": self.updates}

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections import Counter, deque
 from typing import Any
 
@@ -68,252 +69,312 @@ def simulate(mode: str, costs: Costs, placement: Placement, lengths: LengthDist,
     Raises:
         SimulationError: the ledger's invariants fail at the end, or no event is left before the run is done.
     """
-    extra = {"sync": 0, "one_step_off": 1}.get(mode, -(-rollout_batch // train_batch) + 1)
-    total = (steps + extra) * train_batch
-    sched = make_policy(mode, train_batch, group_size, total, max_staleness, rollout_batch)
-    led = sched.ledger
-    partial = isinstance(sched, PartialRollout)
-    bound = None if partial else sched.policy.bound
-    rng = __import__("random").Random(seed)
-    insts = [Instance(placement.slots) for _ in range(placement.instances)]
-    lengths_of: dict[int, int] = {}
-    pending: dict[int, deque] = {}  # per version: fresh samples not yet on an instance
-    moving: dict[int, deque] = {}  # per version: (sample, tokens so far) handed over, waiting for a slot
-    holding: dict[int | None, set[int]] = {None: set(range(len(insts)))}  # instances by loaded version
-    reload_s = 0.0 if placement.colocated else costs.weight_sync_s  # colocated: the update's sync loads it
-    events: list = []
-    seq = itertools.count()
-    state = {"now": 0.0, "busy": False, "idle_since": 0.0, "idle": 0.0, "train_s": 0.0, "max_live": 1}
-    updates: list[dict[str, Any]] = []
-    timeline: list[dict[str, Any]] = []
+    sim = _Simulation(mode, costs, placement, lengths, train_batch=train_batch, group_size=group_size,
+                      prompt_tokens=prompt_tokens, steps=steps, max_staleness=max_staleness,
+                      rollout_batch=rollout_batch, seed=seed)
+    sim.run(progress, label)
+    return _metrics(sim, steps, warmup_steps)
 
-    def waiting(v: int | None) -> int:
-        return len(pending.get(v, ())) + len(moving.get(v, ()))
 
-    def all_waiting(but: int | None = None) -> dict[int, int]:
+class _Simulation:
+    """One simulated run's state (scheduler, instances, queues, event heap, clock) and the steps of its event
+    loop; :func:`simulate` makes one and runs it once."""
+
+    def __init__(self, mode: str, costs: Costs, placement: Placement, lengths: LengthDist, *, train_batch: int,
+                 group_size: int, prompt_tokens: int, steps: int, max_staleness: int, rollout_batch: int,
+                 seed: int) -> None:
+        self.mode, self.costs, self.placement, self.lengths = mode, costs, placement, lengths
+        self.prompt_tokens = prompt_tokens
+        self.total_updates = steps + {"sync": 0, "one_step_off": 1}.get(mode, -(-rollout_batch // train_batch) + 1)
+        self.sched = make_policy(mode, train_batch, group_size, self.total_updates * train_batch, max_staleness,
+                                 rollout_batch)
+        self.led = self.sched.ledger
+        self.partial = isinstance(self.sched, PartialRollout)
+        self.bound = None if self.partial else self.sched.policy.bound
+        self.rng = random.Random(seed)
+        self.insts = [Instance(placement.slots) for _ in range(placement.instances)]
+        self.lengths_of: dict[int, int] = {}
+        self.pending: dict[int, deque] = {}  # per version: fresh samples not yet on an instance
+        self.moving: dict[int, deque] = {}  # per version: (sample, tokens so far) handed over, waiting for a slot
+        self.holding: dict[int | None, set[int]] = {None: set(range(len(self.insts)))}  # instances by version
+        self.reload_s = 0.0 if placement.colocated else costs.weight_sync_s  # colocated: the update's sync loads it
+        self.events: list = []
+        self.seq = itertools.count()
+        self.now = 0.0
+        self.busy = False  # an update is in progress
+        self.idle_since = self.idle = 0.0  # when the trainer last went idle; its waiting seconds so far
+        self.train_s = 0.0  # update seconds so far, weight sync included
+        self.max_live = 1
+        self.updates: list[dict[str, Any]] = []
+        self.timeline: list[dict[str, Any]] = []
+
+    # -- the event loop ----------------------------------------------------------------------------------------
+
+    def run(self, progress: bool, label: str) -> None:
+        """Runs events until every update is trained.
+
+        Raises:
+            SimulationError: no event is left before the run is done, samples are abandoned at the end, or the
+                ledger's invariants fail.
+        """
+        bar = tqdm(total=self.total_updates, desc=label or self.mode, unit="update", disable=not progress,
+                   leave=False)
+        self.dispatch()
+        self.try_train()
+        while not self.sched.done():
+            if not self.events:
+                raise SimulationError(f"{self.mode}: no event left before the run is done (ledger "
+                                      f"{self.led.counts()}, version {self.sched.version})")
+            t, _, kind, args = heapq.heappop(self.events)
+            self.now = t
+            if kind == "train":
+                self.trained(t, args[0])
+                bar.update(1)
+                ready = True
+            else:
+                ready = self.instance_step(t, *args)
+            if ready:
+                self.dispatch()
+                self.try_train()
+        bar.close()
+        counts = self.led.counts()
+        if counts["pending"] or counts["in_flight"] or counts["finished"]:
+            raise SimulationError(f"{self.mode}: samples abandoned at the end: {counts}")
+        self.led.check(self.bound)
+
+    def trained(self, t: float, batch: Any) -> None:
+        """An update ends at ``t``: the trainer idles from here; under partial rollout every live row will
+        re-prefill on the new weights."""
+        sched, led = self.sched, self.led
+        sched.trained(batch)
+        self.updates[-1]["end"] = t
+        self.busy, self.idle_since = False, t
+        self.timeline.append({"t": t, "version": sched.version, "live": sorted(set(led.outstanding()) |
+                                                                                {sched.version})})
+        if self.partial:
+            for i, inst in enumerate(self.insts):
+                if inst.rows:
+                    inst.reprefill = True
+                    self.schedule(i)
+
+    def instance_step(self, t: float, i: int, gen: int, k: int) -> bool:
+        """Instance ``i`` reaches a step boundary after ``k`` steps; True if a group became ready to train.
+        A stale event (the instance was rescheduled since) does nothing."""
+        inst = self.insts[i]
+        if gen != inst.gen:
+            return False
+        ready = False
+        inst.advance(self.costs, k)
+        inst.t = max(inst.t, t)
+        led = self.led
+        while inst.heap and inst.heap[0][0] <= inst.counter:
+            _, sid = heapq.heappop(inst.heap)
+            inst.remove(sid)
+            led.finish(sid)
+            ready |= led.group_ready(led.entries[sid].group_id)
+        if inst.reprefill:
+            self.reprefill(i)
+        inst.check = False
+        if self.look_for_giver(inst.loaded, here=i):
+            self.hand_off(i)
+        self.admit(i)
+        self.schedule(i)
+        return ready
+
+    def reprefill(self, i: int) -> None:
+        """Partial rollout: the newest weights on instance ``i``, then every live row re-prefilled."""
+        inst, costs = self.insts[i], self.costs
+        self.load(i, self.sched.version)
+        ctxs = [r.prompt + inst.generated(r) for r in inst.rows.values()]
+        cost = sum(costs.prefill_token_s * c + costs.prefill_pair_s * c * c / 2 for c in ctxs)
+        inst.t += cost
+        inst.busy_slot_s += cost * len(ctxs)
+        inst.reprefill = False
+
+    # -- queues --------------------------------------------------------------------------------------------------
+
+    def waiting(self, v: int | None) -> int:
+        return len(self.pending.get(v, ())) + len(self.moving.get(v, ()))
+
+    def all_waiting(self, but: int | None = None) -> dict[int, int]:
         out: dict[int, int] = {}
-        for d in (pending, moving):
+        for d in (self.pending, self.moving):
             for v, q in d.items():
                 if q and v != but:
                     out[v] = out.get(v, 0) + len(q)
         return out
 
-    def admissible(inst: Instance) -> bool:
+    def admissible(self, inst: Instance) -> bool:
         """Whether the instance has work to take at its next step boundary."""
         if len(inst.rows) >= inst.slots:
             return False
-        if partial:  # every row decodes on the newest weights, whatever version it started on
-            return any(pending.values())
-        return waiting(inst.loaded) > 0 or (not inst.rows and bool(all_waiting()))
+        if self.partial:  # every row decodes on the newest weights, whatever version it started on
+            return any(self.pending.values())
+        return self.waiting(inst.loaded) > 0 or (not inst.rows and bool(self.all_waiting()))
 
-    def schedule(i: int) -> None:
-        inst = insts[i]
+    # -- instances -----------------------------------------------------------------------------------------------
+
+    def schedule(self, i: int) -> None:
+        inst, costs = self.insts[i], self.costs
         inst.gen += 1
-        wants = inst.reprefill or inst.check or admissible(inst)
+        wants = inst.reprefill or inst.check or self.admissible(inst)
         if not inst.rows:
-            inst.t = max(inst.t, state["now"])
+            inst.t = max(inst.t, self.now)
             if wants:
-                heapq.heappush(events, (inst.t, next(seq), "inst", (i, inst.gen, 0)))
+                heapq.heappush(self.events, (inst.t, next(self.seq), "inst", (i, inst.gen, 0)))
             return
         k = inst.heap[0][0] - inst.counter
         if wants:
-            k = min(k, inst.steps_by(costs, state["now"] - inst.t))
-        heapq.heappush(events, (inst.t + inst.steps_time(costs, k), next(seq), "inst", (i, inst.gen, k)))
+            k = min(k, inst.steps_by(costs, self.now - inst.t))
+        heapq.heappush(self.events, (inst.t + inst.steps_time(costs, k), next(self.seq), "inst", (i, inst.gen, k)))
 
-    def load(i: int, v: int) -> None:
+    def load(self, i: int, v: int) -> None:
         """Puts version ``v``'s weights on instance ``i`` (a stall unless it already holds them)."""
-        inst = insts[i]
+        inst = self.insts[i]
         if inst.loaded == v:
             return
-        if inst.loaded is not None and reload_s:  # the first load happens before the run
-            inst.t = max(inst.t, state["now"]) + reload_s
-            inst.busy_slot_s += reload_s * len(inst.rows)
+        if inst.loaded is not None and self.reload_s:  # the first load happens before the run
+            inst.t = max(inst.t, self.now) + self.reload_s
+            inst.busy_slot_s += self.reload_s * len(inst.rows)
             inst.reloads += 1
-        holding[inst.loaded].discard(i)
-        holding.setdefault(v, set()).add(i)
+        self.holding[inst.loaded].discard(i)
+        self.holding.setdefault(v, set()).add(i)
         inst.loaded = v
 
-    def bind(i: int, but: int | None = None) -> None:
+    def bind(self, i: int, but: int | None = None) -> None:
         """An empty instance takes the version that ``assign_slots`` gives most of its slots (ties: older)."""
-        w = all_waiting(but)
+        w = self.all_waiting(but)
         if w:
-            alloc = sched.assign_slots(insts[i].slots, w)
-            load(i, max(alloc, key=lambda v: (alloc[v], -v)))
+            alloc = self.sched.assign_slots(self.insts[i].slots, w)
+            self.load(i, max(alloc, key=lambda v: (alloc[v], -v)))
 
-    def admit(i: int) -> None:
-        inst = insts[i]
+    def admit(self, i: int) -> None:
+        inst, costs, pending = self.insts[i], self.costs, self.pending
         free = inst.slots - len(inst.rows)
         if free <= 0:
             return
         cost = 0.0
-        if partial:
+        if self.partial:
             if not any(pending.values()):
                 return
-            load(i, sched.version)
-            alloc = sched.assign_slots(free, {v: len(q) for v, q in pending.items() if q})
+            self.load(i, self.sched.version)
+            alloc = self.sched.assign_slots(free, {v: len(q) for v, q in pending.items() if q})
             if sum(alloc.values()) > free:
                 raise SimulationError(f"assign_slots gave {alloc} for {free} free slots")
             take = [(v, pending[v].popleft()) for v in sorted(alloc) for _ in range(alloc[v])]
         else:
-            if not inst.rows and not waiting(inst.loaded):
-                bind(i)
+            if not inst.rows and not self.waiting(inst.loaded):
+                self.bind(i)
             v = inst.loaded
-            while free and moving.get(v):  # rows handed over with their KV cache: no re-prefill
-                sid, done = moving[v].popleft()
-                inst.add(sid, Row(v, prompt_tokens, inst.counter, done, inst.counter + lengths_of[sid] - done))
+            while free and self.moving.get(v):  # rows handed over with their KV cache: no re-prefill
+                sid, done = self.moving[v].popleft()
+                inst.add(sid, Row(v, self.prompt_tokens, inst.counter, done,
+                                  inst.counter + self.lengths_of[sid] - done))
                 inst.moved_in += 1
-                cost += costs.migrate_token_s * (prompt_tokens + done)
+                cost += costs.migrate_token_s * (self.prompt_tokens + done)
                 free -= 1
             take = []
             while free and pending.get(v):
                 take.append((v, pending[v].popleft()))
                 free -= 1
+        p = self.prompt_tokens
         for v, sid in take:
-            led.start(sid)
-            inst.add(sid, Row(v, prompt_tokens, inst.counter, 0, inst.counter + lengths_of[sid]))
-            cost += costs.prefill_token_s * prompt_tokens + costs.prefill_pair_s * prompt_tokens ** 2 / 2
-        inst.t = max(inst.t, state["now"]) + cost
+            self.led.start(sid)
+            inst.add(sid, Row(v, p, inst.counter, 0, inst.counter + self.lengths_of[sid]))
+            cost += costs.prefill_token_s * p + costs.prefill_pair_s * p ** 2 / 2
+        inst.t = max(inst.t, self.now) + cost
         inst.busy_slot_s += cost * len(inst.rows)
 
-    def giver(v: int | None) -> int | None:
+    # -- the orchestrator's re-partitioning ----------------------------------------------------------------------
+
+    def giver(self, v: int | None) -> int | None:
         """The instance of version ``v`` that should hand its rows to the other instances of ``v``: the one
         with the fewest rows, when the others have room for them, ``v`` has no fresh work left and another
         version has work waiting for the instance this frees (the orchestrator's defragmentation)."""
-        if partial or v is None or pending.get(v) or not all_waiting(but=v):
+        if self.partial or v is None or self.pending.get(v) or not self.all_waiting(but=v):
             return None
-        hs = [j for j in holding.get(v, ()) if insts[j].rows]
+        insts = self.insts
+        hs = [j for j in self.holding.get(v, ()) if insts[j].rows]
         if len(hs) < 2:
             return None
         m = min(hs, key=lambda j: (len(insts[j].rows), j))
-        room = sum(insts[j].slots - len(insts[j].rows) for j in hs if j != m) - len(moving.get(v, ()))
+        room = sum(insts[j].slots - len(insts[j].rows) for j in hs if j != m) - len(self.moving.get(v, ()))
         return m if room >= len(insts[m].rows) else None
 
-    def hand_off(i: int) -> None:
-        inst = insts[i]
+    def hand_off(self, i: int) -> None:
+        inst = self.insts[i]
         v = inst.loaded
-        q = moving.setdefault(v, deque())
+        q = self.moving.setdefault(v, deque())
         for sid in sorted(inst.rows):
             q.append((sid, inst.generated(inst.remove(sid))))
         inst.heap.clear()
-        bind(i, but=v)
-        for j in holding[v]:
-            if insts[j].rows and len(insts[j].rows) < insts[j].slots:
-                schedule(j)
+        self.bind(i, but=v)
+        for j in self.holding[v]:
+            if self.insts[j].rows and len(self.insts[j].rows) < self.insts[j].slots:
+                self.schedule(j)
 
-    def look_for_giver(v: int | None, here: int | None = None) -> bool:
+    def look_for_giver(self, v: int | None, here: int | None = None) -> bool:
         """Flags version ``v``'s giver to stop at its next step boundary; True if it is ``here``."""
-        g = giver(v)
+        g = self.giver(v)
         if g is None or g == here:
             return g is not None
-        insts[g].check = True
-        schedule(g)
+        self.insts[g].check = True
+        self.schedule(g)
         return False
 
-    def dispatch() -> None:
-        new = sched.dispatch()
+    # -- the scheduler and the trainer ---------------------------------------------------------------------------
+
+    def dispatch(self) -> None:
+        new = self.sched.dispatch()
         for g in new:
             for sid in g.sample_ids:
-                lengths_of[sid] = lengths.sample(rng)
-            pending.setdefault(g.version, deque()).extend(g.sample_ids)
+                self.lengths_of[sid] = self.lengths.sample(self.rng)
+            self.pending.setdefault(g.version, deque()).extend(g.sample_ids)
         if new:
-            note_live()
-            for i, inst in enumerate(insts):
-                if admissible(inst):
-                    schedule(i)
-            for v in list(holding):
-                look_for_giver(v)
+            self.note_live()
+            for i, inst in enumerate(self.insts):
+                if self.admissible(inst):
+                    self.schedule(i)
+            for v in list(self.holding):
+                self.look_for_giver(v)
 
-    def note_live() -> None:
-        live = set(led.outstanding()) | {sched.version}
-        state["max_live"] = max(state["max_live"], len(live))
-        if bound is not None and max(live) - min(live) > bound:
-            raise SimulationError(f"{mode}: live versions {sorted(live)} span more than K = {bound}")
+    def note_live(self) -> None:
+        live = set(self.led.outstanding()) | {self.sched.version}
+        self.max_live = max(self.max_live, len(live))
+        if self.bound is not None and max(live) - min(live) > self.bound:
+            raise SimulationError(f"{self.mode}: live versions {sorted(live)} span more than K = {self.bound}")
 
-    def try_train() -> None:
-        if state["busy"] or sched.done():
+    def try_train(self) -> None:
+        sched, led = self.sched, self.led
+        if self.busy or sched.done():
             return
-        if mode == "dora":  # Scheduler.next_batch needs this many ready groups; skip its scan until then
+        if self.mode == "dora":  # Scheduler.next_batch needs this many ready groups; skip its scan until then
             p = sched.policy
             if led.ready_groups() < min(p.train_batch, p.total_samples - sched.trained_samples) // p.group_size:
                 return
         batch = sched.next_batch()
         if not batch:
             return
-        now = state["now"]
+        now = self.now
         ids = [s for g in batch for s in led.groups[g].sample_ids]
-        seqs = [prompt_tokens + lengths_of[s] for s in ids]
-        dur = costs.train_time(sum(seqs), sum(x * x for x in seqs) / 2, placement.trainer_gpus)
-        state.update(busy=True, idle=state["idle"] + now - state["idle_since"],
-                     train_s=state["train_s"] + dur + costs.weight_sync_s)
-        updates.append({"start": now, "samples": len(ids), "tokens": sum(lengths_of[s] for s in ids),
-                        "version": sched.version})
-        heapq.heappush(events, (now + dur + costs.weight_sync_s, next(seq), "train", (batch,)))
-
-    bar = tqdm(total=steps + extra, desc=label or mode, unit="update", disable=not progress, leave=False)
-    dispatch()
-    try_train()
-    while not sched.done():
-        if not events:
-            raise SimulationError(f"{mode}: no event left before the run is done (ledger {led.counts()}, "
-                                  f"version {sched.version})")
-        t, _, kind, args = heapq.heappop(events)
-        state["now"] = t
-        ready = False
-        if kind == "train":
-            sched.trained(args[0])
-            updates[-1]["end"] = t
-            state.update(busy=False, idle_since=t)
-            timeline.append({"t": t, "version": sched.version, "live": sorted(set(led.outstanding()) |
-                                                                              {sched.version})})
-            bar.update(1)
-            if partial:
-                for i, inst in enumerate(insts):
-                    if inst.rows:
-                        inst.reprefill = True
-                        schedule(i)
-            ready = True
-        else:
-            i, gen, k = args
-            inst = insts[i]
-            if gen != inst.gen:
-                continue
-            inst.advance(costs, k)
-            inst.t = max(inst.t, t)
-            while inst.heap and inst.heap[0][0] <= inst.counter:
-                _, sid = heapq.heappop(inst.heap)
-                inst.remove(sid)
-                led.finish(sid)
-                ready |= led.group_ready(led.entries[sid].group_id)
-            if inst.reprefill:  # partial rollout: the newest weights, then every live row re-prefilled
-                load(i, sched.version)
-                ctxs = [r.prompt + inst.generated(r) for r in inst.rows.values()]
-                cost = sum(costs.prefill_token_s * c + costs.prefill_pair_s * c * c / 2 for c in ctxs)
-                inst.t += cost
-                inst.busy_slot_s += cost * len(ctxs)
-                inst.reprefill = False
-            inst.check = False
-            if look_for_giver(inst.loaded, here=i):
-                hand_off(i)
-            admit(i)
-            schedule(i)
-        if ready:
-            dispatch()
-            try_train()
-    bar.close()
-    counts = led.counts()
-    if counts["pending"] or counts["in_flight"] or counts["finished"]:
-        raise SimulationError(f"{mode}: samples abandoned at the end: {counts}")
-    led.check(bound)
-    return _metrics(mode, updates, timeline, insts, placement, state, led, steps, warmup_steps)
+        seqs = [self.prompt_tokens + self.lengths_of[s] for s in ids]
+        dur = self.costs.train_time(sum(seqs), sum(x * x for x in seqs) / 2, self.placement.trainer_gpus)
+        self.busy = True
+        self.idle = self.idle + now - self.idle_since
+        self.train_s = self.train_s + dur + self.costs.weight_sync_s
+        self.updates.append({"start": now, "samples": len(ids), "tokens": sum(self.lengths_of[s] for s in ids),
+                             "version": sched.version})
+        heapq.heappush(self.events, (now + dur + self.costs.weight_sync_s, next(self.seq), "train", (batch,)))
 
 
-def _metrics(mode, updates, timeline, insts, placement, state, led, steps, warm) -> dict[str, Any]:
+def _metrics(sim: _Simulation, steps: int, warm: int) -> dict[str, Any]:
+    mode, updates, insts, placement, led = sim.mode, sim.updates, sim.insts, sim.placement, sim.led
     ends = [0.0] + [u["end"] for u in updates]
     measured = range(warm, steps)
     t0, t1 = ends[warm], ends[steps]
     wait = sum(updates[i]["start"] - ends[i] for i in measured)
     wall = ends[-1]
-    avail = wall - (state["train_s"] if placement.colocated else 0.0)
+    avail = wall - (sim.train_s if placement.colocated else 0.0)
     stale = Counter(e.trained_at - e.version for e in led.entries.values() if e.state == "consumed")
     samples = sum(updates[i]["samples"] for i in measured)
     return {
@@ -325,14 +386,14 @@ def _metrics(mode, updates, timeline, insts, placement, state, led, steps, warm)
         "samples_per_s": samples / (t1 - t0),
         "tokens_per_s": sum(updates[i]["tokens"] for i in measured) / (t1 - t0),
         "rollout_share": wait / (t1 - t0),
-        "trainer_idle": (state["idle"]) / wall,
+        "trainer_idle": sim.idle / wall,
         "slot_utilization": sum(i.busy_slot_s for i in insts) / (placement.slots * len(insts) * avail),
         "staleness": {str(k): v for k, v in sorted(stale.items())},
-        "max_live_versions": state["max_live"],
+        "max_live_versions": sim.max_live,
         "weight_loads": sum(i.reloads for i in insts),
         "migrated_rows": sum(i.moved_in for i in insts),
         "wall_s": wall,
         "updates": [{k: round(v, 3) if isinstance(v, float) else v for k, v in u.items()} for u in updates],
-        "timeline": timeline,
+        "timeline": sim.timeline,
         "ledger": led.counts(),
     }

@@ -9,6 +9,7 @@ reference log-probs for the KL term.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping
 
 import jax
@@ -118,102 +119,145 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig, tx: optax.Gradient
     masked out, so the loss and gradient are the unpacked ones.
     """
     schedule = learning_rate_schedule(cfg)
-    n_micro = cfg.micro_batches
     forward = dict(settings=TrainSettings.of(cfg), logprob_chunk=cfg.logprob_chunk)
 
     def step(state: TrainState, batch: TrainBatch, packing: Packing | None = None
              ) -> tuple[TrainState, dict[str, jax.Array]]:
-        valid = batch.valid
-        keep, stale = staleness(batch.versions, valid, state.version, cfg.max_staleness)
-        adv = group_advantages(batch.rewards, batch.group_ids, valid, cfg.advantage, cfg.std_eps)
-        behaviour = batch.recomputed_logprobs if cfg.behaviour_logprobs == "recompute" else batch.behaviour_logprobs
-        norms = normalizers(batch.loss_mask, keep, valid, cfg.max_response_tokens)
-
-        def split(x):
-            x = x.reshape(n_micro, x.shape[0] // n_micro, *x.shape[1:])
-            return constrain(x, (None, "batch") + (None,) * (x.ndim - 2))
-
-        rows = (batch.tokens, batch.segment_ids, batch.loss_mask, behaviour, batch.ref_logprobs, batch.prox_logprobs,
-                adv, keep)
-        if packing is None:
-            micro = jax.tree.map(split, rows)
-        else:  # the scan runs over the packed micro-batches; each takes the update's rows whole
-            micro = jax.tree.map(lambda x: constrain(x, (None, "batch") + (None,) * (x.ndim - 2)), packing)
-
-        def loss_fn(trainable, mb):
-            if cfg.lora.rank > 0:
-                params, adapters = state.frozen, (trainable, cfg.lora.alpha / cfg.lora.rank)
-            else:
-                params, adapters = trainable, (None, 1.0)
-            if packing is None:
-                tokens, seg, mask, beh, ref, prox, a, k = mb
-                logp = sequence_logprobs(graphdef, params, tokens, seg, *adapters, temperature, **forward)
-            else:
-                tokens, seg, mask, beh, ref, prox, a, k = rows
-                logp = packed_sequence_logprobs(graphdef, params, tokens, mb, *adapters, temperature, **forward)
-                k = k & (mb.length > 0)  # this micro-batch's samples: each sample's terms in exactly one
-            terms = policy_loss(logp, beh, ref, mask, a, k, norms, cfg, prox if use_prox else None)
-            return terms.loss, terms
-
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-
-        def accumulate(carry, mb):
-            grads, terms = carry
-            (_, t), g = grad_fn(state.params, mb)
-            return (_tree_add(grads, g), _tree_add(terms, t)), None
-
-        zero_terms = LossTerms(*([jnp.zeros((), jnp.float32)] * len(LossTerms._fields)))
-        init = (jax.tree.map(jnp.zeros_like, state.params), zero_terms)
-        (grads, terms), _ = jax.lax.scan(accumulate, init, micro)
-
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(grad_norm) & jnp.isfinite(terms.loss)
-        updates, new_opt = tx.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
-
-        def pick(new, old):
-            return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-
-        new_state = state.replace(
-            step=state.step + 1,
-            params=pick(new_params, state.params),
-            opt_state=pick(new_opt, state.opt_state),
-            rng=jax.random.split(state.rng)[0],
-        )
-        f32 = jnp.float32
-        kept_tokens = jnp.maximum((batch.loss_mask * keep[:, None]).sum(), 1.0)
-        resp = batch.loss_mask * keep[:, None]
-        valid_f = valid.astype(f32)
-        metrics = {
-            "loss": terms.loss, "pg_loss": terms.pg_loss, "kl": terms.kl,
-            "grad_norm": grad_norm, "skipped": (~finite).astype(f32),
-            "learning_rate": schedule(state.step),
-            "samples": valid_f.sum(), "kept_samples": keep.astype(f32).sum(), "stale_samples": stale.astype(f32).sum(),
-            "kept_tokens": (batch.loss_mask * keep[:, None]).sum(),
-            "clip_frac": terms.clipped_tokens / kept_tokens,
-            "is_weight_mean": terms.is_weight_sum / kept_tokens,
-            "is_dropped_frac": terms.is_dropped_tokens / kept_tokens,
-            "reward_mean": (batch.rewards * valid_f).sum() / jnp.maximum(valid_f.sum(), 1.0),
-            "lag_mean": ((state.version - batch.versions) * valid_f).sum() / jnp.maximum(valid_f.sum(), 1.0),
-            "version": state.version.astype(f32),
-            # The rows the forward ran on: the batch's, or the packed ones.
-            "rows": jnp.asarray(batch.tokens.shape[0] if packing is None
-                                else packing.source.shape[0] * packing.source.shape[1], f32),
-            "padding_frac": padding_fraction(batch.segment_ids, valid) if packing is None
-            else padding_fraction(packing.segment_ids),
-        }
-        if cfg.behaviour_logprobs == "recompute" or cfg.correction == "decoupled":
-            # The engine's log-probs against the training forward of each sample's own version: only where the
-            # run recomputes them (otherwise the recomputed field holds nothing to compare with).
-            gap = jnp.abs(batch.behaviour_logprobs - batch.recomputed_logprobs) * resp
-            metrics.update(logprob_gap_mean=gap.sum() / kept_tokens, logprob_gap_max=gap.max())
+        rows, keep, stale, norms = _loss_rows(state, batch, cfg)
+        micro = _micro_batches(rows, packing, cfg.micro_batches)
+        loss_fn = functools.partial(_micro_batch_loss, graphdef, cfg, state.frozen, rows, packing, norms,
+                                    temperature, use_prox, forward)
+        grads, terms = _summed_gradients(loss_fn, state.params, micro)
+        new_state, grad_norm, finite = _guarded_update(tx, state, grads, terms)
+        metrics = _step_metrics(cfg, schedule, state, batch, packing, terms, keep, stale, grad_norm, finite)
         return new_state, metrics
 
     return step
 
 
-def _minibatch_rows(group_ids: np.ndarray, valid: np.ndarray, minibatches: int, epochs: int,
-                    rng: np.random.Generator, row_multiple: int) -> list[Any]:
+def _loss_rows(state: TrainState, batch: TrainBatch, cfg: TrainConfig
+               ) -> tuple[tuple[jax.Array, ...], jax.Array, jax.Array, Any]:
+    """The per-row arrays the loss reads (tokens, segment ids, loss mask, behaviour, reference and proximal
+    log-probs, advantages, kept), the staleness mask's ``keep`` and ``stale``, and the whole batch's loss
+    normalizers."""
+    valid = batch.valid
+    keep, stale = staleness(batch.versions, valid, state.version, cfg.max_staleness)
+    adv = group_advantages(batch.rewards, batch.group_ids, valid, cfg.advantage, cfg.std_eps)
+    behaviour = batch.recomputed_logprobs if cfg.behaviour_logprobs == "recompute" else batch.behaviour_logprobs
+    norms = normalizers(batch.loss_mask, keep, valid, cfg.max_response_tokens)
+    rows = (batch.tokens, batch.segment_ids, batch.loss_mask, behaviour, batch.ref_logprobs, batch.prox_logprobs,
+            adv, keep)
+    return rows, keep, stale, norms
+
+
+def _micro_batches(rows: tuple[jax.Array, ...], packing: Packing | None, n_micro: int) -> Any:
+    """What the gradient scan runs over: the rows split into ``n_micro`` equal micro-batches, or the packed
+    micro-batches of ``packing`` (each of which takes the update's rows whole)."""
+    def split(x):
+        x = x.reshape(n_micro, x.shape[0] // n_micro, *x.shape[1:])
+        return constrain(x, (None, "batch") + (None,) * (x.ndim - 2))
+
+    if packing is None:
+        return jax.tree.map(split, rows)
+    return jax.tree.map(lambda x: constrain(x, (None, "batch") + (None,) * (x.ndim - 2)), packing)
+
+
+def _micro_batch_loss(graphdef: nnx.GraphDef, cfg: TrainConfig, frozen: nnx.State | None,
+                      rows: tuple[jax.Array, ...], packing: Packing | None, norms: Any, temperature: float,
+                      use_prox: bool, forward: dict[str, Any], trainable: nnx.State, mb: Any
+                      ) -> tuple[jax.Array, LossTerms]:
+    """One micro-batch's loss and its terms, as a function of the trainable params (the last two arguments;
+    the rest are bound): under LoRA the adapters over the ``frozen`` base, otherwise the model's params."""
+    if cfg.lora.rank > 0:
+        params, adapters = frozen, (trainable, cfg.lora.alpha / cfg.lora.rank)
+    else:
+        params, adapters = trainable, (None, 1.0)
+    if packing is None:
+        tokens, seg, mask, beh, ref, prox, a, k = mb
+        logp = sequence_logprobs(graphdef, params, tokens, seg, *adapters, temperature, **forward)
+    else:
+        tokens, seg, mask, beh, ref, prox, a, k = rows
+        logp = packed_sequence_logprobs(graphdef, params, tokens, mb, *adapters, temperature, **forward)
+        k = k & (mb.length > 0)  # this micro-batch's samples: each sample's terms in exactly one
+    terms = policy_loss(logp, beh, ref, mask, a, k, norms, cfg, prox if use_prox else None)
+    return terms.loss, terms
+
+
+def _summed_gradients(loss_fn: Callable[[nnx.State, Any], tuple[jax.Array, LossTerms]], params: nnx.State,
+                      micro: Any) -> tuple[nnx.State, LossTerms]:
+    """The gradient of ``loss_fn`` at ``params`` and its terms, each summed over the micro-batches in a
+    ``lax.scan``."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def accumulate(carry, mb):
+        grads, terms = carry
+        (_, t), g = grad_fn(params, mb)
+        return (_tree_add(grads, g), _tree_add(terms, t)), None
+
+    zero_terms = LossTerms(*([jnp.zeros((), jnp.float32)] * len(LossTerms._fields)))
+    init = (jax.tree.map(jnp.zeros_like, params), zero_terms)
+    (grads, terms), _ = jax.lax.scan(accumulate, init, micro)
+    return grads, terms
+
+
+def _guarded_update(tx: optax.GradientTransformation, state: TrainState, grads: nnx.State, terms: LossTerms
+                    ) -> tuple[TrainState, jax.Array, jax.Array]:
+    """The state after one optimizer update, with params and optimizer state left as they were where the
+    loss or gradient is not finite; also the gradient norm and whether the update applied."""
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(grad_norm) & jnp.isfinite(terms.loss)
+    updates, new_opt = tx.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+
+    def pick(new, old):
+        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+    new_state = state.replace(
+        step=state.step + 1,
+        params=pick(new_params, state.params),
+        opt_state=pick(new_opt, state.opt_state),
+        rng=jax.random.split(state.rng)[0],
+    )
+    return new_state, grad_norm, finite
+
+
+def _step_metrics(cfg: TrainConfig, schedule: optax.Schedule, state: TrainState, batch: TrainBatch,
+                  packing: Packing | None, terms: LossTerms, keep: jax.Array, stale: jax.Array,
+                  grad_norm: jax.Array, finite: jax.Array) -> dict[str, jax.Array]:
+    """An update's metrics; ``state`` is the one the update started from."""
+    valid = batch.valid
+    f32 = jnp.float32
+    kept_tokens = jnp.maximum((batch.loss_mask * keep[:, None]).sum(), 1.0)
+    resp = batch.loss_mask * keep[:, None]
+    valid_f = valid.astype(f32)
+    metrics = {
+        "loss": terms.loss, "pg_loss": terms.pg_loss, "kl": terms.kl,
+        "grad_norm": grad_norm, "skipped": (~finite).astype(f32),
+        "learning_rate": schedule(state.step),
+        "samples": valid_f.sum(), "kept_samples": keep.astype(f32).sum(), "stale_samples": stale.astype(f32).sum(),
+        "kept_tokens": (batch.loss_mask * keep[:, None]).sum(),
+        "clip_frac": terms.clipped_tokens / kept_tokens,
+        "is_weight_mean": terms.is_weight_sum / kept_tokens,
+        "is_dropped_frac": terms.is_dropped_tokens / kept_tokens,
+        "reward_mean": (batch.rewards * valid_f).sum() / jnp.maximum(valid_f.sum(), 1.0),
+        "lag_mean": ((state.version - batch.versions) * valid_f).sum() / jnp.maximum(valid_f.sum(), 1.0),
+        "version": state.version.astype(f32),
+        # The rows the forward ran on: the batch's, or the packed ones.
+        "rows": jnp.asarray(batch.tokens.shape[0] if packing is None
+                            else packing.source.shape[0] * packing.source.shape[1], f32),
+        "padding_frac": padding_fraction(batch.segment_ids, valid) if packing is None
+        else padding_fraction(packing.segment_ids),
+    }
+    if cfg.behaviour_logprobs == "recompute" or cfg.correction == "decoupled":
+        # The engine's log-probs against the training forward of each sample's own version: only where the
+        # run recomputes them (otherwise the recomputed field holds nothing to compare with).
+        gap = jnp.abs(batch.behaviour_logprobs - batch.recomputed_logprobs) * resp
+        metrics.update(logprob_gap_mean=gap.sum() / kept_tokens, logprob_gap_max=gap.max())
+    return metrics
+
+
+def minibatch_rows(group_ids: np.ndarray, valid: np.ndarray, minibatches: int, epochs: int,
+                   rng: np.random.Generator, row_multiple: int) -> list[Any]:
     """Each update's rows, ``(rows, real, group_ids)`` index arrays of whole groups, ``minibatches`` to an epoch,
     the groups shuffled per epoch. A minibatch's row count
     is bucketed like a batch's (padding rows repeat row 0 with ``real`` False and weigh nothing)."""
@@ -432,7 +476,7 @@ class Trainer:
             if self._use_prox:  # the proximal policy: the weights at the iteration's start, for every update
                 prox = self._forward(self._policy(state), batch.tokens, batch.segment_ids, lengths) * batch.loss_mask
                 batch = batch.replace(prox_logprobs=prox)
-            plan = [None] * t.epochs if t.minibatches == 1 else _minibatch_rows(
+            plan = [None] * t.epochs if t.minibatches == 1 else minibatch_rows(
                 _host(batch.group_ids), _host(batch.valid), t.minibatches, t.epochs,
                 np.random.default_rng([self.cfg.run.seed, iteration]), self.row_multiple)
             packs = (self._update_packings(lengths, int(batch.tokens.shape[1]), plan) if self.packed
