@@ -3,7 +3,7 @@
 The pool holds every layer's keys and values as ``[L, K, N, P, d]`` (layers, kv heads, pages, tokens per page,
 head dim): per layer, the layout JAX's shipped paged-attention kernels read (``jax.experimental.pallas.ops``
 ``gpu.paged_attention`` and ``tpu.paged_attention``). Token ``i`` of a slot sits in page ``tables[b, i // P]``
-at row ``i % P``. Which pages a slot holds is decided on the host (:mod:`dora_jax.rollout.pages`); here the
+at row ``i % P``. Which pages a slot holds is decided on the host (:mod:`dora_jax.rollout.page_book`); here the
 tables are plain int32 arrays.
 
 On a mesh whose batch axes split the slots over S shards, the pool's pages split the same way and each shard's
@@ -51,8 +51,8 @@ class PagedKV(NamedTuple):
 
     @staticmethod
     def axes() -> tuple[str | None, ...]:
-        # Pages split over the batch axes as the slots do (memory per device falls with the batch shards;
-        # a slot may hold pages of another shard, which the gather then fetches), heads over the tensor axes.
+        # Pages split over the batch axes as the slots do (memory per device falls with the batch shards; a
+        # slot holds pages of its own shard only), heads over the tensor axes.
         return ("layers", "act_kv_heads", "batch", None, None)
 
     @property
