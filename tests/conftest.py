@@ -58,10 +58,11 @@ def rel_err(actual, expected) -> float:
 # Two programs that compute one draw (another batch size or slot, a sharded mesh, a shared prefix, several decode
 # steps per program) round its logits their own ways, and two machines round one program their own ways too. A
 # draw whose uniform lies within that rounding of a CDF boundary, or whose top two logits (greedy) are that
-# close, may then go either way. Measured on CPU at XLA optimization levels 0 and 3 over tests/test_engine.py's
-# draws: two programs' logits up to 1e-5 apart and their CDF boundaries up to 2e-6, while the nearest draw lay
-# 5e-6 from a boundary. Tests that compare two programs' samples therefore compare them up to such a tie, TIE
-# wide: 10x the largest logit difference and 50x the largest boundary difference measured.
+# close, may then go either way. Measured on CPU at XLA optimization levels 0 and 3 over the draws of the engine
+# and driver tests (test_engine_api.py, test_driver.py, test_driver_overlap.py; then one file): two programs'
+# logits up to 1e-5 apart and their CDF boundaries up to 2e-6, while the nearest draw lay 5e-6 from a boundary.
+# Tests that compare two programs' samples therefore compare them up to such a tie, TIE wide: 10x the largest
+# logit difference and 50x the largest boundary difference measured.
 TIE = 1e-4
 
 
@@ -150,6 +151,16 @@ def published(monkeypatch):
 
     monkeypatch.setattr(VersionStore, "publish", recording)
     return lambda store: seen.get(id(store), {})
+
+
+@pytest.fixture(scope="module")
+def models():
+    """Two tiny random models of one config (``engine_helpers.CFG``, seeds 0 and 1): the policy versions of the
+    engine and driver tests (test_engine_api.py, test_driver.py, test_driver_overlap.py), a pair per test file."""
+    from dora_jax.models.build import init_model
+    from engine_helpers import CFG
+
+    return init_model(CFG, seed=0), init_model(CFG, seed=1)
 
 
 @pytest.fixture(scope="session")

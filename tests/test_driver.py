@@ -1,0 +1,215 @@
+"""The multi-version rollout driver on tiny random models: versions in flight, fused and per-version steps,
+a sample's independence of its slot and batch, log-probs, eos / stop, decode programs per capacity, bad input,
+the sampling variant, group prefill and the decode_steps setting. test_driver_overlap.py has the tests that
+share one engine: overlap, several decode steps per program, the shared prefix, DriverGroups.
+
+References: per-version full-forward recomputation of the same params, a one-slot engine, one call per version.
+"""
+
+import collections
+import dataclasses
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import rel_err
+from dora_jax.models.decoder import DecodeSettings
+from dora_jax.rollout.driver import Request, RolloutDriver
+from dora_jax.rollout.engine import Engine, EngineError, RequestSampling
+from engine_helpers import GREEDY, assert_same_trajectory, make_engine, make_requests, recompute, trace_limit
+
+
+def test_two_versions_in_flight(models):
+    """Every token of every trajectory comes from its own version: greedy tokens are the argmax of that
+    version's full forward and differ from the other version's; log-probs equal its recomputation."""
+    m0, m1 = models
+    driver = RolloutDriver(make_engine(m0))
+    driver.add_version(0, nnx.state(m0))
+    driver.add_version(1, nnx.state(m1))
+    out = driver.run(make_requests(12, versions=(0, 1)))
+    assert sorted(t.sample_id for t in out) == list(range(12))
+    differs = 0
+    for t in out:
+        mine, other = (m0, m1) if t.version == 0 else (m1, m0)
+        lp, argmax = recompute(mine, t)
+        assert t.tokens == argmax.tolist()
+        assert rel_err(t.logprobs, lp) <= 1e-4
+        differs += t.tokens != recompute(other, t)[1].tolist()
+        assert t.finish_reason == "length"
+    assert differs >= 6  # the versions really are different policies
+
+
+def test_fused_step_equals_one_call_per_version(models, monkeypatch):
+    """Stepping every version in one program gives the tokens and log-probs of one call per version, and
+    compiles one program per multiset of group capacities (one decode step per program)."""
+    m0, m1 = models
+    reqs = make_requests(12, seed=4, versions=(0, 1, 2), sampling=RequestSampling(temperature=1.0, top_k=20, seed=5))
+    runs = {}
+    limit = trace_limit(monkeypatch, "generate_many")
+    fused = collections.Counter()
+    generate_many = Engine.generate_many
+    monkeypatch.setattr(Engine, "generate_many", lambda self, *a, **k: fused.update(["steps"]) or
+                        generate_many(self, *a, **k))
+    eng = make_engine(m0, slots=8)  # one engine: both drivers share its compiled prefill, insert and resize
+    for fuse in (False, True):
+        # One program per (versions stepping together, shared capacity): 2 or 3 versions x capacities 1..8.
+        limit(0 if not fuse else 8)
+        driver = RolloutDriver(eng, fuse=fuse, decode_steps=1)
+        for v, m in enumerate((m0, m1, m0)):
+            driver.add_version(v, nnx.state(m))
+        runs[fuse] = {t.sample_id: t for t in driver.run(reqs)}
+        assert (fused["steps"] > 0) == fuse  # several versions did step together, only when fused
+    assert sorted(runs[True]) == list(range(12))
+    for i, t in runs[False].items():
+        assert_same_trajectory(runs[True][i], t, reqs[i], (m0, m1, m0)[t.version])
+
+
+def test_alone_equals_busy_batch(models):
+    """A sample's tokens do not depend on its slot or on what else is decoding (greedy and sampled)."""
+    m0, _ = models
+    busy_engine, alone_engine = make_engine(m0, slots=4), make_engine(m0, slots=1)  # each compiles once for both cases
+    for sampling in (GREEDY, RequestSampling(temperature=1.0, top_k=20, seed=7)):
+        reqs = make_requests(9, seed=3, sampling=sampling)
+        busy = RolloutDriver(busy_engine)
+        busy.add_version(0, nnx.state(m0))
+        crowd = {t.sample_id: t for t in busy.run(reqs)}
+        alone = RolloutDriver(alone_engine)
+        alone.add_version(0, nnx.state(m0))
+        for r in reqs[::3]:
+            (t,) = alone.run([r])
+            assert_same_trajectory(t, crowd[r.sample_id], r, m0)
+
+
+def test_sampled_logprobs_match_recompute(models):
+    m0, _ = models
+    d = RolloutDriver(make_engine(m0))
+    d.add_version(0, nnx.state(m0))
+    out = d.run(make_requests(6, seed=5, sampling=RequestSampling(temperature=0.7, top_p=0.9, seed=1)))
+    for t in out:  # recorded under the distribution that drew the token: T 0.7, the 0.9 nucleus, renormalized
+        lp, _ = recompute(m0, t, temperature=0.7, top_p=0.9)
+        assert rel_err(t.logprobs, lp) <= 1e-4
+    assert any(rel_err(t.logprobs, recompute(m0, t, temperature=0.7)[0]) > 1e-3 for t in out)  # truncation shows
+
+
+def test_stop_and_eos_reasons(models):
+    m0, _ = models
+    probe = RolloutDriver(make_engine(m0))
+    probe.add_version(0, nnx.state(m0))
+    (free,) = probe.run([Request(0, (5, 6, 7), max_new_tokens=12, sampling=GREEDY)])
+    eos, stop = free.tokens[4], free.tokens[2]
+    d = RolloutDriver(make_engine(m0), eos_ids=[eos])
+    d.add_version(0, nnx.state(m0))
+    (a,) = d.run([Request(0, (5, 6, 7), max_new_tokens=12, sampling=GREEDY)])
+    (b,) = d.run([Request(1, (5, 6, 7), max_new_tokens=12, sampling=GREEDY, stop_ids=(stop,))])
+    assert a.finish_reason == "eos" and a.tokens == free.tokens[:free.tokens.index(eos) + 1]
+    assert b.finish_reason == "stop" and b.tokens == free.tokens[:free.tokens.index(stop) + 1]
+
+
+@pytest.mark.parametrize("steps,program", [(1, "generate"), (8, "generate_steps")])
+def test_compaction_utilization_and_bounded_compilation(models, monkeypatch, steps, program):
+    """One decode program per capacity, with one step per program or several (the budgets, the step limit
+    and whether to end at the first stop are arguments, not compiled in)."""
+    m0, _ = models
+    limit = trace_limit(monkeypatch, program)
+    limit(4)  # capacities 1, 2, 4, 8
+    eng = make_engine(m0, slots=8)
+    d = RolloutDriver(eng, decode_steps=steps)
+    d.add_version(0, nnx.state(m0))
+    d.run(make_requests(24, seed=9))
+    assert d.slot_utilization > 0.75
+    if steps == 1:  # the first workload reached every capacity: nothing new to compile
+        limit(0)
+    d.run(make_requests(24, seed=10))  # with several steps per program, at most the 4 programs in all
+
+
+def test_bad_input(models):
+    m0, _ = models
+    eng = make_engine(m0)
+    d = RolloutDriver(eng)
+    d.add_version(0, nnx.state(m0))
+    with pytest.raises(EngineError, match="prompt of 40 tokens; allowed 1..32"):
+        d.submit(Request(0, tuple(range(40))))
+    with pytest.raises(EngineError, match="policy version 3 is not loaded"):
+        d.submit(Request(0, (1, 2), version=3))
+    with pytest.raises(EngineError, match="top_p must be in"):
+        d.submit(Request(0, (1, 2), max_new_tokens=8, sampling=RequestSampling(top_p=0.0)))
+    with pytest.raises(EngineError, match="temperature must be"):
+        d.submit(Request(0, (1, 2), max_new_tokens=8, sampling=RequestSampling(temperature=-1.0)))
+    with pytest.raises(EngineError, match="must fit max_target_length"):
+        d.submit(Request(0, (1, 2), max_new_tokens=63))
+    prefix, _ = eng.prefill(padded_tokens=np.array([1, 2, 3]), true_length=3)
+    with pytest.raises(EngineError, match="slot 9 does not exist"):
+        eng.insert(prefix, eng.init_decode_state(), 9)
+    with pytest.raises(EngineError, match="max_prefill_length"):
+        eng.prefill(padded_tokens=np.arange(40), true_length=40)
+    with pytest.raises(EngineError, match="still has trajectories in flight"):
+        d.submit(Request(5, (1, 2), max_new_tokens=8))
+        d.remove_version(0)
+
+
+def test_sampling_variant_does_not_change_samples(models):
+    """Unfiltered requests decode under the sort-free variant alone and under the filtering variant when a
+    top-p request shares their batch: their tokens and log-probs are the same either way."""
+    m0, _ = models
+    plain = RequestSampling(temperature=1.0, seed=3)
+    reqs = [dataclasses.replace(r, sampling=RequestSampling(temperature=0.8, top_p=0.7, seed=3) if i == 0 else plain)
+            for i, r in enumerate(make_requests(4, seed=11))]
+    busy = RolloutDriver(make_engine(m0, slots=4))
+    busy.add_version(0, nnx.state(m0))
+    crowd = {t.sample_id: t for t in busy.run(reqs)}
+    alone = RolloutDriver(make_engine(m0, slots=1))
+    alone.add_version(0, nnx.state(m0))
+    for r in reqs[1:]:
+        (t,) = alone.run([r])
+        assert_same_trajectory(t, crowd[r.sample_id], r, m0)
+
+
+def test_group_prefill_does_not_change_samples(models):
+    """GRPO-style groups (equal prompts) admitted together are prefilled once per group; every member still
+    draws its own tokens, the same as when it is admitted and prefilled alone (a one-slot engine)."""
+    m0, _ = models
+    base = make_requests(6, seed=12, sampling=RequestSampling(temperature=1.0, top_p=0.9, seed=2))
+    reqs = [dataclasses.replace(r, sample_id=4 * i + j) for i, r in enumerate(base) for j in range(4)]
+    runs, prefilled = {}, {}
+    for slots in (1, 8):
+        eng = make_engine(m0, slots=slots)
+        real, calls = eng.prefill_batch, prefilled.setdefault(slots, [])
+
+        def counting(real=real, calls=calls, **kw):  # distinct prompts per prefill call
+            calls.append(len(set(map(tuple, kw["prompts"]))))
+            return real(**kw)
+
+        eng.prefill_batch = counting
+        d = RolloutDriver(eng)
+        d.add_version(0, nnx.state(m0))
+        runs[slots] = {t.sample_id: t for t in d.run(reqs)}
+    assert prefilled[1] == [1] * 24
+    assert sum(prefilled[8]) == 6  # each group's prompt once (groups finish together: they are admitted whole)
+    assert sorted(runs[1]) == sorted(runs[8]) == list(range(24))
+    for i, t in runs[1].items():
+        assert_same_trajectory(runs[8][i], t, reqs[i], m0)
+    assert any(len({tuple(runs[8][4 * i + j].tokens) for j in range(4)}) > 1 for i in range(6))
+    # The prefill budget splits admitted requests by distinct prompt, never a group.
+    d = RolloutDriver(make_engine(m0, slots=8))
+    assert [len(c) for c in d.prefill_chunks([(r, 0.0) for r in reqs[:8]])] == [8]
+    d.prefill_tokens = 1
+    assert [[r.sample_id for r, _ in c] for c in d.prefill_chunks([(r, 0.0) for r in reqs[:8]])] == [
+        [0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_decode_steps_setting(models):
+    """rollout.decode_steps: validated in the config and by the engine, resolved by the driver ("auto": 8)."""
+    from dora_jax.config import ConfigError, load_config
+
+    m0, _ = models
+    assert load_config("tiny_llama").rollout.decode_steps == "auto"
+    assert load_config("tiny_llama", ["rollout.decode_steps=3"]).rollout.decode_steps == 3
+    for bad in ("0", "257", "many"):
+        with pytest.raises(ConfigError, match="rollout.decode_steps"):
+            load_config("tiny_llama", [f"rollout.decode_steps={bad}"])
+    with pytest.raises(EngineError, match="decode_steps 0: allowed 'auto' or 1 .. 256"):
+        make_engine(m0, settings=DecodeSettings(decode_steps=0))
+    assert RolloutDriver(make_engine(m0)).decode_steps == 8
+    assert RolloutDriver(make_engine(m0, settings=DecodeSettings(decode_steps=3))).decode_steps == 3
+    assert RolloutDriver(make_engine(m0), decode_steps=1).decode_steps == 1
