@@ -271,9 +271,8 @@ class Engine:
         self.compiled = Programs("rollout engine", serial_jit)
         jit = self.compiled.jit
         self._prefill_jit = jit("prefill", progs.prefill)
-        self._prefill_rows_jit = jit("prefill_rows", progs.prefill_rows)
+        self._prefill_batch_jit = jit("prefill_batch", progs.prefill_batch)
         self._shared_prefix_jit = jit("shared_prefix", progs.shared_prefix)
-        self._first_tokens_jit = jit("first_tokens", progs.first_tokens)
         self._write_prompts_jit = jit("write_prompts", progs.write_prompts, donate_argnums=(2,))
         self._set_slots_jit = jit("set_slots", progs.set_slots, donate_argnums=(1,))
         self._generate_jit = jit("generate", progs.generate, donate_argnums=(1, 2), static_argnums=(5,))
@@ -477,12 +476,10 @@ class Engine:
         sp = SamplingParams(col([s.temperature for s in samplings], np.float32, 0.0),
                             col([s.top_k for s in samplings], np.int32, 0),
                             col([s.top_p for s in samplings], np.float32, 1.0))
-        cache, logits = self._prefill_rows_jit(self._prepared_params(params), tokens, lengths,
-                                                      None if shared_prefix is None else shared_prefix.cache)
         ids, seeds = col(sample_ids, np.int32, 0), col([s.seed for s in samplings], np.int32, 0)
-        self._retire(logits)
-        rest, packed = self._first_tokens_jit(logits, lengths + skip, rows, valid, ids, np.int32(version),
-                                                     seeds, sp)
+        cache, rest, packed = self._prefill_batch_jit(
+            self._prepared_params(params), tokens, lengths, None if shared_prefix is None else shared_prefix.cache,
+            lengths + skip, rows, valid, ids, np.int32(version), seeds, sp)
         self._retire(packed)
         host_lengths = np.array([len(p) for p in prompts], np.int32)
         return PrefixBatch(cache, *rest, host=(host_lengths, rows[:n].copy(), shared_prefix)), ResultTokens(packed)
@@ -807,14 +804,12 @@ class Engine:
             out.append(("shared_prefix", prefix_tokens))
         n = self.request_rows
         buckets = self.prompt_buckets(prefix_tokens)
-        # Prefill: distinct prompts (powers of two) x prompt bucket within the driver's budget, then sampling
-        # (per distinct-prompt count), the pool write, and the slots set in a decode state of every capacity.
+        # Prefill and first tokens: distinct prompts (powers of four) x prompt bucket within the driver's budget,
+        # then the pool write, and the slots set in a decode state of every capacity.
         for t in buckets:
             for d in sorted({self.prompt_rows(1 << i) for i in range(n.bit_length() + 1)}):
                 if d == 1 or d * t <= prefill_tokens:
-                    out.append(("prefill_rows", d, t))
-                    if t == buckets[0]:
-                        out.append(("first_tokens", d))
+                    out.append(("prefill_batch", d, t))
                     out.append(("write_prompts", d, t))
         out += [("set_slots", cap) for cap in caps]
         return out
@@ -839,20 +834,17 @@ class Engine:
         if prefix_tokens:
             prefix = self._outputs("shared_prefix", prepared, jax.ShapeDtypeStruct((prefix_tokens,), np.int32))
         sampling = SamplingParams(host(n, np.float32), host(n, np.int32), host(n, np.float32, 1.0))
-        chain: dict[int, tuple] = {}  # distinct prompts -> first_tokens arguments and outputs
-
         def prefill(d, t):
-            tokens, lengths = np.zeros((d, t), np.int32), np.ones((d,), np.int32)
-            return (prepared, tokens, lengths, prefix), lengths
+            lengths = np.ones((d,), np.int32)
+            return (prepared, np.zeros((d, t), np.int32), lengths, prefix, lengths, host(n, np.int32), host(n, bool),
+                    host(n, np.int32), np.int32(0), host(n, np.int32), sampling)
 
-        def first(d):
-            if d not in chain:
-                args, lengths = prefill(d, self.prompt_buckets(prefix_tokens)[0])
-                _, logits = self._outputs("prefill_rows", *args)
-                first_args = (logits, lengths, host(n, np.int32), host(n, bool), host(n, np.int32), np.int32(0),
-                              host(n, np.int32), sampling)
-                chain[d] = (first_args, self._outputs("first_tokens", *first_args)[0])
-            return chain[d]
+        outputs: dict[tuple[int, int], Any] = {}  # (distinct prompts, bucket) -> prefill_batch's outputs
+
+        def prefilled(d, t):
+            if (d, t) not in outputs:
+                outputs[d, t] = self._outputs("prefill_batch", *prefill(d, t))
+            return outputs[d, t]
 
         plan: list[tuple[str, tuple]] = []
         for name, *key in self.program_catalog(prefix_tokens=prefix_tokens, **catalog_args):
@@ -873,16 +865,15 @@ class Engine:
                 args = (states[key[0]], host(key[1], np.int32, -1), key[1])
             elif name == "shared_prefix":
                 args = (prepared, jax.ShapeDtypeStruct((prefix_tokens,), np.int32))
-            elif name == "prefill_rows":
-                args = prefill(*key)[0]
-            elif name == "first_tokens":
-                args = first(key[0])[0]
+            elif name == "prefill_batch":
+                args = prefill(*key)
             elif name == "write_prompts":
-                cache, _ = self._outputs("prefill_rows", *prefill(*key)[0])
+                cache, rest, _ = prefilled(*key)
                 cols = cache.v.shape[3]
-                args = (cache, first(key[0])[1][0], pool, host(n, np.int32, 0, cols), host(n, np.int32, 0, cols))
+                args = (cache, rest[0], pool, host(n, np.int32, 0, cols), host(n, np.int32, 0, cols))
             else:  # set_slots
-                args = (PrefixBatch(None, *first(1)[1]), states[key[0]], host(n, np.int32))
+                _, rest, _ = prefilled(1, self.prompt_buckets(prefix_tokens)[0])
+                args = (PrefixBatch(None, *rest), states[key[0]], host(n, np.int32))
             plan.append((name, args))
         return plan
 

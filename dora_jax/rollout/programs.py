@@ -140,9 +140,18 @@ class DecodePrograms:
                                   init_cache(self.cfg, 1, n), logits=False, settings=self.settings)
         return cache
 
+    def prefill_batch(self, params: PreparedParams, tokens_pt, lengths_p, prefix: KVCache | None, positions_p,
+                      rows_n, valid_n, sample_ids_n, version, seeds_n, sampling_n):
+        """:meth:`prefill_rows`, then each request's first token sampled from its prompt's row (``rows_n``) at
+        ``positions_p`` (its prompt's whole length): one program per admission. Returns (cache, the
+        :class:`PrefixBatch` fields after the cache, packed first-token results)."""
+        cache, logits = self.prefill_rows(params, tokens_pt, lengths_p, prefix)
+        rest, packed = self.first_tokens(logits, positions_p, rows_n, valid_n, sample_ids_n, version, seeds_n,
+                                         sampling_n)
+        return cache, rest, packed
+
     def first_tokens(self, logits_pv, lengths_p, rows_n, valid_n, sample_ids_n, version, seeds_n, sampling_n):
-        """The sampling part of :meth:`prefill_batch` (a separate program: the model's is compiled per
-        (distinct prompts, bucket), this one per number of requests)."""
+        """The sampling part of :meth:`prefill_batch`."""
         lengths_n = lengths_p[rows_n]
         keys = jax.vmap(lambda s, i, q: row_keys(s, i[None], q[None])[0])(seeds_n, sample_ids_n, lengths_n)
         tok, lp = sample(logits_pv[rows_n], keys, sampling_n)
