@@ -7,8 +7,9 @@ same function over many seeds and prints the spread the thresholds are set again
 
     .venv/bin/python benchmarks/learning_seeds.py --seeds 24 [--opt-level 0|3] [--steps N --lr X] [--json OUT]
 
-The suite compiles at XLA's backend optimization level 0 (tests/conftest.py); ``--opt-level 3`` runs the
-same seeds at the default level, whose different rounding stands in for another machine's.
+The task and the test's thresholds are :mod:`benchmarks.digit_task`'s. The runs compile as the suite's do
+(tests/conftest.py: XLA's backend optimization level 0 on 8 fake CPU devices); ``--opt-level 3`` runs the same
+seeds at the default level, whose different rounding stands in for another machine's.
 """
 
 import argparse
@@ -22,7 +23,22 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+# Run as a script, this folder is on sys.path but not the repository root that holds the benchmarks package.
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+
+from dora_jax.xla_flags import DEVICE_COUNT, cpu_device_flags  # noqa: E402 - imports no JAX
+
+# The suite's device count (tests/conftest.py): a seed's run must compile as the test's does to end the same way.
+SUITE_DEVICES = 8
+
+
+def suite_xla_flags(flags: str, opt_level: int) -> str:
+    """``XLA_FLAGS`` as tests/conftest.py sets them from ``flags``, at backend optimization level ``opt_level``
+    (XLA takes the last occurrence, so it overrides one in ``flags``)."""
+    flags = f"{flags} --xla_backend_optimization_level={opt_level}"
+    return cpu_device_flags(None if DEVICE_COUNT in flags else SUITE_DEVICES, flags)
 
 
 def _cpu() -> str:
@@ -42,27 +58,34 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="write every seed's outcome here")
     ap.add_argument("--opt-level", type=int, default=0, help="XLA:CPU backend optimization level (suite: 0)")
     args = ap.parse_args(argv)
-    # The suite's environment, set before JAX is imported: tests/conftest.py reads these.
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level={args.opt_level}"
-    os.environ["DORA_JAX_TEST_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="dora-jax-seeds-xla-cache-")
-    import conftest  # noqa: F401 - sets the suite's XLA flags before test_trainer imports JAX
-    import test_trainer as tt
+    # The suite's environment (tests/conftest.py), set before JAX is imported: XLA reads it when its backend
+    # starts.
+    os.environ["XLA_FLAGS"] = suite_xla_flags(os.environ.get("XLA_FLAGS", ""), args.opt_level)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+    import jax
 
-    args.steps = tt.STEPS if args.steps is None else args.steps
-    args.lr = tt.LEARNING_RATE if args.lr is None else args.lr
+    from benchmarks import digit_task as task
+
+    steps = task.STEPS if args.steps is None else args.steps
+    lr = task.LEARNING_RATE if args.lr is None else args.lr
     rows = []
-    for seed in tqdm(range(args.first, args.first + args.seeds), desc="seeds"):
-        t0 = time.perf_counter()
-        rewards, greedy = tt.learn_digit_task(seed, args.steps, args.lr)
-        rows.append(dict(seed=seed, first3=float(np.mean(rewards[:3])), last5=float(np.mean(rewards[-5:])),
-                         greedy_acc=greedy, seconds=round(time.perf_counter() - t0, 1)))
-        tqdm.write(json.dumps(rows[-1]))
+    # A compilation cache of the run's own, as the suite has: every seed compiles the same programs.
+    with tempfile.TemporaryDirectory(prefix="dora-jax-seeds-xla-cache-") as cache:
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        for seed in tqdm(range(args.first, args.first + args.seeds), desc="seeds"):
+            t0 = time.perf_counter()
+            rewards, greedy = task.learn_digit_task(seed, steps, lr)
+            rows.append(dict(seed=seed, first3=float(np.mean(rewards[:3])), last5=float(np.mean(rewards[-5:])),
+                             greedy_acc=greedy, seconds=round(time.perf_counter() - t0, 1)))
+            tqdm.write(json.dumps(rows[-1]))
     first3, last5, greedy = (np.array([r[k] for r in rows]) for k in ("first3", "last5", "greedy_acc"))
-    summary = dict(steps=args.steps, lr=args.lr, seeds=len(rows), opt_level=args.opt_level, cpu=_cpu(),
+    summary = dict(steps=steps, lr=lr, seeds=len(rows), opt_level=args.opt_level, cpu=_cpu(),
                    first3_max=float(first3.max()), last5_min=float(last5.min()), last5_median=float(np.median(last5)),
                    greedy_min=float(greedy.min()), greedy_median=float(np.median(greedy)),
-                   thresholds=dict(first3_below=tt.START_BELOW, last5_at_least=tt.REWARD_AT_LEAST,
-                                   greedy_at_least=tt.GREEDY_AT_LEAST))
+                   thresholds=dict(first3_below=task.START_BELOW, last5_at_least=task.REWARD_AT_LEAST,
+                                   greedy_at_least=task.GREEDY_AT_LEAST))
     print(json.dumps(summary, indent=1))
     if args.json:
         with open(args.json, "w") as f:

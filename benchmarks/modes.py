@@ -33,24 +33,8 @@ import numpy as np
 
 from benchmarks.harness import Harness, Variant
 from benchmarks.record import machine, source_version
+from benchmarks.workload import TBS, workload
 
-# The workload: tiny Llama on one device, 32 slots, groups of 4, 16 samples per update, length budgets up to
-# 256 tokens (p50 8, 15% between 128 and 256): every batch meets the tail, as in large-batch RL.
-TBS = 16
-
-
-def workload(max_len: int = 256) -> list[str]:
-    """The settings of every mode's run: task ``longtail`` with budgets up to ``max_len`` tokens (p50
-    ``max_len / 32``), 32 slots, groups of 4, ``TBS`` samples per update, the trainer's length buckets at quarters of
-    ``max_len``."""
-    buckets = [max_len // 4, max_len // 2, 3 * max_len // 4, max_len, max_len + 64]
-    return ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "task.name=longtail", f"task.longtail_max_len={max_len}",
-            "task.eval_size=0", "rollout.slots=32", f"rollout.max_new_tokens={max_len}", "rollout.max_prompt_len=32",
-            "train.group_size=4", "train.learning_rate=0.002", f"train.max_response_tokens={max_len}",
-            f"train.length_buckets={buckets}", f"dora.train_batch={TBS}", "run.checkpoint_every=0"]
-
-
-OVERRIDES = workload()
 # ``--preset reasoning``, for an accelerator: reasoning-length outputs (budgets up to 4,096 tokens, p50 128) on a
 # SmolLM2-135M-shaped model with random weights (byte tokens, no end-of-sequence token, so every response runs to
 # its budget), computing in bf16, the train step with full remat and chunked log-probs. On one device every mode
@@ -191,7 +175,7 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
       noise_seeds: sync runs with different rollout seeds, for the reward curve's run-to-run spread.
       profile: a ``bench profile`` JSON measured on this machine; default: one is measured here first.
       out_dir: keep the run directories here (default: a temporary directory).
-      max_len: the longest length budget (:func:`workload`).
+      max_len: the longest length budget (:func:`benchmarks.workload.workload`).
       overrides: ``key=value`` settings after the workload's.
       warm_rounds: untimed rounds at most (:meth:`Harness.warm`).
       profile_grid: the measured profile's decode grid (:func:`benchmarks.profile.bench_profile`'s

@@ -39,6 +39,7 @@ import numpy as np
 
 from benchmarks.record import machine, source_version
 from benchmarks.timing import median_of, timed
+from benchmarks.workload import OVERRIDES
 
 VERSIONS = (1, 2, 4)
 BATCHES = (1, 4, 16, 32)
@@ -461,7 +462,6 @@ def bench_profile(config: str = "tiny_llama", overrides: Sequence[str] = (), har
     from dora_jax.sim.profile import FORMAT, KIND
 
     from benchmarks.harness import Harness
-    from benchmarks.modes import OVERRIDES
 
     t_start = time.perf_counter()
     h = harness or Harness(config, list(OVERRIDES) + list(overrides), shared_devices=1)

@@ -10,7 +10,7 @@ import json  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from benchmarks import cli, convergence, modes  # noqa: E402
+from benchmarks import cli, convergence, modes, workload  # noqa: E402
 
 
 def modes_result():
@@ -212,11 +212,12 @@ def test_the_reasoning_preset_is_a_valid_run_of_reasoning_length():
     from dora_jax.config import load_config
 
     r = modes.REASONING
-    cfg = load_config(r["config"], modes.workload(r["max_len"]) + r["overrides"])
+    cfg = load_config(r["config"], workload.workload(r["max_len"]) + r["overrides"])
     assert cfg.model.weights == "" and cfg.model.compute_dtype == "bfloat16"  # random weights: byte tokens, no EOS
     assert cfg.rollout.max_new_tokens == cfg.train.max_response_tokens == cfg.task.longtail_max_len == 4096
     assert cfg.model.max_seq_len >= cfg.rollout.max_prompt_len + 4096 and max(cfg.train.length_buckets) >= 4096 + 32
-    assert modes.workload(256) == modes.OVERRIDES and "train.length_buckets=[64, 128, 192, 256, 320]" in modes.OVERRIDES
+    assert workload.workload(256) == workload.OVERRIDES
+    assert "train.length_buckets=[64, 128, 192, 256, 320]" in workload.OVERRIDES
     # The profile's decode grid is a subset of the default one's points, swept fewer times.
     import inspect
 

@@ -5,6 +5,7 @@ import ast
 import json
 import subprocess
 import sys
+from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +52,67 @@ def test_no_installed_module_imports_the_benchmarks():
     found = {str(f.relative_to(REPO)): lines for f in files
              if (lines := benchmark_imports(f.read_text(), str(f)))}
     assert found == {}
+
+
+def benchmark_import_graph(root: Path) -> dict[str, set[str]]:
+    """Each module of the ``benchmarks`` package under ``root`` (``benchmarks``, ``benchmarks.x``,
+    ``benchmarks.experiments.y``) with the modules of that package it imports, inside functions too: an import
+    put off until a call only hides a cycle."""
+    files = {".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): f
+             for f in sorted((root / "benchmarks").rglob("*.py"))}
+    graph = {}
+    for name, f in files.items():
+        package = name if f.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                # ``from P import m`` names the module P.m where there is one, else something P defines.
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            else:
+                continue
+            edges |= {t for t in targets if t in files and t != name}
+        graph[name] = edges
+    return graph
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of ``graph`` (its modules in import order, the first repeated last), or None."""
+    try:
+        TopologicalSorter(graph).prepare()
+    except CycleError as e:
+        return e.args[1]
+    return None
+
+
+def test_the_benchmarks_import_one_another_without_a_cycle():
+    graph = benchmark_import_graph(REPO)
+    assert len(graph) > 20 and "benchmarks.profile" in graph["benchmarks.modes"]  # an import inside a function
+    assert import_cycle(graph) is None, f"benchmarks import one another in a circle: {import_cycle(graph)}"
+
+
+def test_the_cycle_check_finds_a_planted_cycle(tmp_path):
+    package = tmp_path / "benchmarks"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "c.py").write_text("import benchmarks_extra\nX = 1\n")  # another package, alike in name
+    # The old circle of modes and profile: one side imports the other inside a function.
+    (package / "a.py").write_text("from benchmarks.c import X\n\n\ndef f():\n"
+                                  "    from benchmarks import b\n    return b\n")
+    for b in ("from benchmarks.a import f\n", "from . import a\n", "import benchmarks.a as a\n"):
+        (package / "b.py").write_text(b)
+        graph = benchmark_import_graph(tmp_path)
+        assert graph == {"benchmarks": set(), "benchmarks.a": {"benchmarks.b", "benchmarks.c"},
+                         "benchmarks.b": {"benchmarks.a"}, "benchmarks.c": set()}, b
+        cycle = import_cycle(graph)
+        assert cycle is not None and cycle[0] == cycle[-1] and set(cycle) == {"benchmarks.a", "benchmarks.b"}, b
+    (package / "b.py").write_text("from benchmarks.c import X\n")  # the shared piece in a third module
+    assert import_cycle(benchmark_import_graph(tmp_path)) is None
 
 
 def test_bench_without_the_benchmarks_folder_says_where_they_run(monkeypatch, tmp_path, capsys):
