@@ -184,3 +184,28 @@ def test_a_profile_file_that_is_not_one_is_refused(tmp_path):
     del d["calls"]["free_slot_s"]
     with pytest.raises(ProfileError, match=r"'calls.free_slot_s' = None"):
         parse_profile(copy.deepcopy(d))
+
+
+@pytest.mark.parametrize("slots, waiting, expect", [(64, 10, 2), (64, 1, 1), (256, 20, 8), (32, 10, 1)])
+def test_waiting_requests_are_admitted_together_once_a_thirty_second_of_the_slots_is_free(slots, waiting, expect):
+    """While requests wait for a slot, a program of several steps ends once 1/32 of the engine's slots have been
+    freed (at least one, at most the requests waiting), so they are admitted together."""
+    from dora_jax.rollout.driver import Request, RolloutDriver
+    from dora_jax.sim.local import Clock, TimedEngine
+
+    engine = TimedEngine(parse_profile(synthetic()), Clock(), slots=slots, max_prefill_length=8,
+                         max_target_length=512, decode_steps=8)
+    asked = []
+    generate_steps = engine.generate_steps
+
+    def recorded(*args, **kwargs):
+        asked.append(list(kwargs["end_after"]))
+        return generate_steps(*args, **kwargs)
+
+    engine.generate_steps = recorded
+    driver = RolloutDriver(engine, decode_steps=8)
+    driver.add_version(0, 0)  # a simulated version's params are its number
+    for i in range(slots + waiting):
+        driver.submit(Request(i, (1, 2, 3), max_new_tokens=2 + i % 40))
+    driver.step()
+    assert asked[0] == [expect]
