@@ -24,7 +24,7 @@ steps (:meth:`Engine.generate_steps`): each row stops on the device at an eos or
 ``max_new_tokens``, and the host reads the N steps' tokens with one transfer, then finishes, admits and
 compacts between programs. A program ends where the host would act on freed slots: while requests wait for a
 slot (pending here, or ``waiting_outside``), at the step that frees 1/32 of the engine's slots (one on an engine
-of fewer than 32, at most as many as wait: :data:`ADMIT_SLOTS_FRACTION`), or when enough rows are freed for a
+of fewer than 64, at most as many as wait: :data:`ADMIT_SLOTS_FRACTION`), or when enough rows are freed for a
 group to compact. "Step" above then reads "program": overlap dispatches program t + 1 before reading
 program t.
 """
@@ -48,7 +48,7 @@ from dora_jax.rollout.sampling import needs_filter
 # While requests wait for a slot, a program of several steps ends once this fraction of the engine's slots
 # (1 / N, at least one slot, at most the requests waiting) has been freed, so they are admitted together: one
 # prefill for several requests and programs that run most of their steps, for at most a few steps' wait of the
-# freed slots. An engine of fewer than N slots admits at every freed slot.
+# freed slots. An engine of fewer than 2N slots admits at every freed slot.
 ADMIT_SLOTS_FRACTION = 32
 
 

@@ -258,7 +258,7 @@ class Engine:
         self.count_reads = False
         self.kv_read_tokens = self.kv_live_tokens = 0
         self.count_reads_s = 0.0  # host time the counting took (benchmarks take it off what they time)
-        # Device arrays whose last use is a program still in flight (a prefill's logits and cache), each with the
+        # Device arrays whose last use is a program still in flight (a prefill's first tokens and batch), each with the
         # number of decode programs dispatched before it: dropped once a later decode program's results are
         # read. Dropping the last reference to an array in use blocks the host on some backends (XLA:CPU), and
         # the decode program that follows depends on every one of them.
