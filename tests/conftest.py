@@ -32,8 +32,9 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 # No compilation cache of the user's: tests compile what they run. They share one of their own instead, new
 # for every run and removed at its end, so the programs many tests build alike (the tiny model's train step,
 # the engine's decode step at the same shapes) compile once per run instead of once per test. The process that
-# starts the run makes the directory; pytest-xdist's workers inherit its name. Processes a test starts do not
-# read it (only this file does), so multi-process tests compile on their own.
+# starts the run makes the directory; pytest-xdist's workers inherit its name. Processes a test starts read it
+# when the test passes them child_cache_env(): a run killed and resumed, or two processes of one cluster, then
+# compile each program once.
 os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 _CACHE_DIR = "DORA_JAX_TEST_COMPILATION_CACHE"
 _OWNS_CACHE = _CACHE_DIR not in os.environ
@@ -46,6 +47,12 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_DIR])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the many small programs add up
+
+
+def child_cache_env() -> dict[str, str]:
+    """Environment variables that make a process a test starts use the run's compilation cache."""
+    return {"JAX_COMPILATION_CACHE_DIR": os.environ[_CACHE_DIR], "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def rel_err(actual, expected) -> float:

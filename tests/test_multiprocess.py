@@ -21,6 +21,7 @@ import time
 
 import pytest
 
+from conftest import child_cache_env
 from dora_jax.dora.ledger import Ledger
 from dora_jax.xla_flags import cpu_device_flags
 
@@ -175,7 +176,7 @@ def _start(tmp_path, overrides_of, worker=_WORKER, devices=4):
         # compile the same programs with the same flags.
         env = {**os.environ, "JAX_PLATFORMS": "cpu",
                "XLA_FLAGS": cpu_device_flags(devices, "--xla_backend_optimization_level=0"),
-               "DORA_COORDINATOR": f"127.0.0.1:{port}", "DORA_NUM_PROCESSES": "2", "DORA_PROCESS_ID": str(pid),
+               **child_cache_env(), "DORA_COORDINATOR": f"127.0.0.1:{port}", "DORA_NUM_PROCESSES": "2", "DORA_PROCESS_ID": str(pid),
                "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
         procs.append(subprocess.Popen(
             [sys.executable, "-c", worker, str(run_dir), str(tmp_path / f"rec{pid}.json"),

@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pytest
 
+from conftest import child_cache_env
 from dora_jax.dora.ledger import Ledger
 from dora_jax.xla_flags import cpu_device_flags
 
@@ -164,7 +165,8 @@ def _launch(tmp_path, timeout=180):
         # LLVM's optimizations off: compiling dominates a run this small (both processes compile every program).
         env = {**os.environ, "JAX_PLATFORMS": "cpu",
                "XLA_FLAGS": cpu_device_flags(2, "--xla_backend_optimization_level=0"),
-               "DORA_COORDINATOR": f"127.0.0.1:{port}", "DORA_NUM_PROCESSES": "2", "DORA_PROCESS_ID": str(pid)}
+               **child_cache_env(), "DORA_COORDINATOR": f"127.0.0.1:{port}", "DORA_NUM_PROCESSES": "2",
+               "DORA_PROCESS_ID": str(pid)}
         procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, str(tmp_path / f"rec{pid}.json"),
                                        json.dumps(RUN)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

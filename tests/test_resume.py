@@ -33,7 +33,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import possible_draws
+from conftest import child_cache_env, possible_draws
 from dora_jax.config import load_config
 from dora_jax.dora.ledger import Ledger
 from dora_jax.run.resume import ResumeError, RunStore, truncate_lines
@@ -72,11 +72,10 @@ def varied_reward(prompt, response, answer):
 
 
 @pytest.fixture(scope="module")
-def child_env(tmp_path_factory):
+def child_env():
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0",  # conftest.py
-               JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+               **child_cache_env(),
                PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")]))
     return env
 
