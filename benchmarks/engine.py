@@ -528,12 +528,12 @@ def measure_decode(eng, prepared, requests, warmup=None, prefix=()) -> dict[str,
     run(warmup or requests), run(firsts)
     # The timed run counts its compiles and its attention's reads (the counting's host time taken off).
     before, eng.count_reads = compile_count(), True
-    eng.kv_read_tokens = eng.kv_live_tokens = 0
-    eng.count_reads_s = 0.0
+    eng.reads.read = eng.reads.live = 0
+    eng.reads.seconds = 0.0
     d, trajs, seconds = run(requests)
     compiles, eng.count_reads = compile_count() - before, False
-    seconds -= eng.count_reads_s
-    host_s = d.host_s - eng.count_reads_s
+    seconds -= eng.reads.seconds
+    host_s = d.host_s - eng.reads.seconds
     prefill_s = run(firsts)[2]
     by_id = {r.sample_id: len(r.prompt_ids) for r in requests}
     tokens = [len(t.tokens) for t in trajs]
@@ -546,7 +546,7 @@ def measure_decode(eng, prepared, requests, warmup=None, prefix=()) -> dict[str,
             **_per_dispatch(d), "slot_utilization": d.slot_utilization,
             "kv_bytes_ratio": None if ratio is None else float(ratio),
             "compiles_during_timing": compiles.compiles, "compile_cache_loads_during_timing": compiles.cache_loads,
-            "kv_read_ratio": eng.kv_read_ratio, "host_ms_per_dispatch": 1e3 * host_s / max(d.dispatches, 1),
+            "kv_read_ratio": eng.reads.ratio, "host_ms_per_dispatch": 1e3 * host_s / max(d.dispatches, 1),
             "dispatches": d.dispatches}
 
 
@@ -586,13 +586,14 @@ def _top_level(preset: str, summary: dict[str, Any], bw: float, source: str, hf:
 
 
 def warm_engine(eng, prepared, **plan_args) -> dict[str, Any]:
-    """``Engine.warmup`` with the figures a benchmark records: ``warmup_s``, ``warmup_programs`` and
+    """``warmup.warmup`` with the figures a benchmark records: ``warmup_s``, ``warmup_programs`` and
     ``kernels_per_layer`` (kernels of one layer of the widest decode program, from its compiled HLO, and of one
     tile of the attention loop inside it)."""
     from dora_jax.compiles import layer_kernels
+    from dora_jax.rollout.warmup import warmup, warmup_plan
 
-    got = eng.warmup(prepared, progress=True, **plan_args)
-    name, args = [x for x in eng.warmup_plan(prepared, **plan_args) if x[0].startswith("generate")][-1]
+    got = warmup(eng, prepared, progress=True, **plan_args)
+    name, args = [x for x in warmup_plan(eng, prepared, **plan_args) if x[0] == "generate_steps"][-1]
     counts = layer_kernels(eng.compiled.lower(name, *args).compile().as_text(), eng.cfg.num_layers)
     return {"warmup_s": got["seconds"], "warmup_programs": got["programs"],
             "kernels_per_layer": None if counts is None else counts["per_layer"],
@@ -614,7 +615,7 @@ def bench_engine_accel(quick: bool = False, batches: tuple[int, ...] | None = No
     ``jax.profiler`` trace of steady decode dispatches at the largest batch (:func:`profile_decode`), whose top
     device ops go to ``top_ops.json`` there and under ``profile`` in the result.
 
-    Every program is compiled before the clock starts (``Engine.warmup``; ``warmup_s``), and the timed run
+    Every program is compiled before the clock starts (``warmup.warmup``; ``warmup_s``), and the timed run
     records ``compiles_during_timing``, ``kv_read_ratio`` and ``host_ms_per_dispatch``.
     """
     import dataclasses
@@ -709,10 +710,11 @@ def profile_decode(eng, prepared, requests, out_dir: str, dispatches: int = 4) -
     import re
 
     from dora_jax.rollout.driver import RolloutDriver
+    from dora_jax.rollout.warmup import warmup_plan
 
     results = {}  # every decode program's ops (a dispatch runs the one of its capacity), compiled at warm-up
-    for name, args in eng.warmup_plan(prepared):
-        if name.startswith("generate"):
+    for name, args in warmup_plan(eng, prepared):
+        if name == "generate_steps":
             hlo = eng.compiled.lower(name, *args).compile().as_text()
             results.update((m.group(1), m.group(2)) for m in re.finditer(r"^\s*(?:ROOT )?%(\S+) = (\S+) ", hlo, re.M))
     d = RolloutDriver(eng)

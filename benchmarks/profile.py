@@ -11,7 +11,7 @@ trainer on device 0 and rollout on device 1 where there are two devices), each b
 * admission: the driver step that admits 1 .. 8 distinct prompts x ``train.group_size`` requests into a fresh
   decode group (prefill, first tokens, decode state, inserts), less its decode dispatch; the shared chat head's
   prefill (once per version: ``shared_prefix_s``) timed alone;
-* the driver's other calls: ``Engine.resize`` and ``free_slot``;
+* the driver's other calls: ``Engine.resize`` and ``free_slots``;
 * train: ``Trainer.train_step`` of ``dora.train_batch`` rows at each of ``train.length_buckets`` the workload
   reaches, building the batch (``make_batch`` + ``Trainer.put``: ``train.host_s``) and the call until it returns
   (``train.dispatch_s``);
@@ -189,7 +189,7 @@ def measure_calls(engine: Any, repeats: int = 9) -> dict[str, float]:
             rows = list(range(c // 2))
             state, seconds = timed(lambda: engine.resize(state, rows, c))
             (resize.append(seconds) if i else None)
-            state, seconds = timed(lambda: engine.free_slot(state, 0))
+            state, seconds = timed(lambda: engine.free_slots(state, [0]))
             (free.append(seconds) if i else None)
     return {"resize_s": _median(resize), "free_slot_s": _median(free)}
 

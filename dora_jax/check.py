@@ -198,7 +198,7 @@ def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
     # The engine's decode step traced on abstract arguments: exactly what a rollout runs per step.
     def decode_step(p, state, pool, tables):
         every = jnp.ones(state.tokens.shape, bool)  # every slot steps: none waits for pages
-        return engine.programs.generate(engine.prepare_params(p), state, pool, tables, every, None)
+        return engine.programs.decode_step(engine.prepare_params(p), state, pool, tables, every, None)
 
     temp, args = _compile(jax.jit(decode_step, donate_argnums=(1, 2)), (params, decode, pool, tables), mesh, rules,
                           do_compile)
@@ -210,8 +210,9 @@ def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
     # What the engine compiles at warm-up, before the first update (a run's shared prefix is the tokenizer's
     # chat-template head, unknown here: counted as one, its own program per length).
     from dora_jax.rollout.sampling import run_filters
+    from dora_jax.rollout.warmup import program_catalog
 
-    catalog = engine.program_catalog(versions=versions, filtered=run_filters(r.top_k, r.top_p),
+    catalog = program_catalog(engine, versions=versions, filtered=run_filters(r.top_k, r.top_p),
                                      prefix_tokens=1 if r.shared_prefix else 0)
     kinds: dict[str, int] = {}
     for name, *_ in catalog:

@@ -499,7 +499,7 @@ class RolloutConfig:
     decode_steps: int | str = "auto"
     page_tokens: int = 16
     kv_pages: int = 0
-    # Compile every program the engine can dispatch before the first update (Engine.warmup), so none compiles
+    # Compile every program the engine can dispatch before the first update (dora_jax.rollout.warmup), so none compiles
     # while the run decodes; off, each compiles at its first use. null: on for accelerators, off on CPU, where
     # compiling the shapes a run never reaches costs more than the stalls it saves (docs/rollout.md, "Warm-up").
     warmup: bool | None = None

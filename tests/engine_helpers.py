@@ -107,3 +107,27 @@ def assert_same_trajectory(got, want, request, model):
     assert {got.tokens[n], want.tokens[n]} <= possible, (request.sample_id, n, got.tokens[n], want.tokens[n],
                                                           sorted(possible))
     return False
+
+
+def step_rows(eng, params, state, filtered=None):
+    """One decode step of every live slot, as its own program (``generate_steps`` of one step, no stop ids):
+    the new state and the step's packed results, int32 [B, 5] (token, valid, position, log-prob bits,
+    version)."""
+    b = state.tokens.shape[0]
+    (state,), result = eng.generate_steps([params], [state], steps=1, budgets=[np.ones((b,), np.int32)],
+                                          stop_ids=[[()] * b], filtered=filtered)
+    return state, np.asarray(result.to_host().data)[0]
+
+
+def step_once(eng, params, state, filtered=None):
+    """:func:`step_rows` with the results as columns, each [B]."""
+    state, d = step_rows(eng, params, state, filtered)
+    return state, {"token": d[:, 0], "valid": d[:, 1].astype(bool), "position": d[:, 2],
+                   "logprob": np.ascontiguousarray(d[:, 3]).view(np.float32), "version": d[:, 4]}
+
+
+def prefill_one(eng, prompt, *, sample_id=0, version=0, sampling=RequestSampling(), shared_prefix=None, params=None):
+    """One request prefilled alone (``prefill_batch`` of one): its batch and its first token's columns."""
+    batch, first = eng.prefill_batch(params=params, prompts=[tuple(prompt)], sample_ids=[sample_id], version=version,
+                                     samplings=[sampling], shared_prefix=shared_prefix)
+    return batch, {k: v[0] for k, v in first.to_host().columns().items()}

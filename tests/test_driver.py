@@ -46,15 +46,16 @@ def test_fused_step_equals_one_call_per_version(models, monkeypatch):
     m0, m1 = models
     reqs = make_requests(12, seed=4, versions=(0, 1, 2), sampling=RequestSampling(temperature=1.0, top_k=20, seed=5))
     runs = {}
-    limit = trace_limit(monkeypatch, "generate_many")
+    limit = trace_limit(monkeypatch, "generate_steps")
     fused = collections.Counter()
-    generate_many = Engine.generate_many
-    monkeypatch.setattr(Engine, "generate_many", lambda self, *a, **k: fused.update(["steps"]) or
-                        generate_many(self, *a, **k))
+    generate_steps = Engine.generate_steps
+    monkeypatch.setattr(Engine, "generate_steps", lambda self, params, *a, **k: fused.update(
+        ["steps"] * (len(params) > 1)) or generate_steps(self, params, *a, **k))
     eng = make_engine(m0, slots=8)  # one engine: both drivers share its compiled prefill, insert and resize
     for fuse in (False, True):
-        # One program per (versions stepping together, shared capacity): 2 or 3 versions x capacities 1..8.
-        limit(0 if not fuse else 8)
+        # One program per (versions stepping together, shared capacity): unfused, one version x capacities
+        # 1..8; fused, 2 or 3 versions x capacities 1..8 (one version alone: the programs of the unfused run).
+        limit(4 if not fuse else 8)
         driver = RolloutDriver(eng, fuse=fuse, decode_steps=1)
         for v, m in enumerate((m0, m1, m0)):
             driver.add_version(v, nnx.state(m))
@@ -106,12 +107,12 @@ def test_stop_and_eos_reasons(models):
     assert b.finish_reason == "stop" and b.tokens == free.tokens[:free.tokens.index(stop) + 1]
 
 
-@pytest.mark.parametrize("steps,program", [(1, "generate"), (8, "generate_steps")])
-def test_compaction_utilization_and_bounded_compilation(models, monkeypatch, steps, program):
+@pytest.mark.parametrize("steps", [1, 8])
+def test_compaction_utilization_and_bounded_compilation(models, monkeypatch, steps):
     """One decode program per capacity, with one step per program or several (the budgets, the step limit
     and whether to end at the first stop are arguments, not compiled in)."""
     m0, _ = models
-    limit = trace_limit(monkeypatch, program)
+    limit = trace_limit(monkeypatch, "generate_steps")
     limit(4)  # capacities 1, 2, 4, 8
     eng = make_engine(m0, slots=8)
     d = RolloutDriver(eng, decode_steps=steps)
@@ -138,11 +139,11 @@ def test_bad_input(models):
         d.submit(Request(0, (1, 2), max_new_tokens=8, sampling=RequestSampling(temperature=-1.0)))
     with pytest.raises(EngineError, match="must fit max_target_length"):
         d.submit(Request(0, (1, 2), max_new_tokens=63))
-    prefix, _ = eng.prefill(padded_tokens=np.array([1, 2, 3]), true_length=3)
+    batch, _ = eng.prefill_batch(prompts=[(1, 2, 3)], sample_ids=[0], samplings=[GREEDY])
     with pytest.raises(EngineError, match="slot 9 does not exist"):
-        eng.insert(prefix, eng.init_decode_state(), 9)
-    with pytest.raises(EngineError, match="max_prefill_length"):
-        eng.prefill(padded_tokens=np.arange(40), true_length=40)
+        eng.insert_batch(batch, eng.init_decode_state(), [9])
+    with pytest.raises(EngineError, match=r"prompt of 40 tokens; allowed 1..32"):
+        eng.prefill_batch(prompts=[tuple(range(40))], sample_ids=[0], samplings=[GREEDY])
     with pytest.raises(EngineError, match="still has trajectories in flight"):
         d.submit(Request(5, (1, 2), max_new_tokens=8))
         d.remove_version(0)

@@ -125,27 +125,27 @@ def test_overlap_dispatches_the_next_step_before_reading_the_last(models, engine
     one. A fixed batch of equal lengths runs exactly max_new_tokens - 1 steps either way (the first token
     comes from prefill): no step is dispatched for rows whose last token is already being computed. One
     decode step per program here; test_multi_step_decode_* cover several."""
-    from dora_jax.rollout.engine import ResultTokens
+    from dora_jax.rollout.engine import ResultSteps, ResultTokens
 
     m0, _ = models
     eng = engine4
     outstanding, peak = [0], [0]
 
-    class Counted(ResultTokens):
+    class Counted(ResultSteps):
         def to_host(self):
             outstanding[0] -= 1
             return super().to_host()
 
     def counting(method):
         def wrapped(*args, **kwargs):
-            state, result = method(*args, **kwargs)
+            states, result = method(*args, **kwargs)
             outstanding[0] += 1
             peak[0] = max(peak[0], outstanding[0])
-            return state, Counted(result.data)
+            result.__class__ = Counted  # the engine's own result, its bookkeeping at the first read kept
+            return states, result
         return wrapped
 
-    monkeypatch.setattr(eng, "generate", counting(eng.generate))
-    monkeypatch.setattr(eng, "generate_many", counting(eng.generate_many))
+    monkeypatch.setattr(eng, "generate_steps", counting(eng.generate_steps))
     reqs = [Request(i, (3 + i, 7, 9), max_new_tokens=10, sampling=GREEDY) for i in range(4)]
     for overlap, expect_peak in ((False, 1), (True, 2)):
         outstanding[0] = peak[0] = 0
@@ -219,7 +219,8 @@ def test_overlap_dispatches_the_next_step_before_reading_the_last(models, engine
     outstanding[0] = 0
     (t,) = d.run([Request(9, (5, 6, 7), max_new_tokens=10, sampling=GREEDY)])
     assert t.finish_reason == "eos" and t.tokens == probe.tokens[:probe.tokens.index(eos) + 1]
-    assert d.idle and outstanding[0] == 0 and d.steps == len(t.tokens)  # one step past the eos, read back
+    # One dispatch past the eos, read back; it runs no step: the device stopped the row at its eos.
+    assert d.idle and outstanding[0] == 0 and d.dispatches == len(t.tokens) and d.steps == len(t.tokens) - 1
     # Its decode state goes with it (its params may share arrays with the model the test still holds).
     arrays = [weakref.ref(x) for x in jax.tree.leaves(d.decode_state(0))]
     d.remove_version(0)
@@ -346,9 +347,9 @@ def test_multi_step_decode_counts_and_admission(models, engine4, monkeypatch):
     # Nothing waits; two rows end by length after 2 and 3 decode steps: the first program ends when the group
     # can compact (2 of 4 rows freed), and the rows computed are those of one step per program.
     reqs = [Request(i, (7 + i, 7, 9), max_new_tokens=n, sampling=GREEDY) for i, n in enumerate((3, 4, 20, 20))]
-    ran.clear()
     computed = {}
     for steps in (1, 8):
+        ran.clear()  # the programs of the 8-step run are checked
         d = RolloutDriver(engine4, decode_steps=steps)
         d.add_version(0, nnx.state(m0))
         d.run(reqs)

@@ -1,8 +1,8 @@
-"""The continuous-batching engine's calls on tiny random models: JetStream's single-request API (prefill ->
-insert -> generate), the batched calls (prefill_batch, insert_batch, generate_steps), prefill after a shared
-prefix, and a version's prepared params (fused weights on a mesh, bfloat16 decoding of a float32 model).
+"""The continuous-batching engine's calls on tiny random models: prefill_batch, insert_batch, generate_steps,
+prefill after a shared prefix, and a version's prepared params (fused weights on a mesh, bfloat16 decoding of a
+float32 model).
 
-References: one prompt at a time, one step per call, whole-prompt prefills, a full forward of the same params.
+References: one prompt at a time, one step per program, whole-prompt prefills, a full forward of the same params.
 """
 
 import dataclasses
@@ -16,7 +16,7 @@ from flax import nnx
 from dora_jax.models.build import init_model
 from dora_jax.rollout.driver import RolloutDriver
 from dora_jax.rollout.engine import Engine, EngineError, RequestSampling
-from engine_helpers import CFG, GREEDY, make_engine, make_requests, recompute
+from engine_helpers import CFG, GREEDY, make_engine, make_requests, prefill_one, recompute, step_once
 
 
 def test_bfloat16_rollout_of_a_float32_model_follows_the_float32_engine(models):
@@ -53,27 +53,23 @@ def test_bfloat16_rollout_of_a_float32_model_follows_the_float32_engine(models):
     assert all(-1e-4 <= gap <= 0.4 for gap in near_ties), near_ties
 
 
-def test_jetstream_api_shape(models):
-    """prefill -> insert -> generate, results read with one host copy per step."""
+def test_one_request_prefill_insert_step(models):
+    """A request alone: its first token at prefill, one decode step, results read with one host copy each; an
+    empty slot reports nothing."""
     m0, _ = models
     eng = make_engine(m0, slots=2)
-    state = eng.init_decode_state()
-    prefix, first = eng.prefill(padded_tokens=np.array([4, 5, 6, 0, 0]), true_length=3, sample_id=11, version=7,
-                                sampling=GREEDY)
-    r0 = first.to_host().get_result_at_slot(0)
-    state = eng.insert(prefix, state, 1)
-    state, res = eng.generate(None, state)
-    host = res.to_host()
-    assert not host.get_result_at_slot(0).valid
-    r1 = host.get_result_at_slot(1)
-    assert r1.valid and r1.version == 7 and r1.position == 4 and r0.position == 3
-    logits = np.asarray(m0(jnp.asarray([[4, 5, 6, r0.token]])))[0]
-    assert [r0.token, r1.token] == logits[2:4].argmax(-1).tolist()
+    batch, r0 = prefill_one(eng, (4, 5, 6), sample_id=11, version=7, sampling=GREEDY)
+    state = eng.insert_batch(batch, eng.init_decode_state(), [1])
+    state, r1 = step_once(eng, None, state)
+    assert not r1["valid"][0]
+    assert r1["valid"][1] and r1["version"][1] == 7 and r1["position"][1] == 4 and r0["position"] == 3
+    logits = np.asarray(m0(jnp.asarray([[4, 5, 6, int(r0["token"])]])))[0]
+    assert [int(r0["token"]), int(r1["token"][1])] == logits[2:4].argmax(-1).tolist()
 
 
 def test_batched_prefill_equals_one_prompt_at_a_time(models):
-    """prefill_batch gives each request the first token and log-prob that prefill gives it alone, and a
-    cache row whose decode continues exactly as the single prefill's; equal prompts share one row."""
+    """prefill_batch gives each request the first token and log-prob that a prefill of it alone gives, and a
+    cache row whose decode continues exactly as the lone prefill's; equal prompts share one row."""
     m0, _ = models
     eng = make_engine(m0, slots=8)
     sampling = RequestSampling(temperature=1.0, seed=3)
@@ -84,22 +80,19 @@ def test_batched_prefill_equals_one_prompt_at_a_time(models):
     assert batch.cache.v.shape[3] == 32  # the prompts' bucket, not the 64-slot decode cache
     cols = first.to_host().columns()
     assert cols["valid"][:5].all() and not cols["valid"][5:].any()
-    singles = [eng.prefill(padded_tokens=np.array(p), true_length=len(p), sample_id=i, version=4, sampling=sampling)
-               for p, i in zip(prompts, ids)]
-    for n, (_, res) in enumerate(singles):
-        r = res.to_host().get_result_at_slot(0)
-        assert (cols["token"][n], cols["position"][n], cols["version"][n]) == (r.token, r.position, 4)
-        np.testing.assert_allclose(cols["logprob"][n], r.logprob, rtol=1e-5, atol=1e-6)
+    singles = [prefill_one(eng, p, sample_id=i, version=4, sampling=sampling) for p, i in zip(prompts, ids)]
+    for n, (_, r) in enumerate(singles):
+        assert (cols["token"][n], cols["position"][n], cols["version"][n]) == (r["token"], r["position"], 4)
+        np.testing.assert_allclose(cols["logprob"][n], r["logprob"], rtol=1e-5, atol=1e-6)
     assert len({int(cols["token"][n]) for n in (0, 2, 4)}) > 1  # same prompt, own streams: not one shared token
     # Decode both ways for a few steps: request n in slot 7 - n (the batch) or inserted alone.
     a = eng.insert_batch(batch, eng.init_decode_state(), [7, 6, 5, 4, 3])
     b = eng.init_decode_state()
-    for n, (prefix, _) in enumerate(singles):
-        b = eng.insert(prefix, b, 7 - n)
+    for n, (single, _) in enumerate(singles):
+        b = eng.insert_batch(single, b, [7 - n])
     for _ in range(4):
-        a, ra = eng.generate(None, a)
-        b, rb = eng.generate(None, b)
-        ca, cb = ra.to_host().columns(), rb.to_host().columns()
+        a, ca = step_once(eng, None, a)
+        b, cb = step_once(eng, None, b)
         assert (ca["token"] == cb["token"]).all() and (ca["valid"] == cb["valid"]).all()
         np.testing.assert_allclose(ca["logprob"], cb["logprob"], rtol=1e-5, atol=1e-6)
 
@@ -142,31 +135,22 @@ def test_shared_prefix_prefill_equals_the_whole_prompt(models):
     x = eng.insert_batch(a, eng.init_decode_state(), [0, 1, 2, 3])
     y = eng.insert_batch(b, eng.init_decode_state(), [4, 5, 6, 7])
     for _ in range(5):
-        x, rx = eng.generate(None, x)
-        y, ry = eng.generate(None, y)
-        cx, cy = rx.to_host().columns(), ry.to_host().columns()
+        x, cx = step_once(eng, None, x)
+        y, cy = step_once(eng, None, y)
         assert (cx["token"][:4] == cy["token"][4:]).all() and (cx["position"][:4] == cy["position"][4:]).all()
         np.testing.assert_allclose(cx["logprob"][:4], cy["logprob"][4:], rtol=1e-5, atol=1e-6)
-    # JetStream's prefill(existing_prefix=...): the tokens after the prefix, the whole sequence's first token,
-    # and a row that decodes like the batch's (request 1, inserted alone into slot 2 of a fresh state).
-    rest = prompts[1][len(head):]
-    padded = np.zeros(32, np.int32)
-    padded[:len(rest)] = rest
-    single, res = eng.prefill(existing_prefix=shared, padded_tokens=padded, true_length=len(rest), sample_id=2,
-                              version=2, sampling=sampling)
-    r = res.to_host().get_result_at_slot(0)
-    assert (r.token, r.position, r.version) == (cb["token"][1], len(prompts[1]), 2)
-    np.testing.assert_allclose(r.logprob, cb["logprob"][1], rtol=1e-5, atol=1e-6)
-    z = eng.insert(single, eng.init_decode_state(), 2)
+    # One request alone after the prefix: the whole sequence's first token, and a row that decodes like the
+    # batch's (request 1, inserted alone into slot 2 of a fresh state).
+    single, r = prefill_one(eng, prompts[1], sample_id=2, version=2, sampling=sampling, shared_prefix=shared)
+    assert (r["token"], r["position"], r["version"]) == (cb["token"][1], len(prompts[1]), 2)
+    np.testing.assert_allclose(r["logprob"], cb["logprob"][1], rtol=1e-5, atol=1e-6)
+    z = eng.insert_batch(single, eng.init_decode_state(), [2])
     w = eng.insert_batch(b, eng.init_decode_state(), [None, 2])
     for _ in range(3):
-        z, rz = eng.generate(None, z)
-        w, rw = eng.generate(None, w)
-        cz, cw = rz.to_host().columns(), rw.to_host().columns()
+        z, cz = step_once(eng, None, z)
+        w, cw = step_once(eng, None, w)
         assert cz["token"][2] == cw["token"][2] and cz["position"][2] == cw["position"][2]
         np.testing.assert_allclose(cz["logprob"][2], cw["logprob"][2], rtol=1e-5, atol=1e-6)
-    with pytest.raises(EngineError, match="existing_prefix must be a SharedPrefix"):
-        eng.prefill(existing_prefix=object(), padded_tokens=padded, true_length=3)
     with pytest.raises(EngineError, match=r"request 1 \(sample 8\): the prompt does not continue the shared prefix"):
         eng.prefill_batch(prompts=[head + (1,), (5, 6, 1, 2, 3, 4, 5, 6)], sample_ids=[7, 8], version=2,
                           samplings=[sampling] * 2, shared_prefix=shared)
@@ -215,7 +199,7 @@ def test_prepared_params_are_the_fused_weights_ready_on_the_mesh(tied):
 
 
 def test_generate_steps_equals_one_step_at_a_time(models):
-    """One program of N steps gives each slot the tokens and log-probs of N calls of `generate`, and stops a
+    """One program of N steps gives each slot the tokens and log-probs of N one-step programs, and stops a
     slot on the device: at its budget, at a stop id (reported, then inactive in the returned state), at once
     when the token it would feed is a stop id; an empty slot produces nothing; `limit` runs fewer steps, and
     `end_after` ends the program at the step that frees that many slots (a stop, or a final budget's last token)."""
@@ -232,8 +216,8 @@ def test_generate_steps_equals_one_step_at_a_time(models):
     state, first = fresh()
     ref = []
     for _ in range(6):
-        state, result = eng.generate(params, state, filtered=False)
-        ref.append(result.to_host().columns())
+        state, cols = step_once(eng, params, state, filtered=False)
+        ref.append(cols)
     tok = np.stack([r["token"] for r in ref])  # [6, 4]
     lp = np.stack([r["logprob"] for r in ref])
     stop = int(tok[2, 1])  # slot 1 stops at the first step that samples it (step 2 or sooner)

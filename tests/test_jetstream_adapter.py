@@ -24,7 +24,9 @@ import pytest
 from dora_jax.config import ModelConfig
 from dora_jax.models.build import init_model
 from dora_jax.rollout import jetstream_adapter
-from dora_jax.rollout.engine import Engine, EngineError, PreparedParams, Prefix, RequestSampling
+from dora_jax.rollout.engine import Engine, EngineError, PreparedParams, RequestSampling
+from dora_jax.rollout.jetstream_adapter import Prefix
+from engine_helpers import prefill_one, step_once
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, init_std=0.3)
@@ -100,16 +102,14 @@ def test_the_adapter_satisfies_the_abstract_engine(api, engine):
 
 
 def _engine_tokens(eng: Engine, params, sampling: RequestSampling, steps: int):
-    """The bare engine: the first token from prefill, then one per generate."""
-    state = eng.init_decode_state()
-    prefix, first = eng.prefill(params=params, padded_tokens=np.array(PROMPT + [0]), true_length=3, sample_id=5,
-                                version=2, sampling=sampling)
-    state = eng.insert(prefix, state, 1)
-    rows = [first.to_host().get_result_at_slot(0)]
+    """The bare engine: the first token from prefill, then one per one-step program."""
+    batch, first = prefill_one(eng, PROMPT, params=params, sample_id=5, version=2, sampling=sampling)
+    state = eng.insert_batch(batch, eng.init_decode_state(), [1])
+    rows = [(int(first["token"]), float(first["logprob"]), int(first["position"]))]
     for _ in range(steps - 1):
-        state, res = eng.generate(params, state)
-        rows.append(res.to_host().get_result_at_slot(1))
-    return [r.token for r in rows], np.array([r.logprob for r in rows]), [r.position for r in rows]
+        state, cols = step_once(eng, params, state)
+        rows.append((int(cols["token"][1]), float(cols["logprob"][1]), int(cols["position"][1])))
+    return [r[0] for r in rows], np.array([r[1] for r in rows]), [r[2] for r in rows]
 
 
 @pytest.mark.parametrize("sampling", [RequestSampling(temperature=0.0), RequestSampling(temperature=1.0, seed=3)],
@@ -190,6 +190,8 @@ def test_bad_calls_are_named(api, engine):
         js.insert(js.prefill(params=None, padded_tokens=np.array(PROMPT), true_length=3), js.init_decode_state(), 2)
     with pytest.raises(EngineError, match="true_length 4 must be in"):
         js.prefill(params=None, padded_tokens=np.array(PROMPT), true_length=4)
+    with pytest.raises(EngineError, match="existing_prefix must be a SharedPrefix"):
+        js.prefill(params=None, existing_prefix=object(), padded_tokens=np.array(PROMPT), true_length=3)
     with pytest.raises(EngineError, match="no tokenizer was given"):
         js.build_tokenizer(None)
     with pytest.raises(TypeError, match="expected a dora_jax.rollout.engine.Engine"):

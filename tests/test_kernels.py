@@ -21,6 +21,7 @@ from dora_jax.models.build import init_model
 from dora_jax.models.decoder import Decoder, DecodeSettings, resolve_attention_impl
 from dora_jax.models.paged import SCRATCH_PAGE, PagedKV, decode_forward_paged
 from dora_jax.rollout.engine import Engine, EngineError, RequestSampling
+from engine_helpers import prefill_one, step_rows
 
 CFG = ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=6, num_kv_heads=2,
                   head_dim=8, init_std=0.3, qkv_bias=True)
@@ -179,13 +180,13 @@ def test_engine_greedy_identical(model):
         params = engine.prepare_params(state)  # the same weights for both
         decode_state = engine.init_decode_state()
         for slot, prompt in enumerate(prompts):
-            prefix, _ = engine.prefill(params=params, padded_tokens=prompt, true_length=len(prompt), sample_id=slot,
-                                       sampling=RequestSampling(temperature=0.0))
-            decode_state = engine.insert(prefix, decode_state, slot)
+            batch, _ = prefill_one(engine, prompt, params=params, sample_id=slot,
+                                   sampling=RequestSampling(temperature=0.0))
+            decode_state = engine.insert_batch(batch, decode_state, [slot])
         steps = []
         for _ in range(12):
-            decode_state, out = engine.generate(params, decode_state, filtered=False)
-            steps.append(np.asarray(out.data))
+            decode_state, rows = step_rows(engine, params, decode_state, filtered=False)
+            steps.append(rows)
         results.append(np.stack(steps))  # [steps, B, 5]: token, valid, position, log-prob bits, version
     xla, pallas = results
     assert (xla[:, :, 1] == 1).all()

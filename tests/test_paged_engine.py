@@ -14,6 +14,7 @@ from dora_jax.models.paged import paged_attention_with_current, sharded_attentio
 from dora_jax.rollout.driver import Request, RolloutDriver
 from dora_jax.rollout.engine import Engine, EngineError, RequestSampling
 from dora_jax.rollout.pages import pages_for
+from engine_helpers import prefill_one, step_rows
 
 CFG = ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=6, num_kv_heads=2,
                   head_dim=8, init_std=0.3)
@@ -33,8 +34,8 @@ def _engine(model, slots=8, num_pages=None, target=96):
 def _steps(engine, state, n):
     out = []
     for _ in range(n):
-        state, res = engine.generate(None, state)
-        out.append(np.asarray(res.to_host().data))
+        state, rows = step_rows(engine, None, state)
+        out.append(rows)
     return state, np.stack(out)
 
 
@@ -52,14 +53,14 @@ def test_group_shares_prompt_pages_and_decodes_as_alone(model):
     batch, _ = eng.prefill_batch(prompts=prompts, sample_ids=ids, samplings=samplings)
     state = eng.insert_batch(batch, eng.init_decode_state(8), [0, 1, 2, 3, 4], limits)
     assert eng.pages_held == 2 + 4 * 1 + pages_for(len(other), P)
-    assert eng.pages_available == eng.num_pages - eng.pages_held  # nothing reserved: taken as they grow
+    assert eng.book.free_pages == eng.num_pages - eng.pages_held  # nothing reserved: taken as they grow
     state, grouped = _steps(eng, state, 20)
 
     alone = _engine(model)
     single = alone.init_decode_state(8)
     for slot, (p, i) in enumerate(zip(prompts, ids)):
-        prefix, _ = alone.prefill(padded_tokens=np.array(p), true_length=len(p), sample_id=i, sampling=samplings[0])
-        single = alone.insert(prefix, single, slot)
+        batch, _ = prefill_one(alone, p, sample_id=i, sampling=samplings[0])
+        single = alone.insert_batch(batch, single, [slot])
     assert alone.pages_held == 4 * 3 + 1  # 20 tokens: 3 pages each, nothing shared
     single, separate = _steps(alone, single, 20)
     assert (grouped[:, :5, 1] == 1).all() and (grouped[:, 5:, 1] == 0).all()
@@ -70,22 +71,22 @@ def test_group_shares_prompt_pages_and_decodes_as_alone(model):
     # 20 steps after 20 prompt tokens: positions up to 39 written, 5 pages per sample, 2 of them shared.
     assert eng.pages_held == 2 + 4 * 3 + pages_for(len(other) + 20, P)
     for slot in range(5):
-        state = eng.free_slot(state, slot)
-    assert eng.pages_held == 0 and eng.pages_available == eng.num_pages
+        state = eng.free_slots(state, [slot])
+    assert eng.pages_held == 0 and eng.book.free_pages == eng.num_pages
 
 
 def test_dropped_state_returns_its_pages(model):
     import gc
 
     eng = _engine(model)
-    prefix, _ = eng.prefill(padded_tokens=np.arange(1, 12), true_length=11)
-    state = eng.insert(prefix, eng.init_decode_state(), 0)
+    batch, _ = prefill_one(eng, range(1, 12))
+    state = eng.insert_batch(batch, eng.init_decode_state(), [0])
     assert eng.pages_held == 2
     del state
     gc.collect()
-    assert eng.pages_held == 0 and eng.pages_available == eng.num_pages
+    assert eng.pages_held == 0 and eng.book.free_pages == eng.num_pages
     with pytest.raises(EngineError, match="decode state this engine does not know"):
-        eng.generate(None, _engine(model).init_decode_state())
+        step_rows(eng, None, _engine(model).init_decode_state())
 
 
 def test_a_short_pool_makes_requests_and_slots_wait_never_evicts(model):
@@ -133,9 +134,9 @@ def test_sizes_that_cannot_work_are_refused(model):
     d.add_version(0, eng.params)
     with pytest.raises(EngineError, match=r"need 5 pages of 8 tokens; the page pool holds 4"):
         d.submit(Request(0, (1, 2, 3), max_new_tokens=34))
-    prefix, _ = eng.prefill(padded_tokens=np.array([1, 2, 3]), true_length=3)
+    batch, _ = prefill_one(eng, (1, 2, 3))
     with pytest.raises(EngineError, match="needs 8 pages of 8 tokens; the pool has 4 pages"):
-        eng.insert(prefix, eng.init_decode_state(), 0)  # a JetStream insert reserves max_target_length
+        eng.insert_batch(batch, eng.init_decode_state(), [0])  # no limit: max_target_length
     assert eng.pages_held == 0
     with pytest.raises(ConfigError, match="rollout.kv_pages.*one page per slot"):
         RolloutConfig(slots=16, kv_pages=8).validate()
@@ -187,8 +188,7 @@ def _same_decode(got, want):
 
 
 def test_prompts_after_a_shared_head_share_its_full_pages(model):
-    """Prompts after a 20-token head, inserted in two batches and one at a time (JetStream's prefill with an
-    existing prefix): the head's 2 full pages are held once for every slot, each slot writes the head's last 4
+    """Prompts after a 20-token head, inserted in two batches and one alone: the head's 2 full pages are held once for every slot, each slot writes the head's last 4
     tokens and its own into pages of its own, and decoding gives the tokens and log-probs of the same requests
     inserted into an engine that shares nothing. Dropping the prefix while slots read its pages frees nothing;
     freeing the slots then returns every page."""
@@ -202,17 +202,16 @@ def test_prompts_after_a_shared_head_share_its_full_pages(model):
                                  shared_prefix=shared)
     later, _ = eng.prefill_batch(prompts=[HEAD + (9, 8)], sample_ids=[4], samplings=samplings[:1],
                                  shared_prefix=shared)
-    single, _ = eng.prefill(existing_prefix=shared, padded_tokens=np.array([5, 6, 7, 0]), true_length=3,
-                            sample_id=5, sampling=samplings[0])
+    single, _ = prefill_one(eng, HEAD + (5, 6, 7), sample_id=5, sampling=samplings[0], shared_prefix=shared)
     limits = [len(HEAD) + len(t) + 16 for t in tails]
     state = eng.insert_batch(batch, eng.init_decode_state(8), [0, 1, 2], limits)
     assert eng.pages_held == 2 + 1 + 2 + 1  # 23, 27 and 21 tokens: 3, 4 and 3 pages, the head's first 2 shared
     state = eng.insert_batch(later, state, [3], [40])
-    state = eng.insert(single, state, 4)
+    state = eng.insert_batch(single, state, [4])
     assert eng.pages_held == 2 + 1 + 2 + 1 + 1 + 1
     ref = alone.insert_batch(_unshared(batch), alone.init_decode_state(8), [0, 1, 2], limits)
     ref = alone.insert_batch(_unshared(later), ref, [3], [40])
-    ref = alone.insert(single._replace(head=None), ref, 4)
+    ref = alone.insert_batch(_unshared(single), ref, [4])
     assert alone.pages_held == 3 + 4 + 3 + 3 + 3
     state, got = _steps(eng, state, 14)
     ref, want = _steps(alone, ref, 14)
@@ -222,8 +221,8 @@ def test_prompts_after_a_shared_head_share_its_full_pages(model):
     gc.collect()
     assert eng.pages_held == held  # the slots still read the head's pages
     for slot in range(5):
-        state = eng.free_slot(state, slot)
-    assert eng.pages_held == 0 and eng.pages_available == eng.num_pages
+        state = eng.free_slots(state, [slot])
+    assert eng.pages_held == 0 and eng.book.free_pages == eng.num_pages
 
 
 def test_a_group_after_a_shared_head_shares_the_head_and_its_own_full_pages(model):
@@ -253,11 +252,11 @@ def test_a_group_after_a_shared_head_shares_the_head_and_its_own_full_pages(mode
     ref, want = _steps(alone, ref, 12)
     _same_decode(got, want)
     for slot in range(5):
-        state = eng.free_slot(state, slot)
+        state = eng.free_slots(state, [slot])
     assert eng.pages_held == 2  # held for the prefix's next requests
     del shared, batch
     gc.collect()
-    assert eng.pages_held == 0 and eng.pages_available == eng.num_pages
+    assert eng.pages_held == 0 and eng.book.free_pages == eng.num_pages
 
     shared = eng.prefill_shared_prefix(tokens=HEAD)
     batch, _ = eng.prefill_batch(prompts=prompts, sample_ids=[20, 21, 22, 23, 24], samplings=samplings,

@@ -30,7 +30,7 @@ class Recording(RolloutDriver):
 
     def __init__(self, events, *, unload=True):
         engine = types.SimpleNamespace(max_prefill_length=8, max_concurrent_decodes=4, prepare_params=lambda p: p,
-                                       settings=DecodeSettings())
+                                       shards=1, settings=DecodeSettings())
         super().__init__(engine, overlap=False)
         self.events, self.unload = events, unload
 

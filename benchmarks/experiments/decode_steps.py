@@ -9,7 +9,7 @@ a run whose rollout batch equals its slots), and twice as many (requests wait fo
 steps ends at the first step that frees one). Each workload runs with N steps and with one step per program,
 alternated ROUNDS times after one untimed run each; prints tokens/s (best), the ratio, and each run's decode
 steps, dispatches and rows computed. Trajectories are checked equal between the two. Last, the device side
-alone: N steps of every slot (all live, sampled) as N calls of ``Engine.generate`` against one
+alone: N steps of every slot (all live, sampled) as N one-step programs against one
 ``Engine.generate_steps`` program (and N programs of one step), alternated ROUNDS times, ms per step.
 """
 
@@ -89,7 +89,8 @@ def fresh():
 
 def one_step_calls(state):
     for _ in range(N):
-        state, result = engine.generate(params_p, state, filtered=False)
+        (state,), result = engine.generate_steps([params_p], [state], steps=1, budgets=[[1] * r.slots],
+                                                 stop_ids=[[()] * r.slots], filtered=False)
         result.to_host()
 
 

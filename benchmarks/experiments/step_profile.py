@@ -51,10 +51,19 @@ def build(model_name: str):
     return engine, engine.prepare_params(engine.params), prompts
 
 
+def one_step(engine, params, state):
+    """One decode step of every live slot (``Engine.generate_steps`` of one step, no stop ids)."""
+    b = state.tokens.shape[0]
+    (state,), _ = engine.generate_steps([params], [state], steps=1, budgets=[[1] * b], stop_ids=[[()] * b],
+                                        filtered=False)
+    return state
+
+
 def profile_steps(engine, params, prompts, position: int, steps: int, top: int) -> dict:
     """Decodes ``prompts`` to ``position``, traces ``steps`` one-step programs, and returns the step's wall time
     under the profiler and its ``top`` ops by time per step."""
     from dora_jax.rollout.engine import RequestSampling
+    from dora_jax.rollout.warmup import warmup_plan
 
     from benchmarks.timing import timed
 
@@ -63,11 +72,11 @@ def profile_steps(engine, params, prompts, position: int, steps: int, top: int) 
                                     samplings=[RequestSampling(1.0)] * b)
     state = engine.insert_batch(batch, engine.init_decode_state(), list(range(b)))
     while int(np.max(np.asarray(state.positions))) < position:
-        state, _ = engine.generate(params, state, filtered=False)
+        state = one_step(engine, params, state)
     jax.block_until_ready(state)
-    # The one-step program as generate() calls it, at these rows and without top-k/top-p filtering.
-    name, args = next((n, a) for n, a in engine.warmup_plan(params, decode_steps=1) if n == "generate"
-                      and a[1].tokens.shape[0] == b and a[-1] is False)
+    # The one-step program as one_step calls it, at these rows and without top-k/top-p filtering.
+    name, args = next((n, a) for n, a in warmup_plan(engine, params, decode_steps=1) if n == "generate_steps"
+                      and a[1][0].tokens.shape[0] == b and a[-1] is False)
     hlo = engine.compiled.lower(name, *args).compile().as_text()
     # Each op's result shape and the source op it was compiled from (the shape tells which it is: for SmolLM2,
     # [3072, 32] is gate|up for 32 rows, [32, 1, 9, 64] the attention output, ...).
@@ -76,8 +85,7 @@ def profile_steps(engine, params, prompts, position: int, steps: int, top: int) 
 
     def run(state):
         for _ in range(steps):
-            state, _ = engine.generate(params, state, filtered=False)
-            jax.block_until_ready(state)
+            state = jax.block_until_ready(one_step(engine, params, state))
         return state
 
     with tempfile.TemporaryDirectory() as out:

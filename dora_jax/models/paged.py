@@ -234,6 +234,43 @@ def attention_read_tokens(impl: str, lengths, table_width: int, page_tokens: int
     return int((-(-lengths // block) * block).sum())
 
 
+class ReadCounter:
+    """Cached tokens a decode attention path reads (``read``) against the live tokens it has to read (``live``),
+    per layer, counted on the host from each program's results (the benchmarks' ``kv_read_ratio``)."""
+
+    def __init__(self, impl: str, shards: int, table_width: int, page_tokens: int, head_dim: int,
+                 interpret: bool = False):
+        self.impl, self.shards, self.table_width, self.page_tokens = impl, shards, table_width, page_tokens
+        self.head_dim, self.interpret = head_dim, interpret
+        self.read = self.live = 0
+        self.seconds = 0.0  # host time the counting took (benchmarks take it off what they time)
+
+    def add(self, starts: list, produced) -> None:
+        """One program: per decode state, each slot's cached tokens before it (``starts``), and the tokens each
+        slot produced (``produced``, every state's slots in order). At each step every producing row reads its
+        cached tokens."""
+        import time
+
+        import numpy as np
+
+        t0, row = time.perf_counter(), 0
+        for start in starts:
+            n = produced[row:row + start.shape[0]]
+            row += start.shape[0]
+            for s in range(int(n.max(initial=0))):
+                lengths = np.where(n > s, start + s, 0)
+                for shard in np.split(lengths, self.shards):  # each shard's slots are planned apart
+                    self.read += attention_read_tokens(self.impl, shard, self.table_width, self.page_tokens,
+                                                       self.head_dim, self.interpret)
+                self.live += int(lengths.sum())
+        self.seconds += time.perf_counter() - t0
+
+    @property
+    def ratio(self) -> float | None:
+        """Tokens read over live tokens (None before any was counted)."""
+        return self.read / self.live if self.live else None
+
+
 def live_paged_attention(q_bhd: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array,
                          plan: LivePlan, k_new_bkd: jax.Array, v_new_bkd: jax.Array, *, block_pages: int
                          ) -> jax.Array:

@@ -41,7 +41,7 @@ import numpy as np
 
 from dora_jax.rollout.engine import (Engine, EngineError, RequestSampling, SharedPrefix, bucket, prompt_rows,
                                      resolve_decode_steps)
-from dora_jax.rollout.engine_api import continues
+from dora_jax.rollout.engine_api import RolloutEngine, continues
 from dora_jax.rollout.sampling import needs_filter
 
 
@@ -131,28 +131,25 @@ class _Launched:
     floor: int
     fused: bool = False
     rows: list[list[_Live | None]] = dataclasses.field(default_factory=list)  # each group's slots at dispatch
-    # Several decode steps per program (decode_steps > 1): each row's budget of tokens, per group.
-    budgets: list[list[int]] | None = None
+    budgets: list[list[int]] = dataclasses.field(default_factory=list)  # each row's budget of tokens, per group
     # With overlap: requests admitted by this launch, inserted before their first token (sampled at prefill)
     # was read; it is read with this step's results. One entry per prefill program: its first tokens, the
     # requests' rows in order.
     admitted: list[tuple[Any, list[_Live]]] = dataclasses.field(default_factory=list)
     stops: list[np.ndarray] = dataclasses.field(default_factory=list)  # each group's stop table at dispatch
     steady: bool = False  # every slot was live, and could run the whole program, when it was dispatched
-    # One step per program: (version, row) of the live rows the page pool could not give a token's page.
-    waited: set[tuple[int, int]] = dataclasses.field(default_factory=set)
 
 
 class RolloutDriver:
     """Owns one decode group per policy version; admits, steps, and emits finished trajectories."""
 
-    def __init__(self, engine: Engine, *, eos_ids: Sequence[int] = (), compact: bool = True, fuse: bool = True,
+    def __init__(self, engine: RolloutEngine, *, eos_ids: Sequence[int] = (), compact: bool = True, fuse: bool = True,
                  prefill_tokens: int = 8192, batch_prefill: bool = True, overlap: bool | None = None,
                  shared_prefix: Sequence[int] = (), decode_steps: int | None = None):
         if prefill_tokens < 1:
             raise EngineError(f"prefill_tokens must be >= 1, got {prefill_tokens!r}")
-        # None: the engine's setting (rollout.decode_steps). 1 runs Engine.generate / generate_many, one step
-        # per program; more runs Engine.generate_steps, each slot stopped on the device.
+        # Decode steps per program (Engine.generate_steps, each slot stopped on the device); None: the engine's
+        # setting (rollout.decode_steps).
         self.decode_steps = resolve_decode_steps(engine.settings) if decode_steps is None else decode_steps
         if not (isinstance(self.decode_steps, (int, np.integer)) and self.decode_steps >= 1):
             raise EngineError(f"decode_steps must be an integer >= 1, got {self.decode_steps!r}")
@@ -163,7 +160,7 @@ class RolloutDriver:
         self.engine = engine
         # Slots split over batch shards keep their pages in their shard: rows never move between shards, so a
         # group keeps every slot (no compaction) on such an engine.
-        self.shards = getattr(engine, "shards", 1)
+        self.shards = engine.shards
         if self.shards > 1:
             compact = False
         # None: overlap where the host's share of a step is large (accelerators; docs/rollout.md), not on CPU,
@@ -279,9 +276,9 @@ class RolloutDriver:
         if request.max_new_tokens < 1 or n + request.max_new_tokens > self.engine.max_target_length:
             raise EngineError(f"request {request.sample_id}: prompt ({n}) + max_new_tokens ({request.max_new_tokens}) "
                               f"must fit max_target_length ({self.engine.max_target_length})")
-        pool = getattr(self.engine, "shard_pages", None)
+        pool = self.engine.shard_pages
         need = self._pages(request)
-        if pool is not None and need > pool - 1:
+        if need > pool - 1:
             raise EngineError(f"request {request.sample_id}: prompt ({n}) + max_new_tokens ({request.max_new_tokens}) "
                               f"tokens need {need} pages of {self.engine.page_tokens} tokens; the page pool holds "
                               f"{pool - 1} per batch shard (rollout.kv_pages): it could never be admitted")
@@ -300,7 +297,7 @@ class RolloutDriver:
         return self.kv_page_tokens / self.kv_live_tokens if self.kv_live_tokens else None
 
     def _count_kv(self) -> None:
-        held = getattr(self.engine, "pages_held", None)
+        held = self.engine.pages_held
         if held is None:
             return
         lives = [s for g in self._groups.values() for s in g.slots if s is not None]
@@ -310,13 +307,6 @@ class RolloutDriver:
         if steady or not self._kv_steady:
             self.kv_page_tokens += held * self.engine.page_tokens
             self.kv_live_tokens += sum(len(s.request.prompt_ids) + len(s.tokens) + s.in_flight for s in lives)
-
-    def _waiting_rows(self, groups: list[_Group]) -> set[tuple[int, int]]:
-        """For a one-step program: the (version, row) of each live row the page pool cannot give its token's
-        page now (the engine grants the same when it dispatches, taking nothing more)."""
-        got = self.engine.grant_pages([g.state for g in groups], [[int(s is not None) for s in g.slots] for g in groups])
-        return {(g.version, b) for g, gs in zip(groups, got) for b, (s, n) in enumerate(zip(g.slots, gs))
-                if s is not None and n == 0}
 
     @property
     def live_rows(self) -> int:
@@ -389,14 +379,13 @@ class RolloutDriver:
         update of the version's decode state. With ``overlap`` every admitted request is inserted without
         waiting for its first token, which is read with the next step's results (``admitted``)."""
         free = self.engine.max_concurrent_decodes - sum(g.live for g in self._groups.values())
-        admissible = getattr(self.engine, "admissible", None)
         taken: dict[int, list[tuple[Request, float]]] = {}
         sizes: list[tuple[int, int]] = []
         while self._pending and free > 0:
             # The oldest request waits until the pool can take it safely (nothing is evicted for it).
             r = self._pending[0][0]
             sizes.append((len(r.prompt_ids), len(r.prompt_ids) + r.max_new_tokens))
-            if admissible is not None and admissible(sizes) is None:
+            if self.engine.admissible(sizes) is None:
                 break
             request, submitted = self._pending.popleft()
             taken.setdefault(request.version, []).append((request, submitted))
@@ -504,7 +493,7 @@ class RolloutDriver:
         """Admits pending requests, runs one decode dispatch of every version group (``decode_steps`` steps at
         most), returns what finished.
 
-        With ``fuse`` (the default) all groups step in one program (:meth:`Engine.generate_many`) at one
+        With ``fuse`` (the default) all groups step in one program (:meth:`Engine.generate_steps`) at one
         shared capacity, so a step costs one dispatch and one result transfer however many versions are
         resident. With ``overlap`` the step returns what the previous step finished, while this one runs."""
         self.dispatch()
@@ -561,38 +550,13 @@ class RolloutDriver:
             return _Launched(done, [], [], 1, admitted=admitted)
         live_sampling = [s.request.sampling for g in active for s in g.slots if s is not None]
         filtered = needs_filter([s.top_k for s in live_sampling], [s.top_p for s in live_sampling])
-        if self.decode_steps > 1:
-            return self._launch_steps(done, active, filtered, admitted)
-        self._count_kv()
-        if len(active) == 1 or not self.fuse:
-            results, waited = [], set()
-            for g in active:
-                waited |= self._waiting_rows([g])
-                g.state, result = self.engine.generate(g.params, g.state, filtered=filtered)
-                results.append(result)
-            return _Launched(done, active, results, 1, rows=self._dispatched(active), admitted=admitted,
-                             waited=waited)
-        # Every group at the largest group's capacity: one compiled program per (number of versions,
-        # capacity), at most (K + 1) x log2(slots) of them, whatever the mix of versions' sizes. The
-        # padding rows are counted as computed (slot_utilization); on accelerators a decode step's cost
-        # hardly depends on its row count, on CPU it is dominated by per-call costs.
-        floor = max(len(g.slots) for g in active)
-        for g in active:
-            if len(g.slots) < floor:
-                self._resize(g, floor)
-        waited = self._waiting_rows(active)
-        states, result = self.engine.generate_many([g.params for g in active], [g.state for g in active],
-                                                   filtered=filtered)
-        for g, state in zip(active, states):
-            g.state = state
-        return _Launched(done, active, [result], floor, fused=True, rows=self._dispatched(active),
-                         admitted=admitted, waited=waited)
+        return self._dispatch_decode(done, active, filtered, admitted)
 
-    def _launch_steps(self, done: list[Trajectory], active: list[_Group], filtered: bool,
-                      admitted: list[tuple[Any, list[_Live]]]) -> "_Launched":
-        """:meth:`launch` with ``decode_steps`` steps per program (:meth:`Engine.generate_steps`): each live row
-        may produce up to ``decode_steps`` tokens, fewer where its ``max_new_tokens`` ends sooner (counting the
-        tokens of programs still in flight), and stops on the device at an eos or stop id. The program ends
+    def _dispatch_decode(self, done: list[Trajectory], active: list[_Group], filtered: bool,
+                         admitted: list[tuple[Any, list[_Live]]]) -> "_Launched":
+        """The decode part of :meth:`launch` (:meth:`Engine.generate_steps`): each live row may produce up to
+        ``decode_steps`` tokens, fewer where its ``max_new_tokens`` ends sooner (counting the tokens of programs
+        still in flight), and stops on the device at an eos or stop id. The program ends
         where the host would act on freed slots (a stop, or a row's last token): while requests wait for a slot,
         at the step that frees :data:`ADMIT_SLOTS_FRACTION` of the slots (module docstring); otherwise, when a
         group's freed rows would let it compact (at most half its rows live). The steps between run without the
@@ -646,20 +610,9 @@ class RolloutDriver:
         return _Launched(done, active, results, floor, fused=fused, rows=rows, admitted=admitted,
                          budgets=[g.tolist() for g in granted], stops=stops, steady=steady)
 
-    def _dispatched(self, active: list[_Group]) -> list[list[_Live | None]]:
-        """Books a dispatched step: each group's slots as they are now (their results come in this layout,
-        whatever resizes happen before they are read) and the rows computed."""
-        rows = [list(g.slots) for g in active]
-        for slots in rows:
-            self.rows_computed += len(slots)
-            for live in slots:
-                if live is not None:
-                    live.in_flight += 1
-        return rows
-
     def collect(self, launched: "_Launched") -> list[Trajectory]:
         """Reads a launched step's results (one device-to-host transfer) and returns what finished."""
-        done, active, floor = launched.done, launched.active, launched.floor
+        done, active = launched.done, launched.active
         for first, lives in launched.admitted:  # first tokens before the step's: they come first
             self._ready(first.data)
             cols = first.to_host().columns()
@@ -672,30 +625,8 @@ class RolloutDriver:
         if not active:  # nothing was dispatched
             return done
         self._ready([r.data for r in launched.results])
-        if launched.budgets is not None:
-            return self._collect_steps(launched)
-        if not launched.fused:
-            cols_of = [r.to_host().columns() for r in launched.results]
-        else:
-            cols = launched.results[0].to_host().columns()
-            cols_of, row = [], 0
-            for rows in launched.rows:
-                cols_of.append({k: v[row:row + len(rows)] for k, v in cols.items()})
-                row += len(rows)
-        now = time.perf_counter()
-        floor = bucket(max(g.live for g in active), minimum=1) if floor > 1 else 1
-        for g, rows, cols in zip(active, launched.rows, cols_of):
-            self._take(g, rows, cols, now, done, floor, launched.waited)
-        self.steps += 1
-        self.dispatches += 1
-        self.dispatch_steps[1] += 1
-        self.batch_steps += 1 if launched.fused else len(active)
-        return done
-
-    def _collect_steps(self, launched: "_Launched") -> list[Trajectory]:
-        """:meth:`collect` of a :meth:`_launch_steps` launch: one transfer per program, each row's tokens in
-        step order; the rows computed are the program's rows times the steps it ran."""
-        done, active = launched.done, launched.active
+        # One transfer per program, each row's tokens in step order; the rows computed are the program's rows
+        # times the steps it ran.
         per_group, ran = [], []
         groups = list(zip(active, launched.rows, launched.budgets, launched.stops))
         programs = [groups] if len(launched.results) == 1 else [[x] for x in groups]  # fused, or one per group
@@ -744,27 +675,6 @@ class RolloutDriver:
         if g.freed:
             g.state = self.engine.free_slots(g.state, g.freed)
             g.freed = []
-
-    def _take(self, g: _Group, rows: list[_Live | None], cols: dict[str, np.ndarray], now: float,
-              done: list[Trajectory], floor: int = 1, waited: set[tuple[int, int]] = frozenset()) -> None:
-        """Appends one step's results (``rows``: the group's slots when it was dispatched) to the live
-        trajectories; finishes, frees and compacts (not below ``floor``, the capacity the fused groups
-        share). A row whose trajectory ended in an earlier step is discarded."""
-        for slot, live in enumerate(rows):
-            if live is None:
-                continue
-            live.in_flight -= 1
-            if live.finished:
-                continue
-            if (g.version, slot) in waited:  # the pool had no page for its token: it reports nothing
-                self.page_waits += 1
-                continue
-            self.rows_live += 1
-            if not cols["valid"][slot] or cols["version"][slot] != g.version:
-                raise RuntimeError(f"slot {slot} of version {g.version} returned no result")  # engine bug
-            self._append(live, int(cols["token"][slot]), float(cols["logprob"][slot]), now, done)
-        self._free(g)
-        self._compact(g, floor)
 
     def _take_steps(self, g: _Group, rows: list[_Live | None], budgets: list[int], stops: np.ndarray,
                     cols: dict[str, np.ndarray], now: float, done: list[Trajectory], floor: int = 1) -> None:

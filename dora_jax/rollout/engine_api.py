@@ -8,7 +8,7 @@ rollout (a log-prob and a policy version with every token).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Protocol, Sequence
 
 import jax
 import numpy as np
@@ -45,21 +45,6 @@ class PreparedParams(NamedTuple):
     (``Decoder.decode_params(fuse=True)``)."""
 
     tree: dict
-
-
-class Prefix(NamedTuple):
-    """A prefilled request: its cache row and its first sampled token (at position ``length``)."""
-
-    cache: KVCache  # k [L, 1, K, d, S], v [L, 1, K, S, d] (after an existing prefix: its n slots + the bucket)
-    token: jax.Array  # [] int32
-    logprob: jax.Array  # [] float32
-    length: jax.Array  # [] int32: true prompt length = position of `token`
-    sample_id: jax.Array
-    version: jax.Array
-    sampling: SamplingParams  # fields of shape [1]
-    seed: jax.Array
-    host_length: int | None = None  # ``length`` on the host: the tokens insert writes
-    head: SharedPrefix | None = None  # on the host: the shared prefix the request was prefilled after
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -195,3 +180,37 @@ def stop_table(stop_ids: Sequence[Sequence[int]], minimum: int = 4) -> np.ndarra
         if ids:
             out[at, :len(ids)] = ids
     return out
+
+
+class RolloutEngine(Protocol):
+    """What :class:`~dora_jax.rollout.driver.RolloutDriver` asks of an engine: the rollout
+    :class:`~dora_jax.rollout.engine.Engine`, and the simulator's timed engine (:mod:`dora_jax.sim.local`),
+    which has no KV cache (``pages_held`` is ``None`` there and every request is admissible)."""
+
+    max_concurrent_decodes: int
+    max_prefill_length: int
+    max_target_length: int
+    settings: Any  # its decode_steps
+    mesh: Any
+    shards: int  # batch shards the slots split over, each with pages of its own
+    shard_pages: int  # pages per shard, its scratch page included
+    page_tokens: int
+    pages_held: int | None
+
+    def prepare_params(self, params: Any = None) -> Any: ...
+    def init_decode_state(self, capacity: int | None = None) -> Any: ...
+    def prefill_shared_prefix(self, *, params: Any = None, tokens: Sequence[int], version: int = 0) -> Any: ...
+    def prefill_batch(self, *, params: Any = None, prompts: Sequence[Sequence[int]], sample_ids: Sequence[int],
+                      version: int = 0, samplings: Sequence[RequestSampling], shared_prefix: Any = None) -> Any: ...
+    def insert_batch(self, batch: Any, decode_state: Any, slots: Sequence[int | None],
+                     limits: Sequence[int] | None = None) -> Any: ...
+    def generate_steps(self, params_seq: Sequence[Any], states_seq: Sequence[Any], *, steps: int,
+                       budgets: Sequence[Any], stop_ids: Sequence[Any], final: Sequence[Any] | None = None,
+                       end_after: Sequence[int] | None = None, limit: int | None = None,
+                       filtered: bool | None = None) -> Any: ...
+    def free_slots(self, decode_state: Any, slots: Sequence[int]) -> Any: ...
+    def resize(self, decode_state: Any, rows: list[int], capacity: int) -> Any: ...
+    def pages_needed(self, limit: int) -> int: ...
+    def admissible(self, requests: Sequence[tuple[int, int]]) -> list[int] | None: ...
+    def shard_pages_available(self, shard: int) -> int: ...
+    def row_shard(self, capacity: int, row: int) -> int: ...

@@ -39,19 +39,35 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from dora_jax.models.decoder import KVCache
-from dora_jax.rollout.engine import DecodeState, Engine, EngineError, Prefix, RequestSampling, SharedPrefix
+from dora_jax.rollout.engine import DecodeState, Engine, EngineError, PrefixBatch, RequestSampling, SharedPrefix
 from dora_jax.rollout.sampling import SamplingParams
 from dora_jax.sharding import serial_jit
 
 _PACKAGE = "google-jetstream"
 _MODULE = "jetstream.engine.engine_api"
-_CLASSES: dict[int, type] = {}  # one adapter class per imported engine_api module
+_CLASSES: dict[int, tuple[Any, type]] = {}  # one adapter class per imported engine_api module (kept with it)
 # Columns of ResultTokens.data.
 TOKEN, VALID, LENGTH, LOGPROB, VERSION = range(5)
 
 
 class JetStreamUnavailable(ImportError):
     """google-jetstream is not importable, so no JetStream engine can be made."""
+
+
+class Prefix(NamedTuple):
+    """A prefilled request: its cache row and the token the first ``generate`` after ``insert`` feeds (at
+    position ``length``)."""
+
+    cache: KVCache  # k [L, 1, K, d, S], v [L, 1, K, S, d] (after an existing prefix: its n slots + the bucket)
+    token: jax.Array  # [] int32
+    logprob: jax.Array  # [] float32
+    length: jax.Array  # [] int32: position of `token`
+    sample_id: jax.Array
+    version: jax.Array
+    sampling: SamplingParams  # fields of shape [1]
+    seed: jax.Array
+    host_length: int | None = None  # the prompt's length on the host: the tokens insert writes
+    head: SharedPrefix | None = None  # on the host: the shared prefix the request was prefilled after
 
 
 class JetStreamDecodeState(NamedTuple):
@@ -109,6 +125,7 @@ class _AdapterMethods:
         return starts.at[slot].set(length + 1), lengths.at[slot].set(0)
 
     def _lengths_impl(self, lengths, starts, packed):
+        packed = packed[0]  # the one step of the engine's [steps, B, 5] results
         active = packed[:, 1] == 1
         lengths = lengths + active.astype(jnp.int32)
         # The token of this step sits at position starts + lengths - 1; the cache holds positions up to
@@ -122,26 +139,48 @@ class _AdapterMethods:
     def prefill(self, *, params: Any, existing_prefix: SharedPrefix | None = None, padded_tokens: Any,
                 true_length: int, sample_id: int = 0, version: int = 0,
                 sampling: RequestSampling = RequestSampling()) -> Prefix:
+        """The engine's ``prefill_batch`` of one request (after ``existing_prefix``, a
+        :meth:`Engine.prefill_shared_prefix` of this version, when given), rewound to feed its last prompt token."""
         padded = np.asarray(padded_tokens, np.int32).reshape(-1)
-        prefix, _ = self.engine.prefill(params=params, existing_prefix=existing_prefix, padded_tokens=padded,
-                                        true_length=true_length, sample_id=sample_id, version=version,
-                                        sampling=sampling)
-        rewound = self._rewind_jit(prefix._replace(host_length=None, head=None), padded[true_length - 1])
-        return rewound._replace(host_length=prefix.host_length, head=prefix.head)
+        if not 0 < true_length <= padded.shape[0]:
+            raise EngineError(f"true_length {true_length} must be in [1, {padded.shape[0]}] (the padded length)")
+        if existing_prefix is not None and not isinstance(existing_prefix, SharedPrefix):
+            raise EngineError(f"existing_prefix must be a SharedPrefix (Engine.prefill_shared_prefix), got "
+                              f"{type(existing_prefix).__name__}")
+        head = () if existing_prefix is None else existing_prefix.tokens
+        batch, _ = self.engine.prefill_batch(params=params, prompts=[head + tuple(padded[:true_length].tolist())],
+                                             sample_ids=[sample_id], version=version, samplings=[sampling],
+                                             shared_prefix=existing_prefix)
+        row = jax.tree.map(lambda x: x[0], (batch.token, batch.logprob, batch.length, batch.sample_id,
+                                            batch.version, batch.seed))
+        prefix = Prefix(batch.cache, *row[:5], SamplingParams(*(x[:1] for x in batch.sampling)), row[5])
+        return self._rewind_jit(prefix, padded[true_length - 1])._replace(host_length=int(batch.host[0][0]),
+                                                                          head=existing_prefix)
 
     def insert(self, prefix: Prefix, decode_state: JetStreamDecodeState, slot: int) -> JetStreamDecodeState:
         b = decode_state.starts.shape[0]
         if not (isinstance(slot, (int, np.integer)) and 0 <= slot < b):
             raise EngineError(f"slot {slot!r} does not exist (decode state has slots 0..{b - 1})")
+        if prefix.host_length is None:
+            raise EngineError("insert: the prefix has no host length; pass what prefill returned")
         # The engine writes the prompt into the slot's pages; the adapter keeps where its tokens start.
-        state = self.engine.insert(prefix, decode_state.engine, int(slot))
+        batch = PrefixBatch(prefix.cache, np.zeros((1,), np.int32),
+                            *(jnp.reshape(x, (1,)) for x in (prefix.token, prefix.logprob, prefix.length,
+                                                              prefix.sample_id, prefix.version)),
+                            prefix.sampling, jnp.reshape(prefix.seed, (1,)),
+                            (np.array([prefix.host_length], np.int32), np.zeros((1,), np.int32), prefix.head))
+        state = self.engine.insert_batch(batch, decode_state.engine, [int(slot)])
         starts, lengths = self._start_jit(decode_state.starts, decode_state.lengths, np.int32(slot),
                                           prefix.length)
         return JetStreamDecodeState(state, starts, lengths)
 
     def generate(self, params: Any, decode_state: JetStreamDecodeState, *, filtered: bool | None = None
                  ) -> tuple[JetStreamDecodeState, Any]:
-        state, result = self.engine.generate(params, decode_state.engine, filtered=filtered)
+        """One decode step of every slot: the engine's ``generate_steps`` of one step, no stop ids."""
+        b = decode_state.starts.shape[0]
+        (state,), result = self.engine.generate_steps([params], [decode_state.engine], steps=1,
+                                                      budgets=[np.ones((b,), np.int32)],
+                                                      stop_ids=[np.full((b, 4), -1, np.int32)], filtered=filtered)
         lengths, data = self._lengths_jit(decode_state.lengths, decode_state.starts, result.data)
         state = JetStreamDecodeState(state, decode_state.starts, lengths)
         return state, self._result_tokens(data=data, tokens_idx=(TOKEN, TOKEN + 1),
@@ -149,7 +188,7 @@ class _AdapterMethods:
                                           samples_per_slot=1)
 
     def load_params(self, params: Any = None) -> Any:
-        return self.engine.prepare_params(self.engine.params if params is None else params)
+        return self.engine.prepare_params(params)
 
     def init_decode_state(self, capacity: int | None = None) -> JetStreamDecodeState:
         state = self.engine.init_decode_state(capacity)
@@ -216,9 +255,10 @@ def jetstream_engine_class() -> type:
       JetStreamUnavailable: google-jetstream is not importable.
     """
     api = _engine_api()
-    if id(api) not in _CLASSES:
-        _CLASSES[id(api)] = _make_class(api)
-    return _CLASSES[id(api)]
+    known = _CLASSES.get(id(api))
+    if known is None or known[0] is not api:  # an id may be reused once its module is gone
+        _CLASSES[id(api)] = known = (api, _make_class(api))
+    return known[1]
 
 
 def as_jetstream_engine(engine: Engine, *, tokenizer: Any = None, tokenizer_params: Any = None) -> Any:

@@ -26,6 +26,7 @@ grows with the live requests in NumPy, not in Python, and never with the pool.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -347,7 +348,7 @@ class PageBook:
                 else:
                     wants[at[i]] = self._npages[ref[0]] * p - self._length[ref[0]]
         self._length[refs] += wants
-        out, row = [], 0
+        out = []
         for x, t in zip(ids, asks):
             got = np.zeros(x.shape, np.int32)
             live = np.flatnonzero((x > 0) & (t > 0))
@@ -420,3 +421,143 @@ class PageBook:
             assert np.unique(free).size == free.size, "a page is free twice"
             assert set(free.tolist()) == set(np.flatnonzero(self._refs[s] == 0).tolist()), \
                 "free pages differ from the unreferenced ones"
+
+
+class _Rows:
+    """The request record each row of one decode state holds (0: empty)."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, n: int):
+        self.ids = np.zeros((n,), np.int64)
+
+
+class StateRecords:
+    """The engine's records over its :class:`PageBook`, keyed by live decode state: which request each row
+    holds, and the pages each shared prefix holds per shard.
+
+    A decode state is known by its token array. Every engine call donates the state it is given and returns a
+    new one: :meth:`handoff` passes the record on. A state dropped without being passed on, and a shared prefix
+    no longer referenced, return their pages when they are garbage collected."""
+
+    def __init__(self, book: PageBook):
+        self.book = book
+        self._states: dict[int, tuple[_Rows, weakref.finalize]] = {}
+        self._heads: weakref.WeakKeyDictionary[Any, dict[int, HeldPages]] = weakref.WeakKeyDictionary()
+
+    def track(self, state: Any, rows: _Rows | None = None) -> Any:
+        """Starts the record of ``state`` (empty rows unless given); returns ``state``."""
+        rows = _Rows(state.tokens.shape[0]) if rows is None else rows
+        key = id(state.tokens)
+        fin = weakref.finalize(state.tokens, self._drop, key, rows)
+        fin.atexit = False
+        self._states[key] = (rows, fin)
+        return state
+
+    def of(self, state: Any) -> _Rows:
+        entry = self._states.get(id(state.tokens))
+        if entry is None:
+            raise PageError("a decode state this engine does not know: pass the state its last call returned "
+                            "(each call donates the state it is given), made by init_decode_state")
+        return entry[0]
+
+    def handoff(self, old: Any, new: Any) -> Any:
+        """Moves the record of ``old`` to ``new`` (what a call returns for the state it was given)."""
+        rows, fin = self._states.pop(id(old.tokens))
+        fin.detach()
+        return self.track(new, rows)
+
+    def release(self, rows: _Rows, row: int) -> None:
+        """Ends the request ``row`` holds, if any: its pages return to the pool."""
+        ref = int(rows.ids[row])
+        if ref:
+            rows.ids[row] = 0
+            self.book.release(ref)
+
+    def _drop(self, key: int, rows: _Rows) -> None:
+        self._states.pop(key, None)
+        for r in range(len(rows.ids)):
+            self.release(rows, r)
+
+    def hold_head(self, head: Any, wanted: dict[int, list[tuple[int, int]]]) -> tuple[dict[int, HeldPages], set[int]]:
+        """The pages holding the full pages of ``head`` (a shared prefix, ``head.tokens``) in each shard of
+        ``wanted`` (shard -> its requests' (prompt tokens, limit)), taken now in a shard without them where it
+        can give them safely with those requests, and the shards where they were taken now (the caller writes
+        them). Only full pages are shared, so no page is ever copied; the pool gets them back once ``head`` is
+        garbage collected and no slot references them."""
+        full = 0 if head is None else len(head.tokens) // self.book.page_tokens * self.book.page_tokens
+        if not full:
+            return {}, set()
+        held = self._heads.get(head)
+        if held is None:
+            held = self._heads[head] = {}
+            weakref.finalize(head, self.book.release_prefixes, held).atexit = False
+        fresh = set()
+        for shard in wanted.keys() - held.keys():
+            pages = self.book.hold_prefix(shard, full, wanted[shard])
+            if pages is not None:
+                held[shard] = pages
+                fresh.add(shard)
+        return held, fresh
+
+    def admit(self, rows: _Rows, host: tuple, slots: Sequence[int | None], shards: Sequence[int | None],
+              limits: Sequence[int], nb: int, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """Admits request ``i`` of a prefilled batch (``host``: its prompt lengths, cache rows and shared head)
+        into row ``slots[i]`` (``None``: not inserted) of a state, in batch shard ``shards[i]``, growing to
+        ``limits[i]`` tokens; what a row held before ends. Requests with the same prompt share its full pages
+        (the first of them writes them); requests after a shared head share its full pages in their shard.
+
+        Returns the (pool page, page row) each request's prompt tokens are written at, int32 [nb, t] (scratch
+        for what it does not write). Raises :class:`PageError` when the pool has no room for them all now;
+        nothing is admitted then."""
+        lengths, prompt_rows, head = host
+        for slot in slots:  # a slot's previous request ends here (JetStream's insert overwrites)
+            if slot is not None:
+                self.release(rows, slot)
+        p = self.book.page_tokens
+        page_nt, row_nt = np.zeros((nb, t), np.int32), np.zeros((nb, t), np.int32)  # scratch
+        first: dict[tuple[int, int], int] = {}  # (cache row, shard) -> the request writing its pages
+        wanted: dict[int, list[tuple[int, int]]] = {}
+        for i, shard in enumerate(shards):
+            if shard is not None:
+                wanted.setdefault(shard, []).append((int(lengths[i]), int(limits[i])))
+        held, fresh = self.hold_head(head, wanted)
+        unwritten = set(fresh)
+        done: list[int] = []
+        try:
+            for i, (slot, shard) in enumerate(zip(slots, shards)):
+                if slot is None:
+                    continue
+                n, src, pre = int(lengths[i]), first.get((int(prompt_rows[i]), shard)), held.get(shard)
+                shared = (n // p) * p if src is not None else 0
+                ref = self.book.admit(shard, n, int(limits[i]), fork=src if shared else None, fork_tokens=shared,
+                                      prefix=pre)
+                done.append(slot)
+                rows.ids[slot] = ref
+                first.setdefault((int(prompt_rows[i]), shard), ref)
+                # The head's pages are written once, by the first request holding them: its cache row holds the
+                # head first, so its positions 0 .. head - 1 are the head's.
+                start = max(shared, 0 if pre is None or shard in unwritten else pre.tokens)
+                unwritten.discard(shard)
+                page_nt[i, start:n], row_nt[i, start:n] = self.book.prompt_pages(ref, start, n)
+        except PageError:
+            for slot in done:
+                self.release(rows, slot)
+            self.book.release_prefixes({k: held.pop(k) for k in fresh})  # never written: the scatter did not run
+            raise
+        return page_nt, row_nt
+
+    def regather(self, rows: _Rows, idx: np.ndarray, old_shards: Sequence[int], new_shards: Sequence[int]
+                 ) -> np.ndarray:
+        """The records of a state resized so that new row ``i`` holds old row ``idx[i]`` (-1: empty): the
+        requests of rows left out end. Raises :class:`PageError` when a live row would change batch shard (its
+        pages stay in its shard); nothing changes then."""
+        for i, r in enumerate(idx.tolist()):
+            if r >= 0 and rows.ids[r] and old_shards[r] != new_shards[i]:
+                raise PageError(f"slot {r} would move from batch shard {old_shards[r]} to {new_shards[i]}; a "
+                                "slot's pages stay in its shard")
+        kept = set(idx[idx >= 0].tolist())
+        for r in np.flatnonzero(rows.ids).tolist():
+            if r not in kept:
+                self.release(rows, r)
+        return np.where(idx >= 0, rows.ids[np.maximum(idx, 0)], 0)

@@ -1,5 +1,5 @@
 """The device programs of the rollout engine (:class:`~dora_jax.rollout.engine.Engine`): prefill, insertion,
-one or several decode steps over the page pool, and resizing, as pure functions of arrays that the engine jits.
+decode steps over the page pool, and resizing, as pure functions of arrays that the engine jits.
 
 They hold no host state: which pages a slot holds, when a request is admitted and what the host reads back are
 the engine's (:mod:`dora_jax.rollout.engine`, :mod:`dora_jax.rollout.page_book`). On a mesh spanning processes,
@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dora_jax.config import ModelConfig
 from dora_jax.models.decoder import DecodeSettings, KVCache, decode_forward, head_logits, init_cache
 from dora_jax.models.paged import PagedKV, decode_forward_paged, init_pages, write_prompt_pages
-from dora_jax.rollout.engine_api import DecodeState, PreparedParams, Prefix, PrefixBatch
+from dora_jax.rollout.engine_api import DecodeState, PreparedParams, PrefixBatch
 from dora_jax.rollout.sampling import SamplingParams, row_keys, sample
 from dora_jax.sharding import Rules, logical_to_spec
 
@@ -100,20 +100,6 @@ class DecodePrograms:
             return packed
         return jax.lax.with_sharding_constraint(packed, NamedSharding(self.mesh, PartitionSpec()))
 
-    def prefill(self, params: PreparedParams, tokens_t, true_length, sample_id, version, seed, sampling):
-        t = tokens_t.shape[0]
-        cache = init_cache(self.cfg, 1, t)
-        x, cache = decode_forward(self.cfg, params.tree, tokens_t[None], jnp.arange(t, dtype=jnp.int32)[None], cache,
-                                  logits=False, settings=self.settings)
-        # Only the last prompt token's logits are needed: the head runs on one row, not on the whole bucket.
-        last_x = jax.lax.dynamic_index_in_dim(x[0], true_length - 1, keepdims=True)
-        last = head_logits(self.cfg, params.tree, last_x[None])[0]
-        keys = row_keys(seed, sample_id[None], true_length[None])
-        tok, lp = sample(last, keys, sampling)
-        prefix = Prefix(cache, tok[0], lp[0], true_length, sample_id, version, sampling, seed)
-        # The first token's result, packed here so that reading it costs one transfer and no extra dispatch.
-        return prefix, self.readable(_pack(tok, jnp.ones((1,), bool), true_length[None], lp, version[None]))
-
     def prefill_rows(self, params: PreparedParams, tokens_pt, lengths_p, prefix: KVCache | None = None):
         """The model part of :meth:`prefill_batch`: each distinct prompt's cache and last-token logits.
 
@@ -190,26 +176,6 @@ class DecodePrograms:
         tokens, logprobs = sample(logits, keys, state.sampling, filtered)
         # A full row stops advancing (the driver finishes it with reason "length" before that matters).
         return self.pin_pool(pool), tokens, logprobs, jnp.minimum(nxt, self.max_target_length - 1)
-
-    def generate(self, params: PreparedParams, state: DecodeState, pool: PagedKV, tables, step,
-                       filtered: bool | None):
-        """One step of the active slots that ``step`` lets go (the others waited for pages: they keep their
-        token and position and report nothing)."""
-        on = state.active & step
-        pool, tokens, logprobs, nxt = self.decode_step(params, state, pool, tables, on, filtered)
-        new = state._replace(tokens=jnp.where(on, tokens, jnp.where(state.active, state.tokens, 0)),
-                             positions=jnp.where(on, nxt, state.positions))
-        return self.pin(new), pool, self.readable(_pack(jnp.where(on, tokens, 0), on, nxt, logprobs,
-                                                          state.versions))
-
-    def generate_many(self, params_seq, states_seq, pool: PagedKV, tables_seq, steps_seq,
-                            filtered: bool | None):
-        states, rows = [], []
-        for p, st, tables, step in zip(params_seq, states_seq, tables_seq, steps_seq):
-            st, pool, row = self.generate(p, st, pool, tables, step, filtered)
-            states.append(st)
-            rows.append(row)
-        return tuple(states), pool, self.readable(jnp.concatenate(rows, axis=0))
 
     def generate_steps(self, params_seq, states_seq, pool, tables_seq, budgets_seq, stops_seq, final_seq,
                              end_after, limit, steps: int, filtered: bool | None):

@@ -26,6 +26,7 @@ from dora_jax.config import Config
 from dora_jax.distributed import gather_decisions
 from dora_jax.dora.scheduler import Scheduler
 from dora_jax.metrics import MetricsWriter
+from dora_jax.rollout.warmup import warmup
 from dora_jax.run.evaluation import RunError, evaluate
 from dora_jax.run.meter import Meter
 from dora_jax.run.placement import Placement
@@ -121,9 +122,9 @@ class Runner:
         drivers = getattr(self.driver, "drivers", [self.driver])
         for engine, driver in zip(self.engines, drivers):
             # The newest version as the engine holds it: the programs are compiled for its devices and layout.
-            got = engine.warmup(driver.params(self.sched.version), versions=self.policy.bound + 1,
-                                filtered=filtered, prefix_tokens=len(self.shared_prefix),
-                                progress=self.progress and self.writes)
+            got = warmup(engine, driver.params(self.sched.version), versions=self.policy.bound + 1,
+                         filtered=filtered, prefix_tokens=len(self.shared_prefix),
+                         progress=self.progress and self.writes)
             out["programs"] += got["programs"]
             out["seconds"] += got["seconds"]
         log.info("warm-up: %d rollout programs compiled in %.1f s", out["programs"], out["seconds"])

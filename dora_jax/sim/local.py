@@ -146,9 +146,14 @@ class TimedEngine:
     def pages_needed(self, limit: int) -> int:
         return 0
 
-    def grant_pages(self, states_seq: Sequence[Any], tokens_seq: Sequence[Any]) -> list[np.ndarray]:
-        """Every budget in full: no pool to wait for."""
-        return [np.asarray(t, np.int64) for t in tokens_seq]
+    def admissible(self, requests: Sequence[tuple[int, int]]) -> list[int]:
+        return [0] * len(requests)  # no pool to wait for
+
+    def shard_pages_available(self, shard: int) -> int:
+        return self.shard_pages
+
+    def row_shard(self, capacity: int, row: int) -> int:
+        return 0
 
     @property
     def max_concurrent_decodes(self) -> int:
@@ -221,17 +226,6 @@ class TimedEngine:
         return _Result({"token": d[..., 0].astype(np.int64), "valid": d[..., 1].astype(bool),
                         "position": d[..., 2].astype(np.int64), "logprob": d[..., 3].astype(np.float32),
                         "version": d[..., 4].astype(np.int64)})
-
-    def generate(self, params: Any, decode_state: _State, *, filtered: bool | None = None) -> tuple[_State, _Result]:
-        states, result = self.generate_many([params], [decode_state], filtered=filtered)
-        return states[0], result
-
-    def generate_many(self, params_seq: Sequence[Any], states_seq: Sequence[_State], *,
-                      filtered: bool | None = None) -> tuple[tuple[_State, ...], _Result]:
-        self._charge("decode", self.profile.dispatch_s + self._step_cost(states_seq),
-                     sum(len(s.active) for s in states_seq))
-        rows = [self._one_step(v, s, s.active.copy()) for v, s in zip(self._versions_of(params_seq), states_seq)]
-        return tuple(states_seq), self._pack(rows)
 
     def generate_steps(self, params_seq: Sequence[Any], states_seq: Sequence[_State], *, steps: int,
                        budgets: Sequence[Any], stop_ids: Sequence[Any], final: Sequence[Any] | None = None,
