@@ -400,13 +400,12 @@ def measure_update_host(cfg: Any, task: Any, tokens: int, train_metrics: dict[st
     runner writes it (the batch's figures, the train step's metrics, the clocks; TensorBoard too, where
     installed)."""
     from dora_jax.metrics import MetricsWriter
-    from dora_jax.rollout.driver import Trajectory
-    from dora_jax.run.resume import Finished
+    from dora_jax.rollout.samples import Sample
     from dora_jax.run.training import batch_row, write_samples
 
     item = task.train_item(0)
-    done = [Finished(Trajectory(i, 0, list(range(22)), [48] * tokens, [-1.0] * tokens, "length", 0.0, 0.0, 0.0),
-                     i // 4, item, "0" * tokens, 0.5, True) for i in range(cfg.dora.train_batch)]
+    done = [Sample(i, i // 4, 0, list(range(22)), [48] * tokens, [-1.0] * tokens, 0.5, "length", item, "0" * tokens,
+                   True) for i in range(cfg.dora.train_batch)]
     clocks = ("wall_s", "step_s", "train_s", "rollout_s", "rollout_share", "trainer_idle_fraction", "gen_tok_s",
               "train_tok_s", "slot_occupancy", "decode_batch_steps", "decode_batch_steps_per_sample",
               "trainer_idle_s", "rollout_idle_s", "sync_s", "filtered", "resident_versions", "slot_utilization")

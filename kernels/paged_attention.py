@@ -88,8 +88,11 @@ def _shapes(q, k_pages, v_pages, tables, lengths):
     return B, H, d, K, N, P, W, H // K
 
 
-def reference_paged_attention(q, k_pages, v_pages, tables, lengths):
-    """Decode attention by gathering each slot's pages; ``[B, H, d]`` in ``q``'s dtype."""
+def reference_paged_attention(q, k_pages, v_pages, tables, lengths, k_new=None, v_new=None):
+    """Decode attention by gathering each slot's pages to the table's width and a masked float32 softmax: the
+    oracle of the kernels and of the rollout's live-reading XLA path. With ``k_new``, ``v_new`` (``[B, K, d]``)
+    each row also attends to its own new key and value, in the same softmax (what a decode step computes before
+    it writes them). ``[B, H, d]`` in ``q``'s dtype."""
     B, H, d, K, N, P, W, G = _shapes(q, k_pages, v_pages, tables, lengths)
     tables = tables.astype(jnp.int32)
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, W * P)
@@ -97,14 +100,20 @@ def reference_paged_attention(q, k_pages, v_pages, tables, lengths):
     k = k_pages[:, tables].reshape(K, B, W * P, d)
     v = v_pages[:, tables].reshape(K, B, W * P, d)
     qg = q.reshape(B, K, G, d)
+    scale = 1.0 / math.sqrt(d)
     # The products accumulate in float32 without upcasting the gathered cache, which is the large operand.
-    logits = jnp.einsum("bkgd,kbsd->bkgs", qg, k, preferred_element_type=jnp.float32)
-    logits = logits * (1.0 / math.sqrt(d))
+    logits = jnp.einsum("bkgd,kbsd->bkgs", qg, k, preferred_element_type=jnp.float32) * scale
     valid = jnp.arange(W * P, dtype=jnp.int32)[None, :] < lengths[:, None]  # [B, S]
     logits = jnp.where(valid[:, None, None, :], logits, _MASK_VALUE)
-    probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bkgs,kbsd->bkgd", probs, v, preferred_element_type=jnp.float32)
-    out = jnp.where((lengths > 0)[:, None, None, None], out, 0.0)
+    if k_new is not None:
+        own = jnp.einsum("bkgd,bkd->bkg", qg, k_new, preferred_element_type=jnp.float32) * scale
+        probs = jax.nn.softmax(jnp.concatenate([logits, own[..., None]], axis=-1), axis=-1)
+        out = jnp.einsum("bkgs,kbsd->bkgd", probs[..., :-1], v, preferred_element_type=jnp.float32)
+        out = out + probs[..., -1:] * v_new[:, :, None].astype(jnp.float32)
+    else:
+        probs = jax.nn.softmax(logits, axis=-1)
+        out = jnp.einsum("bkgs,kbsd->bkgd", probs, v, preferred_element_type=jnp.float32)
+        out = jnp.where((lengths > 0)[:, None, None, None], out, 0.0)
     return out.reshape(B, H, d).astype(q.dtype)
 
 

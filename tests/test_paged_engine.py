@@ -10,7 +10,8 @@ import pytest
 from conftest import rel_err
 from dora_jax.config import ConfigError, ModelConfig, RolloutConfig
 from dora_jax.models.build import init_model
-from dora_jax.models.paged import paged_attention_with_current, sharded_attention, write_pages
+from dora_jax.kernels.paged_attention import reference_paged_attention
+from dora_jax.models.paged import live_block_pages, sharded_live_attention, sharded_live_plan, write_pages
 from dora_jax.rollout.driver import Request, RolloutDriver
 from dora_jax.rollout.engine import Engine, EngineError, RequestSampling
 from dora_jax.rollout.pages import pages_for
@@ -156,10 +157,16 @@ def test_per_shard_paging_is_one_pool_split():
     lengths = jnp.asarray([13, 5, 20, 1], jnp.int32)
     q = jnp.asarray(rng.normal(size=(b, k_heads * g, d)), jnp.float32)
     k_new, v_new = (jnp.asarray(rng.normal(size=(b, k_heads, d)), jnp.float32) for _ in range(2))
-    want = paged_attention_with_current(q, pool[0][0], pool[1][0], jnp.asarray(glob), lengths, k_new, v_new)
-    got = sharded_attention(q, pool[0][0], pool[1][0], jnp.asarray(local), lengths, k_new, v_new, shards=2)
-    assert rel_err(got, want) <= 1e-6
-    wrong = sharded_attention(q, pool[0][0], pool[1][0], jnp.asarray(local), lengths, k_new, v_new, shards=1)
+    want = reference_paged_attention(q, pool[0][0], pool[1][0], jnp.asarray(glob), lengths, k_new, v_new)
+
+    def sharded(shards):  # the decode step's attention: each shard's slots planned and read apart
+        plan = sharded_live_plan(jnp.asarray(local), lengths, P, shards)
+        return sharded_live_attention(q, pool[0], pool[1], jnp.int32(0), plan, k_new, v_new, shards=shards,
+                                      block_pages=live_block_pages(w, P, b // shards))
+
+    got = sharded(2)
+    assert rel_err(got, want) <= 1e-5
+    wrong = sharded(1)
     assert rel_err(wrong, want) > 0.1  # local ids read as pool-wide ones: the check can fail
     from dora_jax.models.paged import PagedKV
 

@@ -114,32 +114,6 @@ def write_prompt_pages(pool: PagedKV, k_lrktd: jax.Array, v_lrktd: jax.Array, pa
     return PagedKV(constrain(k, PagedKV.axes()), constrain(v, PagedKV.axes()))
 
 
-def paged_attention_with_current(q_bhd: jax.Array, k_knpd: jax.Array, v_knpd: jax.Array, tables_bw: jax.Array,
-                                 lengths_b: jax.Array, k_new_bkd: jax.Array, v_new_bkd: jax.Array) -> jax.Array:
-    """One query per row over its cached tokens ``0 .. lengths[b] - 1`` (read through its page table) plus the
-    row's own new key and value, in one float32 softmax. Returns [B, H, d].
-
-    Every slot read to the table's width: the dense oracle of the kernels and of the live-reading path."""
-    b, h, d = q_bhd.shape
-    kv, _, p, _ = k_knpd.shape
-    w = tables_bw.shape[1]
-    f32 = jnp.float32
-    q = q_bhd.reshape(b, kv, h // kv, d)
-    # [K, B, W, P, d] -> [B, K, W * P, d]: the slot's tokens in order.
-    k_c = jnp.take(k_knpd, tables_bw, axis=1).reshape(kv, b, w * p, d).transpose(1, 0, 2, 3)
-    v_c = jnp.take(v_knpd, tables_bw, axis=1).reshape(kv, b, w * p, d).transpose(1, 0, 2, 3)
-    scale = 1.0 / math.sqrt(d)
-    sc = jnp.einsum("bkgd,bksd->bkgs", q, k_c, preferred_element_type=f32) * scale
-    sc = jnp.where((jnp.arange(w * p)[None, :] < lengths_b[:, None])[:, None, None], sc, _MASK_VALUE)
-    sn = jnp.sum(q.astype(f32) * k_new_bkd[:, :, None].astype(f32), axis=-1) * scale  # [B, K, G]
-    m = jnp.maximum(jnp.max(sc, axis=-1), sn)
-    ec, en = jnp.exp(sc - m[..., None]), jnp.exp(sn - m)
-    denom = jnp.sum(ec, axis=-1) + en
-    out = jnp.einsum("bkgs,bksd->bkgd", (ec / denom[..., None]).astype(v_c.dtype), v_c, preferred_element_type=f32)
-    out = out + (en / denom)[..., None] * v_new_bkd[:, :, None].astype(f32)
-    return out.astype(q_bhd.dtype).reshape(b, h, d)
-
-
 # The live-reading XLA path sorts a state's slots by length into classes of equal size (each reads to its own
 # longest slot, in blocks of whole pages; each class costs a loop trip per block it reads). A full state reads
 # classes of 8 rows in blocks of 128 tokens; the small states a long tail compacts into hold few, long rows, so
@@ -274,7 +248,9 @@ class ReadCounter:
 def live_paged_attention(q_bhd: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array,
                          plan: LivePlan, k_new_bkd: jax.Array, v_new_bkd: jax.Array, *, block_pages: int
                          ) -> jax.Array:
-    """:func:`paged_attention_with_current` reading only each slot class's live page blocks.
+    """Decode attention over the paged pool with each row's own new key and value (the computation of
+    ``dora_jax.kernels.paged_attention.reference_paged_attention`` with ``k_new``, ``v_new``), reading only each
+    slot class's live page blocks.
 
     ``k_pool``, ``v_pool`` are the stacked pool [L, K, N, P, d], read at ``layer`` by the gather itself (no
     copy of a layer). Slots are sorted by length into classes (:func:`live_plan`); a loop over (class, block)
@@ -323,17 +299,6 @@ def live_paged_attention(q_bhd: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     # Back to slot order: padding rows (past B) are dropped by the scatter.
     out = jnp.zeros((b, kv, g, d), f32).at[plan.order[:b]].set(out[:b])
     return out.astype(q_bhd.dtype).reshape(b, h, d)
-
-
-def sharded_attention(q_bhd, k_knpd, v_knpd, tables_bw, lengths_b, k_new_bkd, v_new_bkd, shards: int = 1):
-    """:func:`paged_attention_with_current` with the slots and pages split into ``shards`` (tables within each
-    shard)."""
-    if shards == 1:
-        return paged_attention_with_current(q_bhd, k_knpd, v_knpd, tables_bw, lengths_b, k_new_bkd, v_new_bkd)
-    per_shard = jax.vmap(paged_attention_with_current, in_axes=(0, 1, 1, 0, 0, 0, 0))
-    rows = [_shards(x, shards) for x in (q_bhd, tables_bw, lengths_b, k_new_bkd, v_new_bkd)]
-    out = per_shard(rows[0], _shards(k_knpd, shards, 1), _shards(v_knpd, shards, 1), *rows[1:])
-    return out.reshape(q_bhd.shape)
 
 
 def sharded_live_plan(tables_bw: jax.Array, lengths_b: jax.Array, page_tokens: int, shards: int = 1) -> LivePlan:

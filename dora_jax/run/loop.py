@@ -168,7 +168,7 @@ class Runner:
             self.sched.retract()
             self.rollout.move_waiting(f.version, self.sched.version)
         self.updates.append({"step": f.version, "group_ids": list(f.group_ids),
-                             "samples": [[d.traj.sample_id, d.traj.version] for d in f.done], "train": metrics})
+                             "samples": [[d.sample_id, d.version] for d in f.done], "train": metrics})
         return {**f.row, "train": metrics, "sync_s": self.versions.sync_s - sync_before}, train_s
 
     def _checkpoint(self, meter: Meter, eval_before: dict[str, Any], eval_s: float) -> None:

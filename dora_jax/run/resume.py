@@ -11,8 +11,8 @@ A training run keeps everything it needs to continue under ``RUN_DIR``::
 :class:`RunStore` owns the two directories: it refuses a checkpoint written under another configuration
 (naming the fields that differ), restores the newest good checkpoint (falling back past corrupt or partial
 ones with a warning), snapshots published versions asynchronously, and protects the snapshots that a retained
-checkpoint still needs from snapshot retention. :class:`Finished` is a finished-but-unconsumed sample exactly
-as the trainer will see it; it round-trips through the checkpoint's JSON. :func:`pack_run_state` and
+checkpoint still needs from snapshot retention.  A finished-but-unconsumed sample
+(:class:`~dora_jax.rollout.samples.Sample`) round-trips through the checkpoint's JSON as it is. :func:`pack_run_state` and
 :func:`unpack_run_state` turn the scheduler, those samples, the metrics position and the seeds into the
 checkpoint's run-state dict and back (in-flight samples come back as pending: their generation is redone).
 
@@ -26,7 +26,6 @@ longer run changes the schedule's sample budget near the end).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -37,9 +36,8 @@ from typing import Any
 from dora_jax.run.checkpoint import CheckpointError, Restored, RunCheckpoints
 from dora_jax.config import Config
 from dora_jax.dora.ledger import LedgerError
-from dora_jax.rollout.driver import Trajectory
+from dora_jax.rollout.samples import Sample
 from dora_jax.dora.scheduler import SchedulePolicy, Scheduler
-from dora_jax.tasks import Item
 
 log = logging.getLogger(__name__)
 
@@ -83,39 +81,13 @@ def config_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "", wher
     return out
 
 
-@dataclasses.dataclass
-class Finished:
-    """A finished trajectory with what the trainer needs of it: its group, its item, its reward."""
-
-    traj: Trajectory
-    group_id: int
-    item: Item
-    text: str
-    reward: float = 0.0
-    correct: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        t = self.traj
-        return {"sample_id": t.sample_id, "version": t.version, "prompt_ids": list(t.prompt_ids),
-                "tokens": list(t.tokens), "logprobs": [float(x) for x in t.logprobs],
-                "finish_reason": t.finish_reason, "group_id": self.group_id, "item": dataclasses.asdict(self.item),
-                "text": self.text, "reward": float(self.reward), "correct": bool(self.correct)}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Finished":
-        traj = Trajectory(d["sample_id"], d["version"], list(d["prompt_ids"]), list(d["tokens"]),
-                          list(d["logprobs"]), d["finish_reason"], 0.0, 0.0, 0.0)
-        item = Item(**{**d["item"], "budgets": tuple(d["item"].get("budgets", ()))})  # JSON gives a list
-        return cls(traj, d["group_id"], item, d["text"], d["reward"], d["correct"])
-
-
 def seeds(cfg: Config) -> dict[str, int]:
     """The host RNG state of a run. Sampling randomness is a pure function of (seed, sample id, position) and
     the trainer's key lives in the TrainState, so the seeds (with the scheduler's sample counter) are all of it."""
     return {"run.seed": cfg.run.seed, "rollout.seed": cfg.rollout.seed}
 
 
-def pack_run_state(sched: Scheduler, done: dict[int, Finished], metrics: dict[str, Any],
+def pack_run_state(sched: Scheduler, done: dict[int, Sample], metrics: dict[str, Any],
                    cfg: Config) -> dict[str, Any]:
     """The run-state dict of a checkpoint: the scheduler (ledger included), every finished-unconsumed sample
     as it is, the metrics position and the seeds."""
@@ -130,7 +102,7 @@ RUN_METRICS = ("eval_before", "eval_s", "wall_s", "train_s", "gen_tokens", "chec
 
 
 def unpack_run_state(policy: SchedulePolicy, run_state: dict[str, Any], where: Path,
-                     cfg: Config) -> tuple[Scheduler, list[Finished], dict[str, Any]]:
+                     cfg: Config) -> tuple[Scheduler, list[Sample], dict[str, Any]]:
     """The scheduler, finished samples and metrics position of a checkpoint's run state, with every sample
     that was in flight moved back to pending (its generation was lost with the process).
 
@@ -141,7 +113,7 @@ def unpack_run_state(policy: SchedulePolicy, run_state: dict[str, Any], where: P
     where = Path(where) / "run_state.json"
     try:
         sched = Scheduler.from_state_dict(policy, run_state["scheduler"])
-        finished = [Finished.from_dict(d) for d in run_state["finished"]]
+        finished = [Sample.from_dict(d) for d in run_state["finished"]]
         metrics, saved_seeds = dict(run_state["metrics"]), run_state["rng"]
     except (KeyError, TypeError, ValueError, LedgerError) as e:
         raise ResumeError(f"{where}: not a run state this runner can continue ({e!r:.300})") from e
@@ -153,7 +125,7 @@ def unpack_run_state(policy: SchedulePolicy, run_state: dict[str, Any], where: P
         raise ResumeError(f"{where}: seeds {saved_seeds} differ from this run's {seeds(cfg)}")
     led = sched.ledger
     want = sorted(s for s, e in led.entries.items() if e.state == "finished")
-    if sorted(f.traj.sample_id for f in finished) != want:
+    if sorted(f.sample_id for f in finished) != want:
         raise ResumeError(f"{where}: the ledger has {len(want)} finished samples, the saved trajectories are "
                           f"{len(finished)} others")
     for sid, e in led.entries.items():

@@ -19,10 +19,10 @@ from typing import Any, Callable
 
 from dora_jax.config import Config
 from dora_jax.distributed import gather_decisions
-from dora_jax.run.resume import Finished
 from dora_jax.rewards import RewardPool
 from dora_jax.rollout.driver import Request, Trajectory
 from dora_jax.rollout.engine import RequestSampling
+from dora_jax.rollout.samples import Sample
 from dora_jax.run.evaluation import RunError, prompt_ids, score
 from dora_jax.dora.scheduler import Scheduler
 from dora_jax.tasks import Item, Task
@@ -56,7 +56,7 @@ class RolloutSide:
         self.rewards = RewardPool(cfg.task.reward_workers, cfg.task.reward_timeout_s)
         self.waiting: dict[int, deque[Request]] = {}
         self.items: dict[int, tuple[int, Item]] = {}  # sample id -> (group id, item)
-        self.done: dict[int, Finished] = {}  # finished samples not yet trained
+        self.done: dict[int, Sample] = {}  # finished samples not yet trained
         self.generated = 0  # trajectories this process's engine generated (a spanning engine's, all of them)
 
     def generates(self, group_id: int) -> bool:
@@ -93,13 +93,13 @@ class RolloutSide:
                 self.enqueue(sid, g.group_id, g.version, item, ids)
         return len(groups)
 
-    def resume(self, sched: Scheduler, finished: list[Finished]) -> None:
+    def resume(self, sched: Scheduler, finished: list[Sample]) -> None:
         """Continues a checkpoint's ledger: its finished samples as they were, every pending one queued again on
         its own version (the generation in flight was lost with the process)."""
         self.sched, led, prompts = sched, sched.ledger, {}
         for f in finished:
-            self.done[f.traj.sample_id] = f
-            self.items[f.traj.sample_id] = (f.group_id, f.item)
+            self.done[f.sample_id] = f
+            self.items[f.sample_id] = (f.group_id, f.item)
         for sid in sorted(s for s, e in led.entries.items() if e.state == "pending"):
             e = led.entries[sid]
             if e.group_id not in prompts:
@@ -151,7 +151,7 @@ class RolloutSide:
         for traj in finished:
             group_id, item = self.items[traj.sample_id]
             text = self.tokenizer.decode(traj.tokens, skip_special_tokens=True)
-            self.done[traj.sample_id] = Finished(traj, group_id, item, text)
+            self.done[traj.sample_id] = Sample.from_trajectory(traj, group_id, item=item, text=text)
             self.rewards.submit(traj.sample_id, score, self.task, item, text)
         return secs, rows, batch_steps
 
@@ -187,13 +187,13 @@ class RolloutSide:
                 if led.entries[sid].state == "filtered":
                     self.done.pop(sid, None)
 
-    def _overlong(self, d: Finished) -> float:
+    def _overlong(self, d: Sample) -> float:
         """The overlong penalty of a finished sample (``train.overlong_buffer``; 0 when off)."""
         t, r = self.cfg.train, self.cfg.rollout
-        budget = d.item.budget(self.member(d.traj.sample_id, d.group_id), r.max_new_tokens)
-        return overlong_penalty(len(d.traj.tokens), budget, t.overlong_buffer, t.overlong_penalty)
+        budget = d.item.budget(self.member(d.sample_id, d.group_id), r.max_new_tokens)
+        return overlong_penalty(len(d.response_ids), budget, t.overlong_buffer, t.overlong_penalty)
 
-    def take(self, group_ids: list[int]) -> list[Finished]:
+    def take(self, group_ids: list[int]) -> list[Sample]:
         """The finished samples of whole groups, handed to the trainer (they leave this side)."""
         led = self.sched.ledger
         return [self.done.pop(s) for g in group_ids for s in led.groups[g].sample_ids]

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dora_jax.run.resume import Finished
-from dora_jax.trainer import Sample, Trainer, make_batch
+from dora_jax.rollout.samples import Sample
+from dora_jax.trainer import Trainer, make_batch
 
 
 @dataclasses.dataclass
@@ -20,7 +20,7 @@ class TrainInFlight:
 
     version: int  # the version the step produces
     group_ids: list[int]
-    done: list[Finished]
+    done: list[Sample]
     metrics: Any  # device arrays
     row: dict[str, Any]  # everything about the batch known at dispatch
     dispatched: float
@@ -34,12 +34,11 @@ def _percentile(xs: list[int], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else 0.0
 
 
-def build_batch(trainer: Trainer, done: list[Finished], params_of: Any, state: Any) -> Any:
+def build_batch(trainer: Trainer, done: list[Sample], params_of: Any, state: Any) -> Any:
     """The device batch of ``done`` (whole groups), with recomputed behaviour log-probs (each row on its own
     version, ``params_of(version)``) and reference log-probs where the config asks for them."""
     t = trainer.cfg.train
-    samples = [Sample.from_trajectory(d.traj, d.group_id, d.reward) for d in done]
-    host = make_batch(samples, group_size=t.group_size, length_buckets=t.length_buckets,
+    host = make_batch(done, group_size=t.group_size, length_buckets=t.length_buckets,
                       row_multiple=trainer.row_multiple)
     batch = trainer.put(host)
     if t.behaviour_logprobs == "recompute" or t.correction == "decoupled":
@@ -72,28 +71,28 @@ def recompute_on_devices(trainer: Trainer, batch: Any, versions: np.ndarray, par
     return batch.replace(recomputed_logprobs=out * batch.loss_mask)
 
 
-def batch_row(done: list[Finished], version: int, in_flight: dict[str, int]) -> dict[str, Any]:
+def batch_row(done: list[Sample], version: int, in_flight: dict[str, int]) -> dict[str, Any]:
     """The metrics of a batch known when it is dispatched: reward, accuracy, lengths, staleness."""
     lags: dict[str, int] = {}
     for d in done:
-        lag = str(version - d.traj.version)
+        lag = str(version - d.version)
         lags[lag] = lags.get(lag, 0) + 1
-    lengths = [len(d.traj.tokens) for d in done]
+    lengths = [len(d.response_ids) for d in done]
     return {"samples": len(done), "reward": float(np.mean([d.reward for d in done])),
             "accuracy": float(np.mean([d.correct for d in done])),
             "len_mean": float(np.mean(lengths)), "len_p50": _percentile(lengths, 50),
             "len_p99": _percentile(lengths, 99), "len_max": int(max(lengths)),
-            "trained_tokens": int(sum(len(d.traj.tokens) + len(d.traj.prompt_ids) for d in done)),
+            "trained_tokens": int(sum(len(d.response_ids) + len(d.prompt_ids) for d in done)),
             "staleness": lags, "staleness_mean": float(np.mean([int(k) for k, n in lags.items() for _ in range(n)])),
             "staleness_max": max(int(k) for k in lags), "in_flight": in_flight}
 
 
-def write_samples(path: str, done: list[Finished], trained_at: int) -> None:
+def write_samples(path: str, done: list[Sample], trained_at: int) -> None:
     """Appends the trained samples to ``samples.jsonl``, one line each."""
     with open(path, "a", encoding="utf-8") as f:
         for d in done:
-            f.write(json.dumps({"sample_id": d.traj.sample_id, "group_id": d.group_id, "version": d.traj.version,
+            f.write(json.dumps({"sample_id": d.sample_id, "group_id": d.group_id, "version": d.version,
                                 "trained_at": trained_at, "reward": d.reward, "correct": d.correct,
-                                "prompt_ids": d.traj.prompt_ids, "tokens": d.traj.tokens,
-                                "logprobs": d.traj.logprobs, "finish_reason": d.traj.finish_reason,
+                                "prompt_ids": list(d.prompt_ids), "tokens": list(d.response_ids),
+                                "logprobs": list(d.logprobs), "finish_reason": d.finish_reason,
                                 "text": d.text}) + "\n")

@@ -7,7 +7,6 @@ length goes up to the next of ``TrainConfig.length_buckets`` and the row count t
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import Counter
 from typing import Sequence
@@ -16,31 +15,11 @@ import flax.struct
 import jax
 import numpy as np
 
+from dora_jax.rollout.samples import Sample
+
 
 class BatchError(ValueError):
     """A batch that cannot be trained on: mismatched shapes, split groups, non-finite rewards, bad lengths."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Sample:
-    """One finished trajectory with its reward, as the trainer needs it.
-
-    ``logprobs`` are the behaviour log-probs of ``response_ids`` recorded by the engine for ``version``.
-    """
-
-    sample_id: int
-    group_id: int
-    version: int
-    prompt_ids: Sequence[int]
-    response_ids: Sequence[int]
-    logprobs: Sequence[float]
-    reward: float
-
-    @classmethod
-    def from_trajectory(cls, traj, group_id: int, reward: float) -> "Sample":
-        """From a :class:`dora_jax.rollout.driver.Trajectory`."""
-        return cls(traj.sample_id, group_id, traj.version, list(traj.prompt_ids), list(traj.tokens),
-                   list(traj.logprobs), float(reward))
 
 
 @flax.struct.dataclass

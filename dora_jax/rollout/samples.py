@@ -1,0 +1,60 @@
+"""The finished sample: the one record of a trajectory from the rollout driver to the trainer's batch.
+
+A request has three forms, one per change of its data: waiting (:class:`~dora_jax.rollout.driver.Request`),
+decoding (the driver's live row) and finished. A finished trajectory (:class:`~dora_jax.rollout.driver.Trajectory`,
+the driver's output) becomes a :class:`Sample` once the run knows its group and task item; its reward is filled
+in when scored, and :func:`~dora_jax.trainer.batch.make_batch` turns samples into arrays. A checkpoint stores
+the finished samples not yet trained as :meth:`Sample.to_dict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+
+@dataclasses.dataclass
+class Sample:
+    """A finished trajectory with what the trainer needs of it.
+
+    ``logprobs`` are the behaviour log-probs of ``response_ids`` the engine recorded for ``version``. ``item``
+    (a task's :class:`~dora_jax.tasks.base.Item`), ``text`` (the decoded response), ``finish_reason`` and
+    ``correct`` are the run's; research code that builds batches needs only the first seven fields.
+    """
+
+    sample_id: int
+    group_id: int
+    version: int
+    prompt_ids: Sequence[int]
+    response_ids: Sequence[int]
+    logprobs: Sequence[float]
+    reward: float = 0.0
+    finish_reason: str = ""
+    item: Any = None
+    text: str = ""
+    correct: bool = False
+
+    @classmethod
+    def from_trajectory(cls, traj: Any, group_id: int, reward: float = 0.0, *, item: Any = None,
+                        text: str = "") -> "Sample":
+        """From a :class:`dora_jax.rollout.driver.Trajectory`."""
+        return cls(traj.sample_id, group_id, traj.version, list(traj.prompt_ids), list(traj.tokens),
+                   list(traj.logprobs), float(reward), traj.finish_reason, item, text)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The sample as JSON-ready values (a checkpoint's finished samples)."""
+        return {"sample_id": self.sample_id, "version": self.version, "prompt_ids": list(self.prompt_ids),
+                "tokens": list(self.response_ids), "logprobs": [float(x) for x in self.logprobs],
+                "finish_reason": self.finish_reason, "group_id": self.group_id,
+                "item": None if self.item is None else dataclasses.asdict(self.item), "text": self.text,
+                "reward": float(self.reward), "correct": bool(self.correct)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Sample":
+        item = d.get("item")
+        if item is not None:
+            from dora_jax.tasks.base import Item
+
+            item = Item(**{**item, "budgets": tuple(item.get("budgets", ()))})  # JSON gives a list
+        return cls(d["sample_id"], d["group_id"], d["version"], list(d["prompt_ids"]), list(d["tokens"]),
+                   list(d["logprobs"]), d["reward"], d["finish_reason"], item, d["text"], d["correct"])
