@@ -28,17 +28,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from dora_jax.xla_flags import DEVICE_COUNT, cpu_device_flags  # noqa: E402 - imports no JAX
-
-# The suite's device count (tests/conftest.py): a seed's run must compile as the test's does to end the same way.
-SUITE_DEVICES = 8
-
-
-def suite_xla_flags(flags: str, opt_level: int) -> str:
-    """``XLA_FLAGS`` as tests/conftest.py sets them from ``flags``, at backend optimization level ``opt_level``
-    (XLA takes the last occurrence, so it overrides one in ``flags``)."""
-    flags = f"{flags} --xla_backend_optimization_level={opt_level}"
-    return cpu_device_flags(None if DEVICE_COUNT in flags else SUITE_DEVICES, flags)
+from dora_jax.xla_flags import cpu_test_flags  # noqa: E402 - imports no JAX
 
 
 def _cpu() -> str:
@@ -60,7 +50,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     # The suite's environment (tests/conftest.py), set before JAX is imported: XLA reads it when its backend
     # starts.
-    os.environ["XLA_FLAGS"] = suite_xla_flags(os.environ.get("XLA_FLAGS", ""), args.opt_level)
+    os.environ["XLA_FLAGS"] = cpu_test_flags(os.environ.get("XLA_FLAGS", ""), args.opt_level)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
     import jax

@@ -63,3 +63,19 @@ def warn_if_unsafe(num_cpu_devices: int) -> None:
                       f"the process with {SAFE_COLLECTIVES} in XLA_FLAGS (dora_jax.xla_flags.cpu_device_flags "
                       "builds them; the dora-jax command and launch/ scripts do it for you)", RuntimeWarning,
                       stacklevel=3)
+
+
+OPT_LEVEL = "--xla_backend_optimization_level"
+TEST_DEVICES = 8
+
+
+def cpu_test_flags(flags: str = "", opt_level: int | None = None) -> str:
+    """``XLA_FLAGS`` of a CPU test run from ``flags``: :data:`TEST_DEVICES` fake devices unless ``flags`` ask for a
+    count, and XLA's backend optimization level ``opt_level`` (``None``: 0 unless ``flags`` set one). Small test
+    programs cost far more to compile than to run, and level 0 leaves XLA's HLO passes and the runtime's matmul
+    libraries as they are: results differ by float32 rounding only."""
+    if opt_level is not None:
+        flags = f"{flags} {OPT_LEVEL}={opt_level}"  # XLA takes the last occurrence
+    elif OPT_LEVEL not in flags:
+        flags = f"{flags} {OPT_LEVEL}=0"
+    return cpu_device_flags(None if DEVICE_COUNT in flags else TEST_DEVICES, flags)

@@ -7,7 +7,7 @@ import sys
 import tempfile
 import time
 
-from dora_jax.xla_flags import DEVICE_COUNT, cpu_device_flags  # noqa: E402 - imports no JAX
+from dora_jax.xla_flags import cpu_test_flags  # noqa: E402 - imports no JAX
 
 # The benchmarks (benchmarks/ at the repository root) are not an installed package: tests import them from here.
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -15,16 +15,12 @@ if _REPO not in sys.path:
     sys.path.append(_REPO)
 
 # Must happen before jax is imported anywhere: 8 fake CPU devices (unless XLA_FLAGS asks for another count), with
-# the flag that keeps their collectives in one order (dora_jax.xla_flags). LLVM's optimizations off (unless
+# the flag that keeps their collectives in one order (dora_jax.xla_flags), and LLVM's optimizations off (unless
 # XLA_FLAGS sets a level): the tests' programs are small, so compiling them costs far more than running them
 # (the suite takes about half the time). XLA's own HLO passes (fusion, layout, scheduling) still run and the
 # matmuls go to the same runtime libraries; results differ from the default level's by float32 rounding, inside
 # every test's tolerance (the suite passes at either level). docs/performance.md ("Test suite") has the numbers.
-_FLAGS = os.environ.get("XLA_FLAGS", "")
-OPT_LEVEL = "--xla_backend_optimization_level"
-if OPT_LEVEL not in _FLAGS:
-    _FLAGS = f"{_FLAGS} {OPT_LEVEL}=0"
-os.environ["XLA_FLAGS"] = cpu_device_flags(None if DEVICE_COUNT in _FLAGS else 8, _FLAGS)
+os.environ["XLA_FLAGS"] = cpu_test_flags(os.environ.get("XLA_FLAGS", ""))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -15,7 +15,7 @@ from dora_jax.config import DEFAULT_RULES, ConfigError, MeshConfig, ModelConfig,
 from dora_jax.models.build import abstract_model, init_model, state_shardings
 from dora_jax.models.decoder import init_cache
 from dora_jax.sharding import activate, create_mesh, logical_to_spec, mesh_shape, named_sharding, settle
-from dora_jax.xla_flags import SAFE_COLLECTIVES, cpu_device_flags, fake_device_count
+from dora_jax.xla_flags import SAFE_COLLECTIVES, cpu_device_flags, cpu_test_flags, fake_device_count
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 
@@ -41,6 +41,18 @@ N8 = "--xla_force_host_platform_device_count=8"
 ])
 def test_cpu_device_flags(n, given, expected):
     assert cpu_device_flags(n, given) == expected
+
+
+@pytest.mark.parametrize("given,opt,expected", [
+    ("", None, f"{N8} {SAFE_COLLECTIVES} --xla_backend_optimization_level=0"),  # the test run's defaults
+    ("--xla_backend_optimization_level=2", None, f"{N8} {SAFE_COLLECTIVES} --xla_backend_optimization_level=2"),
+    ("--xla_backend_optimization_level=2", 3,  # asked for: it comes last, so it wins
+     f"{N8} {SAFE_COLLECTIVES} --xla_backend_optimization_level=2 --xla_backend_optimization_level=3"),
+    ("--xla_force_host_platform_device_count=1", None,
+     "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"),  # the caller's count kept
+])
+def test_cpu_test_flags(given, opt, expected):
+    assert cpu_test_flags(given, opt) == expected
 
 
 def test_fake_device_count_takes_the_last_and_rejects_zero():

@@ -106,15 +106,17 @@ class _Group:
     # Each row's stop ids as the engine reads them (int32 [rows, M], -1 padded), kept with ``slots``.
     stops: np.ndarray = dataclasses.field(default_factory=lambda: np.full((0, 4), -1, np.int32))
 
-    def put(self, slot: int, live: _Live) -> None:
-        self.slots[slot] = live
-        self.live += 1
+    def put(self, rows: list[tuple[int, _Live]]) -> None:
+        """Places each live row at its slot; the stop table is copied once for all of them."""
         # A new table, not written in place: a program in flight may read the one it was given (on CPU, JAX
         # reads a NumPy argument without copying it).
-        width = max(self.stops.shape[1], bucket(len(live.stops), minimum=4))
+        width = max([self.stops.shape[1]] + [bucket(len(live.stops), minimum=4) for _, live in rows])
         self.stops = np.pad(self.stops, ((0, 0), (0, width - self.stops.shape[1])), constant_values=-1)
-        self.stops[slot] = -1
-        self.stops[slot, :len(live.stops)] = live.stops
+        for slot, live in rows:
+            self.slots[slot] = live
+            self.live += 1
+            self.stops[slot] = -1
+            self.stops[slot, :len(live.stops)] = live.stops
 
     def clear(self, slot: int) -> None:
         self.slots[slot] = None
@@ -465,9 +467,7 @@ class RolloutDriver:
         slots = self._free_rows(g, lives)
         limits = [len(r.prompt_ids) + r.max_new_tokens for r in requests]
         g.state = self.engine.insert_batch(batch, g.state, slots, limits)
-        for slot, live in zip(slots, lives):
-            if slot is not None:
-                g.put(slot, live)
+        g.put([(slot, live) for slot, live in zip(slots, lives) if slot is not None])
 
     def _free_rows(self, g: _Group, lives: list[_Live | None]) -> list[int | None]:
         """A free row of ``g`` for each live request, in order; across batch shards, each in the shard with
