@@ -243,22 +243,22 @@ def _check_sizes(engine: "Engine") -> None:
 
 class Engine:
     """A continuous-batching decode engine for one :class:`~dora_jax.models.decoder.Decoder` architecture;
-``params`` is passed to each call, so one set of programs serves every policy version.
+    ``params`` is passed to each call, so one set of programs serves every policy version.
 
-Args:
-  model: a model of the architecture (its own params are ``self.params``).
-  max_concurrent_decodes: slots of a decode state (:meth:`init_decode_state` may ask for fewer).
-  max_prefill_length: the longest prompt; max_target_length: prompt + generated tokens per slot.
-  mesh: where params and the decode state live; rules: the logical axis rules that lay them out.
-  dtype: the dtype weights are held and decode computes in (KV cache included); ``"auto"``: the model's
-    ``compute_dtype``. settings: how decode reads the cache and how many steps a program runs.
-  page_tokens: tokens per KV page; num_pages: pages in the pool (default: every slot at its longest).
+    Args:
+      model: a model of the architecture (its own params are ``self.params``).
+      max_concurrent_decodes: slots of a decode state (:meth:`init_decode_state` may ask for fewer).
+      max_prefill_length: the longest prompt; max_target_length: prompt + generated tokens per slot.
+      mesh: where params and the decode state live; rules: the logical axis rules that lay them out.
+      dtype: the dtype weights are held and decode computes in (KV cache included); ``"auto"``: the model's
+        ``compute_dtype``. settings: how decode reads the cache and how many steps a program runs.
+      page_tokens: tokens per KV page; num_pages: pages in the pool (default: every slot at its longest).
 
-The KV cache is one page pool (:attr:`pool`) shared by every decode state. A request is admitted, and a slot
-given pages before a program, only while every live request could still reach its limit
-(:func:`~dora_jax.rollout.pages.safe_to_grow`): nothing is evicted and some slot always progresses. A mesh over
-several processes makes one engine of all of them: every process runs the same calls with the same host values.
-"""
+    The KV cache is one page pool (:attr:`pool`) shared by every decode state. A request is admitted, and a slot
+    given pages before a program, only while every live request could still reach its limit
+    (:func:`~dora_jax.rollout.pages.safe_to_grow`): nothing is evicted and some slot always progresses. A mesh over
+    several processes makes one engine of all of them: every process runs the same calls with the same host values.
+    """
 
     def __init__(self, model: Decoder, *, max_concurrent_decodes: int = 8, max_prefill_length: int = 256,
                  max_target_length: int = 512, mesh: Mesh | None = None, dtype: str = "auto",
@@ -382,10 +382,10 @@ several processes makes one engine of all of them: every process runs the same c
         attending to its cache (a whole-prompt prefill's computation, up to float rounding).
         """
         args, skip = _prompt_arrays(self, prompts, sample_ids, samplings, shared_prefix, version)
-        tokens, lengths, rows = args[:3]
+        tokens, lengths, rows, valid, ids, seeds, sampling = args
         cache, rest, packed = self._prefill_batch_jit(
             self.prepare_params(params), tokens, lengths, None if shared_prefix is None else shared_prefix.cache,
-            lengths + skip, rows, *args[3:5], np.int32(version), *args[5:])
+            lengths + skip, rows, valid, ids, np.int32(version), seeds, sampling)
         self._retired.keep(packed)
         host_lengths = np.array([len(p) for p in prompts], np.int32)
         return (PrefixBatch(cache, *rest, host=(host_lengths, rows[:len(prompts)].copy(), shared_prefix)),

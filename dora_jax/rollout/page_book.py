@@ -22,6 +22,8 @@ grows with the live requests in NumPy, not in Python, and never with the pool.
   that ends early wrote fewer, and :meth:`PageBook.settle` sets the count back from what its rows produced.
 - **Tables** (:meth:`PageBook.tables`, :meth:`PageBook.live_pages`): each slot's page ids within its shard at
   the full table width, as the device reads them, and how many of them the slot holds.
+- **Records per decode state** (:class:`StateRecords`): which request each row of a live state holds, passed
+  from the state a call is given to the state it returns, and the admission of a prefilled batch's requests.
 """
 
 from __future__ import annotations
