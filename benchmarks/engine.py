@@ -26,7 +26,7 @@ def _lengths(n: int, rng, p50: int, tail: int, max_len: int):
     return np.minimum(np.where(heavy, rng.integers(tail // 2, tail + 1, n), base), max_len).tolist()
 
 
-def hf_generate_run(prompts: list[list[int]], new_tokens: int, dtype: str, out: dict[str, Any]):
+def hf_generate_run(prompts: list[list[int]], new_tokens: int, dtype: str, out: dict[str, Any], model: Any = None):
     """A callable that times transformers ``generate`` on SmolLM2's GGUF and returns tokens/s.
 
     ``prompts`` run as one left-padded batch, exactly ``new_tokens`` tokens each sampled at temperature 1
@@ -38,6 +38,7 @@ def hf_generate_run(prompts: list[list[int]], new_tokens: int, dtype: str, out: 
       new_tokens: tokens each row generates.
       dtype: torch dtype name of the model (the engine's compute dtype).
       out: receives ``torch_threads`` and ``hf_device`` (and ``hf_allow_tf32``).
+      model: SmolLM2 as a transformers model already loaded (default: loaded here from the GGUF).
 
     Returns:
       The callable, or None when torch or transformers is not installed.
@@ -49,9 +50,11 @@ def hf_generate_run(prompts: list[list[int]], new_tokens: int, dtype: str, out: 
         return None
     from dora_jax.models.gguf import smollm2_gguf_path
 
-    path = smollm2_gguf_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
-                                                           gguf_file=os.path.basename(path)).eval()
+    hf = model
+    if hf is None:
+        path = smollm2_gguf_path()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                                               gguf_file=os.path.basename(path)).eval()
     width = max(len(p) for p in prompts)
     dev = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
     hf = hf.to(device=dev, dtype=getattr(torch, dtype))
