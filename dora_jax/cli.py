@@ -71,6 +71,11 @@ def cmd_train(args) -> int:
           f"writing {run_dir}")
     with no_empty_run_dir(run_dir):
         summary = Runner(cfg, run_dir).run()
+    if summary.get("preempted"):
+        print(f"dora-jax train: stopped on {summary['signal']} at update {summary['step']} of {cfg.dora.steps}; "
+              f"checkpoint {summary['checkpoint']} written in {summary['checkpoint_s']:.1f} s. Run the same command "
+              "to continue.")
+        return 0
     print(json.dumps({k: v for k, v in summary.items() if k != "filtered_reasons"}, indent=1))
     print(f"accuracy on {summary['eval_n']} held-out answers: {summary['accuracy_before']:.3f} before, "
           f"{summary['accuracy_after']:.3f} after {summary['steps']} policy versions "

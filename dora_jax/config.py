@@ -682,15 +682,17 @@ class RolesConfig:
 class RunConfig:
     """Where a run lives and how it survives a restart.
 
-    ``checkpoint_every`` is the number of updates between run checkpoints in ``RUN_DIR/checkpoints`` (0: none,
-    and no version snapshots either); ``resume`` continues from the newest good checkpoint there when one
-    exists (false refuses to start in a directory that holds an unfinished run, rather than overwrite it).
+    ``checkpoint_every`` is the number of updates between run checkpoints in ``RUN_DIR/checkpoints`` (0: only
+    when the run is preempted, and no version snapshots between); ``keep_checkpoints`` how many of the newest are
+    kept; ``resume`` continues from the newest good checkpoint there when one exists (false refuses to start in
+    a directory that holds an unfinished run, rather than overwrite it).
     """
 
     name: str = "run"
     out_dir: str = "runs"
     seed: int = 0
     checkpoint_every: int = 1
+    keep_checkpoints: int = 2
     resume: bool = True
 
     def validate(self, path: str = "run") -> None:
@@ -698,7 +700,10 @@ class RunConfig:
             _fail(f"{path}.name", self.name, "must be a non-empty name without '/', not '.' or '..'")
         if self.checkpoint_every < 0:
             _fail(f"{path}.checkpoint_every", self.checkpoint_every,
-                  "must be >= 0 (updates between run checkpoints; 0 never checkpoints)")
+                  "must be >= 0 (updates between run checkpoints; 0 checkpoints only when preempted)")
+        if self.keep_checkpoints < 1:
+            _fail(f"{path}.keep_checkpoints", self.keep_checkpoints,
+                  "must be >= 1: the newest checkpoint is what a preempted or crashed run resumes from")
 
 
 @dataclass(frozen=True)

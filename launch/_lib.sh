@@ -94,16 +94,35 @@ dora_bin() {
   echo "${DORA_JAX_BIN:-$repo/.venv/bin/dora-jax}"
 }
 
-# Waits for every process id given after the log directory; returns the last failure's exit status and points
-# at the per-process logs when there was one.
+# Forwards SIGTERM and SIGINT (a preemption notice, a Ctrl-C) to the process ids given: each then finishes its
+# train step, writes a checkpoint and exits 0 (docs/runner.md, "Preemption"); wait_all keeps waiting for them.
+# A shell runs a trap only once the foreground command returns, so the processes must run in the background.
+forward_signals() {
+  FORWARD_PIDS=("$@")
+  trap 'kill -TERM "${FORWARD_PIDS[@]}" 2>/dev/null || true' TERM INT
+}
+
+# Waits for every process id given after the logs' place (a path or glob); returns the last failure's exit
+# status and points at the logs when there was one. A wait cut short by a forwarded signal (status > 128 while the
+# process still runs) waits again.
 wait_all() {
-  local log_dir=$1 status=0 pid
+  local logs=$1 status=0 pid rc
   shift
   for pid in "$@"; do
-    wait "$pid" || status=$?
+    while true; do
+      rc=0
+      wait "$pid" || rc=$?
+      if (( rc > 128 )) && kill -0 "$pid" 2>/dev/null; then
+        continue
+      fi
+      break
+    done
+    if [[ "$rc" -ne 0 ]]; then
+      status=$rc
+    fi
   done
   if [[ "$status" -ne 0 ]]; then
-    echo "error: a process failed (exit $status); see $log_dir/process_*.log" >&2
+    echo "error: a process failed (exit $status); see $logs" >&2
   fi
   return "$status"
 }

@@ -74,4 +74,5 @@ for ((i = processes - 1; i >= 0; i--)); do
     pids+=("$!")
   fi
 done
-wait_all "$log_dir" "${pids[@]}"
+forward_signals "${pids[@]}"
+wait_all "$log_dir/process_*.log" "${pids[@]}"

@@ -77,4 +77,5 @@ for ((local_rank = 0; local_rank < DORA_PROCS_PER_NODE; local_rank++)); do
     pids+=("$!")
   fi
 done
-wait_all "$log_dir" "${pids[@]}"
+forward_signals "${pids[@]}"
+wait_all "$log_dir/process_*.log" "${pids[@]}"

@@ -85,7 +85,8 @@ install+=" && $uv venv --seed --python $python .venv && $uv pip install --python
 run "${tpu[@]}" ssh "$TPU_NAME" --worker=all "${where[@]}" --command="$install"
 
 args="$(printf '%q ' "$@")"
-train="cd $remote_dir && mkdir -p logs && .venv/bin/dora-jax $args> logs/\$(hostname).log 2>&1"
+# exec: the run is the process a preemption's SIGTERM reaches (it checkpoints and exits 0).
+train="cd $remote_dir && mkdir -p logs && exec .venv/bin/dora-jax $args> logs/\$(hostname).log 2>&1"
 run "${tpu[@]}" ssh "$TPU_NAME" --worker=all "${where[@]}" --command="$train"
 
 if [[ -z "$DRY_RUN" ]]; then mkdir -p "$log_dir"; fi

@@ -54,6 +54,7 @@ def test_overrides_and_types():
     ("generate.max_new_tokens=4096", "must be < model.max_seq_len"),
     ("run.name=a/b", "'run.name' = 'a/b'"),
     ("run.name=..", "'run.name' = '..': must be a non-empty name without '/', not '.' or '..'"),
+    ("run.keep_checkpoints=0", "'run.keep_checkpoints' = 0: must be >= 1: the newest checkpoint is what"),
     ("train.length_buckets=[8]", "'train.length_buckets' = [8]: the largest must hold the longest sample: "
                                  "rollout.max_prompt_len + rollout.max_new_tokens = 192"),
     ("model.nope=1", "unknown config field 'model.nope'"),

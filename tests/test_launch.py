@@ -136,7 +136,7 @@ def test_tpu_pod():
         if c[4] != "create":
             assert "--worker=all" in c
     train = next(a for a in gcloud[3] if a.startswith("--command="))
-    assert "&& .venv/bin/dora-jax train --config llama3_1_8b_v5p64 >" in train  # JAX finds the slice's workers
+    assert "&& exec .venv/bin/dora-jax train --config llama3_1_8b_v5p64 >" in train  # JAX finds the slice's workers
     assert gcloud[4][-3:-1] == ["runs/logs/dora-v5p/", "--worker=all"] or "runs/logs/dora-v5p/" in gcloud[4]
     assert not any(c[4] == "create" for c in _dry("tpu_pod.sh", ["train"], {**env, "SKIP_CREATE": "1"}) if c[0] == "gcloud")
     _fails("tpu_pod.sh", ["train"], {"TPU_NAME": "x"}, "not set: ZONE ACCELERATOR_TYPE RUNTIME_VERSION")
@@ -203,3 +203,43 @@ def test_split_placement_on_every_launcher():
             in train)
     _fails("tpu_pod.sh", ["--trainer-devices-per-host", "2", "train"],
            {k: v for k, v in env.items() if k != "TPU_HOSTS"}, "not set: TPU_HOSTS")
+
+
+# A stand-in for dora-jax that behaves as a preempted run does: on SIGTERM it writes its process id and exits 0.
+_FAKE_RUN = """#!/usr/bin/env bash
+trap 'echo "stopped ${DORA_PROCESS_ID:-}" >> "$OUT/stopped"; exit 0' TERM
+echo started >> "$OUT/started"
+for _ in $(seq 600); do sleep 0.1; done
+"""
+# srun as far as these scripts need it: its options dropped, the task run in its place (signals reach it).
+_FAKE_SRUN = """#!/usr/bin/env bash
+while [[ "$1" == --* ]]; do shift; done
+exec "$@"
+"""
+
+
+@pytest.mark.parametrize("script,args,tasks", [
+    ("local_cpu.sh", ["--processes", "2", "--port", "1", "--log-dir", "logs"], 2),
+    ("slurm_gpu.sbatch", [], 1),
+])
+def test_launchers_forward_a_preemption_notice_to_the_run(tmp_path, script, args, tasks):
+    """SIGTERM to the launcher (a preemption notice, SLURM's --signal=B:TERM) reaches every process of the run,
+    and the launcher waits for them and exits with their status: 0 when they checkpointed and stopped."""
+    import signal
+    import time
+
+    for name, text in (("dora-jax", _FAKE_RUN), ("srun", _FAKE_SRUN)):
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    env = {**_clean_env(), "DORA_JAX_BIN": str(tmp_path / "dora-jax"), "OUT": str(tmp_path),
+           "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1",
+           "SLURM_JOB_NODELIST": "n1"}
+    proc = subprocess.Popen(["bash", os.path.join(REPO, "launch", script), *args, "train"], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    started = tmp_path / "started"
+    while time.monotonic() < deadline and (started.read_text().count("\n") if started.exists() else 0) < tasks:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, (out, err)
+    assert (tmp_path / "stopped").read_text().count("stopped") == tasks, err

@@ -1,4 +1,4 @@
-"""Run checkpoints and resume, checked on real processes killed with SIGKILL.
+"""Run checkpoints, retention and resume, checked on real processes killed with SIGKILL or preempted with SIGTERM.
 
 Training runs go in child processes (one CPU device, the tiny model, the longtail task) that share a
 persistent compilation cache, so a program is compiled once per module, not once per child. The cache is
@@ -7,8 +7,8 @@ kept to these single-device children: the suite's own processes, with eight fake
 random moment, or kills itself with SIGKILL right after writing a given metrics line (a deterministic crash
 point: the line is on disk, the checkpoint of that update is not). What each test checks:
 
-* killed three times at random moments in ``dora`` mode and resumed each time: the saved ledger passes its
-  own check (every sample consumed once or filtered with a reason, groups whole, staleness <= K), metrics
+* killed twice (SIGKILL) and preempted once (SIGTERM: exit 0 after a checkpoint) at random moments in ``dora``
+  mode and resumed each time: the saved ledger passes its own check (every sample consumed once or filtered with a reason, groups whole, staleness <= K), metrics
   steps are 1..N once each, samples.jsonl holds each consumed sample once;
 * a crashed and resumed run regenerates the lost samples with the same tokens and log-probs: in ``sync`` mode
   equal to an uninterrupted run; in ``one_step_off`` and ``dora`` the checkpoint holds pending and decoding
@@ -60,7 +60,8 @@ if kill_after:
         if row["step"] == kill_after:  # the line is on disk, this update's checkpoint is not
             os.kill(os.getpid(), signal.SIGKILL)
     runner.MetricsWriter.write = write_then_die
-runner.Runner(load_config("tiny_llama", overrides), run_dir, progress=False).run()
+result = runner.Runner(load_config("tiny_llama", overrides), run_dir, progress=False).run()
+print(json.dumps({k: result.get(k) for k in ("preempted", "signal", "step", "checkpoint")}))
 """
 
 
@@ -149,16 +150,18 @@ def crashed_copy(src, dst):
     return dst
 
 
-def test_random_kills_resume_to_one_complete_run(child_env, tmp_path):
-    """Three SIGKILLs at random moments of a dora run, then a resume to the end: the result is one complete
-    run. Kill i waits for a checkpoint one or two updates past the newest one (so every attempt progresses),
-    then a random fraction of a second more: it lands in rollout, the train step, a metrics or samples write,
-    a checkpoint write or a background snapshot write."""
-    k, steps, tbs = 2, 8, 8
+def test_random_kills_and_a_preemption_resume_to_one_complete_run(child_env, tmp_path):
+    """Two SIGKILLs and a SIGTERM at random moments of a dora run, then a resume to the end: the result is one
+    complete run. Each stop waits for a checkpoint one or two updates past the newest one (so every attempt
+    progresses), then a random fraction of a second more: it lands in rollout, the train step, a metrics or
+    samples write, a checkpoint write or a background snapshot write. The SIGTERM (a preemption notice) ends its
+    attempt with exit 0 within a grace period, after a checkpoint at the update it reached, which the next
+    attempt resumes from."""
+    k, steps, tbs, grace = 2, 8, 8, 60
     overrides = BASE + ["dora.mode=dora", f"train.max_staleness={k}", "dora.rollout_batch=16", f"dora.steps={steps}"]
     rng = random.Random(20261123)
-    kills = []
-    for _ in range(3):
+    kills, preempted = [], None
+    for attempt in range(3):
         target = min(newest_checkpoint(tmp_path) + rng.randint(1, 2), steps - 3)
         proc = start(child_env, tmp_path, overrides)
         deadline = time.monotonic() + 300
@@ -166,10 +169,24 @@ def test_random_kills_resume_to_one_complete_run(child_env, tmp_path):
             time.sleep(0.01)
         delay = rng.uniform(0.0, 0.3)
         time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
-        rc, err = finish(proc)
-        kills.append({"after_checkpoint": target, "delay_s": round(delay, 3), "rc": rc})
-        assert rc == -signal.SIGKILL, f"the run was to be killed, it exited first: {kills}\n{err[-3000:]}"
+        sig = signal.SIGTERM if attempt == 1 else signal.SIGKILL
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=grace if sig == signal.SIGTERM else 300)
+        kills.append({"after_checkpoint": target, "delay_s": round(delay, 3), "signal": sig.name,
+                      "rc": proc.returncode, "stop_s": round(time.monotonic() - sent, 2)})
+        if preempted is not None:  # the attempt after the preemption continued from its checkpoint
+            assert f"(step {preempted['step']})" in err and "resume: continuing" in err, (kills, err[-3000:])
+            preempted = None
+        if sig == signal.SIGKILL:
+            assert proc.returncode == -signal.SIGKILL, f"the run was to be killed, it exited first: {kills}\n{err[-3000:]}"
+            continue
+        assert proc.returncode == 0, f"preempted run exited {proc.returncode}: {kills}\n{err[-3000:]}"
+        preempted = json.loads(out.strip().splitlines()[-1])
+        assert preempted["preempted"] and preempted["signal"] == "SIGTERM", preempted
+        assert preempted["step"] >= target and newest_checkpoint(tmp_path) == preempted["step"], (preempted, kills)
+        assert f"stopped on SIGTERM at update {preempted['step']} of {steps}" in err
+        assert not (tmp_path / "summary.json").exists()  # the run is not over
     err = run_child(child_env, tmp_path, overrides)
     assert "resume: continuing" in err, kills
 
@@ -188,6 +205,8 @@ def test_random_kills_resume_to_one_complete_run(child_env, tmp_path):
     summary = json.load(open(tmp_path / "summary.json"))
     assert summary["steps"] == steps and summary["samples"] == steps * tbs and summary["resumed"]
     assert summary["max_resident_versions"] <= k + 1
+    assert len(list((tmp_path / "checkpoints").glob("step_*"))) == 2  # run.keep_checkpoints
+    assert summary["run_dir_bytes"] > summary["checkpoint_bytes"] > 0
 
 
 def test_sync_resume_regenerates_the_same_samples(child_env, tmp_path, sync_reference, sync_crashed):
@@ -315,7 +334,7 @@ def test_another_config_is_refused_naming_the_field(tmp_path, sync_reference):
     # change: states restore onto any mesh and hardware.
     same = load_config("tiny_llama", SYNC + ["run.checkpoint_every=3", "run.name=elsewhere", "mesh.data=2",
                                              "rollout.overlap=true"])
-    assert RunStore(tmp_path, same, 0).restore(None).step == 4
+    assert RunStore(tmp_path, same).restore(None).step == 4
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
 
 
@@ -333,17 +352,17 @@ def test_an_unfinished_run_without_checkpoints_is_only_restarted_by_its_own_conf
         Runner(other, str(tmp_path), progress=False)
     with pytest.raises(RunError, match="no checkpoint to continue from"):
         Runner(load_config("tiny_llama", SYNC + ["run.resume=false"]), str(tmp_path), progress=False)
-    RunStore(tmp_path, load_config("tiny_llama", SYNC + ["mesh.data=2", "run.name=b"]), 0).check_restart()
+    RunStore(tmp_path, load_config("tiny_llama", SYNC + ["mesh.data=2", "run.name=b"])).check_restart()
     (tmp_path / "config.json").unlink()
     with pytest.raises(ResumeError, match=r"its configuration is unknown \(.*config.json: FileNotFoundError"):
-        RunStore(tmp_path, cfg, 0).check_restart()
+        RunStore(tmp_path, cfg).check_restart()
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ResumeError, match=r"its configuration is unknown"):
-        RunStore(tmp_path, cfg, 0).check_restart()
+        RunStore(tmp_path, cfg).check_restart()
     (tmp_path / "config.json").write_bytes(before[tmp_path / "config.json"])
     assert {p: p.read_bytes() for p in tmp_path.iterdir()} == before
     (tmp_path / "metrics.jsonl").write_text("")
-    RunStore(tmp_path, other, 0).check_restart()  # nothing of the earlier attempt would be lost
+    RunStore(tmp_path, other).check_restart()  # nothing of the earlier attempt would be lost
 
 
 def test_truncate_lines_keeps_the_head_and_refuses_to_grow(tmp_path):
@@ -359,11 +378,11 @@ def test_truncate_lines_keeps_the_head_and_refuses_to_grow(tmp_path):
 def test_a_cut_off_first_checkpoint_starts_afresh_and_corrupt_ones_only_stop(tmp_path):
     cfg = load_config("tiny_llama", SYNC)
     (tmp_path / "checkpoints" / ".tmp-step_00000001" / "state").mkdir(parents=True)
-    assert RunStore(tmp_path, cfg, 0).restore(None) is None  # nothing was ever complete: start afresh
+    assert RunStore(tmp_path, cfg).restore(None) is None  # nothing was ever complete: start afresh
     bad = tmp_path / "checkpoints" / "step_00000001"
     bad.mkdir()
     with pytest.raises(ResumeError, match="(?s)cannot resume: no usable run checkpoint.*step_00000001: no COMPLETE"):
-        RunStore(tmp_path, cfg, 0).restore(None)  # a checkpoint that existed and is unusable is not ignored
+        RunStore(tmp_path, cfg).restore(None)  # a checkpoint that existed and is unusable is not ignored
 
 
 def test_run_states_and_metadata_the_runner_did_not_write_are_named(tmp_path, monkeypatch):
@@ -381,9 +400,38 @@ def test_run_states_and_metadata_the_runner_did_not_write_are_named(tmp_path, mo
     with pytest.raises(ResumeError, match=r"run_state.json: not a run state this runner can continue \(its metrics "
                                           r"lack rows_computed"):
         unpack_run_state(policy, state, tmp_path, cfg)
-    store = RunStore(tmp_path, cfg, 0)
+    store = RunStore(tmp_path, cfg)
     step = store.checkpoints.path(3)
     step.mkdir(parents=True)
     (step / "meta.json").write_text("[]")
     monkeypatch.setattr(store.checkpoints, "steps", lambda: [3])  # as if its completion marker were there
     store.check_config()  # not a mapping: left to restore, which reports it and falls back (was AttributeError)
+
+
+def test_retention_keeps_the_newest_checkpoints_and_the_snapshots_they_or_resident_versions_need(tmp_path):
+    """``run.keep_checkpoints`` newest checkpoints stay; a version's snapshot stays while a kept checkpoint
+    records it or it is resident, and goes after. A checkpoint that needs a version nobody snapshotted
+    (``run.checkpoint_every`` 0, as when preempted) writes that snapshot itself."""
+    import jax.numpy as jnp
+
+    params = lambda v: {"w": jnp.full((4,), float(v))}  # noqa: E731
+    store = RunStore(tmp_path, load_config("tiny_llama", SYNC + ["run.keep_checkpoints=2"]))
+    state = {"w": jnp.zeros(4)}
+    # (version published, resident after publishing it, versions its checkpoint needs, snapshots expected after)
+    schedule = [(1, {0, 1}, {0, 1}, {0, 1}), (2, {1, 2}, {1, 2}, {0, 1, 2}), (3, {2, 3}, {2, 3}, {1, 2, 3}),
+                (4, {3, 4}, {4}, {2, 3, 4}), (5, {5}, {5}, {4, 5})]
+    store.snapshot(0, params(0), {0})
+    for v, resident, needed, expected in schedule:
+        store.snapshot(v, params(v), resident)
+        store.save(v, state, {"v": v}, needed, resident, params)
+        assert store.checkpoints.steps() == list(range(max(1, v - 1), v + 1))
+        assert set(store.snapshots.versions()) == expected, v
+    store.close()
+
+    lean = RunStore(tmp_path / "lean", load_config("tiny_llama", SYNC + ["run.checkpoint_every=0"]))
+    lean.snapshot(3, params(3), {2, 3})  # snapshots nothing between checkpoints
+    assert lean.snapshots.versions() == []
+    lean.save(3, state, {"v": 3}, {2, 3}, {2, 3}, params)
+    assert lean.snapshots.versions() == [2]  # version 3 is the checkpoint's own train state
+    np.testing.assert_array_equal(lean.restore_version(2, params(0))["w"], np.full(4, 2.0))
+    lean.close()

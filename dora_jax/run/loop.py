@@ -30,8 +30,9 @@ from dora_jax.rollout.warmup import warmup
 from dora_jax.run.evaluation import RunError, evaluate
 from dora_jax.run.meter import Meter
 from dora_jax.run.placement import Placement
+from dora_jax.run.preemption import StopSignals
 from dora_jax.run.residency import Residency
-from dora_jax.run.resume import RunStore, fsync_file, pack_run_state, unpack_run_state
+from dora_jax.run.resume import RunStore, dir_bytes, fsync_file, pack_run_state, tree_bytes, unpack_run_state
 from dora_jax.run.rollout import RolloutSide
 from dora_jax.run.setup import (advice, agree, byte_tokenizer, check_multiprocess, check_placement, check_run_dir,
                                 save_ledger, schedule_policy, summarize, truncate_outputs)
@@ -73,7 +74,7 @@ class Runner:
         for said in advice(cfg):
             log.warning(said)
         self.policy = schedule_policy(cfg)
-        self.store = RunStore(run_dir, cfg, self.policy.bound)
+        self.store = RunStore(run_dir, cfg)
         check_run_dir(cfg, run_dir, self.store)  # before anything is built or written
         self.multi, self.writes = jax.process_count() > 1, jax.process_index() == 0
         if self.multi:
@@ -96,12 +97,16 @@ class Runner:
         self.updates: list[dict[str, Any]] = []  # per update: step, trained groups and samples, train metrics
         self._in_flight: TrainInFlight | None = None
         self._resumed, self._lines = None, {"metrics.jsonl": 0, "samples.jsonl": 0}
+        self.disk = {"checkpoint_bytes": 0, "run_dir_bytes": 0}  # as of the newest checkpoint this run wrote
         os.makedirs(run_dir, exist_ok=True)  # only now: a start that fails leaves no empty directory
         found = self.store.restore(self.state) if cfg.run.resume else None
         if found is not None:
             self._restore(found)
         else:
             self._publish(0, self.trainer.policy_params(self.state))
+        if self.writes:
+            self.store.warn_if_short_of_disk(tree_bytes(self.state), tree_bytes(self.versions.params(self.sched.version)),
+                                             self.policy.bound)
         self.warmup = self._warm_up()
 
     @property
@@ -171,16 +176,28 @@ class Runner:
                              "samples": [[d.sample_id, d.version] for d in f.done], "train": metrics})
         return {**f.row, "train": metrics, "sync_s": self.versions.sync_s - sync_before}, train_s
 
-    def _checkpoint(self, meter: Meter, eval_before: dict[str, Any], eval_s: float) -> None:
-        """Saves the run at the current version; records the versions a resume from it needs."""
+    def _checkpoint(self, meter: Meter, eval_before: dict[str, Any], eval_s: float) -> str:
+        """Saves the run at the current version (records the versions a resume from it needs); returns its path.
+        A version that has one already (an update that applied nothing keeps its version) keeps it."""
+        if self.sched.version in self.store.checkpoints.steps():
+            return str(self.store.checkpoints.path(self.sched.version))
+        t0 = time.perf_counter()
         for name in self._lines:
             fsync_file(os.path.join(self.run_dir, name))
         counters = meter.counters(eval_before=eval_before, eval_s=eval_s, lines=self._lines["metrics.jsonl"],
                                   samples_lines=self._lines["samples.jsonl"], rows_computed=self.driver.rows_computed,
                                   rows_live=self.driver.rows_live, batch_steps=self.driver.batch_steps,
                                   max_resident=self.versions.max_resident)
-        self.store.save(self.sched.version, self.state, pack_run_state(self.sched, self.rollout.done, counters, self.cfg),
-                        set(self.sched.live_versions()))
+        path = self.store.save(self.sched.version, self.state,
+                               pack_run_state(self.sched, self.rollout.done, counters, self.cfg),
+                               set(self.sched.live_versions()), self.versions.resident(), self.versions.params)
+        secs = time.perf_counter() - t0
+        meter.checkpointed(secs)
+        if self.writes:
+            self.disk = {"checkpoint_bytes": dir_bytes(path), "run_dir_bytes": dir_bytes(self.run_dir)}
+            log.info("checkpoint %s: %.2f GiB in %.1f s; the run directory holds %.2f GiB", path,
+                     self.disk["checkpoint_bytes"] / 2**30, secs, self.disk["run_dir_bytes"] / 2**30)
+        return str(path)
 
     def _restore(self, found: Any) -> None:
         """Continues from a checkpoint: state, scheduler, finished samples as they were; pending and in-flight
@@ -197,6 +214,8 @@ class Runner:
         self.driver.batch_steps = counters["batch_steps"]
         self.versions.max_resident = max(counters["max_resident"], self.versions.max_resident)
         self._resumed = counters
+        if self.writes:
+            self.disk = {"checkpoint_bytes": dir_bytes(found.path), "run_dir_bytes": dir_bytes(self.run_dir)}
 
     def evaluate(self, version: int | None = None) -> dict[str, float]:
         """Accuracy on the task's held-out set with one resident version (default: the newest)."""
@@ -231,62 +250,91 @@ class Runner:
         bar = tqdm(total=cfg.dora.steps, initial=self.sched.version, desc=f"{cfg.dora.mode} K={self.policy.bound}",
                    unit="update", disable=not self.progress or not self.writes)
         meter, led, rollout = Meter(m), self.sched.ledger, self.rollout
-        compiled, names = compile_count(), COUNTER.names()
+        record = lambda done_step: self._record(done_step, meter, before, eval_s, writer, bar)  # noqa: E731
+        self._compiled = (compile_count(), COUNTER.names())
         loaded = self.versions.__contains__  # a version whose train step is still running is not: its prompts wait
-        while agree(self.multi, "going on", not self.sched.done() or self._in_flight is not None,
-                    f"before update {self.sched.version + 1}"):
-            rollout.dispatch()
-            meter.decoded(*rollout.step(rollout.admit(loaded)), rollout.slots)
-            rollout.collect_rewards()
-            rollout.dispatch()
-            self.versions.evict_drained(led.outstanding())
-            if self._in_flight is None and not self.sched.done():
-                batch = agree(self.multi, "the batch to train", self.sched.next_batch(),
-                              f"before update {self.sched.version + 1}")
-                if batch is not None:
-                    self._train(batch)
-            # Shared placement completes the step now; split placement once it has finished or rollout is idle.
-            nothing_to_decode = self.driver.idle and not rollout.has_waiting(loaded)
-            finished = self._in_flight is not None and (not self.placement.disjoint or self._in_flight.ready())
-            if self.multi:  # the branches below take decisions: every process must take the same one
-                votes = gather_decisions([nothing_to_decode, finished])
-                nothing_to_decode, finished = all(v[0] for v in votes), all(v[1] for v in votes)
-            if (finished or nothing_to_decode) and (done_step := self._complete()) is not None:
-                row, train_s = done_step
-                row = meter.update(row, train_s)
-                compiled, seen = compile_count(), compiled
-                names, seen_names = COUNTER.names(), names
-                if (compiled - seen).compiles and self.sched.version > 1 and self.warms:
-                    log.warning("compiled during update %d: %s", self.sched.version,
-                                ", ".join(f"{k} x{v}" for k, v in (names - seen_names).items()))
-                row.update(step=self.sched.version, version=self.sched.version, filtered=led.count("filtered"),
-                           resident_versions=len(self.versions.resident()),
-                           slot_utilization=self.driver.slot_utilization,
-                           compiles=(compiled - seen).compiles, compile_cache_loads=(compiled - seen).cache_loads)
-                if writer is not None:
-                    writer.write(row)
-                self._lines["metrics.jsonl"] += 1
-                if self.store.due(self.sched.version) and row["train"]["applied"]:
-                    tc = time.perf_counter()
-                    self._checkpoint(meter, before, eval_s)
-                    meter.checkpointed(time.perf_counter() - tc)
-                bar.set_postfix(reward=f"{row['reward']:.2f}", acc=f"{row['accuracy']:.2f}",
-                                lag=f"{row['staleness_mean']:.1f}", gen=f"{row['gen_tok_s']:.0f}tok/s")
-                bar.update(1)
-            elif nothing_to_decode and self._in_flight is None:
-                if rollout.rewards.outstanding:
-                    rollout.collect_rewards(wait_s=0.05)
-                elif not rollout.dispatch() and not led.count("finished") and not self.sched.done():
-                    raise RunError(f"no progress possible at version {self.sched.version}: ledger {led.counts()}")
+        preempted, stop = None, StopSignals(self.multi)
+        with stop:
+            while agree(self.multi, "going on", not self.sched.done() or self._in_flight is not None,
+                        f"before update {self.sched.version + 1}"):
+                asked = stop.asked()
+                if any(gather_decisions(asked)) if self.multi else asked:
+                    preempted = self._preempt(stop.signal or "a notice on another process", record, meter, before,
+                                              eval_s)
+                    break
+                rollout.dispatch()
+                meter.decoded(*rollout.step(rollout.admit(loaded)), rollout.slots)
+                rollout.collect_rewards()
+                rollout.dispatch()
+                self.versions.evict_drained(led.outstanding())
+                if self._in_flight is None and not self.sched.done():
+                    batch = agree(self.multi, "the batch to train", self.sched.next_batch(),
+                                  f"before update {self.sched.version + 1}")
+                    if batch is not None:
+                        self._train(batch)
+                # Shared placement completes the step now; split placement once it has finished or rollout is idle.
+                nothing_to_decode = self.driver.idle and not rollout.has_waiting(loaded)
+                finished = self._in_flight is not None and (not self.placement.disjoint or self._in_flight.ready())
+                if self.multi:  # the branches below take decisions: every process must take the same one
+                    votes = gather_decisions([nothing_to_decode, finished])
+                    nothing_to_decode, finished = all(v[0] for v in votes), all(v[1] for v in votes)
+                if (finished or nothing_to_decode) and (done_step := self._complete()) is not None:
+                    record(done_step)
+                elif nothing_to_decode and self._in_flight is None:
+                    if rollout.rewards.outstanding:
+                        rollout.collect_rewards(wait_s=0.05)
+                    elif not rollout.dispatch() and not led.count("finished") and not self.sched.done():
+                        raise RunError(f"no progress possible at version {self.sched.version}: ledger {led.counts()}")
         bar.close()
-        wall = time.perf_counter() - meter.t0
         if writer is not None:
             writer.close()
+        if preempted is not None:
+            return preempted
+        wall = time.perf_counter() - meter.t0
         save_ledger(self.sched, self.policy.bound, self.run_dir, self.multi, self.writes)
         t_eval = time.perf_counter()
         after = self.evaluate()
         summary = summarize(self, before, after, wall, eval_s + time.perf_counter() - t_eval, meter)
         if self.writes:
+            summary.update(run_dir_bytes=dir_bytes(self.run_dir), checkpoint_bytes=self.disk["checkpoint_bytes"])
             with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=1)
+            log.info("the run directory %s holds %.2f GiB", self.run_dir, summary["run_dir_bytes"] / 2**30)
         return summary
+
+    def _record(self, done_step: tuple[dict[str, Any], float], meter: Meter, before: dict[str, Any], eval_s: float,
+                writer: MetricsWriter | None, bar: Any) -> None:
+        """Writes the metrics row of the update that just completed, then its checkpoint when one is due."""
+        row, train_s = done_step
+        row = meter.update(row, train_s)
+        (seen, seen_names), self._compiled = self._compiled, (compile_count(), COUNTER.names())
+        compiled, names = self._compiled
+        if (compiled - seen).compiles and self.sched.version > 1 and self.warms:
+            log.warning("compiled during update %d: %s", self.sched.version,
+                        ", ".join(f"{k} x{v}" for k, v in (names - seen_names).items()))
+        row.update(step=self.sched.version, version=self.sched.version, filtered=self.sched.ledger.count("filtered"),
+                   resident_versions=len(self.versions.resident()), slot_utilization=self.driver.slot_utilization,
+                   compiles=(compiled - seen).compiles, compile_cache_loads=(compiled - seen).cache_loads,
+                   **self.disk)  # as of the newest checkpoint
+        if writer is not None:
+            writer.write(row)
+        self._lines["metrics.jsonl"] += 1
+        if self.store.due(self.sched.version) and row["train"]["applied"]:
+            self._checkpoint(meter, before, eval_s)
+        bar.set_postfix(reward=f"{row['reward']:.2f}", acc=f"{row['accuracy']:.2f}",
+                        lag=f"{row['staleness_mean']:.1f}", gen=f"{row['gen_tok_s']:.0f}tok/s")
+        bar.update(1)
+
+    def _preempt(self, signal_name: str, record: Any, meter: Meter, before: dict[str, Any],
+                 eval_s: float) -> dict[str, Any]:
+        """Stops on a preemption notice: the train step in flight completes (its row is written), then the run
+        is checkpointed at its version. Returns what the caller reports (no summary: the run is not over)."""
+        if self._in_flight is not None:
+            record(self._complete())
+        t0 = time.perf_counter()
+        path = self._checkpoint(meter, before, eval_s)
+        out = {"preempted": True, "signal": signal_name, "step": self.sched.version, "checkpoint": path,
+               "checkpoint_s": time.perf_counter() - t0}
+        log.warning("stopped on %s at update %d of %d: checkpoint %s (%.1f s); the same command continues the run",
+                    signal_name, self.sched.version, self.cfg.dora.steps, path, out["checkpoint_s"])
+        return out

@@ -30,8 +30,9 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from dora_jax.run.checkpoint import CheckpointError, Restored, RunCheckpoints
 from dora_jax.config import Config
@@ -45,7 +46,8 @@ log = logging.getLogger(__name__)
 # rollout schedules host and device work, not what it computes. A run may resume on another mesh and other
 # hardware: checkpoints and snapshots restore onto any shardings.
 _PLACEMENT_SECTIONS = ("mesh",)
-_PLACEMENT_FIELDS = {"run": ("name", "out_dir", "resume", "checkpoint_every"), "rollout": ("overlap",)}
+_PLACEMENT_FIELDS = {"run": ("name", "out_dir", "resume", "checkpoint_every", "keep_checkpoints"),
+                     "rollout": ("overlap",)}
 
 
 class ResumeError(RuntimeError):
@@ -62,8 +64,8 @@ def _computing_dict(cfg: Config | dict[str, Any]) -> dict[str, Any]:
 
 def run_fingerprint(cfg: Config) -> str:
     """A short hash of every setting that changes what a run computes: ``Config.fingerprint`` without the
-    ``mesh`` section, ``run.name``, ``run.out_dir``, ``run.resume``, ``run.checkpoint_every`` and
-    ``rollout.overlap``."""
+    ``mesh`` section, ``run.name``, ``run.out_dir``, ``run.resume``, ``run.checkpoint_every``,
+    ``run.keep_checkpoints`` and ``rollout.overlap``."""
     blob = json.dumps(_computing_dict(cfg), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -181,23 +183,44 @@ def fsync_file(path: str | os.PathLike) -> None:
             os.close(fd)
 
 
+def dir_bytes(path: str | os.PathLike) -> int:
+    """Bytes of the files under ``path`` (0 when it does not exist)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except OSError:  # removed meanwhile: retention, or a write's temporary file
+                pass
+    return total
+
+
+def tree_bytes(tree: Any) -> int:
+    """Bytes of a pytree's arrays, summed over the whole (global) arrays."""
+    import jax
+
+    return sum(int(x.nbytes) for x in jax.tree.leaves(tree))
+
+
 class RunStore:
     """The run checkpoints and version snapshots of one run directory.
 
     Args:
       run_dir: the run directory (``checkpoints/`` and ``versions/`` go inside).
       cfg: the run's config; its :func:`run_fingerprint` is checked against every checkpoint and snapshot.
-      bound: the staleness bound K the schedule keeps (snapshot retention keeps the newest K + 2 versions).
+
+    Retention: the newest ``run.keep_checkpoints`` checkpoints, and a version's snapshot only while a kept
+    checkpoint or a resident version needs it (resident: a later checkpoint may record it in flight).
     """
 
-    def __init__(self, run_dir: str | os.PathLike, cfg: Config, bound: int):
+    def __init__(self, run_dir: str | os.PathLike, cfg: Config):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.fingerprint = run_fingerprint(cfg)
         self.every = cfg.run.checkpoint_every
-        self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", fingerprint=self.fingerprint)
+        self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", fingerprint=self.fingerprint,
+                                          keep_last=cfg.run.keep_checkpoints)
         self._snaps = None
-        self._bound = bound
 
     @property
     def snapshots(self):
@@ -205,9 +228,28 @@ class RunStore:
         if self._snaps is None:
             from dora_jax.run.versions import Snapshots
 
-            self._snaps = Snapshots(self.run_dir / "versions", fingerprint=self.fingerprint,
-                                    keep_last=self._bound + 2)
+            # The newest is always resident; the others stay while protected (see the class docstring).
+            self._snaps = Snapshots(self.run_dir / "versions", fingerprint=self.fingerprint, keep_last=1)
         return self._snaps
+
+    def disk_estimate(self, state_bytes: int, params_bytes: int, bound: int) -> int:
+        """The most bytes retention lets the run directory hold: the kept checkpoints (train state) and the
+        snapshots they and the resident versions need (at most K + 1 resident, K more per kept checkpoint)."""
+        if self.every == 0:
+            return 0
+        keep = self.cfg.run.keep_checkpoints
+        return keep * state_bytes + ((bound + 1) + keep * bound) * params_bytes
+
+    def warn_if_short_of_disk(self, state_bytes: int, params_bytes: int, bound: int) -> None:
+        """Logs a warning when the run directory's disk has less free space than :meth:`disk_estimate`."""
+        need = self.disk_estimate(state_bytes, params_bytes, bound)
+        where = next(p for p in (self.run_dir, *self.run_dir.parents) if p.exists())
+        free = shutil.disk_usage(where).free + dir_bytes(self.run_dir)  # what is there now is replaced in time
+        if need > free:
+            log.warning("checkpoints may not fit: this run keeps up to %.2f GiB under %s (%d checkpoints of %.2f "
+                        "GiB and version snapshots of %.2f GiB each) and %.2f GiB is free there; lower "
+                        "run.keep_checkpoints or raise run.checkpoint_every", need / 2**30, self.run_dir,
+                        self.cfg.run.keep_checkpoints, state_bytes / 2**30, params_bytes / 2**30, free / 2**30)
 
     # -- resume ---------------------------------------------------------------------------------------------
 
@@ -325,11 +367,38 @@ class RunStore:
             self.snapshots.save(version, params, step=version, parent=version - 1 if version else None,
                                 protect=resident | self.needed_versions())
 
-    def save(self, step: int, train_state: Any, run_state: dict[str, Any], versions: set[int]) -> Path:
-        """Writes checkpoint ``step`` (blocking; atomic). ``versions``: the versions it needs to resume, kept
-        from snapshot retention while the checkpoint exists."""
+    def save(self, step: int, train_state: Any, run_state: dict[str, Any], versions: set[int],
+             resident: set[int], params_of: Callable[[int], Any]) -> Path:
+        """Writes checkpoint ``step`` (blocking; atomic), then drops the snapshots nothing needs any more.
+
+        Args:
+          versions: the versions a resume from it needs (in flight or finished-unconsumed); each one's snapshot
+            is kept while the checkpoint exists, and written now if missing (a run that snapshots nothing
+            between checkpoints, ``run.checkpoint_every`` 0, still writes one when preempted).
+          resident: the versions resident now (their snapshots are kept too).
+          params_of: a needed version's params (it is resident).
+
+        Raises:
+          ResumeError: the checkpoint could not be written (naming the directory and its free space); the
+            checkpoints already there are untouched.
+        """
+        for v in sorted(versions - {step}):
+            if not self.snapshots.path(v).exists():
+                self.snapshots.save(v, params_of(v), step=v, parent=v - 1 if v else None,
+                                    protect=resident | versions | self.needed_versions())
         meta = {"versions": sorted(int(v) for v in versions), "config": _computing_dict(self.cfg)}
-        return self.checkpoints.save(step, train_state, run_state, meta=meta)
+        try:
+            path = self.checkpoints.save(step, train_state, run_state, meta=meta)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - Orbax and the OS fail in many ways; the run stops naming both
+            free = shutil.disk_usage(self.run_dir).free if self.run_dir.exists() else 0
+            raise ResumeError(f"cannot write checkpoint {step} under {self.checkpoints.directory} "
+                              f"({free / 2**30:.2f} GiB free there): {e.__class__.__name__}: {e}; the checkpoints "
+                              f"already there are kept: {self.checkpoints.steps()}") from e
+        if self._snaps is not None:
+            self._snaps.wait(protect=resident | versions | self.needed_versions())
+        return path
 
     def close(self) -> None:
         """Waits for snapshot writes in progress and releases the writer."""
