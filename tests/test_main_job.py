@@ -45,6 +45,8 @@ SUMMARY = {
     # On a CPU rollout.warmup defaults to off: nothing compiled ahead of the first update.
     "warmup_s": lambda v: v == 0.0, "warmup_programs": _count(0),
     "wall_s": POSITIVE, "eval_s": POSITIVE, "train_s": POSITIVE, "checkpoint_s": POSITIVE,
+    # One kept checkpoint (the demo's run.keep_checkpoints) in a directory that also holds snapshots and files.
+    "checkpoint_bytes": lambda v: isinstance(v, int) and v > 0, "run_dir_bytes": lambda v: isinstance(v, int) and v > 0,
     "samples_per_s": POSITIVE, "gen_tok_s": POSITIVE, "trainer_idle_fraction": FRACTION,
     "max_resident_versions": _in(1, K + 1), "placement": lambda v: v == "shared", "rollout_groups": _count(1),
     "sync_s": lambda v: v == 0.0, "slot_utilization": _in(1e-12, 1.0),
@@ -106,8 +108,11 @@ def test_the_files_the_readme_names_are_written_and_agree(run):
     for name in ("summary.json", "metrics.jsonl", "samples.jsonl", "ledger.json", "config.json", "reward.png",
                  "staleness.png", "versions.png"):
         assert (run_dir / name).is_file() and (run_dir / name).stat().st_size > 0, name
+    # The demo keeps one checkpoint (run.keep_checkpoints: 1), and the snapshots it or residency needs.
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_")) == [
-        "step_00000001", "step_00000002"]
+        "step_00000002"]
+    summary = json.load(open(run_dir / "summary.json"))
+    assert summary["run_dir_bytes"] > summary["checkpoint_bytes"] > 0
     assert (run_dir / "versions" / "v_00000002").is_dir()
     metrics = _lines(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]

@@ -87,7 +87,10 @@ SPLIT_STEPS = 4
 SPLIT = [o for o in OVERRIDES if not o.startswith(("mesh.", "roles.", "dora.steps"))] + [f"dora.steps={SPLIT_STEPS}",
     "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=1", "roles.placement=split", "roles.trainer_devices=2",
     "roles.rollout_data=1", "roles.rollout_tensor=1", "target.num_devices=4", "train.correction=decoupled",
-    "train.behaviour_logprobs=recompute", "train.minibatches=2", "task.reward=test_multiprocess:spread_reward"]
+    "train.behaviour_logprobs=recompute", "train.minibatches=2", "task.reward=test_multiprocess:spread_reward",
+    # Every checkpoint kept, and with them a snapshot of every version that had samples in flight: the worker
+    # recomputes trained samples' log-probs from their own versions.
+    f"run.keep_checkpoints={SPLIT_STEPS}"]
 
 _SPLIT_WORKER = textwrap.dedent("""
     import json, sys
@@ -114,17 +117,18 @@ _SPLIT_WORKER = textwrap.dedent("""
     # snapshot, against the log-prob the engine recorded when it sampled the token; and from another version.
     with open(f"{run_dir}/samples.jsonl") as f:
         rows = [json.loads(line) for line in f]
-    samples = [Sample(r["sample_id"], r["group_id"], r["version"], r["prompt_ids"], r["tokens"], r["logprobs"],
-                      r["reward"]) for r in rows]
-    host = make_batch(samples, group_size=4, length_buckets=(64,), row_multiple=trainer.row_multiple)
-    batch = trainer.put(host)
     like, snaps = trainer.policy_params(runner.state), {}
     for u in sorted({r["version"] for r in rows}):
         try:
             snaps[u] = runner.store.restore_version(u, like)
         except ResumeError:  # an old version's snapshot, let go by the retention
             pass
+    # Whole groups of the versions still snapshotted (a group's samples share their version).
     rows = [r for r in rows if r["version"] in snaps]
+    samples = [Sample(r["sample_id"], r["group_id"], r["version"], r["prompt_ids"], r["tokens"], r["logprobs"],
+                      r["reward"]) for r in rows]
+    host = make_batch(samples, group_size=4, length_buckets=(64,), row_multiple=trainer.row_multiple)
+    batch = trainer.put(host)
     versions = np.asarray(host.versions)[np.asarray(host.valid)]
     own = gather(recompute_on_devices(trainer, batch, versions, snaps.__getitem__).recomputed_logprobs)
     newest = max(snaps)
@@ -259,12 +263,12 @@ def test_two_processes_run_dora_end_to_end_and_agree(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["processes"] == 2 and "accuracy_before" in summary and "accuracy_after" in summary
 
-    # Both processes wrote a run checkpoint after every update and a snapshot of every version (Orbax; each
-    # process its shards). Take the last update's checkpoint and the run's end away and resume with two
-    # processes: they restore the trainer state onto the global mesh, the in-flight versions from their
-    # snapshots, and redo update 3 exactly as the uninterrupted run did.
+    # Both processes wrote a run checkpoint after every update (the newest two kept: run.keep_checkpoints) and a
+    # snapshot of every version (Orbax; each process its shards). Take the last update's checkpoint and the
+    # run's end away and resume with two processes: they restore the trainer state onto the global mesh, the
+    # in-flight versions from their snapshots, and redo update 3 exactly as the uninterrupted run did.
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert ckpts == [f"step_{s:08d}" for s in range(1, STEPS + 1)], ckpts
+    assert ckpts == [f"step_{s:08d}" for s in range(STEPS - 1, STEPS + 1)], ckpts
     assert sorted(p.name for p in (run_dir / "versions").iterdir() if p.name.startswith("v_"))[-1] == f"v_{STEPS:08d}"
     shutil.rmtree(run_dir / "checkpoints" / f"step_{STEPS:08d}")
     (run_dir / "summary.json").unlink()

@@ -22,11 +22,11 @@ log = logging.getLogger(__name__)
 
 
 def _jax_preemption_service() -> bool:
-    """Whether JAX's preemption sync manager runs in this process (a multi-process ``jax.distributed`` job)."""
-    from jax._src import distributed  # the service's state has no public accessor
+    """Whether JAX's preemption sync manager runs in this process: ``jax.distributed`` starts it on connecting
+    (unless ``jax_enable_preemption_service`` is off)."""
+    import jax
 
-    state = distributed.global_state
-    return state.client is not None and getattr(state, "preemption_sync_manager", None) is not None
+    return jax.distributed.is_initialized() and bool(jax.config.jax_enable_preemption_service)
 
 
 class StopSignals:
