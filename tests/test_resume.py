@@ -435,3 +435,30 @@ def test_retention_keeps_the_newest_checkpoints_and_the_snapshots_they_or_reside
     assert lean.snapshots.versions() == [2]  # version 3 is the checkpoint's own train state
     np.testing.assert_array_equal(lean.restore_version(2, params(0))["w"], np.full(4, 2.0))
     lean.close()
+
+
+def test_a_checkpoint_that_cannot_be_written_names_the_place_and_keeps_the_others(tmp_path, monkeypatch):
+    """A full disk while writing a checkpoint: the error names the directory and its free space, the partial
+    write is removed, and the checkpoints already there stay as they were (and still restore)."""
+    import errno
+
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    store = RunStore(tmp_path, load_config("tiny_llama", SYNC + ["run.keep_checkpoints=2"]))
+    state, params = {"w": jnp.ones(4)}, lambda v: {"w": jnp.full((4,), float(v))}  # noqa: E731
+    store.save(1, state, {"v": 1}, {1}, {1}, params)
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+
+    def full_disk(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ocp.StandardCheckpointer, "save", full_disk)
+    with pytest.raises(ResumeError) as e:
+        store.save(2, state, {"v": 2}, {2}, {2}, params)
+    assert str(tmp_path / "checkpoints") in str(e.value) and "GiB free there" in str(e.value)
+    assert "No space left on device" in str(e.value) and "kept: [1]" in str(e.value)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before == ["step_00000001"]
+    monkeypatch.undo()
+    assert store.restore({"w": jnp.zeros(4)}).step == 1
+    store.close()

@@ -240,14 +240,20 @@ class RunCheckpoints:
                 shutil.rmtree(tmp)
             tmp.mkdir()
         barrier(f"dora_ckpt_begin_{step}")
-        with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(tmp / "state", train_state)
-            ckptr.wait_until_finished()
+        try:
+            with ocp.StandardCheckpointer() as ckptr:
+                ckptr.save(tmp / "state", train_state)
+                ckptr.wait_until_finished()
+            if primary:
+                _write_text(tmp / "run_state.json", run_text)
+                _write_text(tmp / "meta.json", meta_text)
+                marker = {"format": FORMAT, "step": step, "files": _manifest(tmp)}
+                _write_text(tmp / MARKER, json.dumps(marker, indent=1, sort_keys=True))
+        except Exception:
+            if primary:  # a write that failed (a full disk) gives its space back; complete ones are untouched
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if primary:
-            _write_text(tmp / "run_state.json", run_text)
-            _write_text(tmp / "meta.json", meta_text)
-            marker = {"format": FORMAT, "step": step, "files": _manifest(tmp)}
-            _write_text(tmp / MARKER, json.dumps(marker, indent=1, sort_keys=True))
             if final.exists():  # an incomplete or corrupt directory of the same step: keep it aside
                 final.rename(self._aside(final))
             tmp.rename(final)
