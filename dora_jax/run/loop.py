@@ -98,6 +98,7 @@ class Runner:
         self._in_flight: TrainInFlight | None = None
         self._resumed, self._lines = None, {"metrics.jsonl": 0, "samples.jsonl": 0}
         self.disk = {"checkpoint_bytes": 0, "run_dir_bytes": 0}  # as of the newest checkpoint this run wrote
+        self._saved_at: int | None = None  # the version of the checkpoint this run last wrote or resumed from
         os.makedirs(run_dir, exist_ok=True)  # only now: a start that fails leaves no empty directory
         found = self.store.restore(self.state) if cfg.run.resume else None
         if found is not None:
@@ -178,8 +179,9 @@ class Runner:
 
     def _checkpoint(self, meter: Meter, eval_before: dict[str, Any], eval_s: float) -> str:
         """Saves the run at the current version (records the versions a resume from it needs); returns its path.
-        A version that has one already (an update that applied nothing keeps its version) keeps it."""
-        if self.sched.version in self.store.checkpoints.steps():
+        A version this run already saved or resumed from (an update that applied nothing keeps its version)
+        keeps that checkpoint."""
+        if self.sched.version == self._saved_at:
             return str(self.store.checkpoints.path(self.sched.version))
         t0 = time.perf_counter()
         for name in self._lines:
@@ -191,7 +193,7 @@ class Runner:
         path = self.store.save(self.sched.version, self.state,
                                pack_run_state(self.sched, self.rollout.done, counters, self.cfg),
                                set(self.sched.live_versions()), self.versions.resident(), self.versions.params)
-        secs = time.perf_counter() - t0
+        secs, self._saved_at = time.perf_counter() - t0, self.sched.version
         meter.checkpointed(secs)
         if self.writes:
             self.disk = {"checkpoint_bytes": dir_bytes(path), "run_dir_bytes": dir_bytes(self.run_dir)}
@@ -213,7 +215,7 @@ class Runner:
         self.driver.rows_computed, self.driver.rows_live = counters["rows_computed"], counters["rows_live"]
         self.driver.batch_steps = counters["batch_steps"]
         self.versions.max_resident = max(counters["max_resident"], self.versions.max_resident)
-        self._resumed = counters
+        self._resumed, self._saved_at = counters, found.step
         if self.writes:
             self.disk = {"checkpoint_bytes": dir_bytes(found.path), "run_dir_bytes": dir_bytes(self.run_dir)}
 
