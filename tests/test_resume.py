@@ -462,3 +462,21 @@ def test_a_checkpoint_that_cannot_be_written_names_the_place_and_keeps_the_other
     monkeypatch.undo()
     assert store.restore({"w": jnp.zeros(4)}).step == 1
     store.close()
+
+
+def test_a_run_that_may_not_fit_its_disk_is_warned_at_start(tmp_path, caplog, monkeypatch):
+    """The start-up warning compares retention's bound (kept train states and the snapshots they and residency
+    need) with the free space, and names the setting to change; a run that fits is not warned."""
+    import collections
+
+    store = RunStore(tmp_path / "run", load_config("tiny_llama", SYNC + ["run.keep_checkpoints=2"]))
+    assert store.disk_estimate(100, 10, 2) == 2 * 100 + (3 + 2 * 2) * 10
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr("dora_jax.run.resume.shutil.disk_usage", lambda p: usage(10**6, 0, 269))
+    with caplog.at_level("WARNING"):
+        store.warn_if_short_of_disk(100, 10, 2)  # needs 270 bytes, 269 free
+    assert "checkpoints may not fit" in caplog.text and "run.keep_checkpoints" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        store.warn_if_short_of_disk(100, 9, 2)  # needs 263
+    assert "checkpoints may not fit" not in caplog.text

@@ -235,8 +235,6 @@ class RunStore:
     def disk_estimate(self, state_bytes: int, params_bytes: int, bound: int) -> int:
         """The most bytes retention lets the run directory hold: the kept checkpoints (train state) and the
         snapshots they and the resident versions need (at most K + 1 resident, K more per kept checkpoint)."""
-        if self.every == 0:
-            return 0
         keep = self.cfg.run.keep_checkpoints
         return keep * state_bytes + ((bound + 1) + keep * bound) * params_bytes
 
