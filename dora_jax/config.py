@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from dora_jax.sandbox import GRACE_S as SANDBOX_GRACE_S
 from dora_jax.schema import ConfigError, build, fail, to_plain
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -560,14 +561,17 @@ class DoraConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """What to train on: ``arithmetic`` (built in), ``gsm8k`` (questions checked by the final number) or ``math``
-    (answers checked by math-verify), both reading ``path``, ``longtail`` (a synthetic task with long-tailed length
-    budgets, for benchmarks and tests) or ``package.module:factory``. ``reward`` optionally replaces the task's
-    reward: ``math`` (math-verify) or ``package.module:function``.
+    """What to train on: ``arithmetic`` (built in), ``gsm8k`` (questions checked by the final number), ``math``
+    (answers checked by math-verify) or ``code`` (programs run against tests in a sandbox), all three reading
+    ``path``, ``longtail`` (a synthetic task with long-tailed length budgets, for benchmarks and tests) or
+    ``package.module:factory``. ``reward`` optionally replaces the task's reward: ``math`` (math-verify) or
+    ``package.module:function``.
 
     ``path``: a ``.jsonl``, ``.json`` (a list of objects) or ``.parquet`` file, or a ``datasets`` name loaded with
     ``split`` and ``subset`` (its config name); ``prompt_field`` / ``answer_field`` name the fields of a row (a
-    dotted path reaches into nested objects; empty: the task's usual names)."""
+    dotted path reaches into nested objects; empty: the task's usual names; ``answer_field`` names the tests of
+    ``code``). ``code_*``: each program's wall-clock limit, address space, output kept per stream, and interpreter
+    (an absolute path; empty: this one, or ``python3`` where the sandbox's user cannot run this one)."""
 
     name: str = "arithmetic"
     path: str = ""
@@ -585,6 +589,10 @@ class TaskConfig:
     seed: int = 0
     reward_workers: int = 2
     reward_timeout_s: float = 10.0
+    code_timeout_s: float = 5.0
+    code_memory_mb: int = 1024
+    code_output_kb: int = 1024
+    code_python: str = ""
 
     def validate(self, path: str = "task") -> None:
         if self.name not in _TASK_NAMES and ":" not in self.name:
@@ -592,7 +600,7 @@ class TaskConfig:
         if self.reward and self.reward not in _REWARD_NAMES and ":" not in self.reward:
             _fail(f"{path}.reward", self.reward, f"{', '.join(_REWARD_NAMES)}, an import path "
                   "'package.module:function', or empty (the task's own)")
-        if self.name in ("gsm8k", "math") and not self.path:
+        if self.name in ("gsm8k", "math", "code") and not self.path:
             _fail(f"{path}.path", self.path, f"task {self.name!r} reads its data from here: a .jsonl, .json or "
                   ".parquet file, or a datasets name")
         if not self.split:
@@ -615,11 +623,25 @@ class TaskConfig:
                 _fail(f"{path}.{name}", getattr(self, name), "must be a positive integer")
         if not self.reward_timeout_s > 0:
             _fail(f"{path}.reward_timeout_s", self.reward_timeout_s, "must be > 0 seconds")
+        if not self.code_timeout_s > 0:
+            _fail(f"{path}.code_timeout_s", self.code_timeout_s, "must be > 0 seconds")
+        if self.code_memory_mb < 64:
+            _fail(f"{path}.code_memory_mb", self.code_memory_mb, "must be >= 64 MiB (the interpreter alone takes ~30)")
+        if self.code_output_kb < 1:
+            _fail(f"{path}.code_output_kb", self.code_output_kb, "must be >= 1 KiB")
+        if self.code_python and not os.path.isabs(self.code_python):
+            _fail(f"{path}.code_python", self.code_python, "must be an absolute path to a Python interpreter, or "
+                  "empty")
+        margin = SANDBOX_GRACE_S + 1
+        if self.name == "code" and self.reward_timeout_s < self.code_timeout_s + margin:
+            _fail(f"{path}.reward_timeout_s", self.reward_timeout_s, f"must be at least task.code_timeout_s + "
+                  f"{margin:g} s = {self.code_timeout_s + margin:g} (a program's start and clean-up), so the sandbox "
+                  "ends a program before the reward pool ends its worker")
 
 
 _PLACEMENTS = ("shared", "split")
 ROLLOUT_SPANS = ("process", "all")  # roles.rollout_span: one engine per process, or one over every process
-_TASK_NAMES = ("arithmetic", "gsm8k", "math", "longtail")
+_TASK_NAMES = ("arithmetic", "gsm8k", "math", "code", "longtail")
 _REWARD_NAMES = ("math",)
 
 

@@ -58,6 +58,7 @@ class RewardResult:
     correct: bool = False
     error: str = ""  # non-empty: the sample is filtered with this reason
     seconds: float = 0.0
+    reason: str = ""  # why the reward is what it is, when the reward function said (a third returned value)
 
 
 def _context() -> multiprocessing.context.BaseContext:
@@ -73,7 +74,7 @@ def _describe(e: BaseException) -> str:
 
 
 def _worker(conn: multiprocessing.connection.Connection, path: list[str], environ: dict[str, str]) -> None:
-    """A worker process: runs one call at a time, answering ``(key, reward, correct, error, seconds)``."""
+    """A worker process: runs one call at a time, answering ``(key, reward, correct, error, seconds, reason)``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends the workers
     sys.path[:] = path  # user modules import as they do in the parent
     # The parent's environment as of the worker's start, as a forked or spawned child would see it: a forkserver
@@ -101,15 +102,15 @@ def _worker(conn: multiprocessing.connection.Connection, path: list[str], enviro
             conn.send(key)  # loaded: the call's time limit starts now (a first call may have imported modules)
             t0 = time.perf_counter()
             try:
-                reward, correct = fn(*args)
-                reward = float(reward)
+                reward, correct, *why = fn(*args)
+                reward, reason = float(reward), str(why[0]) if why else ""
             except Exception as e:  # noqa: BLE001 - any failure of user code filters the sample
                 raise RuntimeError(f"reward function raised {_describe(e)}") from None
             if not (math.isfinite(reward) and abs(reward) <= _FLOAT32_MAX):  # the trainer works in float32
                 raise RuntimeError(f"reward function returned a reward {reward} that is not a finite float32 number")
-            answer = (key, reward, bool(correct), "", time.perf_counter() - t0)
+            answer = (key, reward, bool(correct), "", time.perf_counter() - t0, reason)
         except RuntimeError as e:
-            answer = (key, 0.0, False, str(e), time.perf_counter() - t0)
+            answer = (key, 0.0, False, str(e), time.perf_counter() - t0, "")
         try:
             conn.send(answer)
         except (EOFError, OSError):
@@ -146,8 +147,8 @@ def _exit_reason(process: Any) -> str:
 
 
 class RewardPool:
-    """``submit(key, fn, *args)`` runs ``fn(*args) -> (reward, correct)`` in a worker process; ``poll()`` returns
-    what has finished, failed or timed out since the last call.
+    """``submit(key, fn, *args)`` runs ``fn(*args) -> (reward, correct)`` (or ``(reward, correct, reason)``) in a
+    worker process; ``poll()`` returns what has finished, failed or timed out since the last call.
 
     Workers start on demand (at most ``workers``), are replaced when one is killed or dies, and end at
     :meth:`close`. A background thread hands calls to idle workers, reads their answers and enforces
@@ -329,8 +330,7 @@ class RewardPool:
                     except (EOFError, OSError):
                         pass
                 if answer is not None:
-                    k, reward, correct, error, secs = answer
-                    self._done.put(RewardResult(k, reward, correct, error, secs))
+                    self._done.put(RewardResult(*answer))
                     slot.job = None
                 elif slot.process.sentinel in ready or not slot.process.is_alive():
                     slot.process.join(1)

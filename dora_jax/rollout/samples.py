@@ -19,7 +19,8 @@ class Sample:
 
     ``logprobs`` are the behaviour log-probs of ``response_ids`` the engine recorded for ``version``. ``item``
     (a task's :class:`~dora_jax.tasks.base.Item`), ``text`` (the decoded response), ``finish_reason`` and
-    ``correct`` are the run's; research code that builds batches needs only the first seven fields.
+    ``correct`` are the run's, as is ``reason`` (why the reward is what it is, when the task said); research code
+    that builds batches needs only the first seven fields.
     """
 
     sample_id: int
@@ -33,6 +34,7 @@ class Sample:
     item: Any = None
     text: str = ""
     correct: bool = False
+    reason: str = ""
 
     @classmethod
     def from_trajectory(cls, traj: Any, group_id: int, reward: float = 0.0, *, item: Any = None,
@@ -47,7 +49,7 @@ class Sample:
                 "tokens": list(self.response_ids), "logprobs": [float(x) for x in self.logprobs],
                 "finish_reason": self.finish_reason, "group_id": self.group_id,
                 "item": None if self.item is None else dataclasses.asdict(self.item), "text": self.text,
-                "reward": float(self.reward), "correct": bool(self.correct)}
+                "reward": float(self.reward), "correct": bool(self.correct), "reason": self.reason}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Sample":
@@ -57,4 +59,5 @@ class Sample:
 
             item = Item(**{**item, "budgets": tuple(item.get("budgets", ()))})  # JSON gives a list
         return cls(d["sample_id"], d["group_id"], d["version"], list(d["prompt_ids"]), list(d["tokens"]),
-                   list(d["logprobs"]), d["reward"], d["finish_reason"], item, d["text"], d["correct"])
+                   list(d["logprobs"]), d["reward"], d["finish_reason"], item, d["text"], d["correct"],
+                   d.get("reason", ""))

@@ -175,7 +175,7 @@ class RolloutSide:
                                    f"reasons: {reasons}")
             else:
                 d = self.done[res.key]
-                d.reward, d.correct = res.reward + self._overlong(d), res.correct
+                d.reward, d.correct, d.reason = res.reward + self._overlong(d), res.correct, res.reason
                 led.finish(res.key)
             group = led.groups[led.entries[res.key].group_id]
             if self.cfg.train.dynamic_sampling and led.group_ready(group.group_id):

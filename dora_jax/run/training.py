@@ -95,4 +95,4 @@ def write_samples(path: str, done: list[Sample], trained_at: int) -> None:
                                 "trained_at": trained_at, "reward": d.reward, "correct": d.correct,
                                 "prompt_ids": list(d.prompt_ids), "tokens": list(d.response_ids),
                                 "logprobs": list(d.logprobs), "finish_reason": d.finish_reason,
-                                "text": d.text}) + "\n")
+                                "text": d.text, "reason": d.reason}) + "\n")

@@ -2,15 +2,15 @@
 
 A task is plain Python (no JAX): it hands out training items by index (so the data position is one integer
 that checkpoints can save), a fixed held-out evaluation set, and a ``score`` that turns a response into a
-reward. Built in: ``arithmetic`` (mixed difficulty), ``gsm8k`` (final-number answers) and ``math`` (answers
-checked by math-verify), both reading ``task.path`` (a JSONL, JSON or parquet file, or a ``datasets`` name:
-:mod:`dora_jax.tasks.data`), and ``longtail`` (synthetic, with long-tailed length budgets: the workload of
-the schedule benchmarks). Anything else by import path: ``task.name: "my_pkg.my_mod:make_task"`` (a callable
-taking the :class:`TaskConfig` and returning a :class:`Task`); ``task.reward: "my_pkg.my_mod:reward"``
-replaces a task's reward with ``reward(prompt, response, answer) -> float``, and ``task.reward: math`` with
-math-verify's check (:func:`dora_jax.tasks.math.math_reward`). Rewards run in worker processes
-(:mod:`dora_jax.rewards`), so a task and a reward function must be picklable: defined at module level in an
-importable module.
+reward. Built in: ``arithmetic`` (mixed difficulty), ``gsm8k`` (final-number answers), ``math`` (answers
+checked by math-verify) and ``code`` (programs run against tests in :mod:`dora_jax.sandbox`), all three reading
+``task.path`` (a JSONL, JSON or parquet file, or a ``datasets`` name: :mod:`dora_jax.tasks.data`), and
+``longtail`` (synthetic, with long-tailed length budgets: the workload of the schedule benchmarks). Anything
+else by import path: ``task.name: "my_pkg.my_mod:make_task"`` (a callable taking the :class:`TaskConfig` and
+returning a :class:`Task`); ``task.reward: "my_pkg.my_mod:reward"`` replaces a task's reward with
+``reward(prompt, response, answer) -> float``, and ``task.reward: math`` with math-verify's check
+(:func:`dora_jax.tasks.math.math_reward`). Rewards run in worker processes (:mod:`dora_jax.rewards`), so a task and
+a reward function must be picklable: defined at module level in an importable module.
 """
 
 from __future__ import annotations
@@ -20,14 +20,16 @@ import traceback
 from typing import Callable
 
 from dora_jax.config import ConfigError, TaskConfig
+from dora_jax.sandbox import Limits
 from dora_jax.tasks.base import Item, Score, Task, last_number
 from dora_jax.tasks.arithmetic import ArithmeticTask
+from dora_jax.tasks.code import CodeTask
 from dora_jax.tasks.data import TaskDataError
 from dora_jax.tasks.gsm8k import GSM8KTask, JsonlTask
 from dora_jax.tasks.math import MathTask, math_reward
 from dora_jax.tasks.synthetic import LongTailTask
 
-__all__ = ["ArithmeticTask", "GSM8KTask", "Item", "JsonlTask", "LongTailTask", "MathTask", "Score", "Task",
+__all__ = ["ArithmeticTask", "CodeTask", "GSM8KTask", "Item", "JsonlTask", "LongTailTask", "MathTask", "Score", "Task",
            "TaskDataError", "import_object", "last_number", "load_task", "math_reward"]
 
 
@@ -87,6 +89,12 @@ def load_task(cfg: TaskConfig) -> Task:
         task = (GSM8KTask if cfg.name == "gsm8k" else MathTask)(
             cfg.path, eval_size=cfg.eval_size, seed=cfg.seed, prompt_field=cfg.prompt_field,
             answer_field=cfg.answer_field, split=cfg.split, subset=cfg.subset)
+    elif cfg.name == "code":
+        limits = Limits(timeout_s=cfg.code_timeout_s, memory_mb=cfg.code_memory_mb,
+                        output_bytes=cfg.code_output_kb << 10)
+        task = CodeTask(cfg.path, eval_size=cfg.eval_size, seed=cfg.seed, prompt_field=cfg.prompt_field,
+                        tests_field=cfg.answer_field, split=cfg.split, subset=cfg.subset, limits=limits,
+                        python=cfg.code_python)
     else:
         factory = import_object(cfg.name, "task.name")
         try:

@@ -30,10 +30,12 @@ class Item:
 
 @dataclasses.dataclass(frozen=True)
 class Score:
-    """What a response earned: the reward the trainer sees, and whether it counts as correct for accuracy."""
+    """What a response earned: the reward the trainer sees, whether it counts as correct for accuracy, and
+    optionally why (recorded with the sample in ``samples.jsonl``)."""
 
     reward: float
     correct: bool
+    reason: str = ""
 
 
 class Task(abc.ABC):
@@ -54,10 +56,10 @@ class Task(abc.ABC):
         """The reward of ``response`` to ``item``."""
 
 
-def score_answer(task: Task, item: Item, text: str) -> tuple[float, bool]:
-    """``(reward, correct)`` of one answer: what the reward pool's worker processes run for every sample."""
+def score_answer(task: Task, item: Item, text: str) -> tuple[float, bool, str]:
+    """``(reward, correct, reason)`` of one answer: what the reward pool's worker processes run for every sample."""
     s = task.score(item, text)
-    return s.reward, s.correct
+    return s.reward, s.correct, s.reason
 
 
 def last_number(text: str) -> str | None:

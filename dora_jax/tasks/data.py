@@ -1,4 +1,4 @@
-"""Question/answer data sets for the data-driven tasks (``gsm8k``, ``math``): rows from a local file or a
+"""Question/answer data sets for the data-driven tasks (``gsm8k``, ``math``, ``code``): rows from a local file or a
 Hugging Face ``datasets`` name, and the two fields each task needs from a row.
 
 ``task.path`` is one of:
@@ -114,21 +114,26 @@ def prompt_text(value: Any) -> str | None:
     return None
 
 
+def row_prompt(where: str, row: Any, prompt_field: str, defaults: Sequence[str]) -> str:
+    """The prompt of one row (``where`` names it in the error when there is none)."""
+    if not isinstance(row, dict):
+        raise TaskDataError(f"{where}: expected an object with the question and answer, got {type(row).__name__}")
+    pname, pvalue = pick(row, prompt_field, defaults)
+    prompt = prompt_text(pvalue)
+    if prompt is None:
+        what = "missing" if pvalue is None else f"{type(pvalue).__name__} {str(pvalue)[:40]!r}"
+        raise TaskDataError(f"{where}: needs a non-empty prompt in field {pname!r} (a string, or a chat with a "
+                            f"user message); found {what} (set task.prompt_field to the right field)")
+    return prompt
+
+
 def load_rows(path: str, *, prompt_field: str, answer_field: str, prompt_defaults: Sequence[str],
               answer_defaults: Sequence[str], split: str = "train",
               subset: str = "") -> list[tuple[str, str, Any]]:
     """``(where, prompt, answer)`` of every row; a row without both stops loading with its place named."""
     out = []
     for where, row in read_rows(path, split=split, subset=subset):
-        if not isinstance(row, dict):
-            raise TaskDataError(f"{where}: expected an object with the question and answer, got "
-                                f"{type(row).__name__}")
-        pname, pvalue = pick(row, prompt_field, prompt_defaults)
-        prompt = prompt_text(pvalue)
-        if prompt is None:
-            what = "missing" if pvalue is None else f"{type(pvalue).__name__} {str(pvalue)[:40]!r}"
-            raise TaskDataError(f"{where}: needs a non-empty prompt in field {pname!r} (a string, or a chat with a "
-                                f"user message); found {what} (set task.prompt_field to the right field)")
+        prompt = row_prompt(where, row, prompt_field, prompt_defaults)
         aname, answer = pick(row, answer_field, answer_defaults)
         if answer is None or (isinstance(answer, str) and not answer.strip()) or isinstance(answer, (dict, list)):
             what = "missing" if answer is None else repr(answer)[:40]
