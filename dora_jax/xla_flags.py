@@ -66,16 +66,29 @@ def warn_if_unsafe(num_cpu_devices: int) -> None:
 
 
 OPT_LEVEL = "--xla_backend_optimization_level"
+FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters"
 TEST_DEVICES = 8
 
 
-def cpu_test_flags(flags: str = "", opt_level: int | None = None) -> str:
-    """``XLA_FLAGS`` of a CPU test run from ``flags``: :data:`TEST_DEVICES` fake devices unless ``flags`` ask for a
-    count, and XLA's backend optimization level ``opt_level`` (``None``: 0 unless ``flags`` set one). Small test
-    programs cost far more to compile than to run, and level 0 leaves XLA's HLO passes and the runtime's matmul
-    libraries as they are: results differ by float32 rounding only."""
+def cpu_test_flags(flags: str = "", opt_level: int | None = None, devices: int | None = None) -> str:
+    """``XLA_FLAGS`` of a CPU test run from ``flags``, for processes that compile many small programs and run each
+    briefly (the test suite and the processes its tests start).
+
+    Args:
+        flags: flags to keep; a setting of the caller's own for any flag below wins.
+        opt_level: XLA's backend optimization level (``None``: 0 unless ``flags`` set one).
+        devices: the number of fake devices (``None``: the count ``flags`` ask for, else :data:`TEST_DEVICES`).
+
+    Besides the level, XLA:CPU's MLIR fusion emitters are off (:data:`FUSION_EMITTERS`): the older emitters
+    compile the suite's programs in about half the time. Neither setting changes XLA's HLO passes or the
+    runtime's matmul libraries: results differ by float32 rounding only (docs/performance.md, "Test suite").
+    """
     if opt_level is not None:
         flags = f"{flags} {OPT_LEVEL}={opt_level}"  # XLA takes the last occurrence
     elif OPT_LEVEL not in flags:
         flags = f"{flags} {OPT_LEVEL}=0"
-    return cpu_device_flags(None if DEVICE_COUNT in flags else TEST_DEVICES, flags)
+    if FUSION_EMITTERS not in flags:
+        flags = f"{flags} {FUSION_EMITTERS}=false"
+    if devices is None:
+        devices = None if DEVICE_COUNT in flags else TEST_DEVICES
+    return cpu_device_flags(devices, flags)

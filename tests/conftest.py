@@ -15,11 +15,11 @@ if _REPO not in sys.path:
     sys.path.append(_REPO)
 
 # Must happen before jax is imported anywhere: 8 fake CPU devices (unless XLA_FLAGS asks for another count), with
-# the flag that keeps their collectives in one order (dora_jax.xla_flags), and LLVM's optimizations off (unless
-# XLA_FLAGS sets a level): the tests' programs are small, so compiling them costs far more than running them
-# (the suite takes about half the time). XLA's own HLO passes (fusion, layout, scheduling) still run and the
-# matmuls go to the same runtime libraries; results differ from the default level's by float32 rounding, inside
-# every test's tolerance (the suite passes at either level). docs/performance.md ("Test suite") has the numbers.
+# the flag that keeps their collectives in one order, and the compiler settings of dora_jax.xla_flags.cpu_test_flags
+# (LLVM's optimizations and XLA:CPU's MLIR fusion emitters off, unless XLA_FLAGS sets them): the tests' programs
+# are small, so compiling them costs far more than running them. XLA's own HLO passes (fusion, layout,
+# scheduling) still run and the matmuls go to the same runtime libraries; results differ from the defaults' by
+# float32 rounding, inside every test's tolerance. docs/performance.md ("Test suite") has the numbers.
 os.environ["XLA_FLAGS"] = cpu_test_flags(os.environ.get("XLA_FLAGS", ""))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -23,7 +23,7 @@ import pytest
 
 from conftest import child_cache_env
 from dora_jax.dora.ledger import Ledger
-from dora_jax.xla_flags import cpu_device_flags
+from dora_jax.xla_flags import cpu_test_flags
 
 STEPS, TBS, K = 3, 8, 2
 OVERRIDES = ["dora.mode=dora", f"dora.steps={STEPS}", f"dora.train_batch={TBS}", "dora.rollout_batch=16",
@@ -176,10 +176,10 @@ def _start(tmp_path, overrides_of, worker=_WORKER, devices=4):
     port, run_dir = _free_port(), tmp_path / "run"
     procs = []
     for pid in range(2):
-        # The CPU compiler's backend optimizations off: compiling dominates a run this small, and both processes
-        # compile the same programs with the same flags.
+        # The suite's compiler settings: compiling dominates a run this small, and both processes compile the same
+        # programs with the same flags.
         env = {**os.environ, "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": cpu_device_flags(devices, "--xla_backend_optimization_level=0"),
+               "XLA_FLAGS": cpu_test_flags(devices=devices),
                **child_cache_env(), "DORA_COORDINATOR": f"127.0.0.1:{port}", "DORA_NUM_PROCESSES": "2", "DORA_PROCESS_ID": str(pid),
                "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
         procs.append(subprocess.Popen(

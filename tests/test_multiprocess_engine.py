@@ -19,7 +19,7 @@ import pytest
 
 from conftest import child_cache_env
 from dora_jax.dora.ledger import Ledger
-from dora_jax.xla_flags import cpu_device_flags
+from dora_jax.xla_flags import cpu_test_flags
 
 STEPS, TBS, K = 2, 8, 2
 # The run on the spanning engine: dora with staleness bound K, the trainer on fsdp over the four devices, the
@@ -162,9 +162,9 @@ def _launch(tmp_path, timeout=180):
     """The worker in two processes of two CPU devices each; returns each process's record."""
     port, procs = _free_port(), []
     for pid in range(2):
-        # LLVM's optimizations off: compiling dominates a run this small (both processes compile every program).
+        # The suite's compiler settings: compiling dominates a run this small (both processes compile everything).
         env = {**os.environ, "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": cpu_device_flags(2, "--xla_backend_optimization_level=0"),
+               "XLA_FLAGS": cpu_test_flags(devices=2),
                **child_cache_env(), "DORA_COORDINATOR": f"127.0.0.1:{port}", "DORA_NUM_PROCESSES": "2",
                "DORA_PROCESS_ID": str(pid)}
         procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, str(tmp_path / f"rec{pid}.json"),

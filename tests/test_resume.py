@@ -39,6 +39,7 @@ from dora_jax.dora.ledger import Ledger
 from dora_jax.run.resume import ResumeError, RunStore, truncate_lines
 from dora_jax.run import Runner, RunError
 from invariants import check_trained_samples
+from dora_jax.xla_flags import cpu_test_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["dora.steps=4", "dora.train_batch=8", "train.group_size=4", "train.learning_rate=0.003", "rollout.slots=8",
@@ -75,7 +76,7 @@ def varied_reward(prompt, response, answer):
 @pytest.fixture(scope="module")
 def child_env():
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0",  # conftest.py
+               XLA_FLAGS=cpu_test_flags(devices=1),
                **child_cache_env(),
                PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")]))
     return env

@@ -43,16 +43,23 @@ def test_cpu_device_flags(n, given, expected):
     assert cpu_device_flags(n, given) == expected
 
 
-@pytest.mark.parametrize("given,opt,expected", [
-    ("", None, f"{N8} {SAFE_COLLECTIVES} --xla_backend_optimization_level=0"),  # the test run's defaults
-    ("--xla_backend_optimization_level=2", None, f"{N8} {SAFE_COLLECTIVES} --xla_backend_optimization_level=2"),
-    ("--xla_backend_optimization_level=2", 3,  # asked for: it comes last, so it wins
-     f"{N8} {SAFE_COLLECTIVES} --xla_backend_optimization_level=2 --xla_backend_optimization_level=3"),
-    ("--xla_force_host_platform_device_count=1", None,
-     "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"),  # the caller's count kept
+FE = "--xla_cpu_use_fusion_emitters=false"
+
+
+@pytest.mark.parametrize("given,opt,devices,expected", [
+    ("", None, None, f"{N8} {SAFE_COLLECTIVES} --xla_backend_optimization_level=0 {FE}"),  # the test run's defaults
+    ("--xla_backend_optimization_level=2", None, None,
+     f"{N8} {SAFE_COLLECTIVES} --xla_backend_optimization_level=2 {FE}"),
+    ("--xla_backend_optimization_level=2", 3, None,  # asked for: it comes last, so it wins
+     f"{N8} {SAFE_COLLECTIVES} --xla_backend_optimization_level=2 --xla_backend_optimization_level=3 {FE}"),
+    ("--xla_force_host_platform_device_count=1", None, None,
+     f"--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0 {FE}"),  # the caller's count
+    ("--xla_cpu_use_fusion_emitters=true", None, 2,  # the caller's emitters kept; the count asked for
+     f"--xla_force_host_platform_device_count=2 {SAFE_COLLECTIVES} --xla_cpu_use_fusion_emitters=true "
+     "--xla_backend_optimization_level=0"),
 ])
-def test_cpu_test_flags(given, opt, expected):
-    assert cpu_test_flags(given, opt) == expected
+def test_cpu_test_flags(given, opt, devices, expected):
+    assert cpu_test_flags(given, opt, devices) == expected
 
 
 def test_fake_device_count_takes_the_last_and_rejects_zero():
