@@ -34,12 +34,15 @@ def init_model(cfg: ModelConfig, mesh: Mesh | None = None, rules: Rules = (), *,
     """A randomly initialized model whose parameters are created directly in their shardings."""
     graphdef, abstract_state = abstract_model(cfg)
 
-    def init():
-        return nnx.state(Decoder(cfg, rngs=nnx.Rngs(seed)))
+    def init(key: jax.Array) -> nnx.State:
+        return nnx.state(Decoder(cfg, rngs=nnx.Rngs(key)))
 
+    # The key is an argument, not a constant of the program: models of one shape and sharding share one
+    # compiled init whatever their seeds (nnx.Rngs(seed) makes the same key from an int).
+    key = jax.random.key(seed)
     if mesh is None:
-        state = serial_jit(init)()
+        state = serial_jit(init)(key)
     else:
         shardings = state_shardings(abstract_state, mesh, rules)
-        state = serial_jit(init, out_shardings=shardings)()
+        state = serial_jit(init, out_shardings=shardings)(key)
     return nnx.merge(graphdef, state)
