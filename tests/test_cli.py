@@ -131,3 +131,24 @@ def test_a_run_that_fails_at_start_up_leaves_no_empty_run_directory(capsys, tmp_
     kept.mkdir()
     assert main(["train", "--config", "tiny_llama", "--run-dir", str(kept), "--no-plot", *one_device]) == 2
     assert os.listdir(tmp_path) == ["kept"] and os.listdir(kept) == []
+
+
+def test_a_preempted_run_exits_0_naming_its_checkpoint(capsys, tmp_path, monkeypatch):
+    """A run the loop stopped on a signal (tests/test_resume.py stops real ones) ends the command with exit
+    code 0, the signal, the update and the checkpoint to continue from, and no summary."""
+    import dora_jax.run
+
+    checkpoint = str(tmp_path / "checkpoints" / "3")
+
+    class Preempted:
+        def __init__(self, cfg, run_dir):
+            pass
+
+        def run(self):
+            return {"preempted": True, "signal": "SIGTERM", "step": 3, "checkpoint": checkpoint, "checkpoint_s": 1.25}
+
+    monkeypatch.setattr(dora_jax.run, "Runner", Preempted)
+    assert main(["train", "--config", "tiny_llama", "--run-dir", str(tmp_path), "--no-plot", "dora.steps=8"]) == 0
+    out = capsys.readouterr().out
+    assert f"stopped on SIGTERM at update 3 of 8; checkpoint {checkpoint} written in 1.2 s" in out, out
+    assert "Run the same command to continue" in out and "held-out answers" not in out
