@@ -571,7 +571,9 @@ class TaskConfig:
     ``split`` and ``subset`` (its config name); ``prompt_field`` / ``answer_field`` name the fields of a row (a
     dotted path reaches into nested objects; empty: the task's usual names; ``answer_field`` names the tests of
     ``code``). ``code_*``: each program's wall-clock limit, address space, output kept per stream, and interpreter
-    (an absolute path; empty: this one, or ``python3`` where the sandbox's user cannot run this one)."""
+    (an absolute path; empty: this one, or ``python3`` where the sandbox's user cannot run this one). ``eval_*``:
+    the held-out evaluation, before and after training and, with ``eval_every`` N > 0, of every N-th version
+    during training (docs/runner.md, "Evaluation")."""
 
     name: str = "arithmetic"
     path: str = ""
@@ -585,6 +587,7 @@ class TaskConfig:
     eval_max_new_tokens: int = 32
     eval_temperature: float = 0.0
     eval_samples: int = 1
+    eval_every: int = 0
     longtail_max_len: int = 64
     seed: int = 0
     reward_workers: int = 2
@@ -614,6 +617,8 @@ class TaskConfig:
             _fail(f"{path}.eval_size", self.eval_size, "must be >= 0")
         if not 0 <= self.eval_temperature < 100:
             _fail(f"{path}.eval_temperature", self.eval_temperature, "must be in [0, 100) (0: greedy)")
+        if self.eval_every < 0:
+            _fail(f"{path}.eval_every", self.eval_every, "must be >= 0 (0: evaluate before and after training only)")
         if self.eval_temperature == 0 and self.eval_samples != 1:
             _fail(f"{path}.eval_samples", self.eval_samples, "must be 1 for greedy evaluation (eval_temperature 0)")
         if self.longtail_max_len < 2:

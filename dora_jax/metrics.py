@@ -11,6 +11,11 @@ in the batch), ``staleness_mean/max``, ``in_flight`` (version -> samples), ``res
 ``gen_tok_s`` and ``train_tok_s`` (since the previous update), ``slot_occupancy`` (live rows / slots over the
 decode steps since the previous update), ``slot_utilization`` (cumulative: live rows / computed rows),
 ``filtered`` (cumulative), and the train step's own metrics under ``train/``.
+
+With ``task.eval_every`` the file also holds one line per held-out evaluation (before training, during it, and
+after), told apart by its ``eval`` key: ``step`` and ``version`` (the version evaluated), ``eval`` (``accuracy``,
+``pass_at_k``, ``k``, ``reward``, ``n``, ``len_mean``, ``score_errors``), ``eval_s`` and ``wall_s``. An evaluation
+during training is written when its last answer is scored, so it may follow the lines of later updates.
 """
 
 from __future__ import annotations
@@ -27,23 +32,33 @@ log = logging.getLogger(__name__)
 class MetricsWriter:
     """Appends metrics lines to ``RUN_DIR/metrics.jsonl`` and mirrors them to TensorBoard and W&B.
 
+    An evaluation's line (one with ``eval``) goes to TensorBoard as ``eval/*`` at its version's step, and to W&B as
+    ``eval/*`` with ``eval/version`` as their x axis, logged with the next update's step (W&B's steps only
+    increase, and the line may come after later updates').
+
     Args:
       run_dir: the run directory.
       tensorboard: False turns TensorBoard off whatever the config says.
       config: the run's config as plain data (``Config.to_dict()``); its ``metrics`` section says where else the
         rows go, and W&B records all of it as the run's config. Default: ``RUN_DIR/config.json``, which the run
         writes when it starts, if it is there.
+      step: the last update's step already in the file (a resumed run's).
 
     Raises:
       MetricsError: ``metrics.wandb`` is on and W&B cannot start (not installed, not logged in when online).
     """
 
-    def __init__(self, run_dir: str, tensorboard: bool = True, *, config: dict[str, Any] | None = None):
+    def __init__(self, run_dir: str, tensorboard: bool = True, *, config: dict[str, Any] | None = None,
+                 step: int = 0):
         os.makedirs(run_dir, exist_ok=True)
+        self._step, self._pending = step, False  # pending: an evaluation logged to W&B, not yet committed
         if config is None:
             config = _run_config(run_dir)
         settings = (config or {}).get("metrics") or {}
         self._wandb = _start_wandb(run_dir, config, settings) if settings.get("wandb") else None
+        if self._wandb is not None:
+            self._wandb.define_metric("eval/version")
+            self._wandb.define_metric("eval/*", step_metric="eval/version")
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._f = open(self.path, "a", encoding="utf-8")
         self._tb = None
@@ -63,6 +78,10 @@ class MetricsWriter:
     def write(self, row: dict[str, Any]) -> None:
         self._f.write(json.dumps(row, sort_keys=True) + "\n")
         self._f.flush()
+        if "eval" in row:
+            self._write_eval(int(row["version"]), row["eval"])
+            return
+        self._step, self._pending = max(self._step, int(row.get("step", 0))), False
         if self._tb is not None:
             step = int(row.get("step", 0))
             for k, v in _scalars(row):
@@ -70,11 +89,23 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.log(row, step=int(row.get("step", 0)), commit=True)  # a row is complete: send it now
 
+    def _write_eval(self, version: int, result: dict[str, Any]) -> None:
+        scalars = {f"eval/{k}": float(v) for k, v in result.items() if isinstance(v, (int, float))
+                   and not isinstance(v, bool)}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, version)
+        if self._wandb is not None:
+            self._wandb.log({**scalars, "eval/version": version}, step=self._step + 1, commit=False)
+            self._pending = True
+
     def close(self) -> None:
         self._f.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
+            if self._pending:  # no update followed the last evaluation: its step is committed alone
+                self._wandb.log({}, step=self._step + 1, commit=True)
             self._wandb.finish()
             self._wandb = None
 
@@ -167,15 +198,17 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
 
 
 def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
-    """Writes ``reward.png`` (reward and accuracy per step), ``staleness.png`` (histogram of trained samples'
-    lag) and ``versions.png`` (in-flight samples per version over time) into ``out_dir`` (default: the run
-    directory). Returns the paths written."""
+    """Writes ``reward.png`` (reward and accuracy per step, and held-out accuracy where the run evaluated during
+    training), ``staleness.png`` (histogram of trained samples' lag) and ``versions.png`` (in-flight samples per
+    version over time) into ``out_dir`` (default: the run directory). Returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = read_metrics(run_dir)
+    evals = [r for r in rows if "eval" in r]
+    rows = [r for r in rows if "eval" not in r]
     if not rows:
         raise MetricsError(f"{run_dir}/metrics.jsonl has no updates to plot")
     for n, r in enumerate(rows):
@@ -191,16 +224,7 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     steps = [r["step"] for r in rows]
     run = os.path.basename(os.path.normpath(run_dir))
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, [r["reward"] for r in rows], label="reward (trained batch)")
-    ax.plot(steps, [r["accuracy"] for r in rows], label="accuracy (trained batch)")
-    ax.set_title(f"{run}: reward per policy version")
-    ax.set_xlabel("policy version (one iteration: train.minibatches x train.epochs updates)")
-    ax.set_ylabel("mean over the trained batch")
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    paths.append(save_figure(fig, out_dir, "reward.png"))
+    paths.append(_reward_figure(plt, run, steps, rows, evals, out_dir))
 
     hist: dict[int, int] = {}
     for r in rows:
@@ -226,6 +250,30 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
         ax.legend(fontsize=7, ncol=2)
     paths.append(save_figure(fig, out_dir, "versions.png"))
     return paths
+
+
+def _reward_figure(plt: Any, run: str, steps: list[int], rows: list[dict[str, Any]], evals: list[dict[str, Any]],
+                   out_dir: str) -> str:
+    """``reward.png``: the trained batches' reward and accuracy per version; held-out accuracy of the evaluated
+    versions on a second axis, when the run has evaluation lines."""
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    lines = ax.plot(steps, [r["reward"] for r in rows], label="reward (trained batch)")
+    lines += ax.plot(steps, [r["accuracy"] for r in rows], label="accuracy (trained batch)")
+    ax.set_title(f"{run}: " + ("reward and held-out accuracy" if evals else "reward per policy version"),
+                 fontsize=10 if evals else None)
+    ax.set_xlabel("policy version (one iteration: train.minibatches x train.epochs updates)")
+    ax.set_ylabel("mean over the trained batch")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    if evals:
+        points = sorted((r["version"], r["eval"]["accuracy"]) for r in evals)
+        held = ax.twinx()
+        lines += held.plot([v for v, _ in points], [a for _, a in points], "o--", color="tab:green",
+                           label="held-out accuracy")
+        held.set_ylabel("held-out accuracy")
+        held.set_ylim(-0.02, 1.02)
+    ax.legend(lines, [x.get_label() for x in lines], fontsize=8)
+    ax.grid(alpha=0.3)
+    return save_figure(fig, out_dir, "reward.png")
 
 
 def save_figure(fig, out_dir: str, name: str) -> str:

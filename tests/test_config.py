@@ -61,6 +61,7 @@ def test_overrides_and_types():
     ("train.learning_rate=.nan", "'train.learning_rate' = nan: must be a finite number"),
     ("target.memory_gib=.inf", "'target.memory_gib' = inf: must be a finite number"),
     ("task.reward_timeout_s=-.inf", "'task.reward_timeout_s' = -inf: must be a finite number"),
+    ("task.eval_every=-1", "'task.eval_every' = -1: must be >= 0 (0: evaluate before and after training only)"),
     ("train.is_low=1.5", "'train.is_low/is_high' = (1.5, 2.0): need 0 <= is_low < 1 < is_high"),
     ("train.learning_rate=1e-6x", "'train.learning_rate' = '1e-6x': must be a number"),
     ("model", "expected key=value"),

@@ -7,6 +7,7 @@ reason, groups whole (the saved ledger's own check, and the samples file). Promi
 reason and the run goes on.
 """
 
+import collections
 import json
 import os
 import time
@@ -22,6 +23,7 @@ from invariants import check_trained_samples
 from dora_jax.config import ConfigError, load_config
 from dora_jax.dora.ledger import Ledger
 from dora_jax.run import Placement, Runner, RunError
+from dora_jax.run.evaluation import EVAL_IDS, evaluate
 from dora_jax.run.setup import check_multiprocess
 from dora_jax.tasks import load_task
 from dora_jax.trainer import make_batch, Sample
@@ -100,13 +102,24 @@ def raise_on_even_prompt(prompt, response, answer):
     ("dora", 2, 24, "shared", True), ("dora", 2, 24, "split", False), ("dora", 2, 24, "split2", False)])
 def test_each_mode_keeps_the_promises(tmp_path, request, published, mode, k, rbs, placement, overlap):
     # split: the trainer on devices 0-3, the engine on 4-7 (tensor 2); split2: two rollout groups, one engine on
-    # devices 4-5 and one on 6-7. Both built by the runner from the config; shared: the module's parts.
+    # devices 4-5 and one on 6-7. Both built by the runner from the config; shared: the module's parts. Sync and
+    # split2 evaluate version 2 during training: in sync (one resident version) the update to version 3 waits
+    # for that evaluation's answers (eight questions of 32 tokens, in at most half the slots: they outlast the
+    # batch's short samples); in split2 they decode in the first rollout group only.
+    evaluates = mode == "sync" or placement == "split2"
     cfg = tiny(f"dora.mode={mode}", f"dora.rollout_batch={rbs}", f"rollout.overlap={str(overlap).lower()}",
                *(SPLIT if placement.startswith("split") else []),
-               *(["roles.rollout_groups=2"] if placement == "split2" else []))
+               *(["roles.rollout_groups=2"] if placement == "split2" else []),
+               *(["task.eval_every=2"] if evaluates else []), *(["task.eval_size=8"] if mode == "sync" else []))
     parts = request.getfixturevalue("shared")() if placement == "shared" else dict(progress=False)
     runner = Runner(cfg, str(tmp_path), **parts)
     assert runner.driver.overlap is overlap  # the rollout driver dispatches ahead only when asked
+    submitted = collections.defaultdict(list)  # rollout group -> sample ids
+    for group, driver in enumerate(getattr(runner.driver, "drivers", [runner.driver])):
+        def recording(req, group=group, submit=driver.submit):
+            submitted[group].append(req.sample_id)
+            return submit(req)
+        driver.submit = recording
     summary = runner.run()
     assert summary["placement"] == {"split2": "split"}.get(placement, placement)
     assert summary["rollout_groups"] == len(runner.engines)
@@ -167,7 +180,15 @@ def test_each_mode_keeps_the_promises(tmp_path, request, published, mode, k, rbs
     assert rel_err(wrong[mask], recorded[mask]) > 1e-3  # another version's log-probs are detectably different
 
     metrics = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    evals = [m["version"] for m in metrics if "eval" in m]
+    metrics = [m for m in metrics if "eval" not in m]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    held_out = {g: [s for s in ids if s >= EVAL_IDS] for g, ids in submitted.items()}
+    if evaluates:
+        assert evals == [0, 2, 4] and summary["eval_curve"][1][0] == 2
+        assert len(held_out[0]) == cfg.task.eval_size and not held_out.get(1)  # the first group's only
+    else:
+        assert evals == [] and "eval_curve" not in summary and not any(held_out.values())
     assert all(0 <= m["rollout_share"] <= 1 and m["staleness_max"] <= bound for m in metrics)
     assert json.load(open(tmp_path / "summary.json"))["samples"] == 32
 
@@ -394,18 +415,39 @@ def test_a_placement_built_for_another_model_is_refused(tmp_path, shared):
         assert not (tmp_path / name).exists()
 
 
-def test_a_warmed_up_run_compiles_nothing_after_its_first_update(tmp_path, shared):
+def test_a_warmed_up_run_compiles_nothing_after_its_first_update(tmp_path, shared, published):
     """With ``rollout.warmup`` the engine compiles every program it can dispatch before the first update: ten
-    updates of a dora run (two versions in flight, evaluation before and after) compile nothing after the
-    first, counted through ``jax.monitoring`` (persistent-cache loads included), and the engine logs no late
-    compile."""
-    runner = Runner(tiny("dora.mode=dora", "dora.steps=10", "rollout.warmup=true"), str(tmp_path), **shared())
+    updates of a dora run (two versions in flight, evaluation before and after, and of every second version
+    during training, ``task.eval_every``) compile nothing after the first, counted through ``jax.monitoring``
+    (persistent-cache loads included), and the engine logs no late compile.
+
+    The evaluations during training decode in the run's own driver beside its rollout: each version's result
+    is what ``evaluate`` gives for that version's params; their answers never reach the ledger or the trainer;
+    the driver never held more than K + 1 versions."""
+    runner = Runner(tiny("dora.mode=dora", "dora.steps=10", "rollout.warmup=true", "task.eval_every=2"),
+                    str(tmp_path), **shared())
     assert runner.warmup["programs"] > 0 and runner.warmup["seconds"] > 0
     summary = runner.run()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 10
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows, evals = [r for r in lines if "eval" not in r], {r["version"]: r for r in lines if "eval" in r}
+    assert [r["step"] for r in rows] == list(range(1, 11))
     late = [(r["step"], r["compiles"], r["compile_cache_loads"]) for r in rows[1:]
             if r["compiles"] or r["compile_cache_loads"]]
     assert late == [], late
     assert all(not engine.compiled.late for engine in runner.engines)
     assert summary["warmup_programs"] == runner.warmup["programs"]
+
+    # Before training, every second version during it, the last one by the final evaluation.
+    assert sorted(evals) == [0, 2, 4, 6, 8, 10]
+    assert (evals[10]["eval"]["accuracy"], evals[0]["eval"]["accuracy"]) == (summary["accuracy_after"],
+                                                                              summary["accuracy_before"])
+    assert sorted(summary["eval_curve"]) == [[v, evals[v]["eval"]["accuracy"]] for v in sorted(evals)]
+    seen = published(runner.versions.store)
+    for v in (2, 8):
+        alone = evaluate(runner.cfg, runner.task, runner.placement.engine, runner.tokenizer, seen[v], v,
+                         runner.shared_prefix)
+        assert evals[v]["eval"] == alone, v
+    assert runner.versions.rollout_max_resident <= 3 and summary["max_resident_versions"] <= 3
+    ledger = Ledger.from_dict(json.loads((tmp_path / "ledger.json").read_text())["ledger"])
+    trained = [r["sample_id"] for r in read_samples(tmp_path)]
+    assert len(trained) == 80 and max(trained) < EVAL_IDS and max(ledger.entries) < EVAL_IDS

@@ -7,7 +7,9 @@ published when it completes. What to run is the scheduler's decision (:mod:`dora
 runs, the :class:`~dora_jax.run.placement.Placement`'s; which versions are resident, the
 :class:`~dora_jax.run.residency.Residency`'s (at most K + 1). Under ``split`` placement decoding goes on while
 a train step runs. Every ``run.checkpoint_every`` updates a checkpoint is written; a runner created on a
-directory with a good one (and ``run.resume``) continues from it.
+directory with a good one (and ``run.resume``) continues from it. With ``task.eval_every`` a published version's
+held-out requests decode beside rollout (:mod:`dora_jax.run.evals`) and its accuracy is written when they are
+scored.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dora_jax.distributed import gather_decisions
 from dora_jax.dora.scheduler import Scheduler
 from dora_jax.metrics import MetricsWriter
 from dora_jax.rollout.warmup import warmup
+from dora_jax.run.evals import update_allowed
 from dora_jax.run.evaluation import RunError, evaluate
 from dora_jax.run.meter import Meter
 from dora_jax.run.placement import Placement
@@ -99,6 +102,7 @@ class Runner:
         self._resumed, self._lines = None, {"metrics.jsonl": 0, "samples.jsonl": 0}
         self.disk = {"checkpoint_bytes": 0, "run_dir_bytes": 0}  # as of the newest checkpoint this run wrote
         self._saved_at: int | None = None  # the version of the checkpoint this run last wrote or resumed from
+        self.eval_curve: list[list[float]] = []  # [version, held-out accuracy] of every evaluation recorded
         os.makedirs(run_dir, exist_ok=True)  # only now: a start that fails leaves no empty directory
         found = self.store.restore(self.state) if cfg.run.resume else None
         if found is not None:
@@ -136,8 +140,16 @@ class Runner:
         log.info("warm-up: %d rollout programs compiled in %.1f s", out["programs"], out["seconds"])
         return out
 
+    def _holding(self) -> dict[int, int]:
+        """What keeps each version resident: its samples not yet trained, and its held-out answers not yet
+        decoded (an evaluation during training)."""
+        out = self.sched.ledger.outstanding()
+        for v, n in self.rollout.pinned().items():
+            out[v] = out.get(v, 0) + n
+        return out
+
     def _publish(self, version: int, params: Any) -> None:
-        self.versions.count(self.sched.ledger.outstanding())  # versions the batch just trained drained make room
+        self.versions.count(self._holding())  # versions the batch just trained drained make room
         self.versions.load(version, params, newest=True)
         self.store.snapshot(version, params, self.versions.resident())
 
@@ -170,6 +182,8 @@ class Runner:
         train_s, self._in_flight, sync_before = time.perf_counter() - f.dispatched, None, self.versions.sync_s
         if metrics["applied"]:
             self._publish(f.version, self.trainer.policy_params(self.state))
+            if self.rollout.evals is not None and self.rollout.evals.due(f.version):
+                self.rollout.evals.start(f.version)
         else:  # every update was non-finite: the trainer kept its version, and so does everything else
             self.sched.retract()
             self.rollout.move_waiting(f.version, self.sched.version)
@@ -189,7 +203,7 @@ class Runner:
         counters = meter.counters(eval_before=eval_before, eval_s=eval_s, lines=self._lines["metrics.jsonl"],
                                   samples_lines=self._lines["samples.jsonl"], rows_computed=self.driver.rows_computed,
                                   rows_live=self.driver.rows_live, batch_steps=self.driver.batch_steps,
-                                  max_resident=self.versions.max_resident)
+                                  max_resident=self.versions.max_resident, evals=self.eval_curve)
         path = self.store.save(self.sched.version, self.state,
                                pack_run_state(self.sched, self.rollout.done, counters, self.cfg),
                                set(self.sched.live_versions()), self.versions.resident(), self.versions.params)
@@ -216,6 +230,7 @@ class Runner:
         self.driver.batch_steps = counters["batch_steps"]
         self.versions.max_resident = max(counters["max_resident"], self.versions.max_resident)
         self._resumed, self._saved_at = counters, found.step
+        self.eval_curve = [list(x) for x in counters.get("evals", [])]  # evaluations in flight were dropped
         if self.writes:
             self.disk = {"checkpoint_bytes": dir_bytes(found.path), "run_dir_bytes": dir_bytes(self.run_dir)}
 
@@ -248,28 +263,45 @@ class Runner:
         self._lines = {"metrics.jsonl": m["lines"], "samples.jsonl": m["samples_lines"]}
         if self.writes:
             truncate_outputs(self.run_dir, self._lines, resumed=self._resumed is not None)
-        writer = MetricsWriter(self.run_dir) if self.writes else None
+        writer = MetricsWriter(self.run_dir, step=self.sched.version) if self.writes else None
         bar = tqdm(total=cfg.dora.steps, initial=self.sched.version, desc=f"{cfg.dora.mode} K={self.policy.bound}",
                    unit="update", disable=not self.progress or not self.writes)
-        meter, led, rollout = Meter(m), self.sched.ledger, self.rollout
-        record = lambda done_step: self._record(done_step, meter, before, eval_s, writer, bar)  # noqa: E731
+        meter = Meter(m)
+        if self._resumed is None and cfg.task.eval_every:
+            self._record_eval(0, before, eval_s, meter, writer)
         self._compiled = (compile_count(), COUNTER.names())
+        preempted = self._loop(lambda done_step: self._record(done_step, meter, before, eval_s, writer, bar),
+                               lambda *done: self._record_eval(*done, meter, writer), meter, before, eval_s)
+        bar.close()
+        if preempted is not None:
+            if writer is not None:
+                writer.close()
+            return preempted
+        return self._finish(before, eval_s, meter, writer)
+
+    def _loop(self, record: Any, record_eval: Any, meter: Meter, before: dict[str, Any], eval_s: float
+              ) -> dict[str, Any] | None:
+        """Runs the loop (module docstring) until the last update is published and the evaluations in flight are
+        recorded; returns what a preemption reports (None when the run went to its end)."""
+        led, rollout, evals = self.sched.ledger, self.rollout, self.rollout.evals
         loaded = self.versions.__contains__  # a version whose train step is still running is not: its prompts wait
-        preempted, stop = None, StopSignals(self.multi)
+        stop = StopSignals(self.multi)
         with stop:
-            while agree(self.multi, "going on", not self.sched.done() or self._in_flight is not None,
-                        f"before update {self.sched.version + 1}"):
+            while agree(self.multi, "going on", not self.sched.done() or self._in_flight is not None
+                        or (evals is not None and evals.busy), f"before update {self.sched.version + 1}"):
                 asked = stop.asked()
                 if any(gather_decisions(asked)) if self.multi else asked:
-                    preempted = self._preempt(stop.signal or "a notice on another process", record, meter, before,
-                                              eval_s)
-                    break
+                    return self._preempt(stop.signal or "a notice on another process", record, meter, before, eval_s)
                 rollout.dispatch()
                 meter.decoded(*rollout.step(rollout.admit(loaded)), rollout.slots)
                 rollout.collect_rewards()
+                for done in evals.finished() if evals is not None else ():
+                    record_eval(*done)
                 rollout.dispatch()
-                self.versions.evict_drained(led.outstanding())
-                if self._in_flight is None and not self.sched.done():
+                self.versions.evict_drained(self._holding())
+                # An update waits while it would push a version an evaluation still decodes out of the K + 1.
+                if (self._in_flight is None and not self.sched.done()
+                        and update_allowed(rollout.pinned(), self.sched.version + 1, self.policy.bound)):
                     batch = agree(self.multi, "the batch to train", self.sched.next_batch(),
                                   f"before update {self.sched.version + 1}")
                     if batch is not None:
@@ -287,22 +319,39 @@ class Runner:
                         rollout.collect_rewards(wait_s=0.05)
                     elif not rollout.dispatch() and not led.count("finished") and not self.sched.done():
                         raise RunError(f"no progress possible at version {self.sched.version}: ledger {led.counts()}")
-        bar.close()
-        if writer is not None:
-            writer.close()
-        if preempted is not None:
-            return preempted
+        return None
+
+    def _finish(self, before: dict[str, Any], eval_s: float, meter: Meter, writer: MetricsWriter | None
+                ) -> dict[str, Any]:
+        """Checks and saves the ledger, evaluates the last version, writes the summary and returns it."""
         wall = time.perf_counter() - meter.t0
         save_ledger(self.sched, self.policy.bound, self.run_dir, self.multi, self.writes)
         t_eval = time.perf_counter()
         after = self.evaluate()
-        summary = summarize(self, before, after, wall, eval_s + time.perf_counter() - t_eval, meter)
+        secs = time.perf_counter() - t_eval
+        if self.cfg.task.eval_every:
+            self._record_eval(self.sched.version, after, secs, meter, writer)
+        if writer is not None:
+            writer.close()
+        summary = summarize(self, before, after, wall, eval_s + secs, meter)
         if self.writes:
             summary.update(run_dir_bytes=dir_bytes(self.run_dir), checkpoint_bytes=self.disk["checkpoint_bytes"])
             with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=1)
             log.info("the run directory %s holds %.2f GiB", self.run_dir, summary["run_dir_bytes"] / 2**30)
         return summary
+
+    def _record_eval(self, version: int, result: dict[str, Any], secs: float, meter: Meter,
+                     writer: MetricsWriter | None) -> None:
+        """Writes the metrics row of an evaluation of ``version`` (``secs``: from its start to its result) and
+        adds its accuracy to the run's curve (the summary's ``eval_curve``)."""
+        self.eval_curve.append([version, result["accuracy"]])
+        self._lines["metrics.jsonl"] += 1
+        if writer is not None:
+            writer.write({"step": version, "version": version, "eval": result, "eval_s": secs,
+                          "wall_s": time.perf_counter() - meter.t0})
+        log.info("held-out accuracy of version %d: %.3f (pass@%d %.3f, reward %.3f, %d answers)", version,
+                 result["accuracy"], result["k"], result["pass_at_k"], result["reward"], result["n"])
 
     def _record(self, done_step: tuple[dict[str, Any], float], meter: Meter, before: dict[str, Any], eval_s: float,
                 writer: MetricsWriter | None, bar: Any) -> None:

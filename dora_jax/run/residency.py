@@ -2,8 +2,8 @@
 engines kept in step with it.
 
 A version's refcount is its samples not yet trained (the ledger's outstanding ones: pending, decoding, or
-finished and waiting for the trainer). A version that is not the newest and has none is drained: it leaves
-the store and the engines. The cap, K + 1 versions for staleness bound K, is a hard limit on both sides: a
+finished and waiting for the trainer), and during an evaluation of it (``task.eval_every``) its held-out answers
+not yet decoded. A version that is not the newest and has none is drained: it leaves the store and the engines. The cap, K + 1 versions for staleness bound K, is a hard limit on both sides: a
 publish that would exceed it in the store, or a load into rollout engines that already hold K + 1 versions,
 raises instead of holding one more copy of the weights.
 
@@ -89,7 +89,8 @@ class Residency:
         self.driver.add_version(version, copies if len(self.placement.engines) > 1 else copies[0])
 
     def count(self, outstanding: dict[int, int]) -> None:
-        """Every resident version's refcount becomes its outstanding samples (``Ledger.outstanding()``)."""
+        """Every resident version's refcount becomes what holds it: its outstanding samples
+        (``Ledger.outstanding()``) and held-out answers still decoding."""
         for v in self.store.resident():
             want, have = outstanding.get(v, 0), self.store.refcount(v)
             if want > have:
@@ -98,7 +99,7 @@ class Residency:
                 self.store.release(v, have - want)
 
     def evict_drained(self, outstanding: dict[int, int]) -> None:
-        """Refcounts brought up to date; the drained versions leave the store and the engines."""
+        """Refcounts brought up to date (:meth:`count`); the drained versions leave the store and the engines."""
         self.count(outstanding)
         for v in self.store.evict_drained():
             self.driver.remove_version(v)

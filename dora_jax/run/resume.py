@@ -17,10 +17,10 @@ checkpoint still needs from snapshot retention.  A finished-but-unconsumed sampl
 checkpoint's run-state dict and back (in-flight samples come back as pending: their generation is redone).
 
 The configuration check uses :func:`run_fingerprint`, the config fingerprint without the fields that say where
-the run lives, whether or how often it checkpoints and how rollout overlaps host and device (the ``mesh``
-section, ``run.name``, ``run.out_dir``, ``run.resume``, ``run.checkpoint_every``, ``rollout.overlap``): those
-do not change what the run computes, and the train state and snapshots restore onto any mesh. Every other
-field, ``dora.steps`` included, must match: a run is resumed to the end it was started for, not extended (a
+the run lives, whether or how often it checkpoints or evaluates, and how rollout overlaps host and device (the
+``mesh`` section, ``run.name``, ``run.out_dir``, ``run.resume``, ``run.checkpoint_every``, ``rollout.overlap``,
+``task.eval_every``): those do not change what the run trains, and the train state and snapshots restore onto
+any mesh. Every other field, ``dora.steps`` included, must match: a run is resumed to the end it was started for, not extended (a
 longer run changes the schedule's sample budget near the end).
 """
 
@@ -47,7 +47,10 @@ log = logging.getLogger(__name__)
 # hardware: checkpoints and snapshots restore onto any shardings.
 _PLACEMENT_SECTIONS = ("mesh",)
 _PLACEMENT_FIELDS = {"run": ("name", "out_dir", "resume", "checkpoint_every", "keep_checkpoints"),
-                     "rollout": ("overlap",)}
+                     "rollout": ("overlap",),
+                     # How often held-out accuracy is measured during training: it never reaches the trainer or
+                     # the ledger, and a checkpoint written before the field existed resumes under any value.
+                     "task": ("eval_every",)}
 
 
 class ResumeError(RuntimeError):
@@ -65,7 +68,7 @@ def _computing_dict(cfg: Config | dict[str, Any]) -> dict[str, Any]:
 def run_fingerprint(cfg: Config) -> str:
     """A short hash of every setting that changes what a run computes: ``Config.fingerprint`` without the
     ``mesh`` section, ``run.name``, ``run.out_dir``, ``run.resume``, ``run.checkpoint_every``,
-    ``run.keep_checkpoints`` and ``rollout.overlap``."""
+    ``run.keep_checkpoints``, ``rollout.overlap`` and ``task.eval_every``."""
     blob = json.dumps(_computing_dict(cfg), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 

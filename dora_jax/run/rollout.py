@@ -6,7 +6,10 @@ step at a time, and hands finished trajectories to the reward pool; scored sampl
 scheduler's ledger. Under several processes each process generates every ``nproc``-th group and the
 started and finished samples are shared after every decode step, so every process's ledger stays the same;
 with one engine spanning every process (``roles.rollout_span = all``) every process submits every group to its
-copy of the same driver, which returns the same samples everywhere, and nothing is exchanged.
+copy of the same driver, which returns the same samples everywhere, and nothing is exchanged. With
+``task.eval_every`` the held-out requests of an evaluation during training (:class:`~dora_jax.run.evals.HeldOutEvals`)
+are admitted first, within their share of the first rollout group's slots; their answers go to the evaluation,
+never to the ledger.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from dora_jax.rewards import RewardPool
 from dora_jax.rollout.driver import Request, Trajectory
 from dora_jax.rollout.engine import RequestSampling
 from dora_jax.rollout.samples import Sample
-from dora_jax.run.evaluation import RunError, prompt_ids, score
+from dora_jax.run.evals import HeldOutEvals
+from dora_jax.run.evaluation import EVAL_IDS, RunError, prompt_ids, score
 from dora_jax.dora.scheduler import Scheduler
 from dora_jax.tasks import Item, Task
 from dora_jax.trainer.losses import overlong_penalty
@@ -58,6 +62,9 @@ class RolloutSide:
         self.items: dict[int, tuple[int, Item]] = {}  # sample id -> (group id, item)
         self.done: dict[int, Sample] = {}  # finished samples not yet trained
         self.generated = 0  # trajectories this process's engine generated (a spanning engine's, all of them)
+        self.eval_driver = getattr(driver, "drivers", [driver])[0]  # evaluations decode in the first group only
+        self.evals = (HeldOutEvals(cfg, task, tokenizer, self.eval_driver.engine, self.rewards, self.generates)
+                      if cfg.task.eval_every > 0 else None)
 
     def generates(self, group_id: int) -> bool:
         """Whether this process generates the group: each generates every ``nproc``-th group (strided, so
@@ -113,12 +120,19 @@ class RolloutSide:
             self.waiting.setdefault(to, deque()).append(dataclasses.replace(req, version=to))
 
     def has_waiting(self, loaded: Callable[[int], bool]) -> bool:
-        """Whether requests wait on a version the engines have loaded."""
-        return any(q for v, q in self.waiting.items() if loaded(v))
+        """Whether requests wait on a version the engines have loaded (held-out ones: always loaded)."""
+        return any(q for v, q in self.waiting.items() if loaded(v)) or bool(self.evals and self.evals.waiting())
+
+    def pinned(self) -> dict[int, int]:
+        """Held-out answers still to decode per version: what keeps a version resident besides its samples."""
+        return self.evals.pins() if self.evals is not None else {}
 
     def admit(self, loaded: Callable[[int], bool]) -> list[int]:
         """Submits waiting requests of loaded versions to free slots, shared between versions by the scheduler;
-        returns their sample ids (the ledger records them as started in :meth:`step`)."""
+        returns their sample ids (the ledger records them as started in :meth:`step`). Held-out requests go first,
+        within their share of the slots."""
+        if self.evals is not None:
+            self.evals.admit(self.eval_driver)
         free = self.slots - sum(self.driver.in_flight().values())
         waiting = {v: len(q) for v, q in self.waiting.items() if q and loaded(v)}
         started = []
@@ -149,6 +163,9 @@ class RolloutSide:
         for sid in started:
             self.sched.ledger.start(sid)
         for traj in finished:
+            if traj.sample_id >= EVAL_IDS:
+                self.evals.answered(traj)
+                continue
             group_id, item = self.items[traj.sample_id]
             text = self.tokenizer.decode(traj.tokens, skip_special_tokens=True)
             self.done[traj.sample_id] = Sample.from_trajectory(traj, group_id, item=item, text=text)
@@ -166,6 +183,9 @@ class RolloutSide:
                 results += self.rewards.poll(0.05)
             results.sort(key=lambda res: res.key)
         for res in results:
+            if res.key < 0:  # a held-out answer's
+                self.evals.scored(res)
+                continue
             if res.error:
                 led.filter(res.key, res.error)
                 if led.count("filtered") > 4 * self.sched.policy.total_samples + 64:

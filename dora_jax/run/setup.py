@@ -145,10 +145,11 @@ def check_placement(cfg: Config, multi: bool, placement: Any) -> None:
 
 def summarize(runner: Any, before: dict[str, Any], after: dict[str, Any], wall: float, eval_s: float,
               meter: Any) -> dict[str, Any]:
-    """The run's ``summary.json``: accuracy before and after, what was trained and filtered, time, residency."""
+    """The run's ``summary.json``: accuracy before and after (with ``task.eval_every``, every evaluation's as
+    ``eval_curve``, ``[version, accuracy]`` pairs), what was trained and filtered, time, residency."""
     cfg, led = runner.cfg, runner.sched.ledger
     counts = led.counts()
-    return {
+    out = {
         "mode": cfg.dora.mode, "max_staleness": runner.policy.bound, "task": runner.task.name,
         "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
         "reward_before": before["reward"], "reward_after": after["reward"], "eval_n": before["n"],
@@ -166,6 +167,9 @@ def summarize(runner: Any, before: dict[str, Any], after: dict[str, Any], wall: 
         "config_fingerprint": cfg.fingerprint(), "resumed": runner._resumed is not None,
         "processes": jax.process_count(),
     }
+    if cfg.task.eval_every:
+        out["eval_curve"] = [list(x) for x in runner.eval_curve]
+    return out
 
 
 def agree(multi: bool, what: str, local: Any, where: str) -> Any:
