@@ -83,7 +83,7 @@ _WORKER = textwrap.dedent("""
 # Split placement: each process gives one of its two devices to the trainer (whose mesh spans both processes)
 # and decodes on the other while the trainer trains; decoupled PPO on recomputed behaviour log-probs, two
 # minibatches per iteration (so the proximal policy is not the current one), a reward that differs within groups.
-SPLIT_STEPS = 4
+SPLIT_STEPS = 5
 SPLIT = [o for o in OVERRIDES if not o.startswith(("mesh.", "roles.", "dora.steps"))] + [f"dora.steps={SPLIT_STEPS}",
     "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=1", "roles.placement=split", "roles.trainer_devices=2",
     "roles.rollout_data=1", "roles.rollout_tensor=1", "target.num_devices=4", "train.correction=decoupled",
@@ -109,6 +109,10 @@ _SPLIT_WORKER = textwrap.dedent("""
     runner = Runner(load_config("tiny_llama", overrides), run_dir, progress=False)
     resumed_at = runner.sched.version
     summary = runner.run()
+    if summary.get("preempted"):  # stopped on a signal, checkpoint written: what the command would report
+        with open(out, "w") as f:
+            json.dump({"pid": jax.process_index(), "resumed_at": resumed_at, "preempted": summary}, f)
+        sys.exit(0)
     gather = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
     v, trainer = runner.sched.version, runner.trainer
     local = jax.tree.leaves(runner.versions.rollout_params(v)[0])
@@ -308,25 +312,47 @@ def _newest_checkpoint(run_dir) -> int:
     return max(steps, default=0)
 
 
-def test_split_placement_across_processes_survives_kills(tmp_path):
-    """Each process trains on one device and decodes on the other. One process is killed at a random moment
-    past the first checkpoint, then the other (as a cluster manager ends a job that lost a member); two
-    processes resume to the end. The run keeps every promise, the processes agree, every process's rollout copy
-    is the trainer's newest version on its own devices, decoupled PPO runs on behaviour log-probs recomputed on
-    the trainer's devices from each sample's own version, and its ratio statistics are in the metrics. (Repeated
-    kills of resumed runs: tests/test_resume.py, in one process.)"""
+def test_split_placement_across_processes_survives_a_preemption_and_kills(tmp_path):
+    """Each process trains on one device and decodes on the other. One process gets SIGTERM past the first
+    checkpoint: JAX's preemption service tells the other, and both stop at the same update, write one checkpoint
+    and exit 0. Resumed, one process is killed at a random moment past the next checkpoint, then the other (as a
+    cluster manager ends a job that lost a member); two processes resume to the end. The run keeps every
+    promise, the processes agree, every process's rollout copy is the trainer's newest version on its own
+    devices, decoupled PPO runs on behaviour log-probs recomputed on the trainer's devices from each sample's own
+    version, and its ratio statistics are in the metrics. (Repeated kills of resumed runs: tests/test_resume.py,
+    in one process.)"""
     run_dir, rng = tmp_path / "run", random.Random(20261125)
+
+    def wait_for_checkpoint_past(step, procs):
+        deadline = time.monotonic() + 240
+        while all(p.poll() is None for p in procs) and time.monotonic() < deadline and _newest_checkpoint(run_dir) <= step:
+            time.sleep(0.01)
+
     procs = _start(tmp_path, lambda pid: SPLIT, _SPLIT_WORKER, devices=2)
-    deadline = time.monotonic() + 240
-    while all(p.poll() is None for p in procs) and time.monotonic() < deadline and _newest_checkpoint(run_dir) < 1:
-        time.sleep(0.01)
+    wait_for_checkpoint_past(0, procs)
+    noticed = rng.randrange(2)
+    procs[noticed].send_signal(signal.SIGTERM)
+    codes, outs = _finish(procs)
+    assert codes == [0, 0], (noticed, [out[-3000:] for out in outs])
+    stops = [json.loads((tmp_path / f"rec{pid}.json").read_text())["preempted"] for pid in range(2)]
+    same = [{k: v for k, v in s.items() if k != "checkpoint_s"} for s in stops]  # each process timed its own save
+    assert same[0] == same[1], stops
+    stop = stops[0]["step"]
+    # Stopped early enough that the attempts after it still generate: one ends past the next checkpoint (killed),
+    # the last trains at least two more updates.
+    assert stops[0]["signal"] == "SIGTERM" and 1 <= stop <= SPLIT_STEPS - 3, stops
+    assert _newest_checkpoint(run_dir) == stop and stops[0]["checkpoint"].endswith(f"step_{stop:08d}"), stops
+
+    procs = _start(tmp_path, lambda pid: SPLIT + ["run.resume=true"], _SPLIT_WORKER, devices=2)
+    wait_for_checkpoint_past(stop, procs)
     delay, first = rng.uniform(0.0, 0.5), rng.randrange(2)
     time.sleep(delay)
     procs[first].kill()
     time.sleep(rng.uniform(0.0, 0.5))
     procs[1 - first].kill()
     codes, outs = _finish(procs)
-    kills = [{"after_checkpoint": 1, "delay_s": round(delay, 3), "first": first, "codes": codes}]
+    kills = [{"preempted_at": stop, "after_checkpoint": stop + 1, "delay_s": round(delay, 3), "first": first,
+              "codes": codes}]
     # The first one killed died of it; the other of its kill, or it stopped on its own when the lost process's
     # heartbeats ended; none had finished.
     assert codes[first] == -signal.SIGKILL and codes[1 - first] != 0, (kills, outs[1 - first][-3000:])
@@ -338,8 +364,8 @@ def test_split_placement_across_processes_survives_kills(tmp_path):
     for pid, r in enumerate(recs):
         # The trainer's mesh: the first device of each process; this process decodes on its second.
         assert len(r["trainer_devices"]) == 2 and r["trainer_devices"][pid] == r["local_devices"][0]
-        assert r["rollout_devices"] == r["local_devices"][1:] and r["generated"] > 0
-        assert 1 <= r["resumed_at"] < SPLIT_STEPS, kills
+        assert r["rollout_devices"] == r["local_devices"][1:] and r["generated"] > 0, kills
+        assert stop < r["resumed_at"] < SPLIT_STEPS, kills
         assert [u["step"] for u in r["updates"]] == list(range(r["resumed_at"] + 1, SPLIT_STEPS + 1))
         s = r["summary"]
         assert (s["placement"], s["processes"], s["steps"]) == ("split", 2, SPLIT_STEPS)

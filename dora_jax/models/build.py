@@ -6,6 +6,9 @@ takes ``state`` (a pytree of arrays) and rebuilds the module with ``nnx.merge(gr
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import jax
 from flax import nnx
 from jax.sharding import Mesh
@@ -32,17 +35,18 @@ def state_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.
 
 def init_model(cfg: ModelConfig, mesh: Mesh | None = None, rules: Rules = (), *, seed: int = 0) -> Decoder:
     """A randomly initialized model whose parameters are created directly in their shardings."""
-    graphdef, abstract_state = abstract_model(cfg)
+    graphdef, _ = abstract_model(cfg)
+    return nnx.merge(graphdef, _jitted_init(cfg, mesh, tuple(rules))(jax.random.key(seed)))
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_init(cfg: ModelConfig, mesh: Mesh | None, rules: Rules) -> Callable[[jax.Array], nnx.State]:
+    """The jitted init of one architecture and sharding, shared by every model made alike in this process. The
+    key is an argument, not a constant of the program, so models of any seed share one compiled init."""
 
     def init(key: jax.Array) -> nnx.State:
         return nnx.state(Decoder(cfg, rngs=nnx.Rngs(key)))
 
-    # The key is an argument, not a constant of the program: models of one shape and sharding share one
-    # compiled init whatever their seeds (nnx.Rngs(seed) makes the same key from an int).
-    key = jax.random.key(seed)
     if mesh is None:
-        state = serial_jit(init)(key)
-    else:
-        shardings = state_shardings(abstract_state, mesh, rules)
-        state = serial_jit(init, out_shardings=shardings)(key)
-    return nnx.merge(graphdef, state)
+        return serial_jit(init)
+    return serial_jit(init, out_shardings=state_shardings(abstract_model(cfg)[1], mesh, rules))
