@@ -481,3 +481,18 @@ def test_a_run_that_may_not_fit_its_disk_is_warned_at_start(tmp_path, caplog, mo
     with caplog.at_level("WARNING"):
         store.warn_if_short_of_disk(100, 9, 2)  # needs 263
     assert "checkpoints may not fit" not in caplog.text
+
+
+def test_a_setting_added_at_its_default_keeps_the_fingerprint_of_saved_runs():
+    """Checkpoints record the run fingerprint: a config written before a setting existed (its dict without the
+    field) fingerprints as the same config with the setting at its default, so the run resumes under newer code;
+    a value other than the default is another configuration, as is any changed setting."""
+    from dora_jax.run.resume import run_fingerprint
+
+    cfg = load_config("tiny_llama", SYNC)
+    now = run_fingerprint(cfg)
+    older = cfg.to_dict()
+    del older["task"]["code_timeout_s"]
+    assert run_fingerprint(older) == now
+    assert run_fingerprint(load_config("tiny_llama", SYNC + ["task.code_timeout_s=7"])) != now
+    assert run_fingerprint(load_config("tiny_llama", SYNC + ["train.learning_rate=0.004"])) != now

@@ -65,12 +65,30 @@ def _computing_dict(cfg: Config | dict[str, Any]) -> dict[str, Any]:
     return d
 
 
-def run_fingerprint(cfg: Config) -> str:
-    """A short hash of every setting that changes what a run computes: ``Config.fingerprint`` without the
-    ``mesh`` section, ``run.name``, ``run.out_dir``, ``run.resume``, ``run.checkpoint_every``,
-    ``run.keep_checkpoints``, ``rollout.overlap`` and ``task.eval_every``."""
-    blob = json.dumps(_computing_dict(cfg), sort_keys=True).encode()
+def run_fingerprint(cfg: Config | dict[str, Any]) -> str:
+    """A short hash of every setting that changes what a run computes, of a config or of its ``to_dict()``:
+    ``Config.fingerprint`` without the ``mesh`` section, ``run.name``, ``run.out_dir``, ``run.resume``,
+    ``run.checkpoint_every``, ``run.keep_checkpoints``, ``rollout.overlap`` and ``task.eval_every``.
+
+    Only settings that differ from their defaults are hashed, so a setting added later (at its default) leaves the
+    fingerprints of existing runs as they were, and their checkpoints resume under the newer code.
+    """
+    blob = json.dumps(_non_default(_computing_dict(cfg), _computing_dict(Config())), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _non_default(settings: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The sections and fields of ``settings`` whose values differ from ``defaults``' (nested dicts)."""
+    out = {}
+    for k, v in settings.items():
+        d = defaults.get(k)
+        if isinstance(v, dict) and isinstance(d, dict):
+            v = _non_default(v, d)
+            if v:
+                out[k] = v
+        elif k not in defaults or v != d:
+            out[k] = v
+    return out
 
 
 def config_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "", where: str = "the checkpoint") -> list[str]:
