@@ -411,8 +411,9 @@ def test_run_states_and_metadata_the_runner_did_not_write_are_named(tmp_path, mo
 
 def test_retention_keeps_the_newest_checkpoints_and_the_snapshots_they_or_resident_versions_need(tmp_path):
     """``run.keep_checkpoints`` newest checkpoints stay; a version's snapshot stays while a kept checkpoint
-    records it or it is resident, and goes after. A checkpoint that needs a version nobody snapshotted
-    (``run.checkpoint_every`` 0, as when preempted) writes that snapshot itself."""
+    records it (other than as its own version, which its train state holds) or it is resident, and goes after.
+    A checkpoint that needs a version nobody snapshotted (``run.checkpoint_every`` 0, as when preempted) writes
+    that snapshot itself."""
     import jax.numpy as jnp
 
     params = lambda v: {"w": jnp.full((4,), float(v))}  # noqa: E731
@@ -420,7 +421,7 @@ def test_retention_keeps_the_newest_checkpoints_and_the_snapshots_they_or_reside
     state = {"w": jnp.zeros(4)}
     # (version published, resident after publishing it, versions its checkpoint needs, snapshots expected after)
     schedule = [(1, {0, 1}, {0, 1}, {0, 1}), (2, {1, 2}, {1, 2}, {0, 1, 2}), (3, {2, 3}, {2, 3}, {1, 2, 3}),
-                (4, {3, 4}, {4}, {2, 3, 4}), (5, {5}, {5}, {4, 5})]
+                (4, {3, 4}, {4}, {2, 3, 4}), (5, {5}, {5}, {5})]  # 4: checkpoint 4's own train state
     store.snapshot(0, params(0), {0})
     for v, resident, needed, expected in schedule:
         store.snapshot(v, params(v), resident)

@@ -376,8 +376,9 @@ class RunStore:
         return self.every > 0 and step % self.every == 0
 
     def needed_versions(self) -> set[int]:
-        """Versions some checkpoint on disk still needs (in flight or finished-unconsumed when it was saved)."""
-        return {int(v) for _, meta in self._metas() for v in meta.get("versions", ())}
+        """Versions some checkpoint on disk still needs from a snapshot: in flight or finished-unconsumed when it
+        was saved, other than its own version (its train state holds those params)."""
+        return {int(v) for _, meta in self._metas() for v in meta.get("versions", ()) if int(v) != meta.get("step")}
 
     def snapshot(self, version: int, params: Any, resident: set[int]) -> None:
         """Starts the asynchronous snapshot of a published version (kept if one exists already), protecting
