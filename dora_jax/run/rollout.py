@@ -59,7 +59,7 @@ class RolloutSide:
         self.sampling = RequestSampling(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=r.seed)
         self.rewards = RewardPool(cfg.task.reward_workers, cfg.task.reward_timeout_s)
         self.waiting: dict[int, deque[Request]] = {}
-        self.items: dict[int, tuple[int, Item]] = {}  # sample id -> (group id, item)
+        self.items: dict[int, tuple[int, Item]] = {}  # sample id -> (group id, item), until it is generated
         self.done: dict[int, Sample] = {}  # finished samples not yet trained
         self.generated = 0  # trajectories this process's engine generated (a spanning engine's, all of them)
         self.eval_driver = getattr(driver, "drivers", [driver])[0]  # evaluations decode in the first group only
@@ -106,7 +106,6 @@ class RolloutSide:
         self.sched, led, prompts = sched, sched.ledger, {}
         for f in finished:
             self.done[f.sample_id] = f
-            self.items[f.sample_id] = (f.group_id, f.item)
         for sid in sorted(s for s, e in led.entries.items() if e.state == "pending"):
             e = led.entries[sid]
             if e.group_id not in prompts:
@@ -166,7 +165,7 @@ class RolloutSide:
             if traj.sample_id >= EVAL_IDS:
                 self.evals.answered(traj)
                 continue
-            group_id, item = self.items[traj.sample_id]
+            group_id, item = self.items.pop(traj.sample_id)  # the sample holds it from here
             text = self.tokenizer.decode(traj.tokens, skip_special_tokens=True)
             self.done[traj.sample_id] = Sample.from_trajectory(traj, group_id, item=item, text=text)
             self.rewards.submit(traj.sample_id, score, self.task, item, text)
