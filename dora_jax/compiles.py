@@ -116,10 +116,14 @@ class Programs:
         self.late: list[tuple[str, str]] = []  # (program, argument shapes) compiled after seal()
 
     def jit(self, name: str, fun: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
-        jitted = self._jit(fun, **jit_kwargs)
+        """``fun`` jitted under ``name``."""
+        return self.add(name, self._jit(fun, **jit_kwargs))
+
+    def add(self, name: str, jitted: Callable[..., Any]) -> Callable[..., Any]:
+        """A function already jitted (perhaps shared with other owners), under ``name``."""
         self._fns[name] = jitted
 
-        @functools.wraps(fun)
+        @functools.wraps(jitted)
         def call(*args: Any, **kwargs: Any) -> Any:
             if not self.sealed:
                 return jitted(*args, **kwargs)

@@ -214,3 +214,29 @@ def test_decode_steps_setting(models):
     assert RolloutDriver(make_engine(m0)).decode_steps == 8
     assert RolloutDriver(make_engine(m0, settings=DecodeSettings(decode_steps=3))).decode_steps == 3
     assert RolloutDriver(make_engine(m0), decode_steps=1).decode_steps == 1
+
+
+def test_a_second_engine_of_equal_programs_compiles_and_loads_nothing(models):
+    """Engines of equal programs in one process share their jitted functions: a second engine like the first
+    decodes the same requests to the same trajectories with no compile and no load from the compilation cache
+    (which a freshly jitted copy would need for every program); an engine of other programs gets its own."""
+    from dora_jax.compiles import CompileCount, compile_count
+
+    m0, _ = models
+    reqs = make_requests(5, seed=11)
+
+    def run(engine):
+        driver = RolloutDriver(engine)
+        driver.add_version(0, nnx.state(m0))
+        return {t.sample_id: t for t in driver.run(reqs)}
+
+    first = run(make_engine(m0, slots=2))
+    before = compile_count()
+    again = run(make_engine(m0, slots=2))
+    assert compile_count() - before == CompileCount(0, 0)
+    for i, t in first.items():
+        assert again[i].tokens == t.tokens and again[i].logprobs == t.logprobs
+    before = compile_count()
+    run(make_engine(m0, slots=2, num_pages=2 * 3 * 2 * 64 // 16))  # another pool: other programs
+    other = compile_count() - before
+    assert other.compiles + other.cache_loads > 0

@@ -24,13 +24,13 @@ from jax.sharding import Mesh
 
 from dora_jax.compiles import Programs
 from dora_jax.config import ATTENTION_IMPLS, DEFAULT_RULES, MAX_DECODE_STEPS, ROLLOUT_DTYPES
-from dora_jax.models.decoder import FUSED_INPUTS, Decoder, DecodeSettings, fuse_layer_params, resolve_attention_impl
+from dora_jax.models.decoder import FUSED_INPUTS, Decoder, DecodeSettings, resolve_attention_impl
 from dora_jax.models.paged import PagedKV, ReadCounter, token_bytes
 from dora_jax.rollout.engine_api import (DecodeState, EngineError, PreparedParams, PrefixBatch,
                                          RequestSampling, ResultSteps, ResultTokens, SharedPrefix, stop_table)
 from dora_jax.rollout.page_book import PageBook, StateRecords
 from dora_jax.rollout.pages import DEFAULT_PAGE_TOKENS, PageError, bucket, pages_for
-from dora_jax.rollout.programs import DecodePrograms
+from dora_jax.rollout.programs import DecodePrograms, jitted_programs
 from dora_jax.rollout.sampling import SamplingParams
 from dora_jax.sharding import Rules, logical_to_spec, serial_jit
 
@@ -307,20 +307,13 @@ class Engine:
 
     def _jit_programs(self, progs: DecodePrograms) -> None:
         """Jits every program under its name (:attr:`compiled`), so warm-up compiles them all and a later compile
-        is logged with its shape."""
+        is logged with its shape. Engines of equal programs in one process share the jitted functions."""
         self.compiled = Programs("rollout engine", serial_jit)
-        jit = self.compiled.jit
-        self._prefill_batch_jit = jit("prefill_batch", progs.prefill_batch)
-        self._shared_prefix_jit = jit("shared_prefix", progs.shared_prefix)
-        self._write_prompts_jit = jit("write_prompts", progs.write_prompts, donate_argnums=(2,))
-        self._set_slots_jit = jit("set_slots", progs.set_slots, donate_argnums=(1,))
-        self._generate_steps_jit = jit("generate_steps", progs.generate_steps, donate_argnums=(1, 2),
-                                       static_argnums=(9, 10))
-        self._pool_jit = jit("new_pool", lambda: progs.pin_pool(progs.new_pool()))
-        self._resize_jit = jit("resize", progs.resize, static_argnums=(2,))
-        self._zeros_jit = jit("zeros", lambda b: progs.pin(progs.zeros(b)), static_argnums=(0,))
-        self._fuse_jit = jit("fuse_params", fuse_layer_params)
-        self._cast_jit = jit("cast_params", lambda tree: jax.tree.map(lambda x: x.astype(self.dtype), tree))
+        fns = {name: self.compiled.add(name, f) for name, f in jitted_programs(progs, self.dtype, serial_jit).items()}
+        self._prefill_batch_jit, self._shared_prefix_jit = fns["prefill_batch"], fns["shared_prefix"]
+        self._write_prompts_jit, self._set_slots_jit = fns["write_prompts"], fns["set_slots"]
+        self._generate_steps_jit, self._pool_jit, self._resize_jit = fns["generate_steps"], fns["new_pool"], fns["resize"]
+        self._zeros_jit, self._fuse_jit, self._cast_jit = fns["zeros"], fns["fuse_params"], fns["cast_params"]
 
     @property
     def max_concurrent_decodes(self) -> int:

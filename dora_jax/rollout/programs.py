@@ -11,7 +11,9 @@ Shape legend: B slots, T prompt bucket, S a prompt's cache length (prefill), W p
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +21,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dora_jax.config import ModelConfig
-from dora_jax.models.decoder import DecodeSettings, KVCache, decode_forward, head_logits, init_cache
+from dora_jax.models.decoder import (DecodeSettings, KVCache, decode_forward, fuse_layer_params, head_logits,
+                                     init_cache)
 from dora_jax.models.paged import PagedKV, decode_forward_paged, init_pages, write_prompt_pages
 from dora_jax.rollout.engine_api import DecodeState, PreparedParams, PrefixBatch
 from dora_jax.rollout.sampling import SamplingParams, row_keys, sample
@@ -44,8 +47,11 @@ def fitting_sharding(mesh: Mesh, axes: Sequence[str | None], rules: Rules, shape
     return NamedSharding(mesh, PartitionSpec(*out))
 
 
+@dataclasses.dataclass(frozen=True)
 class DecodePrograms:
     """The engine's programs for one architecture served in one dtype (``cfg``) with its serving ``settings``.
+
+    A value: two engines of equal programs share one jitted copy of each (:func:`jitted_programs`).
 
     Args:
       cfg: the architecture as the engine runs it (weights and compute in the engine's dtype).
@@ -57,12 +63,16 @@ class DecodePrograms:
         the mesh holds devices of several processes (then every program pins the layouts).
     """
 
-    def __init__(self, cfg: ModelConfig, settings: DecodeSettings, *, max_target_length: int, shards: int,
-                 page_tokens: int, pool_pages: int, mesh: Mesh | None, rules: Rules, spans_processes: bool):
-        self.cfg, self.settings = cfg, settings
-        self.max_target_length, self.shards = max_target_length, shards
-        self.page_tokens, self.pool_pages = page_tokens, pool_pages
-        self.mesh, self.rules, self.spans_processes = mesh, rules, spans_processes
+    cfg: ModelConfig
+    settings: DecodeSettings
+    _: dataclasses.KW_ONLY
+    max_target_length: int
+    shards: int
+    page_tokens: int
+    pool_pages: int
+    mesh: Mesh | None
+    rules: Rules
+    spans_processes: bool
 
     def new_pool(self) -> PagedKV:
         return init_pages(self.cfg, self.pool_pages, self.page_tokens)
@@ -239,3 +249,33 @@ class DecodePrograms:
             positions=g(state.positions), sample_ids=g(state.sample_ids), versions=g(state.versions),
             seeds=g(state.seeds), active=g(state.active) & keep,
             sampling=SamplingParams(*(g(a) for a in state.sampling))))
+
+
+# The programs an engine jits, each with its jit options: (name, method or function of the programs, options).
+_JITTED = (("prefill_batch", "prefill_batch", {}), ("shared_prefix", "shared_prefix", {}),
+           ("write_prompts", "write_prompts", {"donate_argnums": (2,)}),
+           ("set_slots", "set_slots", {"donate_argnums": (1,)}),
+           ("generate_steps", "generate_steps", {"donate_argnums": (1, 2), "static_argnums": (9, 10)}),
+           ("resize", "resize", {"static_argnums": (2,)}))
+
+
+def jitted_programs(progs: DecodePrograms, dtype: str, jit: Callable[..., Any]) -> dict[str, Callable[..., Any]]:
+    """Every program of ``progs`` jitted with ``jit``, by name; engines of equal programs and dtype in one process
+    get the same jitted functions, so a second engine traces, lowers and loads nothing its twin already has."""
+    # The class's own methods are part of the key: a method replaced on the class (a test's trace counter) gets
+    # functions of its own.
+    methods = tuple(getattr(DecodePrograms, m) for _, m, _ in _JITTED)
+    try:
+        return _jitted(progs, dtype, jit, methods)
+    except TypeError:  # an unhashable part (rules given as lists): jitted for this engine alone
+        return _jitted.__wrapped__(progs, dtype, jit, methods)
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted(progs: DecodePrograms, dtype: str, jit: Callable[..., Any], methods: tuple) -> dict[str, Callable[..., Any]]:
+    out = {name: jit(getattr(progs, method), **options) for name, method, options in _JITTED}
+    out["new_pool"] = jit(lambda: progs.pin_pool(progs.new_pool()))
+    out["zeros"] = jit(lambda b: progs.pin(progs.zeros(b)), static_argnums=(0,))
+    out["fuse_params"] = jit(fuse_layer_params)
+    out["cast_params"] = jit(lambda tree: jax.tree.map(lambda x: x.astype(dtype), tree))
+    return out
