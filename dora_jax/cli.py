@@ -301,19 +301,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from dora_jax.distributed import DistributedError, initialize
-    from dora_jax.models.hf_io import WeightsError
-    from dora_jax.tokenizer import TokenizerError
-
-    from dora_jax.run.checkpoint import CheckpointError
-    from dora_jax.metrics import MetricsError
-    from dora_jax.run.resume import ResumeError
-    from dora_jax.run import RunError
-    from dora_jax.dora.scheduler import ScheduleError
-    from dora_jax.tasks.gsm8k import TaskDataError
-    from dora_jax.trainer.batch import BatchError
-    from dora_jax.run.versions import VersionError
-
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     # Overrides may come after options too (``train --run-dir D a=1 --no-plot b=2``): argparse takes one run
@@ -331,13 +318,31 @@ def main(argv: list[str] | None = None) -> int:
         _check_out_dir(getattr(args, "plot", None) if args.command == "simulate" else None, "--plot")
         _check_out_dir(getattr(args, "out", None), "--out")  # plot, export
         if args.command == "train":
+            from dora_jax.distributed import initialize
+
             initialize()  # joins the other hosts under jax.distributed; a no-op for one process
         return args.fn(args)
-    # Bad input or saved state: the message names it.
-    except (CLIError, DistributedError, ConfigError, WeightsError, TokenizerError, RunError, ScheduleError,
-            TaskDataError, ResumeError, CheckpointError, VersionError, MetricsError, BatchError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except Exception as e:
+        if not (isinstance(e, (CLIError, ConfigError)) or _input_error(e)):
+            raise
+        print(f"error: {e}", file=sys.stderr)  # bad input or saved state: the message names it
         return 2
+
+
+# The errors that mean bad input or saved state, by the module that defines each. A command that never imported a
+# module cannot have raised its error, so telling them apart imports nothing: `dora-jax check` starts its child
+# process without having imported JAX itself.
+_INPUT_ERRORS = (("dora_jax.distributed", "DistributedError"), ("dora_jax.models.hf_io", "WeightsError"),
+                 ("dora_jax.tokenizer", "TokenizerError"), ("dora_jax.run.evaluation", "RunError"),
+                 ("dora_jax.dora.scheduler", "ScheduleError"), ("dora_jax.tasks.data", "TaskDataError"),
+                 ("dora_jax.run.resume", "ResumeError"), ("dora_jax.run.checkpoint", "CheckpointError"),
+                 ("dora_jax.run.versions", "VersionError"), ("dora_jax.metrics", "MetricsError"),
+                 ("dora_jax.trainer.batch", "BatchError"))
+
+
+def _input_error(e: BaseException) -> bool:
+    return any(isinstance(e, getattr(sys.modules[module], name)) for module, name in _INPUT_ERRORS
+               if module in sys.modules)
 
 
 if __name__ == "__main__":

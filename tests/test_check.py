@@ -19,8 +19,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESETS = ["qwen2_5_1_5b_1gpu", "qwen2_5_7b_8gpu", "llama3_1_8b_v5p64", "llama3_1_8b_v5p64_32k", "qwen3_8b_v5e256"]
 
 
+# `dora-jax check` as the command runs it, then a line saying whether the command's own process imported JAX (the
+# check runs in a child process with the target's device count; its parent only reads the config).
+_COMMAND = ("import sys; from dora_jax.cli import main; code = main(sys.argv[1:]); "
+            "print('parent imported jax:', 'jax' in sys.modules); sys.exit(code)")
+
+
 def _check(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dora_jax.cli", "check", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", _COMMAND, "check", *args], capture_output=True, text=True,
                           cwd=REPO, timeout=600)
 
 
@@ -45,6 +51,7 @@ def test_preset_fits_without_compiling(name):
     cfg = load_config(name)
     assert f"target {cfg.target.num_devices} x {cfg.target.device_kind}" in r.stdout
     assert "OK: fits" in r.stdout and "not compiled" in r.stdout
+    assert "parent imported jax: False" in r.stdout  # only the child starts JAX, with the target's device count
     # The parameter count printed is the model card's (within rounding) and the per-device share of the
     # parameters is that count x 4 bytes (float32) / fsdp x tensor (every weight matrix is sharded).
     billions = float(re.search(r"([0-9.]+)B parameters", r.stdout).group(1))
