@@ -13,7 +13,7 @@ from typing import Any
 
 DEFAULT_CONFIG = "smollm2_135m"
 WHAT = ("load", "engine", "prefill", "decode", "train", "snapshot", "modes", "profile", "convergence", "kernel",
-        "kernel-sweep")
+        "kernel-sweep", "soak")
 NO_OVERRIDES = ("modes", "kernel", "kernel-sweep")  # built from fixed workloads, not from a config
 TWO_HOST_DEVICES = ("modes", "profile")  # trainer and rollout each on a device of their own
 
@@ -47,7 +47,7 @@ def build_parser(prog: str = "dora-jax bench") -> argparse.ArgumentParser:
     b.add_argument("--steps", type=_positive_int, help="modes: updates per run (default 8); convergence: updates "
                    "per run (default: the config's dora.steps)")
     b.add_argument("--plot", help="modes: write the reward, throughput and simulated-vs-measured plot to this PNG; "
-                   "convergence: the reward and accuracy plot")
+                   "convergence: the reward and accuracy plot; soak: memory, arrays, compiles, files, threads, disk")
     b.add_argument("--repeats", type=_positive_int, help="load: repeats per side (default 2); kernel: timed calls "
                    "per point (default 2); kernel-sweep: timed calls per setting (default 50); engine: "
                    "alternated runs of the fixed batch, engine and transformers (default 3); modes: timed runs "
@@ -88,6 +88,11 @@ def build_parser(prog: str = "dora-jax bench") -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="engine --preset cpu: a small form that runs in minutes; "
                    "engine --preset accel: the accelerator's requests, slots and lengths on a two-layer model, a "
                    "replay of its schedule on a CPU (its counts are the accelerator run's)")
+    b.add_argument("--updates", type=_positive_int, help="soak: the run's updates (default 300)")
+    b.add_argument("--sample-every", type=_positive_int, help="soak: updates between samples (default 10)")
+    b.add_argument("--preempt-at", type=_positive_int, help="soak: send SIGTERM after this update (default: drawn "
+                   "from --seed in the run's middle third)")
+    b.add_argument("--seed", type=int, default=0, help="soak: draws the preemption update")
     return b
 
 
@@ -184,6 +189,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from benchmarks import kernel
 
         return kernel.sweep_kernel_tiles(repeats=args.repeats or 50)
+    if args.what == "soak":
+        from benchmarks import soak
+
+        return soak.bench_soak(args.updates or 300, every=args.sample_every or soak.SAMPLE_EVERY,
+                               preempt_at=args.preempt_at, seed=args.seed, overrides=ov,
+                               config=soak.CONFIG if args.config == DEFAULT_CONFIG else args.config)
     raise AssertionError(args.what)  # argparse restricts the choices
 
 
@@ -246,6 +257,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "dora-jax bench") -> int
                         "--eval-size, --decoupled-cap, --config or key=value overrides")
     if args.quick and not (args.what == "engine" and args.preset):
         problems.append(f"{prog} {args.what}: --quick is for engine --preset only")
+    if (args.updates or args.sample_every or args.preempt_at or args.seed) and args.what != "soak":
+        problems.append(f"{prog} {args.what}: --updates, --sample-every, --preempt-at and --seed are for soak only")
+    elif args.preempt_at and args.preempt_at >= (args.updates or 300):
+        problems.append(f"{prog} soak: --preempt-at {args.preempt_at} must come before the last update "
+                        f"({args.updates or 300})")
     if problems:
         print(f"error: {problems[0]}", file=sys.stderr)
         return 2
@@ -268,9 +284,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "dora-jax bench") -> int
     print(json.dumps(result, indent=1))
     if args.json:
         write_json(result, args.json)
-    if args.plot and args.what in ("modes", "convergence"):
-        from benchmarks import convergence, modes
+    if args.plot and args.what in ("modes", "convergence", "soak"):
+        from benchmarks import convergence, modes, soak
 
-        draw = modes.plot_modes if args.what == "modes" else convergence.plot_convergence
+        draw = {"modes": modes.plot_modes, "convergence": convergence.plot_convergence,
+                "soak": soak.plot_soak}[args.what]
         print("plot:", draw(result, args.plot))
     return 0
