@@ -69,7 +69,7 @@ _WORKER = textwrap.dedent("""
            "trainer_devices": int(runner.trainer.mesh.devices.size),
            "rollout_devices": sorted(d.id for d in runner.placement.engine.mesh.devices.flat),
            "local_devices": sorted(d.id for d in jax.local_devices()),
-           "updates": runner.updates, "ledger": runner.sched.state_dict(),
+           "updates": list(runner.updates), "ledger": runner.sched.state_dict(),
            "copy_max_diff": max(float(np.max(np.abs(np.asarray(a) - b))) for a, b in zip(local, full)),
            "tp_ok": tp_ok, "tp_sharded": tp_sharded,
            "copy_sum": sum(float(np.asarray(a, np.float64).sum()) for a in local),
@@ -144,7 +144,7 @@ _SPLIT_WORKER = textwrap.dedent("""
            "trainer_devices": sorted(d.id for d in runner.trainer.mesh.devices.flat),
            "rollout_devices": sorted(d.id for d in runner.placement.engine.mesh.devices.flat),
            "local_devices": sorted(d.id for d in jax.local_devices()),
-           "updates": runner.updates, "ledger": runner.sched.state_dict(),
+           "updates": list(runner.updates), "ledger": runner.sched.state_dict(),
            "copy_max_diff": max(float(np.max(np.abs(np.asarray(a) - b))) for a, b in zip(local, full)),
            "copy_on_own_devices": all({d.process_index for d in x.sharding.device_set} == {jax.process_index()}
                                       for x in local),

@@ -121,7 +121,7 @@ _WORKER = textwrap.dedent("""
     copy = runner.versions.rollout_params(v)[0]
     gathered = lambda t: [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in jax.tree.leaves(t)]
     rec["run"] = {"spans": runner.placement.spans and eng.spans_processes, "generated": runner.rollout.generated,
-                  "updates": runner.updates, "ledger": runner.sched.state_dict(), "summary": summary,
+                  "updates": list(runner.updates), "ledger": runner.sched.state_dict(), "summary": summary,
                   "engine_processes": sorted({d.process_index for d in eng.mesh.devices.flat}),
                   # The moved version is the trainer's, every array on the engine's own mesh (none left on the
                   # trainer's, which would compile the engine's programs again).

@@ -14,6 +14,7 @@ scored.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -45,6 +46,7 @@ from dora_jax.tasks import Task, load_task
 from dora_jax.tokenizer import chat_template_head
 
 log = logging.getLogger(__name__)
+RECENT_UPDATES = 100  # Runner.updates keeps this many
 
 
 class Runner:
@@ -97,7 +99,9 @@ class Runner:
         self.rollout = RolloutSide(cfg, self.sched, self.task, tokenizer, self.driver,
                                    cfg.rollout.slots * len(self.engines), spans=self.placement.spans)
         self.versions = Residency(self.policy.bound + 1, self.placement, self.driver)
-        self.updates: list[dict[str, Any]] = []  # per update: step, trained groups and samples, train metrics
+        # The newest updates (step, trained groups and samples, train metrics), for inspection: metrics.jsonl and
+        # samples.jsonl hold every one, and a run of thousands of updates must not keep them all in memory.
+        self.updates: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_UPDATES)
         self._in_flight: TrainInFlight | None = None
         self._resumed, self._lines = None, {"metrics.jsonl": 0, "samples.jsonl": 0}
         self.disk = {"checkpoint_bytes": 0, "run_dir_bytes": 0}  # as of the newest checkpoint this run wrote
