@@ -3,7 +3,8 @@ engines kept in step with it.
 
 A version's refcount is its samples not yet trained (the ledger's outstanding ones: pending, decoding, or
 finished and waiting for the trainer), and during an evaluation of it (``task.eval_every``) its held-out answers
-not yet decoded. A version that is not the newest and has none is drained: it leaves the store and the engines. The cap, K + 1 versions for staleness bound K, is a hard limit on both sides: a
+not yet decoded. A version that is not the newest and has none is drained: it leaves the store and the engines.
+The cap, K + 1 versions for staleness bound K, is a hard limit on both sides: a
 publish that would exceed it in the store, or a load into rollout engines that already hold K + 1 versions,
 raises instead of holding one more copy of the weights.
 
