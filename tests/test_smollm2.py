@@ -10,12 +10,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 import torch
-import transformers
 from flax import nnx
 
+import hf_smollm2
 from conftest import rel_err
 from dora_jax.config import load_config
-from dora_jax.models.gguf import smollm2_gguf_path
 from dora_jax.models.weights import load_model
 
 pytestmark = pytest.mark.slow
@@ -31,11 +30,7 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def reference(torch_threads):
-    path = smollm2_gguf_path()
-    d, f = os.path.dirname(path), os.path.basename(path)
-    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
-    return tok, model
+    return hf_smollm2.tokenizer(), hf_smollm2.model()
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +75,15 @@ def test_engine_greedy_with_staggered_inserts_matches_transformers(reference, ou
     prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True)) for c in CHATS]
     prompts.append(tok.encode(tok.apply_chat_template([{"role": "user", "content": "Say hi."}])))
     lengths = [20, 8, 14, 11]
-    driver = RolloutDriver(Engine(model, max_concurrent_decodes=4, max_prefill_length=128, max_target_length=160))
+    # Two decode steps per program, so three driver steps are six tokens: each prompt joins while the ones before
+    # it still decode.
+    driver = RolloutDriver(Engine(model, max_concurrent_decodes=4, max_prefill_length=128, max_target_length=160),
+                           decode_steps=2)
     driver.add_version(0, nnx.state(model))
     greedy = RequestSampling(temperature=0.0)
     out = {}
     for i, (ids, n) in enumerate(zip(prompts, lengths)):
+        assert i == 0 or sum(driver.in_flight().values()) > 0, f"prompt {i} would join an idle batch"
         driver.submit(Request(i, tuple(ids), max_new_tokens=n, sampling=greedy))
         for _ in range(3):  # the next prompt arrives three steps later
             out.update({t.sample_id: t for t in driver.step()})

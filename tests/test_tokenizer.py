@@ -1,10 +1,9 @@
 """Our tokenizer and chat template against transformers' tokenizer built from the same GGUF."""
 
-import os
-
 import pytest
 import transformers
 
+import hf_smollm2
 from dora_jax.models.gguf import read_gguf, smollm2_gguf_path
 from dora_jax.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, chat_template_head
 
@@ -18,9 +17,7 @@ CHATS = [[{"role": "user", "content": "What is 2+3?"}],
 
 @pytest.fixture(scope="module")
 def pair():
-    path = smollm2_gguf_path()
-    ref = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    return Tokenizer.from_gguf(read_gguf(path)), ref
+    return Tokenizer.from_gguf(read_gguf(smollm2_gguf_path())), hf_smollm2.tokenizer()
 
 
 def test_encode_decode(pair):
