@@ -1,0 +1,258 @@
+"""Which policy version each rollout group serves when a group holds one version (``roles.versions_per_group: 1``,
+DORA's Algorithm 1), as plain, deterministic Python (no JAX). docs/design.md, "Load balancing", holds the
+reasoning.
+
+The caller (the rollout side) hands :meth:`Balancer.plan` the state of its groups and the requests waiting per
+version, and applies the :class:`Plan` it gets back: first the moves (requests leave their group with their KV
+pages), then each group's version. A group in ``Plan.drain`` admits nothing and keeps its version; the caller
+passes it back with ``draining=True`` until a later plan, once it is empty, gives it another version. A version's
+waiting requests are admitted only by the groups that serve it and do not drain.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Mapping, Sequence
+
+
+class BalancerError(ValueError):
+    """A group count that cannot serve the live versions, or group states that cannot be (named with the numbers)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupState:
+    """One rollout group as the balancer sees it: the version it holds (None: none yet), its decode slots, the
+    requests of that version decoding there, and whether it drains (a previous plan said so)."""
+
+    version: int | None
+    slots: int
+    in_flight: int = 0
+    draining: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """``count`` requests of ``version`` that leave group ``src_group`` for ``dst_group`` with their KV pages."""
+
+    src_group: int
+    dst_group: int
+    version: int
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the groups do next: ``versions[i]`` is the version group ``i`` serves (None: none yet); ``drain`` the
+    groups that finish their requests before changing version; ``moves`` the requests that change group, each to
+    a group of its version; ``targets`` the groups each version with work is owed, as (version, groups); ``reason``
+    what made the plan differ from the groups' state, in words ("" when nothing changes)."""
+
+    versions: tuple[int | None, ...]
+    drain: tuple[int, ...]
+    moves: tuple[Move, ...]
+    targets: tuple[tuple[int, int], ...]
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """A plan that changed something, with the inputs it was made from."""
+
+    groups: tuple[GroupState, ...]
+    waiting: tuple[tuple[int, int], ...]
+    newest: int
+    plan: Plan
+
+
+def targets(work: Mapping[int, int], groups: int, slots: int) -> dict[int, int]:
+    """The groups owed to each version with work.
+
+    Version ``w`` gets ``groups * work[w] / sum(work)`` rounded by largest remainder (ties to the older version),
+    at least one, and at most ``ceil(work[w] / slots)``: what its work fills. What the caps leave over goes to
+    the others; the sum may fall short of ``groups`` (the rest is the newest version's).
+
+    Args:
+        work: requests per version, waiting plus in flight; versions with none are left out of the result.
+        groups: the rollout groups, at least the versions with work.
+        slots: decode slots of one group.
+    """
+    versions = sorted(v for v, r in work.items() if r > 0)
+    if len(versions) > groups:
+        raise BalancerError(f"{len(versions)} versions with work {versions} for {groups} groups: each needs a group")
+    total = sum(work[v] for v in versions)
+    out = {v: 1 for v in versions}
+    cap = {v: -(-work[v] // slots) for v in versions}
+    # One group at a time to the version furthest below its exact share (integers: share * total); from zero this
+    # is the largest-remainder rounding, and starting from the one group each is owed takes it from the largest.
+    for _ in range(groups - len(versions)):
+        open_ = [v for v in versions if out[v] < cap[v]]
+        if not open_:
+            break
+        v = max(open_, key=lambda v: (groups * work[v] - out[v] * total, -v))
+        out[v] += 1
+    return out
+
+
+class Balancer:
+    """Plans which version each of ``groups`` rollout groups serves, one version per group, for at most
+    ``max_live`` live versions (K + 1).
+
+    :meth:`plan` is a function of its arguments: the same inputs give the same plan. ``decisions`` holds the
+    latest ``keep`` plans that changed something (with their inputs, targets and reason); ``counters`` the
+    totals a run's metrics read: plans, changes, groups reassigned, drains started, requests moved.
+
+    Raises:
+        BalancerError: when ``groups < max_live``: a version with work could get no group.
+    """
+
+    def __init__(self, groups: int, *, max_live: int, keep: int = 1000):
+        if max_live < 1:
+            raise BalancerError(f"max_live {max_live}: at least the newest version is live")
+        if groups < max_live:
+            raise BalancerError(f"{groups} rollout groups cannot serve {max_live} live versions (K + 1) at one version "
+                                f"per group: a version with work could get no group; use at least {max_live} groups")
+        self.groups, self.max_live = groups, max_live
+        self.decisions: collections.deque[Decision] = collections.deque(maxlen=keep)
+        self.counters = {"plans": 0, "changes": 0, "reassigned": 0, "drains": 0, "moved": 0}
+
+    def plan(self, groups: Sequence[GroupState], waiting: Mapping[int, int], newest: int, *,
+             can_move: bool = True) -> Plan:
+        """The next plan for ``groups``.
+
+        Args:
+            groups: every group's state, in group order.
+            waiting: requests waiting to be admitted, per version.
+            newest: the newest published version (new prompts go to it).
+            can_move: whether requests may move between groups (their KV pages fit the destinations, and the groups
+                are in one process); otherwise a busy group that must change version drains.
+
+        Raises:
+            BalancerError: naming the bad state (a count out of range, work outside the window of live versions).
+        """
+        groups = tuple(groups)
+        work = self._check(groups, waiting, newest)
+        owed = targets(work, len(groups), min(g.slots for g in groups))
+        plan = _assign(groups, owed, newest, can_move)
+        self._record(groups, waiting, newest, plan)
+        return plan
+
+    def _check(self, groups: tuple[GroupState, ...], waiting: Mapping[int, int], newest: int) -> dict[int, int]:
+        """Refuses impossible states; returns the work (waiting + in flight) of each version."""
+        if len(groups) != self.groups:
+            raise BalancerError(f"{len(groups)} group states for {self.groups} groups")
+        for i, g in enumerate(groups):
+            if g.slots < 1 or not 0 <= g.in_flight <= g.slots:
+                raise BalancerError(f"group {i}: {g.in_flight} in flight in {g.slots} slots")
+            if g.version is None and (g.in_flight or g.draining):
+                raise BalancerError(f"group {i} holds no version but has {g.in_flight} in flight (draining "
+                                    f"{g.draining})")
+        if any(n < 0 for n in waiting.values()):
+            raise BalancerError(f"waiting {dict(waiting)}: counts must be >= 0")
+        work = {v: n for v, n in waiting.items() if n}
+        for g in groups:
+            if g.in_flight:
+                work[g.version] = work.get(g.version, 0) + g.in_flight
+        if work and not newest - self.max_live < min(work) <= max(work) <= newest:
+            raise BalancerError(f"versions with work {sorted(work)}: must lie in the {self.max_live} live versions "
+                                f"up to the newest, {newest}")
+        return work
+
+    def _record(self, groups: tuple[GroupState, ...], waiting: Mapping[int, int], newest: int, plan: Plan) -> None:
+        c = self.counters
+        c["plans"] += 1
+        if not plan.reason:
+            return
+        c["changes"] += 1
+        c["reassigned"] += sum(g.version != v for g, v in zip(groups, plan.versions))
+        c["drains"] += sum(not groups[i].draining for i in plan.drain)
+        c["moved"] += sum(m.count for m in plan.moves)
+        self.decisions.append(Decision(groups, tuple(sorted(waiting.items())), newest, plan))
+
+
+def _give_up(groups: tuple[GroupState, ...], owed: Mapping[int, int]) -> tuple[dict[int, list[int]], list[int]]:
+    """Per version the groups it keeps (its ``owed`` share of the groups it holds), and the others: empty ones
+    first, then a group already draining, then the fewest in flight."""
+    members: dict[int | None, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g.version, []).append(i)
+    kept: dict[int, list[int]] = {}
+    surplus: list[int] = []
+    for v, ids in members.items():
+        order = sorted(ids, key=lambda i: (groups[i].in_flight > 0, not groups[i].draining, groups[i].in_flight, i))
+        give = max(0, len(ids) - (owed.get(v, 0) if v is not None else 0))
+        surplus += order[:give]
+        if v is not None:
+            kept[v] = order[give:]
+    return kept, surplus
+
+
+def _moves(src: int, groups: tuple[GroupState, ...], dsts: list[int], incoming: list[int]) -> list[Move] | None:
+    """Moves that empty group ``src`` into ``dsts`` (groups of its version, most free slots first), or None when
+    they lack the free slots. ``incoming`` counts requests already moved into each group; it is updated."""
+    n, version = groups[src].in_flight, groups[src].version
+    room = {j: groups[j].slots - groups[j].in_flight - incoming[j] for j in dsts}
+    if sum(room.values()) < n:
+        return None
+    out = []
+    for j in sorted(dsts, key=lambda j: (-room[j], j)):
+        k = min(n, room[j])
+        if k > 0:
+            out.append(Move(src, j, version, k))
+            incoming[j] += k
+            n -= k
+    return out
+
+
+def _assign(groups: tuple[GroupState, ...], owed: Mapping[int, int], newest: int, can_move: bool) -> Plan:
+    """The plan: versions under target take empty groups given up first, then busy ones (moved out, or drained)."""
+    kept, surplus = _give_up(groups, owed)
+    # What each version under target still needs, most urgent first: a first group for versions with none (older
+    # first), then the rest (older first).
+    short = {v: t - len(kept.get(v, ())) for v, t in owed.items() if t > len(kept.get(v, ()))}
+    wants = [v for v in sorted(short) if not kept.get(v)]
+    wants += [v for v in sorted(short) for _ in range(short[v] - (not kept.get(v)))]
+    needs = list(wants)
+    free = sorted((i for i in surplus if not groups[i].in_flight), key=lambda i: (groups[i].version == newest, i))
+    busy = sorted((i for i in surplus if groups[i].in_flight),
+                  key=lambda i: (not groups[i].draining, groups[i].in_flight, i))
+    versions = [g.version for g in groups]
+    drain: list[int] = []
+    moves: list[Move] = []
+    incoming = [0] * len(groups)
+    while wants and (free or busy):
+        if free:
+            versions[free.pop(0)] = wants.pop(0)
+            continue
+        i = busy.pop(0)
+        out = _moves(i, groups, kept[groups[i].version], incoming) if can_move else None
+        if out is None:
+            drain.append(i)
+            wants.pop()  # a drain serves the least urgent need: the groups free now go to the most urgent
+        else:
+            moves += out
+            versions[i] = wants.pop(0)
+    idle = sorted(i for i in free if versions[i] != newest)
+    for i in free:  # empty groups no version needs: new prompts arrive on the newest
+        versions[i] = newest
+    reason = _reason(groups, versions, drain, moves, needs, kept, idle, newest)
+    return Plan(tuple(versions), tuple(sorted(drain)), tuple(moves), tuple(sorted(owed.items())), reason)
+
+
+def _reason(groups: tuple[GroupState, ...], versions: list[int | None], drain: list[int], moves: list[Move],
+            needs: list[int], kept: Mapping[int, list[int]], idle: list[int], newest: int) -> str:
+    """Why the plan differs from the groups' state, in words; "" when it does not."""
+    was_draining = [i for i, g in enumerate(groups) if g.draining]
+    if versions == [g.version for g in groups] and not moves and sorted(drain) == was_draining:
+        return ""
+    out = []
+    for v in sorted(set(needs)):
+        have = len(kept.get(v, ()))
+        out.append(f"version {v} has work and no group" if not have else
+                   f"version {v} has {have} of {have + needs.count(v)} groups")
+    if idle:
+        out.append(f"groups {idle} idle: to the newest version {newest}")
+    stopped = [i for i in was_draining if i not in drain and versions[i] == groups[i].version]
+    if stopped:
+        out.append(f"groups {stopped} no longer drain")
+    return "; ".join(out) or "groups reassigned"
