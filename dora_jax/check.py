@@ -160,8 +160,9 @@ def trainer_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
 def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
     """Per-device memory of one rollout group on ``mesh``: resident versions, KV cache, decode-step scratch.
 
-    ``train.max_staleness + 1`` policy versions can be resident at once (DORA's bound), each a full copy of
-    the parameters in ``rollout.dtype`` and the rollout shardings; the KV cache is in ``rollout.dtype`` too.
+    ``train.max_staleness + 1`` policy versions can be resident at once (DORA's bound; one under
+    ``roles.versions_per_group: 1``), each a full copy of the parameters in ``rollout.dtype`` and the rollout
+    shardings; the KV cache is in ``rollout.dtype`` too.
     """
     import jax
     import jax.numpy as jnp
@@ -202,8 +203,9 @@ def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
 
     temp, args = _compile(jax.jit(decode_step, donate_argnums=(1, 2)), (params, decode, pool, tables), mesh, rules,
                           do_compile)
-    # The rollout side holds K + 1 versions at once (the design's promise), each in its decode layout.
-    versions = cfg.train.max_staleness + 1
+    # A group holds every live version, K + 1 at most (the design's promise), each in its decode layout; or one
+    # under roles.versions_per_group 1, counting a group's old version dropped before its new one is loaded.
+    versions = 1 if cfg.roles.versions_per_group == 1 else cfg.train.max_staleness + 1
     parts = {f"params x{versions} versions": versions * per_device_bytes(params),
              "kv cache": per_device_bytes(pool)}
     pool_tokens = pool.k.shape[2] * pool.k.shape[3]

@@ -64,6 +64,12 @@ def test_overrides_and_types():
     ("task.eval_every=-1", "'task.eval_every' = -1: must be >= 0 (0: evaluate before and after training only)"),
     ("train.is_low=1.5", "'train.is_low/is_high' = (1.5, 2.0): need 0 <= is_low < 1 < is_high"),
     ("train.learning_rate=1e-6x", "'train.learning_rate' = '1e-6x': must be a number"),
+    ("roles.versions_per_group=2", "'roles.versions_per_group' = 2: allowed: 'all' (every live version in every "
+                                   "group) or 1"),
+    ("roles.versions_per_group=1", "'roles.versions_per_group' = 1: one version per group needs "
+                                   "roles.rollout_groups >= train.max_staleness + 1 = 2 (the live versions), and "
+                                   "roles.rollout_groups is 1: set roles.rollout_groups to at least 2, "
+                                   "train.max_staleness to at most 0, or roles.versions_per_group to 'all'"),
     ("model", "expected key=value"),
 ])
 def test_validation_messages(override, message):
@@ -189,3 +195,25 @@ def test_to_dict_reads_back_to_the_same_config():
     plain = cfg.to_dict()
     assert plain["mesh"]["logical_axis_rules"]["batch"] == ["data", "fsdp"]
     assert from_dict(Config, plain) == cfg
+
+
+def test_one_version_per_group_is_checked_and_refused_by_the_runner():
+    """``roles.versions_per_group: 1`` loads with enough groups for the live versions; the runner refuses it until
+    it drives the balancer, and the default leaves a run's fingerprint as it was."""
+    from dora_jax.run.resume import run_fingerprint
+    from dora_jax.run.evaluation import RunError
+    from dora_jax.run.setup import check_placement
+
+    with pytest.raises(ConfigError, match=r"rollout_groups >= train.max_staleness \+ 1 = 3 .* roles.rollout_groups "
+                                          "is 2"):
+        load_config("tiny_llama", ["roles.versions_per_group=1", "roles.rollout_groups=2", "train.max_staleness=2"])
+    cfg = load_config("tiny_llama", ["roles.versions_per_group=1", "roles.rollout_groups=2"])
+    assert cfg.roles.versions_per_group == 1
+    with pytest.raises(RunError, match="roles.versions_per_group = 1: one policy version per rollout group is not "
+                                       "yet supported by the runner, only by the balancer"):
+        check_placement(cfg, False, None)
+    default = load_config("tiny_llama")
+    assert default.roles.versions_per_group == "all"
+    check_placement(default, False, None)
+    assert run_fingerprint(load_config("tiny_llama", ["roles.versions_per_group=all"])) == run_fingerprint(default)
+    assert run_fingerprint(cfg) != run_fingerprint(load_config("tiny_llama", ["roles.rollout_groups=2"]))

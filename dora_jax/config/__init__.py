@@ -86,6 +86,14 @@ class Config:
         if self.rollout.max_new_tokens > t.max_response_tokens:
             _fail("rollout.max_new_tokens", self.rollout.max_new_tokens,
                   f"must be <= train.max_response_tokens ({t.max_response_tokens})")
+        live, groups = t.max_staleness + 1, self.roles.rollout_groups
+        if self.roles.versions_per_group == 1 and groups < live:
+            # With fewer groups than live versions a version with work can get none; when that is the oldest, the
+            # trainer waits on it while newer versions hold every group (docs/design.md, "Load balancing").
+            _fail("roles.versions_per_group", 1, f"one version per group needs roles.rollout_groups >= "
+                  f"train.max_staleness + 1 = {live} (the live versions), and roles.rollout_groups is {groups}: "
+                  f"set roles.rollout_groups to at least {live}, train.max_staleness to at most {groups - 1}, or "
+                  "roles.versions_per_group to 'all'")
         if self.roles.placement == "split" and self.roles.trainer_devices >= self.target.num_devices:
             _fail("roles.trainer_devices", self.roles.trainer_devices,
                   f"must leave rollout devices: < target.num_devices ({self.target.num_devices})")

@@ -102,6 +102,7 @@ class TaskConfig:
 
 _PLACEMENTS = ("shared", "split")
 ROLLOUT_SPANS = ("process", "all")  # roles.rollout_span: one engine per process, or one over every process
+VERSIONS_PER_GROUP = ("all", 1)  # roles.versions_per_group: every live version in every group, or one per group
 _TASK_NAMES = ("arithmetic", "gsm8k", "math", "code", "longtail")
 _REWARD_NAMES = ("math",)
 
@@ -135,7 +136,12 @@ class RolesConfig:
     process its own rollout engine on its own devices, generating every P-th group; ``all`` builds one engine
     on a ``(rollout_data, 1, rollout_tensor)`` mesh over the rollout devices of every process, which every
     process drives with the same calls, so a policy larger than one host's devices can be served (shared
-    placement only; docs/scale.md)."""
+    placement only; docs/scale.md).
+
+    ``versions_per_group``: the policy versions one rollout group holds. ``all`` (default): every live version, up
+    to ``train.max_staleness + 1``; ``1``: one, groups reassigned between versions by their work (DORA's load
+    balancing, ``dora/balancer.py``), which needs ``rollout_groups >= train.max_staleness + 1``. The runner does not
+    drive ``1`` yet; ``dora-jax check`` sizes memory for it (docs/design.md, "Load balancing")."""
 
     placement: str = "shared"
     trainer_devices: int = 0
@@ -143,6 +149,7 @@ class RolesConfig:
     rollout_data: int = 1
     rollout_tensor: int = -1
     rollout_span: str = "process"
+    versions_per_group: int | str = "all"
 
     def validate(self, path: str = "roles") -> None:
         if self.placement not in _PLACEMENTS:
@@ -159,6 +166,9 @@ class RolesConfig:
         if self.rollout_span not in ROLLOUT_SPANS:
             _fail(f"{path}.rollout_span", self.rollout_span, f"allowed: {', '.join(ROLLOUT_SPANS)} (process: an "
                   "engine per process on its own devices; all: one engine over every process's rollout devices)")
+        if self.versions_per_group not in VERSIONS_PER_GROUP or isinstance(self.versions_per_group, bool):
+            _fail(f"{path}.versions_per_group", self.versions_per_group, "allowed: 'all' (every live version in every "
+                  "group) or 1 (one version per group, groups reassigned by work)")
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,7 @@ def check_multiprocess(cfg: Config, placement: Any) -> None:
 def check_placement(cfg: Config, multi: bool, placement: Any) -> None:
     """A placement given to a run was built for the same model and initial weights (its trainer, engines and
     initial state are what the run uses, whatever ``cfg`` says); rollout groups are disjoint device sets of a
-    split placement, in one process.
+    split placement, in one process, each holding every live version (``roles.versions_per_group: all``).
 
     Raises:
       RunError: naming the setting that differs or cannot work.
@@ -135,6 +135,10 @@ def check_placement(cfg: Config, multi: bool, placement: Any) -> None:
                 raise RunError(f"Runner(placement=...): the placement was built for another {name} ({there!r}) "
                                f"than this run's ({here!r}); its model, initial weights and devices are the "
                                "placement's: build one for this config")
+    if cfg.roles.versions_per_group != "all":
+        raise RunError(f"roles.versions_per_group = {cfg.roles.versions_per_group!r}: one policy version per rollout "
+                       "group is not yet supported by the runner, only by the balancer (dora_jax.dora.balancer) and "
+                       "`dora-jax check`; use roles.versions_per_group=all")
     if cfg.roles.rollout_groups > 1 and (cfg.roles.placement != "split" or multi):
         why = ("several processes (each decodes its own share on its own devices)" if multi else
                f"roles.placement={cfg.roles.placement!r} (every group would be the same devices)")
