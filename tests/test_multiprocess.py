@@ -31,6 +31,8 @@ OVERRIDES = ["dora.mode=dora", f"dora.steps={STEPS}", f"dora.train_batch={TBS}",
              "rollout.max_new_tokens=16", "rollout.max_prompt_len=32", "task.name=longtail",
              "task.longtail_max_len=16", "task.eval_size=2", "train.length_buckets=[64]",
              "train.max_response_tokens=16", "run.checkpoint_every=1",
+             # tensorboardX imports torch where it is installed (as here): seconds per process, and not tried here.
+             "metrics.tensorboard=false",
              # The trainer shards params and optimizer state over all eight devices of both processes; each
              # process decodes on its own four devices (data-parallel rows, weights replicated).
              "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1", "roles.rollout_data=4", "roles.rollout_tensor=1"]
@@ -87,7 +89,7 @@ SPLIT_STEPS = 5
 SPLIT = [o for o in OVERRIDES if not o.startswith(("mesh.", "roles.", "dora.steps"))] + [f"dora.steps={SPLIT_STEPS}",
     "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=1", "roles.placement=split", "roles.trainer_devices=2",
     "roles.rollout_data=1", "roles.rollout_tensor=1", "target.num_devices=4", "train.correction=decoupled",
-    "train.behaviour_logprobs=recompute", "train.minibatches=2", "task.reward=test_multiprocess:spread_reward",
+    "train.behaviour_logprobs=recompute", "train.minibatches=2", "task.reward=toy_rewards:spread_reward",
     # Every checkpoint kept, and with them a snapshot of every version that had samples in flight: the worker
     # recomputes trained samples' log-probs from their own versions.
     f"run.keep_checkpoints={SPLIT_STEPS}"]
@@ -153,20 +155,6 @@ _SPLIT_WORKER = textwrap.dedent("""
     with open(out, "w") as f:
         json.dump(rec, f)
 """)
-
-
-def spread_reward(prompt, response, answer):
-    """A reward that differs between a group's responses, however short (the tiny model's are often one
-    token), so that every update moves the policy."""
-    return sum(map(ord, response)) % 7 / 6
-
-
-def reward_refused_on_process_1(prompt, response, answer):
-    """A reward that fails on process 1 only: its ledger filters what process 0's finishes. Rewards run in worker
-    processes that never join the cluster, so the process is read from the launch's DORA_PROCESS_ID."""
-    if os.environ.get("DORA_PROCESS_ID") == "1":
-        raise ValueError("refused on process 1")
-    return sum(c.isdigit() for c in response) / max(len(response), 1)
 
 
 def _free_port() -> int:
@@ -294,7 +282,7 @@ def test_two_processes_run_dora_end_to_end_and_agree(tmp_path):
      "RunError: at startup: config fingerprint differs between processes: process 0 has"),
     # Rewards that differ between processes: process 0 has a first batch, process 1 none; both stop, naming it.
     # (No evaluation: it scores on its own, and a process that raises alone leaves the other waiting.)
-    (lambda pid: ["task.reward=test_multiprocess:reward_refused_on_process_1", "task.eval_size=0"],
+    (lambda pid: ["task.reward=toy_rewards:reward_refused_on_process_1", "task.eval_size=0"],
      "RunError: before update 1: the batch to train differs between processes: process 0 has ["),
 ], ids=["config_differs", "rewards_differ"])
 def test_processes_that_cannot_agree_stop_together_naming_the_cause(tmp_path, extra_of, message):

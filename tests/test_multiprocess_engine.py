@@ -28,6 +28,7 @@ RUN = ["dora.mode=dora", f"dora.steps={STEPS}", f"dora.train_batch={TBS}", "dora
        f"train.max_staleness={K}", "train.group_size=4", "train.learning_rate=0.003", "rollout.slots=8",
        "rollout.max_new_tokens=16", "rollout.max_prompt_len=32", "task.name=longtail", "task.longtail_max_len=16",
        "task.eval_size=2", "train.length_buckets=[64]", "train.max_response_tokens=16", "run.checkpoint_every=0",
+       "metrics.tensorboard=false",  # tensorboardX imports torch where it is installed: seconds per process
        "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=1", "roles.rollout_span=all", "roles.rollout_data=2",
        "roles.rollout_tensor=2"]
 

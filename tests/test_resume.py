@@ -45,7 +45,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["dora.steps=4", "dora.train_batch=8", "train.group_size=4", "train.learning_rate=0.003", "rollout.slots=8",
         "rollout.max_new_tokens=24", "rollout.max_prompt_len=32", "task.name=longtail", "task.longtail_max_len=24",
         "task.eval_size=0", "train.length_buckets=[64]", "train.max_response_tokens=24",
-        "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "task.reward=test_resume:varied_reward"]
+        "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "task.reward=toy_rewards:varied_reward"]
 SYNC = BASE + ["dora.mode=sync", "dora.rollout_batch=8"]
 
 CHILD = """
@@ -64,13 +64,6 @@ if kill_after:
 result = runner.Runner(load_config("tiny_llama", overrides), run_dir, progress=False).run()
 print(json.dumps({k: result.get(k) for k in ("preempted", "signal", "step", "checkpoint")}))
 """
-
-
-def varied_reward(prompt, response, answer):
-    """A reward that differs between the members of a group (a function of the response bytes), so every
-    update has non-zero advantages and changes the policy: versions differ, and a sample regenerated on the
-    wrong version would show it."""
-    return sum(response.encode()) % 10 / 10
 
 
 @pytest.fixture(scope="module")

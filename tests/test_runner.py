@@ -56,47 +56,6 @@ def read_samples(run_dir):
         return [json.loads(line) for line in f]
 
 
-FIRST_QUESTION = load_task(tiny().task).train_item(0).prompt
-
-
-def fails_on(prompt, response):
-    """Where the two reward functions below fail: on responses that start with a lower-case letter (as many as
-    sampling gives, which is none in some runs: 2 of 8 rollout seeds measured), and on every response to the
-    task's first question (the first group's, whatever is sampled: so every run meets failures)."""
-    return response[:1].islower() or prompt == FIRST_QUESTION
-
-
-def raise_on_some_responses(prompt, response, answer):
-    if fails_on(prompt, response):
-        raise ValueError("cannot score this response")
-    return sum(c.isdigit() for c in response) / max(len(response), 1)
-
-
-def hang_on_some_responses(prompt, response, answer):
-    """Hangs (far past the timeout) where the other one raises."""
-    if fails_on(prompt, response):
-        time.sleep(30)
-    return sum(c.isdigit() for c in response) / max(len(response), 1)
-
-
-def always_raise(prompt, response, answer):
-    raise RuntimeError("broken reward")
-
-
-def hang_on_even_prompt(prompt, response, answer):
-    """Hangs (far past the timeout) on the questions whose prompt's bytes have an even sum."""
-    if sum(prompt.encode()) % 2 == 0:
-        time.sleep(30)
-    return 1.0
-
-
-def raise_on_even_prompt(prompt, response, answer):
-    """Fails on the questions whose prompt's bytes have an even sum, whatever the response."""
-    if sum(prompt.encode()) % 2 == 0:
-        raise ValueError(f"even prompt {prompt!r}")
-    return 1.0
-
-
 @pytest.mark.parametrize("mode,k,rbs,placement,overlap", [
     ("sync", 0, 8, "shared", False), ("one_step_off", 1, 8, "shared", False), ("dora", 2, 24, "shared", False),
     ("dora", 2, 24, "shared", True), ("dora", 2, 24, "split", False), ("dora", 2, 24, "split2", False)])
@@ -247,7 +206,7 @@ def test_sync_mode_is_reproducible(tmp_path, shared, published):
     ("hang_on_some_responses", "reward function timed out after 0.5s")])
 def test_failing_rewards_filter_samples_and_the_run_goes_on(tmp_path, shared, reward, reason):
     cfg = tiny("dora.mode=dora", "dora.rollout_batch=16", "dora.steps=2",
-               f"task.reward=test_runner:{reward}", "task.reward_timeout_s=0.5", "task.eval_size=0")
+               f"task.reward=toy_rewards:{reward}", "task.reward_timeout_s=0.5", "task.eval_size=0")
     t0 = time.perf_counter()
     summary = Runner(cfg, str(tmp_path), **shared()).run()
     assert time.perf_counter() - t0 < 120  # hung calls are abandoned, not waited for
@@ -263,14 +222,14 @@ def test_failing_rewards_filter_samples_and_the_run_goes_on(tmp_path, shared, re
 
 
 def test_a_reward_that_always_fails_stops_the_run_with_the_reason(tmp_path, shared):
-    cfg = tiny("dora.mode=sync", "dora.rollout_batch=8", "dora.steps=1", "task.reward=test_runner:always_raise",
+    cfg = tiny("dora.mode=sync", "dora.rollout_batch=8", "dora.steps=1", "task.reward=toy_rewards:always_raise",
                "task.eval_size=0")
     with pytest.raises(RunError, match="RuntimeError: broken reward"):
         Runner(cfg, str(tmp_path), **shared()).run()
 
 
 def test_evaluation_counts_failed_scores_as_wrong_and_names_them(tmp_path, shared, caplog):
-    cfg = tiny("dora.mode=sync", "dora.rollout_batch=8", "task.reward=test_runner:raise_on_even_prompt",
+    cfg = tiny("dora.mode=sync", "dora.rollout_batch=8", "task.reward=toy_rewards:raise_on_even_prompt",
                "task.eval_size=8", "task.eval_samples=2", "task.eval_temperature=1.0")
     runner = Runner(cfg, str(tmp_path), **shared())
     even = sum(sum(it.prompt.encode()) % 2 == 0 for it in runner.task.eval_items())
@@ -283,7 +242,7 @@ def test_evaluation_counts_failed_scores_as_wrong_and_names_them(tmp_path, share
     assert "reward function raised ValueError: even prompt" in caplog.text
     # A hung reward function is timed out under task.reward_timeout_s in evaluation too (it used to hang the run).
     caplog.clear()
-    hung = Runner(tiny("dora.mode=sync", "dora.rollout_batch=8", "task.reward=test_runner:hang_on_even_prompt",
+    hung = Runner(tiny("dora.mode=sync", "dora.rollout_batch=8", "task.reward=toy_rewards:hang_on_even_prompt",
                        "task.eval_size=8", "task.reward_timeout_s=0.5"), str(tmp_path / "h"), **shared())
     t0 = time.perf_counter()
     with caplog.at_level("WARNING"):
@@ -296,7 +255,7 @@ def test_evaluation_counts_failed_scores_as_wrong_and_names_them(tmp_path, share
                        r"32 \(task.eval_max_new_tokens = 32\), but the rollout engine takes prompts of at most 32 "
                        r"tokens \(rollout.max_prompt_len\) and 64 positions in all"):
         runner.evaluate(0)
-    runner = Runner(tiny("dora.mode=sync", "dora.rollout_batch=8", "task.reward=test_runner:always_raise",
+    runner = Runner(tiny("dora.mode=sync", "dora.rollout_batch=8", "task.reward=toy_rewards:always_raise",
                          "task.eval_size=4"), str(tmp_path / "b"), **shared())
     with pytest.raises(RunError, match=r"scoring failed on 4 of 4 held-out answers \(version 0\); the first: "
                        r"held-out question 0: reward function raised RuntimeError: broken reward"):
@@ -319,7 +278,7 @@ def test_bad_run_configs_are_named(tmp_path):
     with pytest.raises(ConfigError, match="task.reward: cannot import module 'no_such_module'"):
         Runner(tiny("task.reward=no_such_module:f"), str(tmp_path / "r"), progress=False)
     with pytest.raises(ConfigError, match="module 'test_runner' has no attribute 'missing'"):
-        Runner(tiny("task.reward=test_runner:missing"), str(tmp_path / "r2"), progress=False)
+        Runner(tiny("task.reward=toy_rewards:missing"), str(tmp_path / "r2"), progress=False)
     with pytest.raises(RunError, match=r"roles.rollout_groups = 2: .* not with roles.placement='shared'"):
         Runner(tiny("roles.rollout_groups=2"), str(tmp_path / "r3"), progress=False)
     # Checked under several processes only (one process has no engine to span), before anything is built.
@@ -364,20 +323,12 @@ def test_an_iteration_with_no_applied_update_publishes_nothing_and_loses_nothing
     assert max(e.version for e in ledger.entries.values()) <= 3  # nothing on a version that never existed
 
 
-def constant_on_even_prompt(prompt, response, answer):
-    """1 on the questions whose prompt's bytes have an even sum (a group there always agrees), else the dense
-    mean-character-code reward (its samples almost never tie)."""
-    if sum(prompt.encode()) % 2 == 0:
-        return 1.0
-    return float(np.mean([min(ord(c), 255) for c in response]) / 255) if response else 0.0
-
-
 @pytest.mark.parametrize("mode,rbs", [("sync", 8), ("dora", 16)])
 def test_dynamic_sampling_trains_only_groups_that_disagree(tmp_path, shared, mode, rbs):
     """DAPO's dynamic sampling: a group whose rewards are all equal is filtered with the reason and another is
     drawn, so every trained batch is full and every trained group has an advantage to learn from."""
     cfg = tiny(f"dora.mode={mode}", f"dora.rollout_batch={rbs}", "train.dynamic_sampling=true",
-               "task.reward=test_runner:constant_on_even_prompt")
+               "task.reward=toy_rewards:constant_on_even_prompt")
     summary = Runner(cfg, str(tmp_path), **shared()).run()
     assert summary["samples"] == 32 and summary["filtered"] > 0
     assert any(r.startswith("dynamic sampling: all 4 rewards equal (1)") for r in summary["filtered_reasons"])

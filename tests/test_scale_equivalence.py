@@ -35,15 +35,9 @@ STEPS = 3
 RUN = [f"dora.steps={STEPS}", "dora.mode=sync", "dora.train_batch=8", "dora.rollout_batch=8", "train.group_size=4",
        "train.max_staleness=0", "train.learning_rate=0.003", "train.eps=0.000001", "train.kl_coef=0.1",
        "rollout.slots=8", "rollout.max_new_tokens=16", "rollout.max_prompt_len=32", "task.name=longtail",
-       "task.longtail_max_len=16", "task.eval_size=0", "task.reward=test_scale_equivalence:mean_char_code",
+       "task.longtail_max_len=16", "task.eval_size=0", "task.reward=toy_rewards:mean_char_code",
        "train.length_buckets=[64]", "train.max_response_tokens=16", "run.checkpoint_every=0", "run.seed=3"]
 ONE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]
-
-
-def mean_char_code(prompt, response, answer):
-    """A dense reward (the response's mean character code, in [0, 1]): samples of a group almost never tie,
-    so every group has nonzero advantages and every step a real update."""
-    return float(np.mean([min(ord(c), 255) for c in response]) / 255) if response else 0.0
 
 
 def _run(run_dir, cfg, model, devices, published):
