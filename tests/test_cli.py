@@ -35,7 +35,7 @@ def test_a_run_directory_that_cannot_be_continued_exits_2(capsys, tmp_path):
         "config.json", "metrics.jsonl"]
 
 
-def test_export_random_model_on_fake_devices(tmp_path):
+def test_export_random_model_on_fake_devices(tmp_path, capsys):
     """`dora-jax export` of the sharded tiny config (2x2x2 mesh) in a fresh process with 8 fake devices, asked
     for the way a user would (the device count only): the command adds the collective-order flag before JAX
     starts, so create_mesh has nothing to warn about."""
@@ -47,10 +47,11 @@ def test_export_random_model_on_fake_devices(tmp_path):
     assert "RuntimeWarning" not in proc.stderr and SAFE_COLLECTIVES not in proc.stderr, proc.stderr
     with open(out / "config.json") as f:
         assert json.load(f)["num_attention_heads"] == 8
-    # Refuses to overwrite what is there.
-    proc = subprocess.run([sys.executable, "-m", "dora_jax.cli", "export", "--config", "tiny_llama", "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "exists and is not empty" in proc.stderr
+    # Refuses to overwrite what is there (before any work: here, in the test's process).
+    before = {p: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert main(["export", "--config", "tiny_llama", "--out", str(out)]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+    assert {p: p.stat().st_mtime_ns for p in out.iterdir()} == before
 
 
 def test_overrides_may_follow_options(capsys, tmp_path):
