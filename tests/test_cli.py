@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from dora_jax.cli import main
-from dora_jax.xla_flags import SAFE_COLLECTIVES
+from dora_jax.xla_flags import FUSION_EMITTERS, OPT_LEVEL, SAFE_COLLECTIVES
 
 
 def test_bad_override_exits_2(capsys):
@@ -40,7 +40,9 @@ def test_export_random_model_on_fake_devices(tmp_path, capsys):
     for the way a user would (the device count only): the command adds the collective-order flag before JAX
     starts, so create_mesh has nothing to warn about."""
     out = tmp_path / "hf"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    # The suite's compiler settings besides (tests/conftest.py): they leave the collectives' order to the command.
+    flags = f"--xla_force_host_platform_device_count=8 {OPT_LEVEL}=0 {FUSION_EMITTERS}=false"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "dora_jax.cli", "export", "--config", "tiny_llama", "--out", str(out)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
