@@ -197,9 +197,10 @@ def test_to_dict_reads_back_to_the_same_config():
     assert from_dict(Config, plain) == cfg
 
 
-def test_one_version_per_group_is_checked_and_refused_by_the_runner():
-    """``roles.versions_per_group: 1`` loads with enough groups for the live versions; the runner refuses it until
-    it drives the balancer, and the default leaves a run's fingerprint as it was."""
+def test_one_version_per_group_is_checked_and_refused_where_the_runner_cannot_drive_it():
+    """``roles.versions_per_group: 1`` loads with enough groups for the live versions; the runner drives it in one
+    process under split placement and refuses it under shared placement and under several processes, saying why;
+    the default leaves a run's fingerprint as it was."""
     from dora_jax.run.resume import run_fingerprint
     from dora_jax.run.evaluation import RunError
     from dora_jax.run.setup import check_placement
@@ -209,9 +210,15 @@ def test_one_version_per_group_is_checked_and_refused_by_the_runner():
         load_config("tiny_llama", ["roles.versions_per_group=1", "roles.rollout_groups=2", "train.max_staleness=2"])
     cfg = load_config("tiny_llama", ["roles.versions_per_group=1", "roles.rollout_groups=2"])
     assert cfg.roles.versions_per_group == 1
-    with pytest.raises(RunError, match="roles.versions_per_group = 1: one policy version per rollout group is not "
-                                       "yet supported by the runner, only by the balancer"):
+    with pytest.raises(RunError, match="roles.versions_per_group = 1 with roles.placement='shared': shared placement "
+                                       "has one rollout group, on the trainer's own devices"):
         check_placement(cfg, False, None)
+    split = load_config("tiny_llama", ["roles.versions_per_group=1", "roles.rollout_groups=2", "roles.placement=split",
+                                       "roles.trainer_devices=4", "target.num_devices=8", "mesh.data=1"])
+    check_placement(split, False, None)
+    with pytest.raises(RunError, match=r"roles.versions_per_group = 1 under several processes .* would have to be "
+                                       "agreed by every process at the same step"):
+        check_placement(split, True, None)
     default = load_config("tiny_llama")
     assert default.roles.versions_per_group == "all"
     check_placement(default, False, None)

@@ -48,7 +48,7 @@ SUMMARY = {
     # One kept checkpoint (the demo's run.keep_checkpoints) in a directory that also holds snapshots and files.
     "checkpoint_bytes": lambda v: isinstance(v, int) and v > 0, "run_dir_bytes": lambda v: isinstance(v, int) and v > 0,
     "samples_per_s": POSITIVE, "gen_tok_s": POSITIVE, "trainer_idle_fraction": FRACTION,
-    "max_resident_versions": _in(1, K + 1), "placement": lambda v: v == "shared", "rollout_groups": _count(1),
+    "max_resident_versions": _in(1, K + 1), "max_versions_per_group": _in(1, K + 1), "placement": lambda v: v == "shared", "rollout_groups": _count(1),
     "sync_s": lambda v: v == 0.0, "slot_utilization": _in(1e-12, 1.0),
     "config_fingerprint": lambda v: isinstance(v, str) and len(v) >= 8, "resumed": lambda v: v is False,
     "processes": _count(1),

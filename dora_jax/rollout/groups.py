@@ -1,10 +1,12 @@
 """Several rollout drivers, each over its own engine on its own devices (``roles.rollout_groups``: data-parallel
-rollout), driven as one driver."""
+rollout), driven as one driver: every group holding every live version (:class:`DriverGroups`), or one version
+per group, reassigned by the balancer's plans (:class:`VersionGroups`, ``roles.versions_per_group: 1``)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
+from dora_jax.dora.balancer import GroupState, Plan
 from dora_jax.rollout.driver import Request, RolloutDriver, Trajectory, run_all
 from dora_jax.rollout.engine import EngineError
 
@@ -140,3 +142,132 @@ class DriverGroups:
     def decode_steps_per_dispatch(self) -> float:
         """Device decode steps per host dispatch over every group (:attr:`RolloutDriver.decode_steps_per_dispatch`)."""
         return self.steps / max(self.dispatches, 1)
+
+
+class VersionGroups(DriverGroups):
+    """Rollout groups that each hold at most one policy version (``roles.versions_per_group: 1``, DORA's
+    Algorithm 1), reassigned between versions by the balancer's plans (:meth:`apply` takes a
+    :class:`~dora_jax.dora.balancer.Plan`).
+
+    A group serves the version whose weights it holds (:attr:`serving`; None before its first). A request goes to
+    a group serving its version and not draining, the one with the most free slots (ties to the lower group); a
+    caller admits a version's requests only into :meth:`free_slots` of that version. A group changes version
+    only when it is empty: its old version is removed (the driver waits for a decode step still computing with
+    it) before the new one's weights are loaded, so no group ever holds two versions (:attr:`max_held` 1).
+    Versions are loaded per group by :meth:`apply`, never into every group (:meth:`add_version` refuses).
+    """
+
+    def __init__(self, drivers: Sequence[RolloutDriver]):
+        super().__init__(drivers)
+        self.serving: list[int | None] = [None] * len(self.drivers)
+        self.draining: set[int] = set()
+        self.loads = [0] * len(self.drivers)  # versions loaded into each group (its first one included)
+        self.max_versions = 0  # the most versions all groups together held at once
+
+    def add_version(self, version: int, params_per_group: Sequence[Any]) -> None:
+        raise EngineError(f"policy version {version}: at one version per rollout group a version is loaded into the "
+                          "groups a balancer's plan gives it (VersionGroups.apply), not into every group")
+
+    def remove_version(self, version: int) -> None:
+        """Unloads ``version`` from the groups that serve it (none is fine: a drained version may have lost its
+        groups already); they serve nothing until a plan gives them a version.
+
+        Raises:
+          EngineError: a group serving it still has requests of it.
+        """
+        for i, v in enumerate(self.serving):
+            if v == version:
+                self.drivers[i].remove_version(version)
+                self.serving[i] = None
+                self.draining.discard(i)
+
+    @property
+    def versions(self) -> list[int]:
+        """The versions some group serves."""
+        return sorted({v for v in self.serving if v is not None})
+
+    def group_in_flight(self, group: int) -> int:
+        """Requests submitted to ``group`` and not finished (decoding or pending in its driver)."""
+        return sum(self.drivers[group].in_flight().values())
+
+    def group_slots(self, group: int) -> int:
+        return self.drivers[group].engine.max_concurrent_decodes
+
+    def admitting(self, version: int) -> list[int]:
+        """The groups that take new requests of ``version``: those serving it that do not drain."""
+        return [i for i, v in enumerate(self.serving) if v == version and i not in self.draining]
+
+    def free_slots(self, version: int) -> int:
+        """Free decode slots of the groups that take new requests of ``version`` (0 when none does)."""
+        return sum(max(0, self.group_slots(i) - self.group_in_flight(i)) for i in self.admitting(version))
+
+    def group_for(self, version: int) -> int | None:
+        """The group a new request of ``version`` goes to: of :meth:`admitting`, the one with the most free slots
+        (ties to the lower group); None when no group takes them."""
+        groups = self.admitting(version)
+        if not groups:
+            return None
+        return max(groups, key=lambda i: (self.group_slots(i) - self.group_in_flight(i), -i))
+
+    def driver_for(self, version: int) -> RolloutDriver | None:
+        """The driver of :meth:`group_for`'s group (None when no group takes requests of ``version``)."""
+        group = self.group_for(version)
+        return None if group is None else self.drivers[group]
+
+    def submit(self, request: Request) -> None:
+        """Submits ``request`` to :meth:`group_for` its version.
+
+        Raises:
+          EngineError: no group takes requests of its version (naming what each group serves).
+        """
+        group = self.group_for(request.version)
+        if group is None:
+            raise EngineError(f"request {request.sample_id}: no rollout group takes requests of policy version "
+                              f"{request.version} (the groups serve {self.serving}, draining "
+                              f"{sorted(self.draining)}); admit only into free_slots(version)")
+        self.drivers[group].submit(request)
+
+    def states(self) -> tuple[GroupState, ...]:
+        """Every group as the balancer sees it (:class:`~dora_jax.dora.balancer.GroupState`), in group order."""
+        return tuple(GroupState(v, self.group_slots(i), self.group_in_flight(i), i in self.draining)
+                     for i, v in enumerate(self.serving))
+
+    def apply(self, plan: Plan, load: Callable[[int, int], Any]) -> list[int]:
+        """Applies ``plan``: the groups in ``plan.drain`` admit nothing new; each group whose version changes,
+        which must be empty, drops its old version's weights and then takes ``load(group, version)``, the new
+        version's params placed on that group's devices. Returns the groups that changed version.
+
+        Raises:
+          EngineError: the plan moves requests between groups (not built: plans are made with ``can_move=False``),
+            has another number of groups, or changes the version of a group that still has requests.
+        """
+        if plan.moves:
+            raise EngineError(f"plan moves requests between groups {plan.moves}: moving requests with their KV pages "
+                              "is not built; plan with can_move=False (busy groups drain)")
+        if len(plan.versions) != len(self.drivers):
+            raise EngineError(f"plan for {len(plan.versions)} groups applied to {len(self.drivers)}")
+        changed = [i for i, v in enumerate(plan.versions) if v != self.serving[i]]
+        busy = [i for i in changed if self.group_in_flight(i)]
+        if busy:
+            raise EngineError(f"plan changes the version of groups {busy}, which still have requests "
+                              f"{[self.group_in_flight(i) for i in busy]}: a busy group drains first")
+        self.draining = set(plan.drain)
+        for i in changed:
+            old, new = self.serving[i], plan.versions[i]
+            if old is not None:
+                self.drivers[i].remove_version(old)  # before the new weights arrive: one version per group
+                self.serving[i] = None
+            if new is not None:
+                self.drivers[i].add_version(new, load(i, new))
+                self.serving[i] = new
+                self.loads[i] += 1
+        self._count()
+        return changed
+
+    def _count(self) -> None:
+        self.max_versions = max(self.max_versions, len(self.held()))
+
+    def step(self) -> list[Trajectory]:
+        out = super().step()
+        self._count()
+        return out

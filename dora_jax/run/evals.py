@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 
 from dora_jax.config import Config
 from dora_jax.rewards import RewardPool, RewardResult
-from dora_jax.rollout.driver import Request, Trajectory
+from dora_jax.rollout.driver import Request, RolloutDriver, Trajectory
 from dora_jax.run.evaluation import EVAL_IDS, heldout_requests, heldout_result, score
 from dora_jax.tasks import Item, Task
 
@@ -54,7 +54,8 @@ class HeldOutEvals:
     Args:
       cfg: the run's config (``task.eval_*``, ``dora.steps``).
       task, tokenizer: the run's.
-      engine: the first rollout group's engine (the one the evaluations decode on).
+      engine: the first rollout group's engine (the held-out prompts are checked against its limits; every
+        group's engine has the same).
       rewards: the run's reward pool (held-out answers are keyed by negative numbers there).
       generates: whether this process decodes a request, by its index (under several processes each decodes its
         share and the answers are exchanged with the training samples).
@@ -67,7 +68,8 @@ class HeldOutEvals:
         self._items: list[Item] | None = None
         self._requests: list[Request] = []
         self._evals: dict[int, _Eval] = {}
-        self._live: set[tuple[int, int]] = set()  # (version, sample id) this process submitted, not yet answered
+        # (version, sample id) this process submitted and not yet answered -> the group driver decoding it
+        self._live: dict[tuple[int, int], RolloutDriver] = {}
 
     def due(self, version: int) -> bool:
         """Whether publishing ``version`` starts an evaluation."""
@@ -90,18 +92,25 @@ class HeldOutEvals:
         """This process's requests not submitted yet."""
         return sum(len(e.waiting) for e in self._evals.values())
 
-    def admit(self, driver: Any) -> None:
-        """Submits waiting requests (oldest version first) to ``driver`` (the first rollout group's), within
-        :func:`eval_admits`'s share of its slots."""
-        slots = driver.engine.max_concurrent_decodes
-        free = slots - sum(driver.in_flight().values())
-        n = eval_admits(free, slots, len(self._live), self.waiting())
+    def waiting_by_version(self) -> dict[int, int]:
+        """This process's requests not submitted yet, per evaluated version."""
+        return {v: len(e.waiting) for v, e in self._evals.items() if e.waiting}
+
+    def admit(self, group_for: Callable[[int], RolloutDriver | None]) -> None:
+        """Submits waiting requests (oldest version first), each version's to ``group_for(version)``'s driver (the
+        first rollout group's; at one version per group, one serving that version: None, none does, and they
+        wait), within :func:`eval_admits`'s share of that group's slots."""
         for e in sorted(self._evals.values(), key=lambda e: e.version):
-            while n and e.waiting:
+            driver = group_for(e.version) if e.waiting else None
+            if driver is None:
+                continue
+            slots = driver.engine.max_concurrent_decodes
+            free = slots - sum(driver.in_flight().values())
+            live = sum(d is driver for d in self._live.values())
+            for _ in range(eval_admits(free, slots, live, len(e.waiting))):
                 req = e.waiting.popleft()
                 driver.submit(req)
-                self._live.add((e.version, req.sample_id))
-                n -= 1
+                self._live[(e.version, req.sample_id)] = driver
 
     def pins(self) -> dict[int, int]:
         """Answers still to decode per version (every process's): the versions they keep resident."""
@@ -116,7 +125,7 @@ class HeldOutEvals:
         """Takes a decoded answer (any process's) and sends it to the reward pool."""
         e = self._evals[traj.version]
         e.answers[traj.sample_id] = traj
-        self._live.discard((traj.version, traj.sample_id))
+        self._live.pop((traj.version, traj.sample_id), None)
         item = self._items[(traj.sample_id - EVAL_IDS) % len(self._items)]
         self.rewards.submit(self._key(traj.version, traj.sample_id), score, self.task, item,
                             self.tokenizer.decode(traj.tokens, skip_special_tokens=True))

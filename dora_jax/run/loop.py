@@ -9,7 +9,8 @@ runs, the :class:`~dora_jax.run.placement.Placement`'s; which versions are resid
 a train step runs. Every ``run.checkpoint_every`` updates a checkpoint is written; a runner created on a
 directory with a good one (and ``run.resume``) continues from it. With ``task.eval_every`` a published version's
 held-out requests decode beside rollout (:mod:`dora_jax.run.evals`) and its accuracy is written when they are
-scored.
+scored. With ``roles.versions_per_group: 1`` each rollout group holds one version, and the balancer reassigns
+groups between versions (:mod:`dora_jax.run.balancing`) after a publish, after a drain, and on imbalance.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from dora_jax.config import Config
 from dora_jax.distributed import gather_decisions
 from dora_jax.dora.scheduler import Scheduler
 from dora_jax.metrics import MetricsWriter
+from dora_jax.rollout.groups import DriverGroups, VersionGroups
 from dora_jax.rollout.warmup import warmup
+from dora_jax.run.balancing import GroupBalancing
 from dora_jax.run.evals import update_allowed
 from dora_jax.run.evaluation import RunError, evaluate
 from dora_jax.run.meter import Meter
@@ -94,11 +97,15 @@ class Runner:
         self.state = self.placement.take_state()
         head = chat_template_head(tokenizer) if cfg.rollout.shared_prefix else []  # prefilled once per version
         self.shared_prefix = tuple(head) if 0 < len(head) < self.placement.engine.max_prefill_length else ()
-        self.driver = self.placement.drivers(tokenizer.eos_ids, cfg.rollout.overlap, self.shared_prefix)
+        self.driver = self.placement.drivers(tokenizer.eos_ids, cfg.rollout.overlap, self.shared_prefix,
+                                             one_version=cfg.roles.versions_per_group == 1)
         self.sched = Scheduler(self.policy)
         self.rollout = RolloutSide(cfg, self.sched, self.task, tokenizer, self.driver,
                                    cfg.rollout.slots * len(self.engines), spans=self.placement.spans)
         self.versions = Residency(self.policy.bound + 1, self.placement, self.driver)
+        # One version per rollout group: the balancer decides which (None: every group holds every version).
+        self.balancing = (GroupBalancing(self.driver, self.versions, self.policy.bound + 1)
+                          if isinstance(self.driver, VersionGroups) else None)
         # The newest updates (step, trained groups and samples, train metrics), for inspection: metrics.jsonl and
         # samples.jsonl hold every one, and a run of thousands of updates must not keep them all in memory.
         self.updates: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_UPDATES)
@@ -133,10 +140,13 @@ class Runner:
         out = {"programs": 0, "seconds": 0.0, "on": self.warms}
         if not self.warms:
             return out
-        drivers = getattr(self.driver, "drivers", [self.driver])
-        for engine, driver in zip(self.engines, drivers):
-            # The newest version as the engine holds it: the programs are compiled for its devices and layout.
-            got = warmup(engine, driver.params(self.sched.version), versions=self.policy.bound + 1,
+        drivers = self.driver.drivers if isinstance(self.driver, DriverGroups) else [self.driver]
+        one = isinstance(self.driver, VersionGroups)  # a group steps one version, never several fused
+        for i, (engine, driver) in enumerate(zip(self.engines, drivers)):
+            # The newest version as the engine holds it (at one version per group, the group's own, which the
+            # first plan made the newest): the programs are compiled for its devices and layout.
+            version = self.driver.serving[i] if one else self.sched.version
+            got = warmup(engine, driver.params(version), versions=1 if one else self.policy.bound + 1,
                          filtered=filtered, prefix_tokens=len(self.shared_prefix),
                          progress=self.progress and self.writes)
             out["programs"] += got["programs"]
@@ -156,6 +166,13 @@ class Runner:
         self.versions.count(self._holding())  # versions the batch just trained drained make room
         self.versions.load(version, params, newest=True)
         self.store.snapshot(version, params, self.versions.resident())
+        self._balance(f"version {version} published")
+
+    def _balance(self, trigger: str | None = None) -> None:
+        """At one version per rollout group: the balancer's plan, when ``trigger`` (a publish, a drain) or an
+        imbalance calls for one, applied to the groups (:class:`~dora_jax.run.balancing.GroupBalancing`)."""
+        if self.balancing is not None:
+            self.balancing.rebalance(self.rollout.waiting_counts(self.versions.__contains__), trigger)
 
     def _train(self, group_ids: list[int]) -> None:
         """Dispatches one train step on ``group_ids`` (whole groups); :meth:`_complete` publishes its version."""
@@ -239,10 +256,14 @@ class Runner:
             self.disk = {"checkpoint_bytes": dir_bytes(found.path), "run_dir_bytes": dir_bytes(self.run_dir)}
 
     def evaluate(self, version: int | None = None) -> dict[str, float]:
-        """Accuracy on the task's held-out set with one resident version (default: the newest)."""
+        """Accuracy on the task's held-out set with one resident version (default: the newest), decoded on the
+        first rollout group (at one version per group, the first that holds that version, if any)."""
         version = self.sched.version if version is None else version
-        return evaluate(self.cfg, self.task, self.placement.engine, self.tokenizer,
-                        self.versions.rollout_params(version)[0], version, self.shared_prefix)
+        group = 0
+        if isinstance(self.driver, VersionGroups) and version in self.driver.serving:
+            group = self.driver.serving.index(version)
+        return evaluate(self.cfg, self.task, self.engines[group], self.tokenizer,
+                        self.versions.group_params(version, group), version, self.shared_prefix)
 
     def run(self) -> dict[str, Any]:
         """Trains ``cfg.dora.steps`` updates (the rest of them when resuming), evaluating before and after;
@@ -297,12 +318,14 @@ class Runner:
                 if any(gather_decisions(asked)) if self.multi else asked:
                     return self._preempt(stop.signal or "a notice on another process", record, meter, before, eval_s)
                 rollout.dispatch()
+                self._balance()  # on imbalance only
                 meter.decoded(*rollout.step(rollout.admit(loaded)), rollout.slots)
                 rollout.collect_rewards()
                 for done in evals.finished() if evals is not None else ():
                     record_eval(*done)
                 rollout.dispatch()
-                self.versions.evict_drained(self._holding())
+                if drained := self.versions.evict_drained(self._holding()):
+                    self._balance(f"version {', '.join(map(str, drained))} drained")
                 # An update waits while it would push a version an evaluation still decodes out of the K + 1.
                 if (self._in_flight is None and not self.sched.done()
                         and update_allowed(rollout.pinned(), self.sched.version + 1, self.policy.bound)):
@@ -369,8 +392,11 @@ class Runner:
                         ", ".join(f"{k} x{v}" for k, v in (names - seen_names).items()))
         row.update(step=self.sched.version, version=self.sched.version, filtered=self.sched.ledger.count("filtered"),
                    resident_versions=len(self.versions.resident()), slot_utilization=self.driver.slot_utilization,
+                   max_versions_per_group=self.versions.max_versions_per_group,
                    compiles=(compiled - seen).compiles, compile_cache_loads=(compiled - seen).cache_loads,
                    **self.disk)  # as of the newest checkpoint
+        if self.balancing is not None:
+            row["balancer"] = self.balancing.report()
         if writer is not None:
             writer.write(row)
         self._lines["metrics.jsonl"] += 1

@@ -23,7 +23,7 @@ import jax
 
 from dora_jax.config import Config
 from dora_jax.rollout.driver import RolloutDriver
-from dora_jax.rollout.groups import DriverGroups
+from dora_jax.rollout.groups import DriverGroups, VersionGroups
 from dora_jax.rollout.engine import Engine, bucket
 from dora_jax.sharding import reshard
 from dora_jax.trainer import Trainer
@@ -148,24 +148,37 @@ class Placement:
                                "donated it): build the placement with keep_initial=True to run it again")
         return state
 
-    def drivers(self, eos_ids: Sequence[int], overlap: bool, shared_prefix: tuple[int, ...]
-                ) -> RolloutDriver | DriverGroups:
-        """A rollout driver per engine (one :class:`DriverGroups` over several)."""
+    def drivers(self, eos_ids: Sequence[int], overlap: bool, shared_prefix: tuple[int, ...], *,
+                one_version: bool = False) -> RolloutDriver | DriverGroups:
+        """A rollout driver per engine: one :class:`DriverGroups` over several, or with ``one_version``
+        (``roles.versions_per_group: 1``) a :class:`VersionGroups` over every engine, however many."""
         drivers = [RolloutDriver(e, eos_ids=eos_ids, overlap=overlap, shared_prefix=shared_prefix)
                    for e in self.engines]
+        if one_version:
+            return VersionGroups(drivers)
         return drivers[0] if len(drivers) == 1 else DriverGroups(drivers)
 
     def to_rollout(self, params: Any) -> tuple[list[Any], float]:
         """A version's params (on the trainer's mesh) as each rollout group takes them, and the seconds spent
         moving them (0 when the engines share the trainer's devices)."""
-        if (self.disjoint and not self.multi) or self.spans:  # device to device; one copy per group
-            copies, secs = [], 0.0
-            for shardings in self._shardings:
-                copy, s = reshard(params, shardings)
-                copies.append(copy)
-                secs += s
-            return copies, secs
+        copies, secs = [], 0.0
+        for group in range(len(self.engines)):
+            copy, s = self.to_group(params, group)
+            copies.append(copy)
+            secs += s
+        return copies, secs
+
+    def to_group(self, params: Any, group: int) -> tuple[Any, float]:
+        """A version's params (on the trainer's mesh) as rollout group ``group`` takes them, moved to that group's
+        devices only, and the seconds spent (0 when the engines share the trainer's devices).
+
+        Raises:
+          IndexError: there is no such group.
+        """
+        if not 0 <= group < len(self.engines):
+            raise IndexError(f"rollout group {group}: the placement has {len(self.engines)} groups")
+        if (self.disjoint and not self.multi) or self.spans:  # device to device, onto this group's mesh
+            return reshard(params, self._shardings[group])
         if self._to_local is not None:  # several processes: this process's copy, device to device
-            copy, secs = self._to_local(params)
-            return [copy], secs
-        return [params], 0.0
+            return self._to_local(params)
+        return params, 0.0

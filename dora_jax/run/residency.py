@@ -14,12 +14,20 @@ to the rollout devices and loaded. The cap counts the new version. :attr:`Reside
 the most versions either side held, measured where the weights are: the store's after every publish, and
 the rollout driver's own count (:meth:`~dora_jax.rollout.driver.RolloutDriver.held`) after every load and
 every decode step it dispatches.
+
+At one version per rollout group (``roles.versions_per_group: 1``, :class:`~dora_jax.rollout.groups.VersionGroups`)
+a published version is not loaded into every group: the store holds it, and a group takes it when a balancer's
+plan gives it that version (:meth:`Residency.load_group`, a copy onto that group's devices only). The groups
+hold only versions the store holds (a drained version leaves the groups that served it), so the versions they
+hold together stay within the K + 1; :attr:`Residency.rollout_max_resident` is then the most they held
+together, and :attr:`Residency.max_versions_per_group` the most one group held (1).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from dora_jax.rollout.groups import VersionGroups
 from dora_jax.run.placement import Placement
 from dora_jax.run.versions import VersionError, VersionStore
 
@@ -31,7 +39,9 @@ class Residency:
     Args:
       max_resident: the cap, K + 1.
       placement: where the engines are, and how a version reaches them.
-      driver: the rollout driver (or driver groups) the versions are loaded into.
+      driver: the rollout driver (or driver groups) the versions are loaded into; with
+        :class:`~dora_jax.rollout.groups.VersionGroups` (one version per group) a version is loaded into a group
+        by :meth:`load_group`, never by :meth:`load`.
     """
 
     def __init__(self, max_resident: int, placement: Placement, driver: Any):
@@ -40,10 +50,18 @@ class Residency:
         self.sync_s = 0.0  # trainer -> rollout weight transfers, in total
         self.store_max_resident = 0  # the most versions the store held at once
         self._restored = 0  # the figure a resumed run had reached before its checkpoint
+        self.per_group = isinstance(driver, VersionGroups)
 
     @property
     def rollout_max_resident(self) -> int:
-        """The most versions one rollout group held at once (the driver's own count)."""
+        """The most versions the rollout engines held at once (the driver's own count): one group's when every
+        group holds every version, every group's together at one version per group."""
+        return self.driver.max_versions if self.per_group else self.driver.max_held
+
+    @property
+    def max_versions_per_group(self) -> int:
+        """The most versions one rollout group held at once (the drivers' own counts; 1 at one version per
+        group)."""
         return self.driver.max_held
 
     @property
@@ -71,15 +89,23 @@ class Residency:
         """A resident version's params as each rollout group takes them (moved there again)."""
         return self.placement.to_rollout(self.store.params(version))[0]
 
+    def group_params(self, version: int, group: int) -> Any:
+        """A resident version's params as rollout group ``group`` takes them (moved there again, to that group
+        only)."""
+        return self.placement.to_group(self.store.params(version), group)[0]
+
     def load(self, version: int, params: Any, *, newest: bool) -> None:
         """Makes ``params`` (on the trainer's devices, handed over) resident: published as the newest version,
-        or brought back as an older one (resume); then loaded into the rollout engines."""
+        or brought back as an older one (resume); then loaded into the rollout engines (at one version per group:
+        into none, :meth:`load_group` loads it where a plan puts it)."""
         if newest:
             for v in self.store.publish(version, params, step=version, copy=False):
                 self.driver.remove_version(v)
         else:
             self.store.reinstate(version, params, copy=False)
         self.store_max_resident = max(self.store_max_resident, len(self.store.resident()))
+        if self.per_group:
+            return
         held = self.driver.held()
         if len(held) + 1 > self.store.max_resident:
             raise VersionError(f"loading version {version} into the rollout engines would make {len(held) + 1} "
@@ -88,6 +114,24 @@ class Residency:
         copies, secs = self.placement.to_rollout(params)
         self.sync_s += secs
         self.driver.add_version(version, copies if len(self.placement.engines) > 1 else copies[0])
+
+    def load_group(self, group: int, version: int) -> Any:
+        """A resident version's params moved onto rollout group ``group``'s devices (device to device, from the
+        store's copy), for a group a plan gives ``version`` (:meth:`VersionGroups.apply` loads them).
+
+        Raises:
+          VersionError: ``version`` is not resident in the store, or the groups would hold a version the store does
+            not (the K + 1 would no longer bound them).
+        """
+        resident = self.store.resident()
+        held = set(self.driver.held()) | {version}
+        if not held <= resident:
+            raise VersionError(f"loading version {version} into rollout group {group}: the groups would hold "
+                               f"versions {sorted(held)}, the store only {sorted(resident)} (at most "
+                               f"{self.store.max_resident}): a drained version leaves the groups with the store")
+        copy, secs = self.placement.to_group(self.store.params(version), group)
+        self.sync_s += secs
+        return copy
 
     def count(self, outstanding: dict[int, int]) -> None:
         """Every resident version's refcount becomes what holds it: its outstanding samples
@@ -99,8 +143,11 @@ class Residency:
             elif want < have:
                 self.store.release(v, have - want)
 
-    def evict_drained(self, outstanding: dict[int, int]) -> None:
-        """Refcounts brought up to date (:meth:`count`); the drained versions leave the store and the engines."""
+    def evict_drained(self, outstanding: dict[int, int]) -> list[int]:
+        """Refcounts brought up to date (:meth:`count`); the drained versions leave the store and the engines.
+        Returns them."""
         self.count(outstanding)
-        for v in self.store.evict_drained():
+        gone = self.store.evict_drained()
+        for v in gone:
             self.driver.remove_version(v)
+        return gone

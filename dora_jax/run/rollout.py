@@ -9,7 +9,9 @@ with one engine spanning every process (``roles.rollout_span = all``) every proc
 copy of the same driver, which returns the same samples everywhere, and nothing is exchanged. With
 ``task.eval_every`` the held-out requests of an evaluation during training (:class:`~dora_jax.run.evals.HeldOutEvals`)
 are admitted first, within their share of the first rollout group's slots; their answers go to the evaluation,
-never to the ledger.
+never to the ledger. At one version per rollout group (:class:`~dora_jax.rollout.groups.VersionGroups`) a version's
+requests, held-out ones too, are admitted only into the free slots of the groups serving it; a version with no
+group keeps them waiting until the balancer gives it one (:mod:`dora_jax.run.balancing`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from typing import Any, Callable
 from dora_jax.config import Config
 from dora_jax.distributed import gather_decisions
 from dora_jax.rewards import RewardPool
-from dora_jax.rollout.driver import Request, Trajectory
+from dora_jax.rollout.driver import Request, RolloutDriver, Trajectory
 from dora_jax.rollout.engine import RequestSampling
+from dora_jax.rollout.groups import DriverGroups, VersionGroups
 from dora_jax.rollout.samples import Sample
 from dora_jax.run.evals import HeldOutEvals
 from dora_jax.run.evaluation import EVAL_IDS, RunError, prompt_ids, score
@@ -41,14 +44,15 @@ class RolloutSide:
       sched: the run's scheduler; its ledger records every sample's state.
       task: the task the prompts come from and answers are scored by.
       tokenizer: the policy's tokenizer.
-      driver: the rollout driver (or driver groups) that decodes.
+      driver: the rollout driver (or driver groups; at one version per group, :class:`VersionGroups`) that
+        decodes.
       slots: decode slots of every rollout group together.
       spans: whether the engine spans every process (each process then generates every group with the same
         calls, and its driver returns every finished sample).
     """
 
-    def __init__(self, cfg: Config, sched: Scheduler, task: Task, tokenizer: Any, driver: Any, slots: int,
-                 spans: bool = False):
+    def __init__(self, cfg: Config, sched: Scheduler, task: Task, tokenizer: Any,
+                 driver: RolloutDriver | DriverGroups, slots: int, spans: bool = False):
         import jax
 
         self.cfg, self.sched, self.task, self.tokenizer, self.driver, self.slots = cfg, sched, task, tokenizer, driver, slots
@@ -62,8 +66,8 @@ class RolloutSide:
         self.items: dict[int, tuple[int, Item]] = {}  # sample id -> (group id, item), until it is generated
         self.done: dict[int, Sample] = {}  # finished samples not yet trained
         self.generated = 0  # trajectories this process's engine generated (a spanning engine's, all of them)
-        self.eval_driver = getattr(driver, "drivers", [driver])[0]  # evaluations decode in the first group only
-        self.evals = (HeldOutEvals(cfg, task, tokenizer, self.eval_driver.engine, self.rewards, self.generates)
+        self.first = driver.drivers[0] if isinstance(driver, DriverGroups) else driver
+        self.evals = (HeldOutEvals(cfg, task, tokenizer, self.first.engine, self.rewards, self.generates)
                       if cfg.task.eval_every > 0 else None)
 
     def generates(self, group_id: int) -> bool:
@@ -126,16 +130,32 @@ class RolloutSide:
         """Held-out answers still to decode per version: what keeps a version resident besides its samples."""
         return self.evals.pins() if self.evals is not None else {}
 
+    def waiting_counts(self, loaded: Callable[[int], bool]) -> dict[int, int]:
+        """Requests waiting per loaded version, held-out ones included: what the balancer reads."""
+        out = {v: len(q) for v, q in self.waiting.items() if q and loaded(v)}
+        for v, n in (self.evals.waiting_by_version() if self.evals is not None else {}).items():
+            out[v] = out.get(v, 0) + n
+        return out
+
+    def _eval_group(self, version: int) -> RolloutDriver | None:
+        """The driver a held-out request of ``version`` decodes in: the first group's, or at one version per group
+        one serving that version (None while none does)."""
+        return self.driver.driver_for(version) if isinstance(self.driver, VersionGroups) else self.first
+
     def admit(self, loaded: Callable[[int], bool]) -> list[int]:
-        """Submits waiting requests of loaded versions to free slots, shared between versions by the scheduler;
-        returns their sample ids (the ledger records them as started in :meth:`step`). Held-out requests go first,
-        within their share of the slots."""
+        """Submits waiting requests of loaded versions to free slots, shared between versions by the scheduler (at
+        one version per group: each version's into its own groups' free slots); returns their sample ids (the
+        ledger records them as started in :meth:`step`). Held-out requests go first, within their share of the
+        slots."""
         if self.evals is not None:
-            self.evals.admit(self.eval_driver)
-        free = self.slots - sum(self.driver.in_flight().values())
+            self.evals.admit(self._eval_group)
         waiting = {v: len(q) for v, q in self.waiting.items() if q and loaded(v)}
+        if isinstance(self.driver, VersionGroups):
+            shares = {v: min(n, self.driver.free_slots(v)) for v, n in sorted(waiting.items())}
+        else:
+            shares = self.sched.assign_slots(self.slots - sum(self.driver.in_flight().values()), waiting)
         started = []
-        for v, n in self.sched.assign_slots(free, waiting).items():
+        for v, n in shares.items():
             for _ in range(n):
                 req = self.waiting[v].popleft()
                 self.driver.submit(req)

@@ -121,24 +121,34 @@ def check_multiprocess(cfg: Config, placement: Any) -> None:
 
 def check_placement(cfg: Config, multi: bool, placement: Any) -> None:
     """A placement given to a run was built for the same model and initial weights (its trainer, engines and
-    initial state are what the run uses, whatever ``cfg`` says); rollout groups are disjoint device sets of a
-    split placement, in one process, each holding every live version (``roles.versions_per_group: all``).
+    initial state are what the run uses, whatever ``cfg`` says; ``roles.versions_per_group`` aside, which does not
+    change where anything runs); rollout groups are disjoint device sets of a split placement, in one process; one
+    version per group (``roles.versions_per_group: 1``) needs such groups.
 
     Raises:
       RunError: naming the setting that differs or cannot work.
     """
     if placement is not None:
         for name in ("model", "run.seed", "mesh", "roles"):
-            here, there = (getattr(c.run, "seed") if name == "run.seed" else getattr(c, name)
-                           for c in (cfg, placement.cfg))
+            here, there = (c.run.seed if name == "run.seed" else
+                           dataclasses.replace(c.roles, versions_per_group="all") if name == "roles" else
+                           getattr(c, name) for c in (cfg, placement.cfg))
             if here != there:
                 raise RunError(f"Runner(placement=...): the placement was built for another {name} ({there!r}) "
                                f"than this run's ({here!r}); its model, initial weights and devices are the "
                                "placement's: build one for this config")
-    if cfg.roles.versions_per_group != "all":
-        raise RunError(f"roles.versions_per_group = {cfg.roles.versions_per_group!r}: one policy version per rollout "
-                       "group is not yet supported by the runner, only by the balancer (dora_jax.dora.balancer) and "
-                       "`dora-jax check`; use roles.versions_per_group=all")
+    if cfg.roles.versions_per_group == 1 and multi:
+        raise RunError(f"roles.versions_per_group = 1 under several processes (jax.process_count() = "
+                       f"{jax.process_count()}): "
+                       "each process decodes its share on its own devices, and giving a group another version "
+                       "would have to be agreed by every process at the same step, which is not built; use "
+                       "roles.versions_per_group=all")
+    if cfg.roles.versions_per_group == 1 and cfg.roles.placement != "split":
+        raise RunError(f"roles.versions_per_group = 1 with roles.placement={cfg.roles.placement!r}: shared placement "
+                       "has one rollout group, on the trainer's own devices, which decodes from the trainer's copy "
+                       "of every live version; one version per group needs rollout groups of their own: use "
+                       "roles.placement=split with roles.rollout_groups >= train.max_staleness + 1, or "
+                       "roles.versions_per_group=all")
     if cfg.roles.rollout_groups > 1 and (cfg.roles.placement != "split" or multi):
         why = ("several processes (each decodes its own share on its own devices)" if multi else
                f"roles.placement={cfg.roles.placement!r} (every group would be the same devices)")
@@ -164,6 +174,7 @@ def summarize(runner: Any, before: dict[str, Any], after: dict[str, Any], wall: 
         "samples_per_s": counts["consumed"] / wall, "gen_tok_s": meter.total_gen / wall,
         "trainer_idle_fraction": 1 - meter.train_total / wall,
         "max_resident_versions": runner.versions.max_resident,
+        "max_versions_per_group": runner.versions.max_versions_per_group,
         "placement": "split" if runner.placement.disjoint else "shared", "rollout_groups": len(runner.engines),
         "sync_s": runner.versions.sync_s, "slot_utilization": runner.driver.slot_utilization,
         "decode_batch_steps": runner.driver.batch_steps,
@@ -173,6 +184,8 @@ def summarize(runner: Any, before: dict[str, Any], after: dict[str, Any], wall: 
     }
     if cfg.task.eval_every:
         out["eval_curve"] = [list(x) for x in runner.eval_curve]
+    if runner.balancing is not None:
+        out["balancer"] = runner.balancing.summary()
     return out
 
 

@@ -1,0 +1,102 @@
+"""One policy version per rollout group in a run (``roles.versions_per_group: 1``): when the balancer plans, and how
+its plans reach the groups. docs/design.md, "Load balancing", holds the reasoning.
+
+:class:`GroupBalancing` asks :class:`~dora_jax.dora.balancer.Balancer` for a plan at the design's triggers (a
+version published, a version drained, and imbalance: a group with no version, a draining group that has emptied,
+a version with waiting work and no group, a group idle while another version has more waiting than free slots),
+and applies it to the :class:`~dora_jax.rollout.groups.VersionGroups`: draining groups admit nothing, empty
+groups change version, their new weights copied from the run's store onto their own devices only. Requests are
+not moved between groups (``can_move=False``): a busy group that must change version drains.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Mapping
+
+from dora_jax.dora.balancer import Balancer, GroupState, Plan
+from dora_jax.rollout.groups import VersionGroups
+from dora_jax.run.residency import Residency
+
+RECENT_DECISIONS = 8  # the newest decisions each metrics row names
+
+
+class GroupBalancing:
+    """Drives a run's balancer over its rollout groups.
+
+    Args:
+      groups: the run's rollout groups, one version each.
+      residency: the run's versions (the store the groups' weights come from).
+      max_live: the live versions, K + 1 (the balancer refuses fewer groups).
+
+    A caller passes the requests waiting per version (published versions only: a version still training has no
+    group to wait for) to :meth:`rebalance` before each admission, and with a ``trigger`` after a publish or a
+    drain; :meth:`report` is the per-update metrics entry.
+    """
+
+    def __init__(self, groups: VersionGroups, residency: Residency, max_live: int):
+        self.groups, self.residency = groups, residency
+        self.balancer = Balancer(len(groups.drivers), max_live=max_live)
+        self.recent: collections.deque[str] = collections.deque(maxlen=RECENT_DECISIONS)
+        self.decided = 0  # decisions since the last report
+        self._last: tuple[tuple[GroupState, ...], tuple[tuple[int, int], ...], int] | None = None
+
+    def trigger(self, waiting: Mapping[int, int]) -> str | None:
+        """What calls for a plan now, in words (None: nothing)."""
+        g = self.groups
+        idle = [i for i in range(len(g.drivers)) if not g.group_in_flight(i)]
+        for i in idle:
+            if g.serving[i] is None:
+                return f"group {i} holds no version"
+            if i in g.draining:
+                return f"group {i} drained"
+        for v in sorted(waiting):
+            if waiting[v] and not g.admitting(v):
+                return f"version {v} waits with no group"
+        for v in sorted(waiting):
+            if waiting[v] > g.free_slots(v):
+                for i in idle:
+                    if g.serving[i] != v and i not in g.draining:
+                        return f"group {i} idle while version {v} waits"
+        return None
+
+    def rebalance(self, waiting: Mapping[int, int], trigger: str | None = None) -> Plan | None:
+        """Plans when ``trigger`` is given or :meth:`trigger` finds a reason, and applies the plan; returns it
+        (None when nothing called for one, or the inputs are those of the last plan: it would be the same).
+
+        Args:
+          waiting: requests waiting to be admitted per published version (held-out ones included).
+          trigger: why the caller asks (a version published or drained), in words.
+        """
+        why = trigger or self.trigger(waiting)
+        newest = self.residency.store.newest
+        if why is None or newest is None:
+            return None
+        work = tuple(sorted((v, n) for v, n in waiting.items() if n))
+        if (self.groups.states(), work, newest) == self._last:
+            return None
+        plan = self.balancer.plan(self.groups.states(), dict(work), newest, can_move=False)
+        if plan.reason:
+            changed = self.groups.apply(plan, self.residency.load_group)
+            self.decided += 1
+            loads = ", ".join(f"group {i} -> version {plan.versions[i]}" for i in changed)
+            self.recent.append(f"{why}: {plan.reason}" + (f" ({loads})" if loads else "")
+                               + (f"; draining {list(plan.drain)}" if plan.drain else ""))
+        # The groups as the plan left them: planning them again with the same work would change nothing.
+        self._last = (self.groups.states(), work, newest)
+        return plan
+
+    def report(self) -> dict[str, Any]:
+        """The per-update metrics entry: the balancer's counters (totals over the run), group version loads, each
+        group's version and the draining groups now, and the decisions since the previous report (the newest
+        :data:`RECENT_DECISIONS`, each ``trigger: reason``)."""
+        g = self.groups
+        out = {**self.balancer.counters, "loads": sum(g.loads), "versions": list(g.serving),
+               "draining": sorted(g.draining), "decided": self.decided, "decisions": list(self.recent)}
+        self.recent.clear()
+        self.decided = 0
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """The run's totals: the balancer's counters and each group's version loads (its first included)."""
+        return {**self.balancer.counters, "loads": list(self.groups.loads)}
