@@ -81,7 +81,8 @@ def test_the_guards_catch_a_host_round_trip():
 def test_a_version_reaches_every_rollout_group_device_to_device(groups):
     """Split placement as the runner builds it (trainer on devices 0-3 over fsdp 2 x tensor 2; one rollout
     group on 4-7 over tensor 4, or two on 4-5 and 6-7): Placement.to_rollout under the guards gives each
-    group the trainer's values in its own layout on its own devices."""
+    group the trainer's values in its own layout on its own devices; Placement.to_group (one version per group)
+    gives one group its copy alone."""
     from dora_jax.run import Placement
 
     cfg = load_config("tiny_llama", ["roles.placement=split", "roles.trainer_devices=4", "target.num_devices=8",
@@ -99,6 +100,11 @@ def test_a_version_reaches_every_rollout_group_device_to_device(groups):
         for got, ref in zip(leaves, want):
             assert set(got.sharding.device_set) == devices
             assert np.array_equal(np.asarray(got), np.asarray(ref))
+    with no_host_copies():
+        one, secs = placement.to_group(params, groups - 1)
+    assert secs > 0 and all(set(x.sharding.device_set) == set(placement.engines[-1].mesh.devices.flat)
+                            for x in jax.tree.leaves(one))
+    assert all(np.array_equal(np.asarray(got), np.asarray(ref)) for got, ref in zip(jax.tree.leaves(one), want))
 
 
 def test_process_local_copy_in_one_process_stays_on_device():

@@ -140,8 +140,9 @@ class RolesConfig:
 
     ``versions_per_group``: the policy versions one rollout group holds. ``all`` (default): every live version, up
     to ``train.max_staleness + 1``; ``1``: one, groups reassigned between versions by their work (DORA's load
-    balancing, ``dora/balancer.py``), which needs ``rollout_groups >= train.max_staleness + 1``. The runner does not
-    drive ``1`` yet; ``dora-jax check`` sizes memory for it (docs/design.md, "Load balancing")."""
+    balancing, ``dora/balancer.py``), which needs ``rollout_groups >= train.max_staleness + 1``; the runner drives
+    ``1`` in one process under ``split`` placement (busy groups drain) and refuses it otherwise; ``dora-jax check``
+    sizes memory for it (docs/design.md, "Load balancing")."""
 
     placement: str = "shared"
     trainer_devices: int = 0

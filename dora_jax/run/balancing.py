@@ -82,7 +82,8 @@ class GroupBalancing:
             loads = ", ".join(f"group {i} -> version {plan.versions[i]}" for i in changed)
             self.recent.append(f"{why}: {plan.reason}" + (f" ({loads})" if loads else "")
                                + (f"; draining {list(plan.drain)}" if plan.drain else ""))
-        # The groups as the plan left them: planning them again with the same work would change nothing.
+        # The groups as the plan left them: planning them again with the same work would change nothing (a plan's
+        # result planned again is the same plan: tests/test_balancer.py checks it on random schedules).
         self._last = (self.groups.states(), work, newest)
         return plan
 

@@ -78,7 +78,8 @@ class Residency:
         return self.store.resident()
 
     def __contains__(self, version: int) -> bool:
-        """Whether ``version`` is resident (loaded into the engines: its requests can be admitted)."""
+        """Whether ``version`` is resident (loaded into the engines, at one version per group into the store: its
+        requests can be admitted, at one version per group into the groups serving it)."""
         return version in self.store.resident()
 
     def params(self, version: int) -> Any:
