@@ -133,7 +133,7 @@ class Balancer:
         groups = tuple(groups)
         work = self._check(groups, waiting, newest)
         owed = targets(work, len(groups), min(g.slots for g in groups))
-        plan = _assign(groups, owed, newest, can_move)
+        plan = assign(groups, owed, newest, can_move)
         self._record(groups, waiting, newest, plan)
         return plan
 
@@ -204,8 +204,11 @@ def _moves(src: int, groups: tuple[GroupState, ...], dsts: list[int], incoming: 
     return out
 
 
-def _assign(groups: tuple[GroupState, ...], owed: Mapping[int, int], newest: int, can_move: bool) -> Plan:
-    """The plan: versions under target take empty groups given up first, then busy ones (moved out, or drained)."""
+def assign(groups: tuple[GroupState, ...], owed: Mapping[int, int], newest: int, can_move: bool) -> Plan:
+    """The plan for ``groups`` given the groups ``owed`` to each version with work (:func:`targets`): versions under
+    target take empty groups given up first, then busy ones (moved out, or drained). :meth:`Balancer.plan` checks
+    its inputs and records it; this is the step the balancer's tests replace to show their checks catch a broken
+    plan."""
     kept, surplus = _give_up(groups, owed)
     # What each version under target still needs, most urgent first: a first group for versions with none (older
     # first), then the rest (older first).
