@@ -141,7 +141,7 @@ def _per_dispatch(driver) -> dict[str, float]:
     import numpy as np
 
     runs = [n for n, count in driver.dispatch_steps.items() for _ in range(count)]
-    steady = getattr(driver, "steady_decode_steps_per_dispatch", None)
+    steady = driver.steady_decode_steps_per_dispatch
     return {"decode_steps_per_dispatch": driver.decode_steps_per_dispatch,
             "decode_steps_per_dispatch_median": float(np.median(runs)) if runs else 0.0,
             "decode_steps_per_dispatch_steady": steady}
@@ -542,7 +542,7 @@ def measure_decode(eng, prepared, requests, warmup=None, prefix=()) -> dict[str,
     tokens = [len(t.tokens) for t in trajs]
     steps = max(d.steps, 1)
     decode_s = max(seconds - prefill_s, 1e-9)
-    ratio = getattr(d, "kv_bytes_ratio", None)
+    ratio = d.kv_bytes_ratio
     return {"requests": len(requests), "tokens": sum(tokens), "seconds": seconds, "prefill_only_seconds": prefill_s,
             "tokens_per_s": sum(tokens) / seconds, "decode_steps": d.steps, "decode_step_ms": 1e3 * decode_s / steps,
             "live_tokens_per_step": live_token_steps([by_id[t.sample_id] for t in trajs], tokens) / steps,
