@@ -39,7 +39,7 @@ from typing import Any, Iterable, Sequence
 import jax
 import numpy as np
 
-from dora_jax.rollout.engine import (Engine, EngineError, RequestSampling, SharedPrefix, bucket, prompt_rows,
+from dora_jax.rollout.engine import (Engine, EngineError, KVRows, RequestSampling, SharedPrefix, bucket, prompt_rows,
                                      resolve_decode_steps)
 from dora_jax.rollout.engine_api import RolloutEngine, continues
 from dora_jax.rollout.sampling import needs_filter
@@ -92,6 +92,31 @@ class _Live:
     def needs_step(self) -> bool:
         """Whether a step dispatched now could still produce one of its tokens."""
         return not self.finished and len(self.tokens) + self.in_flight < self.request.max_new_tokens
+
+
+@dataclasses.dataclass
+class Departing:
+    """Requests of one version taken out of a driver (:meth:`RolloutDriver.take`) for another driver holding the
+    same version (:meth:`RolloutDriver.put`): those not admitted yet (no pages: they are admitted there), and the
+    live ones with their tokens and log-probs so far, their decode rows and their KV pages (``rows``)."""
+
+    version: int
+    pending: list[tuple[Request, float]]
+    live: list[_Live]
+    rows: KVRows | None
+
+    @property
+    def count(self) -> int:
+        return len(self.pending) + len(self.live)
+
+    @property
+    def sample_ids(self) -> list[int]:
+        return sorted([r.sample_id for r, _ in self.pending] + [x.request.sample_id for x in self.live])
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the KV pages taken with the live requests."""
+        return 0 if self.rows is None else self.rows.kv_bytes
 
 
 @dataclasses.dataclass
@@ -342,6 +367,93 @@ class RolloutDriver:
         """Device decode steps per host dispatch so far, the mean (1 with ``decode_steps=1``; at most
         ``decode_steps``). :attr:`dispatch_steps` counts the dispatches by the steps each ran."""
         return self.steps / max(self.dispatches, 1)
+
+    # -- moving requests to another driver ------------------------------------------------------------------
+
+    def read_in_flight(self) -> list[Trajectory]:
+        """Reads back every dispatched program (with ``overlap``, the one still running) and returns what
+        finished: afterwards no row has tokens in flight, so its requests can be taken (:meth:`take`)."""
+        out: list[Trajectory] = []
+        while self._launched:
+            out += self.collect(self._launched.popleft())
+        return out
+
+    def _chosen(self, version: int, count: int) -> tuple[list[tuple[Request, float]], list[_Live]]:
+        """The ``count`` requests of ``version`` with the lowest sample ids, not admitted yet and live (finished
+        rows left out)."""
+        if version not in self._groups:
+            raise EngineError(f"policy version {version} is not loaded (loaded: {self.versions})")
+        pending = [x for x in self._pending if x[0].version == version]
+        live = [s for s in self._groups[version].slots if s is not None and not s.finished]
+        ids = sorted([r.sample_id for r, _ in pending] + [s.request.sample_id for s in live])[:count]
+        if len(ids) < count:
+            raise EngineError(f"policy version {version}: {count} requests asked for, {len(ids)} in flight")
+        keep = set(ids)
+        return [x for x in pending if x[0].sample_id in keep], [s for s in live if s.request.sample_id in keep]
+
+    def take_sizes(self, version: int, count: int) -> list[tuple[int, int]]:
+        """(Tokens written to the KV cache, limit) of each live request :meth:`take` would take, for the
+        destination's :meth:`fits` (requests not admitted yet need no pages). Call after :meth:`read_in_flight`."""
+        _, live = self._chosen(version, count)
+        return [(len(x.request.prompt_ids) + len(x.tokens) - 1, len(x.request.prompt_ids) + x.request.max_new_tokens)
+                for x in live]
+
+    def fits(self, count: int, sizes: Sequence[tuple[int, int]]) -> bool:
+        """Whether ``count`` requests, the live ones of ``sizes`` (:meth:`take_sizes`), can be put here now: free
+        slots for all, and pages for the live ones' written tokens while every live request here could still
+        reach its limit (the admission's test: nothing is ever evicted for them)."""
+        free = self.engine.max_concurrent_decodes - sum(self.in_flight().values())
+        return count <= free and (not sizes or self.engine.admissible(list(sizes)) is not None)
+
+    def take(self, version: int, count: int) -> Departing:
+        """Takes the ``count`` requests of ``version`` with the lowest sample ids out of this driver, for
+        :meth:`put` of another driver holding the same version: the live ones with their tokens, log-probs,
+        decode rows and KV pages (:meth:`Engine.take_rows`); their slots and pages are free here afterwards.
+
+        Raises:
+          EngineError: fewer requests of ``version`` here, or a program still in flight (:meth:`read_in_flight`
+            first).
+        """
+        if self._launched:
+            raise EngineError("take: a dispatched program is still in flight; read_in_flight first")
+        pending, live = self._chosen(version, count)
+        for x in pending:
+            self._pending.remove(x)
+        rows = None
+        if live:
+            g = self._groups[version]
+            slots = [g.slots.index(x) for x in live]
+            rows = self.engine.take_rows(g.state, slots)
+            for slot in slots:
+                g.clear(slot)
+        return Departing(version, pending, live, rows)
+
+    def put(self, departing: Departing) -> None:
+        """Puts requests taken from another driver (:meth:`take`) here: those not admitted yet wait to be admitted,
+        the live ones take free slots with their KV pages copied onto this engine (nothing is prefilled again)
+        and decode on from their next token. Check :meth:`fits` first.
+
+        Raises:
+          EngineError: the version is not loaded here, or the engine has no room for them now.
+        """
+        g = self._groups.get(departing.version)
+        if g is None:
+            raise EngineError(f"policy version {departing.version} is not loaded (loaded: {self.versions})")
+        lives = departing.live
+        if lives:
+            full = self.engine.max_concurrent_decodes
+            need = g.live + len(lives)
+            if need > full:
+                raise EngineError(f"put: {len(lives)} live requests, {full - g.live} free slots")
+            if need > len(g.slots):
+                self._resize(g, full if self.shards > 1 else min(bucket(need, minimum=1), full))
+            slots = [int(s) for s in self._free_rows(g, list(lives))]
+            limits = [len(x.request.prompt_ids) + x.request.max_new_tokens for x in lives]
+            g.state = self.engine.put_rows(g.state, departing.rows, slots, limits)
+            for x in lives:
+                x.stops = self._stops(x.request)
+            g.put(list(zip(slots, lives)))
+        self._pending.extend(departing.pending)
 
     # -- the loop -------------------------------------------------------------------------------------------
 

@@ -26,11 +26,11 @@ from dora_jax.compiles import Programs
 from dora_jax.config import ATTENTION_IMPLS, DEFAULT_RULES, MAX_DECODE_STEPS, ROLLOUT_DTYPES
 from dora_jax.models.decoder import FUSED_INPUTS, Decoder, DecodeSettings, resolve_attention_impl
 from dora_jax.models.paged import PagedKV, ReadCounter, token_bytes
-from dora_jax.rollout.engine_api import (DecodeState, EngineError, PreparedParams, PrefixBatch,
+from dora_jax.rollout.engine_api import (DecodeState, EngineError, KVRows, PreparedParams, PrefixBatch,
                                          RequestSampling, ResultSteps, ResultTokens, SharedPrefix, stop_table)
 from dora_jax.rollout.page_book import PageBook, StateRecords
 from dora_jax.rollout.pages import DEFAULT_PAGE_TOKENS, PageError, bucket, pages_for
-from dora_jax.rollout.programs import DecodePrograms, jitted_programs
+from dora_jax.rollout.programs import DecodePrograms, fitting_sharding, jitted_programs, page_copy_programs
 from dora_jax.rollout.sampling import SamplingParams
 from dora_jax.sharding import Rules, logical_to_spec, serial_jit
 
@@ -485,6 +485,99 @@ class Engine:
         state = self.records.handoff(decode_state, self._resize_jit(decode_state, idx, capacity))
         rec.ids = moved
         return state
+
+    # -- moving requests between engines ---------------------------------------------------------------------
+
+    def take_rows(self, decode_state: DecodeState, slots: Sequence[int]) -> KVRows:
+        """Takes the live requests of ``slots`` out of ``decode_state``: their decode rows and the contents of the
+        pages holding what they have written, gathered in one program (on this engine's devices), for
+        :meth:`put_rows` of another engine. The slots are then empty and their pages back in the pool (a page
+        shared with a request left behind stays with it).
+
+        Raises:
+          EngineError: an empty slot, or a slot a dispatched program still computes (read its results first).
+        """
+        rec, b = self._rows(decode_state), decode_state.tokens.shape[0]
+        refs = [int(rec.ids[s]) if 0 <= s < b else 0 for s in slots]
+        if not all(refs):
+            raise EngineError(f"take_rows: slots {list(slots)} of a decode state of {b} include an empty one")
+        host = jax.tree.map(lambda x: np.asarray(x)[np.asarray(slots, np.intp)], decode_state)
+        written = host.positions.astype(np.int32)
+        if (self.book.dispatched(refs) != written).any():
+            raise EngineError(f"take_rows: slots {list(slots)}: a dispatched program still computes a row; read its "
+                              "results first")
+        pages = np.array([pages_for(int(w), self.page_tokens) for w in written], np.int32)
+        src = [self._pool_ids(self.row_shard(b, s), self.book.table(ref)[:n]) for s, ref, n in zip(slots, refs, pages)]
+        gather, _ = page_copy_programs(self.programs)
+        k, v = gather(self.pool, self._padded(src))
+        self.free_slots(decode_state, slots)
+        return KVRows(written, pages, host.tokens, host.sample_ids, host.versions, host.seeds, host.sampling, k, v,
+                      self.token_bytes)
+
+    def put_rows(self, decode_state: DecodeState, rows: KVRows, slots: Sequence[int],
+                 limits: Sequence[int]) -> DecodeState:
+        """Places row ``i`` of ``rows`` (:meth:`take_rows` of an engine of this architecture, serving the same
+        version) into ``slots[i]`` of the decode state (donated), growing to ``limits[i]`` tokens: each takes
+        fresh pages for what it has written, the pages' contents are copied onto this engine's pool (device to
+        device), and its decode row is set; nothing is prefilled. What a slot held before ends.
+
+        Raises:
+          EngineError: a bad slot, or a pool without room for them all now (nothing is placed then; ask
+            :meth:`admissible` with (written tokens, limit) per row first).
+        """
+        b, n = decode_state.tokens.shape[0], len(rows.written)
+        if len(slots) != n or len(limits) != n or n > self.request_rows:
+            raise EngineError(f"put_rows: {n} rows for {len(slots)} slots and {len(limits)} limits (at most "
+                              f"{self.request_rows})")
+        if not all(0 <= s < b for s in slots) or len(set(slots)) != n:
+            raise EngineError(f"put_rows: slots {list(slots)} of a decode state of {b} slots")
+        rec = self._rows(decode_state)
+        for slot in slots:
+            self.records.release(rec, slot)
+        done: list[int] = []
+        try:
+            for slot, written, limit in zip(slots, rows.written.tolist(), limits):
+                rec.ids[slot] = self.book.admit(self.row_shard(b, slot), written, int(limit))
+                done.append(slot)
+        except PageError as e:
+            for slot in done:
+                self.records.release(rec, slot)
+            raise EngineError(f"put_rows: {e}") from None
+        dst = [self._pool_ids(self.row_shard(b, s), self.book.table(int(rec.ids[s]))) for s in slots]
+        sharding = self.pool.k.sharding if self.mesh is None else fitting_sharding(
+            self.mesh, PagedKV.axes(), self.rules, rows.k.shape)
+        _, scatter = page_copy_programs(self.programs)
+        self._pool = scatter(self.pool, self._padded(dst, rows.k.shape[2]), jax.device_put(rows.k, sharding),
+                             jax.device_put(rows.v, sharding))
+        return self._set_rows(decode_state, rows, slots)
+
+    def _set_rows(self, decode_state: DecodeState, rows: KVRows, slots: Sequence[int]) -> DecodeState:
+        """Sets the decode rows of ``rows`` at ``slots`` with the insertion's program (padded to its rows)."""
+        nb, n = self.request_rows, len(rows.written)
+
+        def col(values, dtype, pad=0):
+            out = np.full((nb,), pad, dtype)
+            out[:n] = values
+            return out
+
+        sp = SamplingParams(col(rows.sampling.temperature, np.float32), col(rows.sampling.top_k, np.int32),
+                            col(rows.sampling.top_p, np.float32, 1.0))
+        batch = PrefixBatch(None, col(0, np.int32), col(rows.token, np.int32), col(0.0, np.float32),
+                            col(rows.written, np.int32), col(rows.sample_id, np.int32), col(rows.version, np.int32),
+                            sp, col(rows.seed, np.int32))
+        idx = col(slots, np.int32, decode_state.tokens.shape[0])
+        return self.records.handoff(decode_state, self._set_slots_jit(batch, decode_state, idx))
+
+    def _pool_ids(self, shard: int, pages: list[int]) -> list[int]:
+        """Pool-wide ids of a shard's pages (the book's ids within the shard, past its scratch page)."""
+        return [shard * self.shard_pages + p + 1 for p in pages]
+
+    def _padded(self, groups: list[list[int]], size: int | None = None) -> np.ndarray:
+        """The pages of ``groups`` in order, padded with the scratch page to ``size`` (default: a power of two)."""
+        ids = [p for g in groups for p in g]
+        out = np.zeros((bucket(len(ids), minimum=1) if size is None else size,), np.int32)
+        out[:len(ids)] = ids
+        return out
 
     # -- the page pool --------------------------------------------------------------------------------------
 

@@ -103,6 +103,33 @@ class DecodeState(NamedTuple):
     sampling: SamplingParams  # [B] each
 
 
+@dataclasses.dataclass(frozen=True)
+class KVRows:
+    """Live requests taken out of an engine's decode state with their KV cache (:meth:`Engine.take_rows`), for
+    :meth:`Engine.put_rows` of an engine of the same architecture and version, on the same devices or others.
+
+    Row ``i`` has written ``written[i]`` tokens to its cache (the position of its next token to feed, ``token[i]``)
+    over ``pages[i]`` whole pages, which are its pages in ``k`` and ``v`` [L, K, M, P, d] after those of the rows
+    before it (M is a power of two: the pages past them are padding). ``sample_id``, ``seed`` and ``sampling``
+    are its sampling state (its keys depend on them and the position only)."""
+
+    written: np.ndarray  # [n] int32
+    pages: np.ndarray  # [n] int32
+    token: np.ndarray  # [n] int32
+    sample_id: np.ndarray  # [n] int32
+    version: np.ndarray  # [n] int32
+    seed: np.ndarray  # [n] int32
+    sampling: SamplingParams  # [n] each, on the host
+    k: jax.Array
+    v: jax.Array
+    token_bytes: int  # one token's keys and values over every layer
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the rows' own pages (padding left out)."""
+        return int(self.pages.sum()) * int(self.k.shape[3]) * self.token_bytes
+
+
 class SlotResult(NamedTuple):
     token: int
     valid: bool
@@ -214,3 +241,6 @@ class RolloutEngine(Protocol):
     def admissible(self, requests: Sequence[tuple[int, int]]) -> list[int] | None: ...
     def shard_pages_available(self, shard: int) -> int: ...
     def row_shard(self, capacity: int, row: int) -> int: ...
+    # Moving live requests between engines (an engine without a KV cache moves none).
+    def take_rows(self, decode_state: Any, slots: Sequence[int]) -> KVRows: ...
+    def put_rows(self, decode_state: Any, rows: KVRows, slots: Sequence[int], limits: Sequence[int]) -> Any: ...

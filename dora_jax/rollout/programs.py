@@ -26,7 +26,7 @@ from dora_jax.models.decoder import (DecodeSettings, KVCache, decode_forward, fu
 from dora_jax.models.paged import PagedKV, decode_forward_paged, init_pages, write_prompt_pages
 from dora_jax.rollout.engine_api import DecodeState, PreparedParams, PrefixBatch
 from dora_jax.rollout.sampling import SamplingParams, row_keys, sample
-from dora_jax.sharding import Rules, logical_to_spec
+from dora_jax.sharding import Rules, logical_to_spec, serial_jit
 
 
 def _pack(tokens, valid, positions, logprobs, versions) -> jax.Array:
@@ -269,6 +269,27 @@ def jitted_programs(progs: DecodePrograms, dtype: str, jit: Callable[..., Any]) 
         return _jitted(progs, dtype, jit, methods)
     except TypeError:  # an unhashable part (rules given as lists): jitted for this engine alone
         return _jitted.__wrapped__(progs, dtype, jit, methods)
+
+
+def gather_pages(progs: DecodePrograms, pool: PagedKV, pages_m) -> tuple[jax.Array, jax.Array]:
+    """The keys and values of pool pages ``pages_m`` (pool-wide ids), each [L, K, M, P, d], in order."""
+    del progs
+    return pool.k[:, :, pages_m], pool.v[:, :, pages_m]
+
+
+def scatter_pages(progs: DecodePrograms, pool: PagedKV, pages_m, k_m, v_m) -> PagedKV:
+    """``pool`` with pages ``pages_m`` (pool-wide ids; scratch for padding) set to ``k_m``, ``v_m``."""
+    return progs.pin_pool(PagedKV(pool.k.at[:, :, pages_m].set(k_m.astype(pool.k.dtype)),
+                                  pool.v.at[:, :, pages_m].set(v_m.astype(pool.v.dtype))))
+
+
+@functools.lru_cache(maxsize=16)
+def page_copy_programs(progs: DecodePrograms) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The jitted (gather, scatter) of whole pages that move requests between engines
+    (:meth:`~dora_jax.rollout.engine.Engine.take_rows`, :meth:`~dora_jax.rollout.engine.Engine.put_rows`). Not in
+    the warm-up's catalog: a move is rare next to decode steps, and its page count (a power of two) varies."""
+    return (serial_jit(functools.partial(gather_pages, progs)),
+            serial_jit(functools.partial(scatter_pages, progs), donate_argnums=(0,)))
 
 
 @functools.lru_cache(maxsize=16)
