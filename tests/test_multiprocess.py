@@ -86,7 +86,8 @@ _WORKER = textwrap.dedent("""
 # and decodes on the other while the trainer trains; decoupled PPO on recomputed behaviour log-probs, two
 # minibatches per iteration (so the proximal policy is not the current one), a reward that differs within groups.
 SPLIT_STEPS = 5
-SPLIT = [o for o in OVERRIDES if not o.startswith(("mesh.", "roles.", "dora.steps"))] + [f"dora.steps={SPLIT_STEPS}",
+SPLIT = [o for o in OVERRIDES if not o.startswith(("mesh.", "roles.", "dora.steps", "task.eval_size"))] + [
+    f"dora.steps={SPLIT_STEPS}", "task.eval_size=0",  # the held-out evaluation is the other test's
     "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=1", "roles.placement=split", "roles.trainer_devices=2",
     "roles.rollout_data=1", "roles.rollout_tensor=1", "target.num_devices=4", "train.correction=decoupled",
     "train.behaviour_logprobs=recompute", "train.minibatches=2", "task.reward=toy_rewards:spread_reward",
