@@ -12,9 +12,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from engine_helpers import GREEDY, make_engine, make_requests
-from dora_jax.dora.balancer import Move, Plan
+from dora_jax.dora.balancer import Balancer, GroupState, Move, Plan
 from dora_jax.rollout.driver import RolloutDriver
-from dora_jax.rollout.engine import RequestSampling
+from dora_jax.rollout.engine import Engine, RequestSampling
 from dora_jax.rollout.groups import VersionGroups
 from dora_jax.sharding import MESH_AXES
 
@@ -40,9 +40,9 @@ def requests():
             for i, r in enumerate(reqs)]
 
 
-def driver(engine, weights):
+def driver(engine, weights, version=0):
     d = RolloutDriver(engine, overlap=False)
-    d.add_version(0, weights)
+    d.add_version(version, weights)
     return d
 
 
@@ -83,3 +83,61 @@ def test_a_request_moved_partway_finishes_with_the_tokens_it_gives_unmoved(engin
     assert a.prefill_rows + b.prefill_rows == len({r.prompt_ids for r in reqs}) and b.prefill_rows == 0
     for e in engines:
         e.book.check()
+
+
+def test_version_groups_move_a_busy_group_or_wait_when_the_move_does_not_fit(engines, models):
+    """Two groups of version 0, each on its own device. A move into a group without the free slots waits: its
+    source keeps its version and drains, nothing is evicted or lost. Later the balancer, told the requests fit
+    (``VersionGroups.movable``), moves a busy group's requests (lowest sample ids) to the other group and gives
+    the emptied group version 1 at once. Every trajectory is the one a driver holding its version gives unmoved,
+    and no prompt is prefilled twice."""
+    weights = {0: nnx.state(models[0]), 1: nnx.state(models[1])}
+    reqs = requests() + [dataclasses.replace(r, sample_id=r.sample_id + 6) for r in requests()[:4]]
+    later = [dataclasses.replace(r, sample_id=10 + i, version=1) for i, r in enumerate(requests()[:2])]
+    want = {t.sample_id: t for t in driver(engines[0], weights[0]).run(reqs)}
+    want.update({t.sample_id: t for t in driver(engines[0], weights[1], 1).run(later)})
+    groups = VersionGroups([RolloutDriver(e, overlap=False) for e in engines])
+    groups.apply(Plan((0, 0), (), (), (), "start"), lambda g, v: weights[v])
+    for r in reqs[:6]:
+        groups.submit(r)
+    out = groups.step()
+    assert [groups.group_in_flight(i) for i in (0, 1)] == [3, 3] and groups.movable() == [False, False]
+    assert groups.apply(Plan((1, 0), (), (Move(0, 1, 0, 3),), (), "move"), lambda g, v: weights[v]) == []
+    assert groups.serving == [0, 0] and groups.draining == {0} and groups.move_waits == 1
+    assert groups.moved_requests == 0 and [groups.group_in_flight(i) for i in (0, 1)] == [3, 3]
+    out += groups.run()
+    groups.apply(Plan((0, 0), (), (), (), "stop draining"), lambda g, v: weights[v])
+    for r in reqs[6:]:
+        groups.submit(r)
+    out += groups.step()
+    assert [groups.group_in_flight(i) for i in (0, 1)] == [2, 2] and groups.movable() == [True, True]
+    plan = Balancer(2, max_live=2).plan(groups.states(), {1: 2}, 1, can_move=groups.movable())
+    assert plan.moves == (Move(0, 1, 0, 2),) and plan.versions == (1, 0) and not plan.drain
+    assert groups.apply(plan, lambda g, v: weights[v]) == [0] and groups.serving == [1, 0]
+    assert groups.moved_requests == 2 and groups.moved_kv_bytes > 0 and groups.draining == set()
+    assert [groups.group_in_flight(i) for i in (0, 1)] == [0, 4] and groups.max_held == 1
+    out += groups.run(later)
+    assert sorted(t.sample_id for t in out) == list(range(12))
+    for t in out:
+        assert t.version == want[t.sample_id].version
+        assert_close(t, want[t.sample_id])
+    # The prompts of each admission are distinct: each request was prefilled once, and the moves added none.
+    assert sum(d.prefill_rows for d in groups.drivers) == len(reqs + later)
+    for e in engines:
+        e.book.check()
+
+
+def test_a_move_waits_for_pages(models):
+    """A driver takes moved requests only where its pool has the pages for what they have written while every
+    request could still reach its limit: a pool of 4 pages of 16 tokens takes one request of 60 written tokens,
+    not two (a host check: nothing is compiled). A per-group ``can_move`` drains the group that may not move."""
+    d = RolloutDriver(Engine(models[0], max_concurrent_decodes=4, max_prefill_length=32, max_target_length=64,
+                             num_pages=4), overlap=False)
+    assert d.fits(1, [(60, 64)]) and not d.fits(2, [(60, 64), (60, 64)]) and not d.fits(5, [])
+    G = Balancer(3, max_live=2)
+    states = [GroupState(0, 4, 2), GroupState(0, 4, 1), GroupState(0, 4, 1)]
+    # Group 1, the first busy group to give up (fewest in flight, the lower), moves where it may, else drains.
+    moved = G.plan(states, {1: 3}, 1, can_move=[False, True, False])
+    drained = G.plan(states, {1: 3}, 1, can_move=[True, False, True])
+    assert moved.moves == (Move(1, 0, 0, 1),) and moved.versions == (0, 1, 0) and not moved.drain
+    assert not drained.moves and drained.drain == (1,) and drained.versions == (0, 0, 0)

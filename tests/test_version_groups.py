@@ -19,7 +19,7 @@ from flax import nnx
 from engine_helpers import GREEDY, assert_same_trajectory, make_engine, make_requests
 from invariants import check_trained_samples
 from dora_jax.config import load_config
-from dora_jax.dora.balancer import Plan
+from dora_jax.dora.balancer import Move, Plan
 from dora_jax.dora.ledger import Ledger
 from dora_jax.models.decoder import DecodeSettings
 from dora_jax.rollout.driver import Request, RolloutDriver
@@ -81,8 +81,8 @@ def test_version_groups_decode_each_request_with_the_version_of_its_group(models
     assert groups.group_in_flight(1) == busy
     with pytest.raises(EngineError, match=r"changes the version of groups \[1\], which still have requests"):
         groups.apply(plan(0, 1), load)
-    with pytest.raises(EngineError, match="moving requests with their KV pages is not built"):
-        groups.apply(Plan((0, 0), (), (types.SimpleNamespace(),), (), "move"), load)
+    with pytest.raises(EngineError, match=r"the groups serve \[0, 0\]"):
+        groups.apply(Plan((0, 0), (), (Move(1, 0, 1, 2),), (), "move"), load)
     out = []
     while groups.group_in_flight(1):
         out += groups.step()

@@ -117,7 +117,7 @@ class Balancer:
         self.counters = {"plans": 0, "changes": 0, "reassigned": 0, "drains": 0, "moved": 0}
 
     def plan(self, groups: Sequence[GroupState], waiting: Mapping[int, int], newest: int, *,
-             can_move: bool = True) -> Plan:
+             can_move: bool | Sequence[bool] = True) -> Plan:
         """The next plan for ``groups``.
 
         Args:
@@ -125,12 +125,15 @@ class Balancer:
             waiting: requests waiting to be admitted, per version.
             newest: the newest published version (new prompts go to it).
             can_move: whether requests may move between groups (their KV pages fit the destinations, and the groups
-                are in one process); otherwise a busy group that must change version drains.
+                are in one process), for all groups or per group (group ``i``'s requests may leave it); a busy group
+                whose requests may not move and that must change version drains.
 
         Raises:
             BalancerError: naming the bad state (a count out of range, work outside the window of live versions).
         """
         groups = tuple(groups)
+        if not isinstance(can_move, bool) and len(can_move) != len(groups):
+            raise BalancerError(f"can_move for {len(can_move)} groups, {len(groups)} group states")
         work = self._check(groups, waiting, newest)
         owed = targets(work, len(groups), min(g.slots for g in groups))
         plan = assign(groups, owed, newest, can_move)
@@ -204,11 +207,13 @@ def _moves(src: int, groups: tuple[GroupState, ...], dsts: list[int], incoming: 
     return out
 
 
-def assign(groups: tuple[GroupState, ...], owed: Mapping[int, int], newest: int, can_move: bool) -> Plan:
+def assign(groups: tuple[GroupState, ...], owed: Mapping[int, int], newest: int,
+           can_move: bool | Sequence[bool]) -> Plan:
     """The plan for ``groups`` given the groups ``owed`` to each version with work (:func:`targets`): versions under
-    target take empty groups given up first, then busy ones (moved out, or drained). :meth:`Balancer.plan` checks
-    its inputs and records it; this is the step the balancer's tests replace to show their checks catch a broken
-    plan."""
+    target take empty groups given up first, then busy ones (moved out where ``can_move`` allows, for all groups or
+    per group, or drained). :meth:`Balancer.plan` checks its inputs and records it; this is the step the
+    balancer's tests replace to show their checks catch a broken plan."""
+    movable = [can_move] * len(groups) if isinstance(can_move, bool) else list(can_move)
     kept, surplus = _give_up(groups, owed)
     # What each version under target still needs, most urgent first: a first group for versions with none (older
     # first), then the rest (older first).
@@ -228,7 +233,7 @@ def assign(groups: tuple[GroupState, ...], owed: Mapping[int, int], newest: int,
             versions[free.pop(0)] = wants.pop(0)
             continue
         i = busy.pop(0)
-        out = _moves(i, groups, kept[groups[i].version], incoming) if can_move else None
+        out = _moves(i, groups, kept[groups[i].version], incoming) if movable[i] else None
         if out is None:
             drain.append(i)
             wants.pop()  # a drain serves the least urgent need: the groups free now go to the most urgent

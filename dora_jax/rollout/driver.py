@@ -379,21 +379,19 @@ class RolloutDriver:
         return out
 
     def _chosen(self, version: int, count: int) -> tuple[list[tuple[Request, float]], list[_Live]]:
-        """The ``count`` requests of ``version`` with the lowest sample ids, not admitted yet and live (finished
-        rows left out)."""
+        """The ``count`` requests of ``version`` with the lowest sample ids (fewer when fewer are here), not
+        admitted yet and live (finished rows left out)."""
         if version not in self._groups:
             raise EngineError(f"policy version {version} is not loaded (loaded: {self.versions})")
         pending = [x for x in self._pending if x[0].version == version]
         live = [s for s in self._groups[version].slots if s is not None and not s.finished]
-        ids = sorted([r.sample_id for r, _ in pending] + [s.request.sample_id for s in live])[:count]
-        if len(ids) < count:
-            raise EngineError(f"policy version {version}: {count} requests asked for, {len(ids)} in flight")
-        keep = set(ids)
+        keep = set(sorted([r.sample_id for r, _ in pending] + [s.request.sample_id for s in live])[:count])
         return [x for x in pending if x[0].sample_id in keep], [s for s in live if s.request.sample_id in keep]
 
     def take_sizes(self, version: int, count: int) -> list[tuple[int, int]]:
         """(Tokens written to the KV cache, limit) of each live request :meth:`take` would take, for the
-        destination's :meth:`fits` (requests not admitted yet need no pages). Call after :meth:`read_in_flight`."""
+        destination's :meth:`fits` (requests not admitted yet need no pages); exact once nothing is in flight
+        (:meth:`read_in_flight`), short of the tokens in flight before."""
         _, live = self._chosen(version, count)
         return [(len(x.request.prompt_ids) + len(x.tokens) - 1, len(x.request.prompt_ids) + x.request.max_new_tokens)
                 for x in live]
@@ -417,6 +415,9 @@ class RolloutDriver:
         if self._launched:
             raise EngineError("take: a dispatched program is still in flight; read_in_flight first")
         pending, live = self._chosen(version, count)
+        if len(pending) + len(live) < count:
+            raise EngineError(f"take: {count} requests of policy version {version} asked for, "
+                              f"{len(pending) + len(live)} here")
         for x in pending:
             self._pending.remove(x)
         rows = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Sequence
 
-from dora_jax.dora.balancer import GroupState, Plan
+from dora_jax.dora.balancer import GroupState, Move, Plan
 from dora_jax.rollout.driver import Request, RolloutDriver, Trajectory, run_all
 from dora_jax.rollout.engine import EngineError
 
@@ -155,6 +155,13 @@ class VersionGroups(DriverGroups):
     only when it is empty: its old version is removed (the driver waits for a decode step still computing with
     it) before the new one's weights are loaded, so no group ever holds two versions (:attr:`max_held` 1).
     Versions are loaded per group by :meth:`apply`, never into every group (:meth:`add_version` refuses).
+
+    A plan's moves take live requests, with their KV pages, to another group of their version
+    (:meth:`RolloutDriver.take`, :meth:`RolloutDriver.put`: nothing is prefilled again), so the emptied group
+    changes version at once. A move that does not fit its destination's free slots and pages now waits: nothing
+    is evicted or dropped, and its group drains instead (:meth:`movable` tells the balancer beforehand).
+    Trajectories that finished while the moving groups' programs in flight were read back come with the next
+    :meth:`step`.
     """
 
     def __init__(self, drivers: Sequence[RolloutDriver]):
@@ -163,6 +170,11 @@ class VersionGroups(DriverGroups):
         self.draining: set[int] = set()
         self.loads = [0] * len(self.drivers)  # versions loaded into each group (its first one included)
         self.max_versions = 0  # the most versions all groups together held at once
+        # Totals over the run: requests moved between groups, the KV bytes their pages held, moves that waited.
+        self.moved_requests = 0
+        self.moved_kv_bytes = 0
+        self.move_waits = 0
+        self._finished: list[Trajectory] = []  # read back before a move, returned by the next step
 
     def add_version(self, version: int, params_per_group: Sequence[Any]) -> None:
         raise EngineError(f"policy version {version}: at one version per rollout group a version is loaded into the "
@@ -232,28 +244,51 @@ class VersionGroups(DriverGroups):
         return tuple(GroupState(v, self.group_slots(i), self.group_in_flight(i), i in self.draining)
                      for i, v in enumerate(self.serving))
 
+    def movable(self) -> list[bool]:
+        """Per group, whether its requests could all move now to the other groups of its version, split as the
+        balancer splits them (most free slots first): each destination has the free slots and, for the live
+        requests' written tokens, the pages (:meth:`RolloutDriver.fits`). An empty group's is True. What the run
+        passes the balancer as ``can_move``; :meth:`apply` checks each move again when it performs it."""
+        out = []
+        for i, v in enumerate(self.serving):
+            n = self.group_in_flight(i)
+            if v is None or not n:
+                out.append(True)
+                continue
+            sizes = self.drivers[i].take_sizes(v, n)
+            room = {j: self.group_slots(j) - self.group_in_flight(j) for j, w in enumerate(self.serving)
+                    if w == v and j != i}
+            ok = True
+            for j in sorted(room, key=lambda j: (-room[j], j)):
+                k = min(n, room[j])
+                if k > 0:
+                    ok = ok and self.drivers[j].fits(k, sizes[:k])
+                    sizes, n = sizes[k:], n - k
+            out.append(ok and n == 0)
+        return out
+
     def apply(self, plan: Plan, load: Callable[[int, int], Any]) -> list[int]:
-        """Applies ``plan``: the groups in ``plan.drain`` admit nothing new; each group whose version changes,
-        which must be empty, drops its old version's weights and then takes ``load(group, version)``, the new
-        version's params placed on that group's devices. Returns the groups that changed version.
+        """Applies ``plan``: first its moves (:meth:`move`), then the groups in ``plan.drain`` admit nothing new,
+        and each group whose version changes, which must be empty, drops its old version's weights and then takes
+        ``load(group, version)``, the new version's params placed on that group's devices. A group a move of
+        which waited keeps its version and drains. Returns the groups that changed version.
 
         Raises:
-          EngineError: the plan moves requests between groups (not built: plans are made with ``can_move=False``),
-            has another number of groups, or changes the version of a group that still has requests.
+          EngineError: the plan has another number of groups, moves requests from or to a group not serving
+            their version, or changes the version of a group that still has requests.
         """
-        if plan.moves:
-            raise EngineError(f"plan moves requests between groups {plan.moves}: moving requests with their KV pages "
-                              "is not built; plan with can_move=False (busy groups drain)")
         if len(plan.versions) != len(self.drivers):
             raise EngineError(f"plan for {len(plan.versions)} groups applied to {len(self.drivers)}")
-        changed = [i for i, v in enumerate(plan.versions) if v != self.serving[i]]
+        waited = self.move(plan.moves)
+        versions = [self.serving[i] if i in waited else v for i, v in enumerate(plan.versions)]
+        changed = [i for i, v in enumerate(versions) if v != self.serving[i]]
         busy = [i for i in changed if self.group_in_flight(i)]
         if busy:
             raise EngineError(f"plan changes the version of groups {busy}, which still have requests "
                               f"{[self.group_in_flight(i) for i in busy]}: a busy group drains first")
-        self.draining = set(plan.drain)
+        self.draining = set(plan.drain) | waited
         for i in changed:
-            old, new = self.serving[i], plan.versions[i]
+            old, new = self.serving[i], versions[i]
             if old is not None:
                 self.drivers[i].remove_version(old)  # before the new weights arrive: one version per group
                 self.serving[i] = None
@@ -264,10 +299,41 @@ class VersionGroups(DriverGroups):
         self._count()
         return changed
 
+    def move(self, moves: Sequence[Move]) -> set[int]:
+        """Performs ``moves`` in order: each takes the requests of its version with the lowest sample ids out of
+        its source group (at most those still in flight there) into its destination, with their KV pages. A move
+        that does not fit the destination's free slots and pages waits, and so do its source's later moves.
+        Returns the source groups of moves that waited (they still have requests)."""
+        waited: set[int] = set()
+        for i in sorted({m.src_group for m in moves}):  # nothing in flight: their requests can be taken
+            self._finished += self.drivers[i].read_in_flight()
+        for m in moves:
+            if self.serving[m.src_group] != m.version or self.serving[m.dst_group] != m.version:
+                raise EngineError(f"move {m}: the groups serve {self.serving}")
+            src, dst = self.drivers[m.src_group], self.drivers[m.dst_group]
+            n = min(m.count, self.group_in_flight(m.src_group))
+            if m.src_group in waited or not n:
+                continue
+            if not dst.fits(n, src.take_sizes(m.version, n)):
+                waited.add(m.src_group)
+                self.move_waits += 1
+                continue
+            departing = src.take(m.version, n)
+            dst.put(departing)
+            self.moved_requests += departing.count
+            self.moved_kv_bytes += departing.kv_bytes
+        return waited
+
+    @property
+    def idle(self) -> bool:
+        return not self._finished and super().idle
+
     def _count(self) -> None:
         self.max_versions = max(self.max_versions, len(self.held()))
 
     def step(self) -> list[Trajectory]:
         out = super().step()
+        if self._finished:
+            out, self._finished = sorted(self._finished + out, key=lambda t: t.sample_id), []
         self._count()
         return out

@@ -5,8 +5,13 @@ its plans reach the groups. docs/design.md, "Load balancing", holds the reasonin
 version published, a version drained, and imbalance: a group with no version, a draining group that has emptied,
 a version with waiting work and no group, a group idle while another version has more waiting than free slots),
 and applies it to the :class:`~dora_jax.rollout.groups.VersionGroups`: draining groups admit nothing, empty
-groups change version, their new weights copied from the run's store onto their own devices only. Requests are
-not moved between groups (``can_move=False``): a busy group that must change version drains.
+groups change version, their new weights copied from the run's store onto their own devices only.
+
+Requests move between groups with their KV pages where they fit: the balancer gets ``can_move`` per group from
+:meth:`~dora_jax.rollout.groups.VersionGroups.movable` (whether the group's requests, split over the other groups of
+its version as the balancer splits them, fit those groups' free slots and pages now, by the admission's test), so a
+busy group that must change version hands its requests over and changes version at once, or drains where they do
+not fit. A move that no longer fits when applied waits, and its group drains (nothing is evicted or dropped).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import collections
 from typing import Any, Mapping
 
-from dora_jax.dora.balancer import Balancer, GroupState, Plan
+from dora_jax.dora.balancer import Balancer, Plan
 from dora_jax.rollout.groups import VersionGroups
 from dora_jax.run.residency import Residency
 
@@ -39,7 +44,8 @@ class GroupBalancing:
         self.balancer = Balancer(len(groups.drivers), max_live=max_live)
         self.recent: collections.deque[str] = collections.deque(maxlen=RECENT_DECISIONS)
         self.decided = 0  # decisions since the last report
-        self._last: tuple[tuple[GroupState, ...], tuple[tuple[int, int], ...], int] | None = None
+        self._last: tuple[Any, ...] | None = None
+        self._moved = (0, 0, 0)  # the groups' move totals at the last report
 
     def trigger(self, waiting: Mapping[int, int]) -> str | None:
         """What calls for a plan now, in words (None: nothing)."""
@@ -73,18 +79,23 @@ class GroupBalancing:
         if why is None or newest is None:
             return None
         work = tuple(sorted((v, n) for v, n in waiting.items() if n))
-        if (self.groups.states(), work, newest) == self._last:
+        movable = tuple(self.groups.movable())
+        if (self.groups.states(), work, newest, movable) == self._last:
             return None
-        plan = self.balancer.plan(self.groups.states(), dict(work), newest, can_move=False)
+        plan = self.balancer.plan(self.groups.states(), dict(work), newest, can_move=movable)
         if plan.reason:
+            waits = self.groups.move_waits
             changed = self.groups.apply(plan, self.residency.load_group)
             self.decided += 1
             loads = ", ".join(f"group {i} -> version {plan.versions[i]}" for i in changed)
+            moves = ", ".join(f"{m.count} group {m.src_group} -> {m.dst_group}" for m in plan.moves)
             self.recent.append(f"{why}: {plan.reason}" + (f" ({loads})" if loads else "")
-                               + (f"; draining {list(plan.drain)}" if plan.drain else ""))
+                               + (f"; moving {moves}" if moves else "")
+                               + ("; a move waited" if self.groups.move_waits > waits else "")
+                               + (f"; draining {sorted(self.groups.draining)}" if self.groups.draining else ""))
         # The groups as the plan left them: planning them again with the same work would change nothing (a plan's
         # result planned again is the same plan: tests/test_balancer.py checks it on random schedules).
-        self._last = (self.groups.states(), work, newest)
+        self._last = (self.groups.states(), work, newest, tuple(self.groups.movable()))
         return plan
 
     def report(self) -> dict[str, Any]:
@@ -92,12 +103,19 @@ class GroupBalancing:
         group's version and the draining groups now, and the decisions since the previous report (the newest
         :data:`RECENT_DECISIONS`, each ``trigger: reason``)."""
         g = self.groups
+        moved = (g.moved_requests, g.moved_kv_bytes, g.move_waits)
         out = {**self.balancer.counters, "loads": sum(g.loads), "versions": list(g.serving),
-               "draining": sorted(g.draining), "decided": self.decided, "decisions": list(self.recent)}
+               "draining": sorted(g.draining), "decided": self.decided, "decisions": list(self.recent),
+               "moved_requests": moved[0] - self._moved[0], "moved_kv_bytes": moved[1] - self._moved[1],
+               "move_waits": moved[2] - self._moved[2]}
         self.recent.clear()
         self.decided = 0
+        self._moved = moved
         return out
 
     def summary(self) -> dict[str, Any]:
-        """The run's totals: the balancer's counters and each group's version loads (its first included)."""
-        return {**self.balancer.counters, "loads": list(self.groups.loads)}
+        """The run's totals: the balancer's counters, each group's version loads (its first included), and the
+        requests moved between groups, their KV bytes and the moves that waited."""
+        g = self.groups
+        return {**self.balancer.counters, "loads": list(g.loads), "moved_requests": g.moved_requests,
+                "moved_kv_bytes": g.moved_kv_bytes, "move_waits": g.move_waits}
