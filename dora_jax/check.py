@@ -40,6 +40,7 @@ class RoleMemory:
     compiled_args: int | None = None
     notes: tuple[str, ...] = ()
     token_bytes: float = 0.0  # per device, of one token in the KV cache (the rollout's)
+    version_bytes: int = 0  # per device, of one resident policy version (the rollout's)
 
     @property
     def total(self) -> int:
@@ -222,7 +223,43 @@ def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
     note = (f"rollout engine: {len(catalog)} programs to compile at warm-up (rollout.warmup; "
             + ", ".join(f"{k} {v}" for k, v in kinds.items()) + ")")
     return RoleMemory("rollout", mesh.size, parts, temp, args, notes=(note,),
-                      token_bytes=parts["kv cache"] / pool_tokens)
+                      token_bytes=parts["kv cache"] / pool_tokens, version_bytes=per_device_bytes(params))
+
+
+def group_layouts(cfg: Any, roll: RoleMemory, groups: int, rollout_devices: int) -> str:
+    """The line comparing one policy version per rollout group with K + 1 (``train.max_staleness + 1``) versions per
+    group, for a split placement: devices per group, groups, and a group device's weights under each, from the
+    rollout's measured share of one version (``roll.version_bytes``). When ``target.memory_gib`` is set and K + 1
+    versions per group would not fit it, it adds how many devices per group they would need.
+
+    The needed count doubles the group's devices until the group's weights fit, up to every rollout device: weights
+    shrink with the devices that shard them, while the KV cache and scratch are counted as at the present size (the
+    KV heads shard only so far), so the count errs large.
+
+    Args:
+      cfg: the checked config.
+      roll: the rollout's memory (:func:`rollout_memory`) on one group's mesh.
+      groups: the rollout groups in the cluster.
+      rollout_devices: the devices all rollout groups take together.
+    """
+    live = cfg.train.max_staleness + 1
+    per_group, one = roll.devices, roll.version_bytes
+    line = (f"rollout groups: {groups} of {per_group} devices; weights per device: {one / GIB:.1f} GiB at 1 version "
+            f"per group, {live * one / GIB:.1f} GiB at K + 1 = {live} (roles.versions_per_group: "
+            f"{cfg.roles.versions_per_group})")
+    budget = cfg.target.memory_gib * GIB
+    resident = 1 if cfg.roles.versions_per_group == 1 else live
+    rest = roll.total - resident * one  # the KV cache and the step's scratch, kept as they are
+    if not budget or rest + live * one <= budget:
+        return line
+    devices = per_group
+    while devices < rollout_devices and rest + live * one * per_group / devices > budget:
+        devices *= 2
+    if rest + live * one * per_group / devices > budget or devices > rollout_devices:
+        return line + (f"; K + 1 versions per group do not fit {cfg.target.memory_gib:g} GiB per device even in one "
+                       f"group of all {rollout_devices} rollout devices")
+    return line + (f"; K + 1 versions per group need {devices} devices per group to fit "
+                   f"{cfg.target.memory_gib:g} GiB ({rollout_devices // devices} groups)")
 
 
 def role_meshes_of_run(cfg: Any, processes: int = 1) -> tuple[Any, Any, bool]:
@@ -338,6 +375,10 @@ def run_check(cfg: Any, *, do_compile: bool = True, log: Callable[[str], None] =
         if tgt.memory_gib and role.total > tgt.memory_gib * GIB:
             failures.append(f"{role.name} needs {role.total / GIB:.2f} GiB per device, more than target.memory_gib "
                             f"= {tgt.memory_gib:g} GiB of {tgt.device_kind}")
+    if not shared:
+        # What one version per group saves against every live version in every group, in this cluster's layout.
+        groups = processes if processes > 1 else cfg.roles.rollout_groups
+        log("\n" + group_layouts(cfg, roll, groups, tgt.num_devices - trainer_mesh.size))
     # The pool the rollout holds, against a dense cache of every slot at the engine's length and the pool a
     # run would need if each prompt's pages were shared by its group (dora_jax/rollout/pages.py).
     plan = plan_pool(cfg)

@@ -6,7 +6,6 @@ the tiny model, where XLA's argument sizes are checked against the per-device ac
 """
 
 import contextlib
-import glob
 import io
 import os
 import re
@@ -18,7 +17,8 @@ import pytest
 from dora_jax.config import ConfigError, load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PRESETS = ["qwen2_5_1_5b_1gpu", "qwen2_5_7b_8gpu", "llama3_1_8b_v5p64", "llama3_1_8b_v5p64_32k", "qwen3_8b_v5e256"]
+PRESETS = ["qwen2_5_1_5b_1gpu", "qwen2_5_7b_8gpu", "llama3_1_8b_v5p64", "llama3_1_8b_v5p64_32k", "qwen3_8b_v5e256",
+           "qwen2_5_32b_64h100"]
 
 
 # `dora-jax check` as the command runs it, then a line saying whether the command's own process imported JAX (the
@@ -61,7 +61,7 @@ def test_presets_exist_with_targets():
         cfg = load_config(name)
         # float32 master weights and optimizer moments, bf16 compute
         assert cfg.target.memory_gib > 0 and (cfg.model.param_dtype, cfg.model.compute_dtype) == ("float32", "bfloat16")
-    assert {load_config(n).target.num_devices for n in PRESETS} == {1, 8, 32, 256}
+    assert {load_config(n).target.num_devices for n in PRESETS} == {1, 8, 32, 64, 256}
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -77,11 +77,12 @@ def test_preset_fits_without_compiling(name):
     # parameters is that count x 4 bytes (float32) / fsdp x tensor (every weight matrix is sharded).
     billions = float(re.search(r"([0-9.]+)B parameters", r.stdout).group(1))
     expected = {"qwen2_5_1_5b_1gpu": 1.54, "qwen2_5_7b_8gpu": 7.62, "llama3_1_8b_v5p64": 8.03,
-                "llama3_1_8b_v5p64_32k": 8.03, "qwen3_8b_v5e256": 8.19}[name]
+                "llama3_1_8b_v5p64_32k": 8.03, "qwen3_8b_v5e256": 8.19, "qwen2_5_32b_64h100": 32.76}[name]
     assert abs(billions - expected) < 0.01, billions
     shards = cfg.mesh.fsdp * cfg.mesh.tensor
-    assert _gib(r.stdout, "train params") == pytest.approx(billions * 1e9 * 4 / shards / 2**30, rel=0.02)
-    assert _gib(r.stdout, "train optimizer") == pytest.approx(2 * _gib(r.stdout, "train params"), rel=0.01)
+    train = "train " if cfg.roles.placement == "shared" else ""  # split placement: the trainer's table of its own
+    assert _gib(r.stdout, f"{train}params") == pytest.approx(billions * 1e9 * 4 / shards / 2**30, rel=0.02)
+    assert _gib(r.stdout, f"{train}optimizer") == pytest.approx(2 * _gib(r.stdout, f"{train}params"), rel=0.01)
 
 
 def test_32k_preset_fits_with_its_training_activations_compiled():
@@ -182,3 +183,35 @@ def test_check_prints_the_paged_pool_next_to_the_dense_cache():
                                                                                 abs=0.001)
     assert float(dense.group(1)) == pytest.approx(float(paged.group(1)) * plan.dense_tokens / plan.pool_tokens,
                                                   abs=0.001)
+
+
+_LAYOUTS = re.compile(r"^rollout groups: (\d+) of (\d+) devices; weights per device: ([0-9.]+) GiB at 1 version per "
+                      r"group, ([0-9.]+) GiB at K \+ 1 = (\d+) \(roles.versions_per_group: (\w+)\)(.*)$", re.M)
+
+
+def test_split_placement_compares_one_version_per_group_with_k_plus_1():
+    """The 32B preset (K = 3, 8 groups of 4 H100s, one version per group): the layouts line's weights per device
+    are the parameter count x 2 bytes (bf16) / the group's 4 tensor shards, once and K + 1 = 4 times; the rollout
+    table holds the one version. At 60 GiB a group of 4 cannot hold 4 versions beside its KV cache: 8 devices per
+    group can (4 groups of the 32 rollout GPUs)."""
+    r = _check("--config", "qwen2_5_32b_64h100", "--no-compile")
+    assert r.returncode == 0, r.stdout + r.stderr
+    billions = float(re.search(r"([0-9.]+)B parameters", r.stdout).group(1))
+    m = _LAYOUTS.search(r.stdout)
+    assert m, r.stdout
+    one = billions * 1e9 * 2 / 4 / 2**30
+    assert (int(m.group(1)), int(m.group(2)), int(m.group(5)), m.group(6), m.group(7)) == (8, 4, 4, "1", "")
+    assert float(m.group(3)) == pytest.approx(one, abs=0.06) and float(m.group(4)) == pytest.approx(4 * one, abs=0.2)
+    assert _gib(r.stdout, "params x1 versions") == pytest.approx(one, rel=0.01)
+    # Without room for K + 1 versions: the devices per group that would hold them, and the groups left.
+    kv = _gib(r.stdout, "kv cache")
+    assert kv + 4 * one > 60 > kv + 2 * one
+    tight = _check("--config", "qwen2_5_32b_64h100", "--no-compile", "target.memory_gib=60")
+    assert tight.returncode == 0, tight.stdout + tight.stderr
+    assert _LAYOUTS.search(tight.stdout).group(7) == (
+        "; K + 1 versions per group need 8 devices per group to fit 60 GiB (4 groups)"), tight.stdout
+
+
+def test_shared_placement_prints_no_layouts_line():
+    r = _check("--config", "smollm2_135m", "--no-compile", "target.num_devices=1")
+    assert r.returncode == 0 and "rollout groups:" not in r.stdout, r.stdout + r.stderr
