@@ -7,11 +7,15 @@ import json
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the command imports the config module only when it runs one
+    from dora_jax.config import Config
 
 DEFAULT_CONFIG = "smollm2_135m"
 
 
-def _load(args) -> "Config":  # noqa: F821
+def _load(args) -> "Config":
     from dora_jax.config import load_config
 
     overrides = list(args.overrides)
