@@ -1,7 +1,8 @@
 """Live requests moving between rollout drivers of one process with their KV pages (no prefill again): a request
 decoded partway in one group and finished in another, on other devices, gives the tokens it gives unmoved;
 :class:`VersionGroups` performs a plan's moves, and a move that does not fit its destination's slots or pages waits.
-A dora run that moves requests is in test_version_groups.py (it shares that file's placement)."""
+A dora run at one version per group, which moves requests when a group is busy at a publish, is in
+test_version_groups.py."""
 
 import dataclasses
 
