@@ -61,6 +61,10 @@ def build_parser(prog: str = "dora-jax bench") -> argparse.ArgumentParser:
                    "dora_k2, dora_k3; sync and dora_k2 always among them)")
     b.add_argument("--no-simulate", action="store_true", help="modes: measure no cost profile and simulate nothing "
                    "(the profile's sweeps run to the longest output: minutes at --preset reasoning)")
+    b.add_argument("--groups", type=_positive_int, help="modes: run every mode under split placement on N rollout "
+                   "groups of one device each after the trainer's (N + 1 devices; on CPU asked of XLA unless "
+                   "XLA_FLAGS sets a count), adding dora_k2_1vpg (dora K = 2 at roles.versions_per_group=1; N >= 3); "
+                   "no shared placement runs, nothing simulated")
     b.add_argument("--seeds", type=_positive_int, default=4, help="convergence: seeds per run name")
     b.add_argument("--runs", help="convergence: comma-separated run names to train (default: all: sync, "
                    "dora_k2_none, dora_k2_decoupled, dora_k3_decoupled)")
@@ -162,11 +166,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                      noise_seeds=r["noise_seeds"], profile=args.profile, max_len=r["max_len"],
                                      overrides=tuple(r["overrides"]), warm_rounds=args.warm_rounds,
                                      profile_grid=r["profile_grid"], modes=chosen,
-                                     simulate=not args.no_simulate)
+                                     simulate=not args.no_simulate, groups=args.groups or 1)
         return modes.bench_modes("tiny_llama" if args.config == DEFAULT_CONFIG else args.config,
                                  steps=args.steps or 8, repeats=args.repeats or 3, profile=args.profile,
                                  warm_rounds=args.warm_rounds, modes=chosen,
-                                 simulate=not args.no_simulate)
+                                 simulate=not args.no_simulate, groups=args.groups or 1)
     if args.what == "profile":
         from benchmarks import profile
 
@@ -196,6 +200,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                preempt_at=args.preempt_at, seed=args.seed, overrides=ov,
                                config=soak.CONFIG if args.config == DEFAULT_CONFIG else args.config)
     raise AssertionError(args.what)  # argparse restricts the choices
+
+
+def _groups_problem(args: argparse.Namespace, prog: str) -> str | None:
+    """Why ``--groups`` does not apply to these arguments, or None when it does (or is not given)."""
+    if args.groups is None:
+        return None
+    if args.what != "modes":
+        return f"{prog} {args.what}: --groups is for modes only"
+    if args.profile:
+        return f"{prog} modes --groups: simulates nothing (the simulator knows one pool of slots); drop --profile"
+    return None
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "dora-jax bench") -> int:
@@ -249,6 +264,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "dora-jax bench") -> int
             plan(False, tuple(args.modes.split(",")))
         except ValueError as e:
             problems.append(f"{prog} modes --modes: {e}")
+    problems += [p for p in (_groups_problem(args, prog),) if p]
     if args.merge and args.what != "convergence":
         problems.append(f"{prog} {args.what}: --merge is for convergence only")
     elif args.merge and (args.runs or args.overrides or args.steps or args.eval_size or args.decoupled_cap is not None
@@ -268,8 +284,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "dora-jax bench") -> int
     if args.what in TWO_HOST_DEVICES and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         from dora_jax.xla_flags import cpu_device_flags
 
-        # Two host devices (before JAX starts its CPU backend): trainer and rollout each get one.
-        os.environ["XLA_FLAGS"] = cpu_device_flags(2)
+        # Two host devices (before JAX starts its CPU backend): trainer and rollout each get one; with --groups,
+        # the trainer and each rollout group one.
+        os.environ["XLA_FLAGS"] = cpu_device_flags(1 + (args.groups or 1))
 
     from benchmarks.record import command_line, stamp, write_json
 

@@ -17,8 +17,17 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+
+
+def split_overrides(groups: int = 1) -> list[str]:
+    """Split placement's settings: the trainer on device 0, then ``groups`` rollout groups of one device each
+    (devices 1 to ``groups``)."""
+    return (["roles.placement=split", "roles.trainer_devices=1", f"target.num_devices={1 + groups}",
+             "roles.rollout_tensor=1"] + ([f"roles.rollout_groups={groups}"] if groups > 1 else []))
+
+
 # Split placement on two devices: trainer on device 0, the rollout engine on device 1.
-SPLIT = ["roles.placement=split", "roles.trainer_devices=1", "target.num_devices=2", "roles.rollout_tensor=1"]
+SPLIT = split_overrides()
 
 
 @dataclasses.dataclass
@@ -65,10 +74,15 @@ class Harness:
       out_dir: where run directories go (default: a new temporary directory).
       split: whether split placement is available (default: two or more devices).
       shared_devices: how many devices a shared placement uses (default: all).
+      groups: rollout groups under split placement, one device each after the trainer's (default 1: every device
+        after the trainer's device 0, which must then be one); needs ``groups + 1`` devices.
+
+    Raises:
+      ValueError: when there are fewer than ``groups + 1`` devices.
     """
 
     def __init__(self, config: str, overrides: Sequence[str] = (), out_dir: str | None = None,
-                 split: bool | None = None, shared_devices: int | None = None):
+                 split: bool | None = None, shared_devices: int | None = None, groups: int = 1):
         import jax
 
         from dora_jax.config import load_config
@@ -80,7 +94,13 @@ class Harness:
         self.config, self.overrides = config, list(overrides)
         devices = jax.devices()
         self.device_count = len(devices)
+        if groups > 1 and len(devices) < groups + 1:
+            raise ValueError(f"{groups} rollout groups of one device and the trainer's need {groups + 1} devices, "
+                             f"{len(devices)} present")
         self.split = len(devices) >= 2 if split is None else split
+        self.groups = groups
+        # One group (the default) decodes on every device after the trainer's; several take one device each.
+        self.split_devices = None if groups == 1 else devices[:groups + 1]
         self.devices = devices[:shared_devices] if shared_devices else devices
         self.base = load_config(config, self.overrides)
         mesh = create_mesh(self.base.mesh, self.devices)
@@ -96,7 +116,7 @@ class Harness:
         """The config of a variant: the harness's overrides, then ``extra``, then split placement's."""
         from dora_jax.config import load_config
 
-        return load_config(self.config, self.overrides + list(extra) + (SPLIT if split else []))
+        return load_config(self.config, self.overrides + list(extra) + (split_overrides(self.groups) if split else []))
 
     def placement(self, cfg: Any, split: bool) -> Any:
         """The placement for ``cfg``'s layout and trainer settings (built once, shared by every run of them)."""
@@ -106,7 +126,7 @@ class Harness:
         # correction picks the loss): runs differing there need their own trainer. The rollout seed is not.
         key = (split, repr(cfg.train), repr(cfg.roles), repr(dataclasses.replace(cfg.rollout, seed=0)), repr(cfg.mesh))
         if key not in self._placements:
-            self._placements[key] = Placement.build(cfg, self.model, None if split else self.devices,
+            self._placements[key] = Placement.build(cfg, self.model, self.split_devices if split else self.devices,
                                                     keep_initial=True, progress=False)
         return self._placements[key]
 

@@ -19,6 +19,12 @@ given seed; they are what predicts DORA's speed-up where a decode step costs abo
 as on an accelerator. On CPU, ``dora-jax bench modes`` asks XLA for two host devices (they share the machine's
 cores).
 
+Rollout groups (``--groups N``): every mode runs under split placement alone, the trainer on device 0 and N
+rollout groups of one device each after it, with one more entry, ``dora_k2_1vpg``: dora at K = 2 with one
+policy version per group (``roles.versions_per_group=1``, DORA's load balancing), next to ``dora_k2`` (every
+live version in every group). Each mode reports the most versions a group held and the balancer's counters;
+nothing is simulated (the simulator knows one pool of slots, not groups serving versions).
+
 The simulator check: each mode is also simulated (:func:`dora_jax.sim.local.simulate_run`) on the same
 workload (the same prompts, length budgets, engine and trainer settings) with a cost profile of this machine:
 the one given (``--profile``) or one measured in this process before the runs (``bench profile``), and the
@@ -55,13 +61,18 @@ def _mode_overrides(mode: str, k: int, tbs: int) -> list[str]:
 
 
 MODE_NAMES = tuple(mode if mode != "dora" else f"dora_k{k}" for mode, k in MODES)
+# Under rollout groups: dora K = 2 with one version per group, run next to dora_k2 (it needs K + 1 = 3 groups).
+ONE_VERSION = ("dora_k2_1vpg", ["roles.versions_per_group=1"])
+ONE_VERSION_GROUPS = 3
 
 
-def plan(split: bool, only: tuple[str, ...] | None = None) -> list[Variant]:
+def plan(split: bool, only: tuple[str, ...] | None = None, groups: int = 1) -> list[Variant]:
     """The modes, each a :class:`Variant`. Where there are two devices, every mode runs under split placement
     and again under shared placement (named ``<mode>_shared``); on one device, every mode runs shared.
     ``only`` keeps the modes of those names (of :data:`MODE_NAMES`; ``sync`` and ``dora_k2`` among them, the
-    pair every comparison and the target are made of).
+    pair every comparison and the target are made of). With ``groups`` > 1 (split placement on that many rollout
+    groups) every mode runs split only, and :data:`ONE_VERSION` follows ``dora_k2`` when there are at least
+    :data:`ONE_VERSION_GROUPS` groups.
 
     Shared placement is where decode batch-steps per trained sample count the schedule alone: the trainer and
     the rollout take turns, so no decode step is taken while the rollout waits on a slower trainer, and the
@@ -74,6 +85,12 @@ def plan(split: bool, only: tuple[str, ...] | None = None) -> list[Variant]:
                              + (f" (unknown: {unknown})" if unknown else ""))
     names = [(name, _mode_overrides(mode, k, TBS)) for name, (mode, k) in zip(MODE_NAMES, MODES)
              if only is None or name in only]
+    if groups > 1:
+        out = [Variant(name, o, True) for name, o in names]
+        if groups >= ONE_VERSION_GROUPS:
+            at = next(i for i, v in enumerate(out) if v.name == "dora_k2") + 1
+            out.insert(at, Variant(ONE_VERSION[0], out[at - 1].overrides + ONE_VERSION[1], True))
+        return out
     if not split:
         return [Variant(name, o, False) for name, o in names]
     return [Variant(name, o, True) for name, o in names] + [Variant(f"{name}_shared", o, False) for name, o in names]
@@ -117,7 +134,23 @@ def mode_result(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "reward_per_step": [row["reward"] for row in runs[0]["rows"]], "final_reward": runs[0]["rows"][-1]["reward"],
         "len_p50": float(np.median([row["len_p50"] for row in rows])),
         "len_p99": float(max(row["len_p99"] for row in rows)),
+        **groups_result(s),
     }
+
+
+def groups_result(summary: dict[str, Any]) -> dict[str, Any]:
+    """A run's rollout groups from its summary: how many, the most versions one group held, the balancer's
+    counters (None without one version per group), and the prompts prefilled again.
+
+    Nothing is prefilled twice within a run: a request moved between groups takes its KV pages along, and a group
+    changes version only once empty. Only a resume redoes in-flight requests from their prompts, which a bench run
+    never does (its count is not in the summary: None then). A figure the summary lacks is None."""
+    b = summary.get("balancer")
+    return {"rollout_groups": summary.get("rollout_groups"),
+            "max_versions_per_group": summary.get("max_versions_per_group"),
+            "balancer": None if b is None else {k: b[k] for k in ("plans", "changes", "reassigned", "drains", "moved",
+                                                                   "loads")},
+            "prefilled_again": None if summary.get("resumed", True) else 0}
 
 
 def simulate_modes(h: Harness, variants: list[Variant], profile: Any) -> dict[str, dict[str, Any]]:
@@ -164,7 +197,7 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
                 profile: str | None = None, out_dir: str | None = None, max_len: int = 256,
                 overrides: tuple[str, ...] = (), warm_rounds: int = 4,
                 profile_grid: dict[str, Any] | None = None,
-                modes: tuple[str, ...] | None = None, simulate: bool = True) -> dict[str, Any]:
+                modes: tuple[str, ...] | None = None, simulate: bool = True, groups: int = 1) -> dict[str, Any]:
     """Runs every mode ``repeats`` times (alternated, after untimed rounds), simulates each with a cost
     profile of this machine, and returns per-mode throughput, schedule figures and the simulator's error.
 
@@ -184,18 +217,23 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
       simulate: measure a cost profile and simulate every mode with it. Without it the result's ``simulator``
         is None: the profile's decode sweeps run to ``max_len`` positions each, minutes of an accelerator's
         time when outputs reach thousands of tokens.
+      groups: with more than one, every mode runs under split placement on that many rollout groups of one device
+        each (``groups + 1`` devices), with ``dora_k2_1vpg`` (:func:`plan`), and nothing is simulated.
     """
     from dora_jax.sim.profile import load_profile, parse_profile
 
     from benchmarks.profile import add_train_samples, bench_profile
 
     plan(False, modes)  # a bad selection fails before anything is built
-    h = Harness(config, workload(max_len) + list(overrides) + [f"dora.steps={steps}"], out_dir, shared_devices=1)
-    variants = plan(h.split, modes)
+    simulate = simulate and groups == 1
+    h = Harness(config, workload(max_len) + list(overrides) + [f"dora.steps={steps}"], out_dir, shared_devices=1,
+                groups=groups)
+    variants = plan(h.split, modes, groups)
     # One placement's runs at a time: on XLA:CPU every compiled program holds memory mappings of its own, and the
     # programs of split and shared placement together (a trainer per staleness bound, an engine each) pass Linux's
     # default of 65530 mappings per process. Within a phase the modes alternate, as the comparisons need.
     phases = [[v for v in variants if v.split], [v for v in variants if not v.split]] if h.split else [variants]
+    phases = [p for p in phases if p]  # under rollout groups every mode runs split
     measured_profile, prof, runs, simulated, noise, compiled_per_round = None, None, {}, {}, [], []
     for i, phase in enumerate(phases):
         # Compiles every shape the runs meet (the profile shares the programs).
@@ -233,14 +271,15 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
     results = {v.name: mode_result(v.name, runs[v.name]) for v in variants}
     checked = compare(results, simulated) if simulate else None
     curves = np.asarray([results["sync"]["reward_per_step"]] + noise)
-    sync = results["sync"]
     steps_vs_sync = {n: r["decode_steps_per_sample"] / results[reference(n)]["decode_steps_per_sample"]
                      for n, r in results.items()}
     k2 = "dora_k2_shared" if "dora_k2_shared" in results else "dora_k2"
     return {"machine": machine(), "source": source_version(), "config": config, "steps": steps, "repeats": repeats,
             "train_batch": TBS,
             "group_size": 4, "devices": h.device_count,
-            "placement": "split (trainer device 0, rollout device 1)" if h.split else "shared (one device)",
+            "placement": (f"split (trainer device 0, {groups} rollout groups: devices 1-{groups})" if groups > 1
+                          else "split (trainer device 0, rollout device 1)" if h.split else "shared (one device)"),
+            "rollout_groups": groups,
             "slots": 32, "max_len": max_len, "overrides": list(overrides),
             "workload": f"longtail: per-sample budgets, 85% lognormal p50 {max_len // 32}, 15% uniform "
                         f"{max_len // 2}..{max_len} tokens",

@@ -293,3 +293,23 @@ def test_the_step_profile_names_the_ops_of_a_traced_decode_step(tmp_path, capsys
     vocab = str(QUICK_ENGINE_MODEL["vocab_size"])  # the head's matmul, [rows, vocabulary]
     assert any(vocab in o["result"] and "dot_general" in o["source"] for o in r["top"]), r["top"]
     assert "ms a step under the profiler" in capsys.readouterr().out
+
+
+def test_modes_on_rollout_groups_report_versions_per_group_and_the_balancer(tmp_path):
+    """``bench modes --groups 4``, tiny: every mode under split placement on 4 rollout groups of one device, with
+    ``dora_k2_1vpg`` next to ``dora_k2``; one version per group holds one version in each group (the balancer
+    planned), every version in every group holds up to K + 1; nothing was prefilled again."""
+    from benchmarks.modes import bench_modes
+
+    r = bench_modes(steps=2, repeats=1, noise_seeds=1, max_len=16, warm_rounds=0, modes=("sync", "dora_k2"),
+                    groups=4, out_dir=str(tmp_path))
+    assert list(r["modes"]) == ["sync", "dora_k2", "dora_k2_1vpg"] and r["simulator"] is None
+    assert r["rollout_groups"] == 4 and r["placement"].startswith("split")
+    for name, m in r["modes"].items():
+        assert m["placement"] == "split" and m["rollout_groups"] == 4, name
+        assert m["decode_steps_per_sample"] > 0 and 0 < m["slot_utilization"] <= 1, name
+        assert m["prefilled_again"] == 0 and m["max_resident_versions"] >= 1, name
+    one, every = r["modes"]["dora_k2_1vpg"], r["modes"]["dora_k2"]
+    assert one["max_versions_per_group"] == 1 and 1 <= every["max_versions_per_group"] <= 3
+    assert one["balancer"]["plans"] > 0 and set(one["balancer"]) >= {"plans", "reassigned", "drains", "moved"}
+    assert every["balancer"] is None
