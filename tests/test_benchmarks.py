@@ -296,17 +296,17 @@ def test_the_step_profile_names_the_ops_of_a_traced_decode_step(tmp_path, capsys
 
 
 def test_modes_on_rollout_groups_report_versions_per_group_and_the_balancer(tmp_path):
-    """``bench modes --groups 4``, tiny: every mode under split placement on 4 rollout groups of one device, with
+    """``bench modes --groups 3``, tiny: every mode under split placement on 3 rollout groups of one device, with
     ``dora_k2_1vpg`` next to ``dora_k2``; one version per group holds one version in each group (the balancer
     planned), every version in every group holds up to K + 1; nothing was prefilled again."""
     from benchmarks.modes import bench_modes
 
     r = bench_modes(steps=2, repeats=1, noise_seeds=1, max_len=16, warm_rounds=0, modes=("sync", "dora_k2"),
-                    groups=4, out_dir=str(tmp_path))
+                    groups=3, out_dir=str(tmp_path))
     assert list(r["modes"]) == ["sync", "dora_k2", "dora_k2_1vpg"] and r["simulator"] is None
-    assert r["rollout_groups"] == 4 and r["placement"].startswith("split")
+    assert r["rollout_groups"] == 3 and r["placement"].startswith("split")
     for name, m in r["modes"].items():
-        assert m["placement"] == "split" and m["rollout_groups"] == 4, name
+        assert m["placement"] == "split" and m["rollout_groups"] == 3, name
         assert m["decode_steps_per_sample"] > 0 and 0 < m["slot_utilization"] <= 1, name
         assert m["prefilled_again"] == 0 and m["max_resident_versions"] >= 1, name
     one, every = r["modes"]["dora_k2_1vpg"], r["modes"]["dora_k2"]
