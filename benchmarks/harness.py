@@ -155,6 +155,8 @@ class Harness:
         with compile_time() as compile_s:
             summary, bench_s = timed(Runner(cfg, run_dir, placement=self.placement(cfg, v.split),
                                             tokenizer=self.tokenizer, progress=False).run)
+        if summary.get("preempted"):  # stopped on SIGTERM or SIGINT: the benchmark stops too, without a result
+            raise KeyboardInterrupt(f"{v.name}: stopped on {summary['signal']} at update {summary['step']}")
         return {"summary": summary, "rows": read_metrics(run_dir), "run_dir": run_dir, "bench_s": bench_s,
                 "compile_s": compile_s[0]}
 
