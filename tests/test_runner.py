@@ -277,7 +277,7 @@ def test_bad_run_configs_are_named(tmp_path):
         tiny("rollout.temperature=0")
     with pytest.raises(ConfigError, match="task.reward: cannot import module 'no_such_module'"):
         Runner(tiny("task.reward=no_such_module:f"), str(tmp_path / "r"), progress=False)
-    with pytest.raises(ConfigError, match="module 'test_runner' has no attribute 'missing'"):
+    with pytest.raises(ConfigError, match="module 'toy_rewards' has no attribute 'missing'"):
         Runner(tiny("task.reward=toy_rewards:missing"), str(tmp_path / "r2"), progress=False)
     with pytest.raises(RunError, match=r"roles.rollout_groups = 2: .* not with roles.placement='shared'"):
         Runner(tiny("roles.rollout_groups=2"), str(tmp_path / "r3"), progress=False)
