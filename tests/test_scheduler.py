@@ -293,6 +293,32 @@ def test_ledger_check_rejects_broken_ledgers(defect):
         led.check(1)
 
 
+# A ledger whose every sample is consumed takes another path through the check (whole groups compared at once).
+ALL_CONSUMED_DEFECTS = {
+    "two versions in one group": (lambda led: _entry(version=2)(led, 3), r"group 1 mixes versions \[1, 2\]"),
+    "staleness above K": (lambda led: [_entry(trained_at=3)(led, s) for s in (2, 3)],
+                          r"sample 2 \(version 1\) was trained at version 3: lag 2 outside \[0, 1\]"),
+    "trained before its version": (lambda led: [_entry(trained_at=0)(led, s) for s in (2, 3)],
+                                   r"lag -1 outside \[0, 1\]"),
+    "group trained in two updates": (lambda led: _entry(trained_at=1)(led, 3),
+                                     "group 1 was trained in more than one update"),
+    "consumed without its version": (lambda led: [_entry(trained_at=-1)(led, s) for s in (0, 1)],
+                                     "sample 0 is consumed without the version it was trained at"),
+}
+
+
+@pytest.mark.parametrize("defect", sorted(ALL_CONSUMED_DEFECTS))
+def test_ledger_check_rejects_broken_ledgers_all_consumed(defect):
+    led = _valid_ledger()
+    del led.groups[2], led.entries[4], led.entries[5]  # groups 0 and 1 only, both consumed
+    led._counts.update(filtered=0, finished=0)
+    led.check(1)
+    brk, message = ALL_CONSUMED_DEFECTS[defect]
+    brk(led)
+    with pytest.raises(LedgerError, match=message):
+        led.check(1)
+
+
 def test_a_sample_is_consumed_once_and_saved_once():
     led = _valid_ledger()
     with pytest.raises(LedgerError, match=r"group 0 is not ready \(member states \['consumed', 'consumed'\]\)"):

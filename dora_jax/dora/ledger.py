@@ -18,9 +18,13 @@ save and restore it with run checkpoints, and :meth:`Ledger.check` verifies its 
 from __future__ import annotations
 
 import dataclasses
+from itertools import accumulate, chain, repeat
+from operator import attrgetter, eq, ne, sub
 from typing import Any, Iterable
 
 STATES = ("pending", "in_flight", "finished", "consumed", "filtered")
+_SAMPLE_ID, _GROUP_ID, _VERSION = attrgetter("sample_id"), attrgetter("group_id"), attrgetter("version")
+_STATE, _TRAINED_AT, _SAMPLE_IDS = attrgetter("state"), attrgetter("trained_at"), attrgetter("sample_ids")
 
 
 class LedgerError(RuntimeError):
@@ -58,16 +62,15 @@ class Ledger:
     # -- transitions ----------------------------------------------------------------------------------------
 
     def add_group(self, group_id: int, sample_ids: Iterable[int], version: int, prompt_index: int) -> Group:
-        ids = list(sample_ids)
+        ids, entries = list(sample_ids), self.entries
         if group_id in self.groups:
             raise LedgerError(f"group {group_id} was already dispatched")
-        for s in ids:
-            if s in self.entries:
-                raise LedgerError(f"sample {s} was already dispatched (group {self.entries[s].group_id})")
+        if not entries.keys().isdisjoint(ids):
+            s = next(s for s in ids if s in entries)
+            raise LedgerError(f"sample {s} was already dispatched (group {entries[s].group_id})")
         g = Group(group_id, version, prompt_index, ids)
         self.groups[group_id] = g
-        for s in ids:
-            self.entries[s] = Entry(s, group_id, version, prompt_index)
+        entries.update(zip(ids, map(Entry, ids, repeat(group_id), repeat(version), repeat(prompt_index))))
         self._counts["pending"] += len(ids)
         return g
 
@@ -214,6 +217,65 @@ class Ledger:
         every sample in exactly one group (the one it names), groups whole (all members consumed together or
         the group filtered), filtered samples with a reason, consumed samples with the version they were
         trained at, and (given ``max_staleness``) every consumed sample trained within the bound."""
+        try:
+            holds = self._holds(max_staleness)
+        except TypeError:  # a field of an unexpected type: the full walk below says what
+            holds = False
+        if not holds:
+            self._raise_first_fault(max_staleness)
+
+    def _holds(self, max_staleness: int | None) -> bool:
+        """Whether every invariant of :meth:`check` holds, answered with whole-column passes (a run's ledger holds
+        hundreds of thousands of samples); :meth:`_raise_first_fault` names what fails. True only where that
+        method would find nothing; a ledger whose samples are not in the order its groups list them (as
+        :meth:`add_group` makes them) answers False and leaves the verdict to it."""
+        entries, groups = self.entries, list(self.groups.values())
+        ids = list(map(_SAMPLE_IDS, groups))
+        sizes = list(map(len, ids))
+        keys, vals = list(entries), list(entries.values())
+        if 0 in sizes or list(chain.from_iterable(ids)) != keys or list(map(_SAMPLE_ID, vals)) != keys:
+            return False  # an empty group, or not every sample listed once, by one group, in order
+
+        def per_member(column: Iterable[Any]) -> list[Any]:
+            """A value per group, repeated for each of its members (aligned with ``vals``)."""
+            return list(chain.from_iterable(map(repeat, column, sizes)))
+
+        if (list(map(_GROUP_ID, vals)) != per_member(map(_GROUP_ID, groups))
+                or list(map(_VERSION, vals)) != per_member(map(_VERSION, groups))):
+            return False  # a sample naming another group, or of another version than its group
+        states = list(map(_STATE, vals))
+        counts = {state: states.count(state) for state in STATES}
+        if sum(counts.values()) != len(states) or counts != self._counts:
+            return False  # an unknown state, or the counts off
+        if counts["filtered"] and not all(e.reason for e in vals if e.state == "filtered"):
+            return False
+        if not counts["consumed"]:
+            return True
+        if counts["consumed"] == len(vals):  # every group consumed: compare each group's first member with the rest
+            trained = list(map(_TRAINED_AT, vals))
+            firsts = list(map(trained.__getitem__, accumulate(sizes[:-1], initial=0)))
+            if per_member(firsts) != trained or min(firsts) < 0:
+                return False  # a group trained in more than one update, or a sample without its update
+            lags = list(map(sub, firsts, map(_VERSION, groups)))  # a member's lag is its group's (same versions)
+            return max_staleness is None or 0 <= min(lags) and max(lags) <= max_staleness
+        consumed = [e for e in vals if e.state == "consumed"]
+        trained = list(map(_TRAINED_AT, consumed))
+        if min(trained) < 0:
+            return False
+        if max_staleness is not None:
+            lags = list(map(sub, trained, map(_VERSION, consumed)))
+            if min(lags) < 0 or max(lags) > max_staleness:
+                return False
+        tags = per_member(range(len(groups)))
+        split = {t for t, c in zip(tags, map(ne, states, repeat("consumed"))) if c}
+        tags = [t for t, c in zip(tags, map(eq, states, repeat("consumed"))) if c]
+        if not split.isdisjoint(tags):
+            return False  # a group with consumed and other members
+        last = dict(zip(tags, trained))
+        return list(map(last.__getitem__, tags)) == trained  # every consumed group trained in one update
+
+    def _raise_first_fault(self, max_staleness: int | None) -> None:
+        """Raises :class:`LedgerError` naming the first invariant of :meth:`check` that fails, if any."""
         counts = dict.fromkeys(STATES, 0)
         members: dict[int, list[int]] = {}
         for g in self.groups.values():

@@ -127,9 +127,12 @@ class Scheduler:
                     batch.append(group.group_id)
                     out.append(group)
                     live += 1
-        generating = [b for b in self.batches if not all(self._generated(g) for g in b)]
+        if len(self.batches) >= limit:
+            return out
         groups = min(p.train_batch, self._budget()) // p.group_size  # a short last batch after filtering
-        if len(self.batches) < limit and not generating and groups > 0:
+        # A batch's newest groups are the likeliest to be still generating: each is scanned from its end.
+        generating = [b for b in self.batches if not all(self._generated(g) for g in reversed(b))]
+        if not generating and groups > 0:
             batch = [self._new_group() for _ in range(groups)]
             self.batches.append([g.group_id for g in batch])
             out.extend(batch)
@@ -164,8 +167,8 @@ class Scheduler:
         if p.mode != "dora":
             while self.batches and all(led.group_done(g) for g in self.batches[0]):  # wholly filtered
                 self.batches.pop(0)
-            if not self.batches or not all(led.group_ready(g) or led.group_done(g) for g in self.batches[0]):
-                return None
+            if not self.batches or not all(led.group_ready(g) or led.group_done(g) for g in reversed(self.batches[0])):
+                return None  # (scanned from the newest group, the likeliest not to be ready)
             chosen = [g for g in self.batches[0] if led.group_ready(g)]
             return chosen or None
         ready = sorted((led.groups[g].version, g) for g in led.ready_group_ids())

@@ -36,18 +36,20 @@ _LIVE = ("pending", "in_flight", "finished")
 
 class SimLedger(Ledger):
     """A :class:`Ledger` whose ``outstanding()`` and ``group_ready()`` are kept incrementally (O(1) instead of
-    a scan over every sample), so the scheduler's queries stay cheap over long runs. Same answers as the
-    base class (a test compares them)."""
+    a scan over every sample), so the scheduler's queries stay cheap over long runs, and whose ``start``,
+    ``finish`` and ``consume`` (once per sample) take a direct path. Same answers and errors as the base class
+    (a test compares them)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._out: Counter = Counter()
-        self._finished: Counter = Counter()
+        self._out: Counter = Counter()  # version -> samples pending, in flight or finished
+        self._left: dict[int, int] = {}  # group id -> members not in the finished state (ready at 0)
         self._ready: set[int] = set()
 
     def add_group(self, group_id, sample_ids, version, prompt_index) -> Group:
         g = super().add_group(group_id, sample_ids, version, prompt_index)
         self._out[version] += len(g.sample_ids)
+        self._left[group_id] = len(g.sample_ids)
         return g
 
     def _track(self, e, before: str) -> None:
@@ -56,17 +58,76 @@ class SimLedger(Ledger):
             if not self._out[e.version]:
                 del self._out[e.version]
         gid = e.group_id
-        self._finished[gid] += (e.state == "finished") - (before == "finished")
-        if self._finished[gid] == len(self.groups[gid].sample_ids):
-            self._ready.add(gid)
-        else:
+        left = self._left[gid] - (e.state == "finished") + (before == "finished")
+        self._left[gid] = left
+        if left:
             self._ready.discard(gid)
+        else:
+            self._ready.add(gid)
 
     def _move(self, sample_id, frm, to):
-        before = self.entries[sample_id].state if sample_id in self.entries else None
-        e = super()._move(sample_id, frm, to)
-        self._track(e, before)
+        e = self.entries.get(sample_id)
+        if e is None or e.state not in frm:
+            return super()._move(sample_id, frm, to)  # raises, naming the sample and its state
+        before = e.state
+        counts = self._counts
+        counts[before] -= 1
+        counts[to] += 1
+        e.state = to
+        if "finished" in (to, before) or (before in _LIVE and to not in _LIVE):
+            self._track(e, before)  # (a move between pending and in flight changes neither figure)
         return e
+
+    def start(self, sample_id: int) -> None:
+        try:
+            e = self.entries[sample_id]
+        except KeyError:
+            e = None
+        if e is None or e.state != "pending":
+            return super().start(sample_id)  # raises, naming the sample and its state
+        counts = self._counts
+        counts["pending"] -= 1
+        counts["in_flight"] += 1
+        e.state = "in_flight"
+
+    def finish(self, sample_id: int) -> bool:
+        """As :meth:`Ledger.finish`; returns whether the sample's group is now ready."""
+        try:
+            e = self.entries[sample_id]
+        except KeyError:
+            e = None
+        if e is None or e.state != "in_flight" or self._causes:
+            super().finish(sample_id)  # raises on a wrong state; a group that lost a member filters it
+            return self.group_ready(self.entries[sample_id].group_id)
+        counts = self._counts
+        counts["in_flight"] -= 1
+        counts["finished"] += 1
+        e.state = "finished"
+        gid = e.group_id
+        left = self._left[gid] - 1
+        self._left[gid] = left
+        if left:
+            return False  # (and it was not ready before either)
+        self._ready.add(gid)
+        return True
+
+    def consume(self, group_ids, trainer_version: int) -> None:
+        """As :meth:`Ledger.consume`."""
+        entries, counts, out = self.entries, self._counts, self._out
+        for gid in group_ids:
+            if gid not in self._ready:
+                return super().consume([gid], trainer_version)  # raises, naming the member states
+            members = self.groups[gid].sample_ids
+            for s in members:  # each finished (the group is ready), none consumed yet
+                e = entries[s]
+                e.state, e.trained_at = "consumed", trainer_version
+                out[e.version] -= 1
+                if not out[e.version]:
+                    del out[e.version]
+            counts["finished"] -= len(members)
+            counts["consumed"] += len(members)
+            self._left[gid] = len(members)
+            self._ready.discard(gid)
 
     def _filter_one(self, e, reason) -> None:
         before = e.state
@@ -134,7 +195,7 @@ class PartialRollout:
         return self.trained_samples >= self.total
 
 
-@dataclass
+@dataclass(slots=True)
 class Row:
     version: int
     prompt: int  # prompt tokens
@@ -143,7 +204,7 @@ class Row:
     target: int  # step counter at which it finishes
 
 
-@dataclass
+@dataclass(slots=True)
 class Instance:
     """One rollout engine: ``slots`` decode slots, a step counter and the one policy version whose weights it
     holds (``loaded``; every row on it decodes with those weights). Its state is valid at time ``t``."""
@@ -170,27 +231,21 @@ class Instance:
         n = len(self.rows)
         if k <= 0 or n == 0:
             return 0.0
-        first = costs.decode_time(n, self.ctx())
-        return k * first + costs.ctx_rate(n, self.ctx()) * n * k * (k - 1) / 2
+        ctx = self.ctx()
+        return k * costs.decode_time(n, ctx) + costs.ctx_rate(n, ctx) * n * k * (k - 1) / 2
 
     def steps_by(self, costs: Costs, dt: float) -> int:
         """The smallest ``k`` whose ``k`` steps end at or after ``dt`` seconds from ``t``."""
         if dt <= 0 or not self.rows:
             return 0
-        n = len(self.rows)
-        a = costs.ctx_rate(n, self.ctx()) * n / 2
-        b = costs.decode_time(n, self.ctx()) - a
+        n, ctx = len(self.rows), self.ctx()
+        a = costs.ctx_rate(n, ctx) * n / 2
+        b = costs.decode_time(n, ctx) - a
         k = dt / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * dt)) / (2 * a)
         k = max(0, math.ceil(k) - 1)
         while self.steps_time(costs, k) < dt:
             k += 1
         return k
-
-    def advance(self, costs: Costs, k: int) -> None:
-        dt = self.steps_time(costs, k)
-        self.busy_slot_s += dt * len(self.rows)
-        self.t += dt
-        self.counter += k
 
     def add(self, sid: int, row: Row) -> None:
         self.rows[sid] = row
@@ -216,6 +271,18 @@ class Placement:
     slots: int
     trainer_gpus: int
     colocated: bool = False
+
+
+def decode_table(costs: Costs, slots: int) -> tuple[list[float], list[float], float] | None:
+    """The terms of a decode step of ``n <= slots`` rows under the linear model of :class:`Costs` (``decode_time``
+    and ``ctx_rate`` not overridden), computed once: ``fixed[n]`` (``decode_step_s + max(decode_weights_s,
+    n * decode_row_s)``), ``slope[n]`` (``ctx_rate * n``) and ``ctx_rate``, so that ``fixed[n] + ctx * ctx_rate``
+    is ``decode_time(n, ctx)`` in the same operations, to the bit. None for another cost model."""
+    if type(costs).decode_time is not Costs.decode_time or type(costs).ctx_rate is not Costs.ctx_rate:
+        return None
+    rate = costs.decode_ctx_s
+    fixed = [costs.decode_step_s + max(costs.decode_weights_s, n * costs.decode_row_s) for n in range(slots + 1)]
+    return fixed, [rate * n for n in range(slots + 1)], rate
 
 
 def make_policy(mode: str, train_batch: int, group_size: int, total: int, k: int = 0,

@@ -53,7 +53,19 @@ class LengthDist:
             return self.value
         if self.kind == "jsonl":
             return self.table[rng.randrange(len(self.table))]
-        return max(1, min(self.max, int(round(rng.lognormvariate(self.mu, self.sigma)))))
+        return max(1, min(self.max, round(rng.lognormvariate(self.mu, self.sigma))))
+
+    def draw(self, rng: random.Random, n: int) -> list[int]:
+        """``n`` lengths: what ``n`` calls of :meth:`sample` return, from the same draws."""
+        if self.kind != "lognormal":
+            return [self.sample(rng) for _ in range(n)]
+        lognormal, mu, sigma, cap = rng.lognormvariate, self.mu, self.sigma, self.max
+        out = []
+        for _ in range(n):  # max(1, min(cap, x)), without the calls
+            x = round(lognormal(mu, sigma))
+            x = x if x < cap else cap
+            out.append(x if x > 1 else 1)
+        return out
 
     def mean(self) -> float:
         """Expected length (of the clipped distribution for ``lognormal``)."""

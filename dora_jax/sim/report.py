@@ -20,7 +20,7 @@ _BALANCE_DRAWS = 20_000
 def length_moments(cfg: SimConfig) -> tuple[float, float]:
     """E[L] and E[L^2] of the completion lengths (fixed-seed Monte Carlo, so the answer is reproducible)."""
     rng = random.Random(12345)
-    xs = [cfg.lengths.sample(rng) for _ in range(_BALANCE_DRAWS)]
+    xs = cfg.lengths.draw(rng, _BALANCE_DRAWS)
     return sum(xs) / len(xs), sum(x * x for x in xs) / len(xs)
 
 

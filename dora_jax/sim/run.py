@@ -28,16 +28,19 @@ orchestrator's re-partitioning of instances between versions.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
+import math
 import random
 from collections import Counter, deque
+from operator import add, attrgetter, eq, mul, sub
 from typing import Any
 
 from tqdm import tqdm
 
 from dora_jax.sim.config import Costs
-from dora_jax.sim.engine import Instance, PartialRollout, Placement, Row, make_policy
+from dora_jax.sim.engine import Instance, PartialRollout, Placement, Row, decode_table, make_policy
 from dora_jax.sim.lengths import LengthDist
 
 
@@ -72,7 +75,13 @@ def simulate(mode: str, costs: Costs, placement: Placement, lengths: LengthDist,
     sim = _Simulation(mode, costs, placement, lengths, train_batch=train_batch, group_size=group_size,
                       prompt_tokens=prompt_tokens, steps=steps, max_staleness=max_staleness,
                       rollout_batch=rollout_batch, seed=seed)
-    sim.run(progress, label)
+    collecting = gc.isenabled()
+    gc.disable()  # the run allocates millions of small acyclic objects: collections would only walk them
+    try:
+        sim.run(progress, label)
+    finally:
+        if collecting:
+            gc.enable()
     return _metrics(sim, steps, warmup_steps)
 
 
@@ -92,12 +101,21 @@ class _Simulation:
         self.partial = isinstance(self.sched, PartialRollout)
         self.bound = None if self.partial else self.sched.policy.bound
         self.rng = random.Random(seed)
+        if isinstance(lengths, LengthDist):
+            self.draw = lengths.draw
+        else:  # any object with LengthDist.sample
+            self.draw = lambda rng, n: [lengths.sample(rng) for _ in range(n)]
         self.insts = [Instance(placement.slots) for _ in range(placement.instances)]
+        self.table = decode_table(costs, placement.slots)  # None: ask the cost model at every step
         self.lengths_of: dict[int, int] = {}
         self.pending: dict[int, deque] = {}  # per version: fresh samples not yet on an instance
         self.moving: dict[int, deque] = {}  # per version: (sample, tokens so far) handed over, waiting for a slot
+        self.queued = 0  # rows in pending and moving, every version
+        p = prompt_tokens
+        self.prefill_s = costs.prefill_token_s * p + costs.prefill_pair_s * p ** 2 / 2  # one fresh prompt
         self.holding: dict[int | None, set[int]] = {None: set(range(len(self.insts)))}  # instances by version
         self.reload_s = 0.0 if placement.colocated else costs.weight_sync_s  # colocated: the update's sync loads it
+        # (time, seq, instance, gen, k steps, their seconds), or (time, seq, None, batch, 0, 0.0) for an update's end
         self.events: list = []
         self.seq = itertools.count()
         self.now = 0.0
@@ -121,21 +139,22 @@ class _Simulation:
                    leave=False)
         self.dispatch()
         self.try_train()
-        while not self.sched.done():
-            if not self.events:
+        sched, events, step, pop = self.sched, self.events, self.instance_step, heapq.heappop
+        done = sched.done()  # changes only when an update ends
+        while not done:
+            if not events:
                 raise SimulationError(f"{self.mode}: no event left before the run is done (ledger "
-                                      f"{self.led.counts()}, version {self.sched.version})")
-            t, _, kind, args = heapq.heappop(self.events)
+                                      f"{self.led.counts()}, version {sched.version})")
+            t, _, i, gen, k, dt = pop(events)
             self.now = t
-            if kind == "train":
-                self.trained(t, args[0])
+            if i is None:  # an update ends (its event carries the batch in place of gen)
+                self.trained(t, gen)
                 bar.update(1)
-                ready = True
-            else:
-                ready = self.instance_step(t, *args)
-            if ready:
-                self.dispatch()
-                self.try_train()
+                done = sched.done()
+            elif not step(t, i, gen, k, dt):
+                continue
+            self.dispatch()
+            self.try_train()
         bar.close()
         counts = self.led.counts()
         if counts["pending"] or counts["in_flight"] or counts["finished"]:
@@ -157,26 +176,32 @@ class _Simulation:
                     inst.reprefill = True
                     self.schedule(i)
 
-    def instance_step(self, t: float, i: int, gen: int, k: int) -> bool:
-        """Instance ``i`` reaches a step boundary after ``k`` steps; True if a group became ready to train.
-        A stale event (the instance was rescheduled since) does nothing."""
+    def instance_step(self, t: float, i: int, gen: int, k: int, dt: float) -> bool:
+        """Instance ``i`` reaches a step boundary after ``k`` steps (``dt`` seconds); True if a group became ready
+        to train. A stale event (the instance was rescheduled since) does nothing; a live one finds the instance
+        as :meth:`schedule` left it (every change to an instance is followed by its rescheduling)."""
         inst = self.insts[i]
         if gen != inst.gen:
             return False
-        ready = False
-        inst.advance(self.costs, k)
-        inst.t = max(inst.t, t)
-        led = self.led
-        while inst.heap and inst.heap[0][0] <= inst.counter:
-            _, sid = heapq.heappop(inst.heap)
-            inst.remove(sid)
-            led.finish(sid)
-            ready |= led.group_ready(led.entries[sid].group_id)
+        ready, rows, heap = False, inst.rows, inst.heap
+        inst.busy_slot_s += dt * len(rows)  # k decode steps (dt as steps_time gave it)
+        inst.t += dt
+        if t > inst.t:
+            inst.t = t
+        counter = inst.counter = inst.counter + k
+        finish, pop = self.led.finish, heapq.heappop
+        while heap and heap[0][0] <= counter:
+            sid = pop(heap)[1]
+            row = rows.pop(sid)  # Instance.remove
+            inst.base -= row.prompt + row.before - row.start
+            if finish(sid):  # its group is ready
+                ready = True
         if inst.reprefill:
             self.reprefill(i)
         inst.check = False
-        if self.look_for_giver(inst.loaded, here=i):
-            self.hand_off(i)
+        v = inst.loaded
+        if self.queued and not self.pending.get(v) and self.look_for_giver(v, here=i):
+            self.hand_off(i)  # (a giver needs another version's work queued and none of its own)
         self.admit(i)
         self.schedule(i)
         return ready
@@ -198,6 +223,8 @@ class _Simulation:
 
     def all_waiting(self, but: int | None = None) -> dict[int, int]:
         out: dict[int, int] = {}
+        if not self.queued:
+            return out
         for d in (self.pending, self.moving):
             for v, q in d.items():
                 if q and v != but:
@@ -206,27 +233,43 @@ class _Simulation:
 
     def admissible(self, inst: Instance) -> bool:
         """Whether the instance has work to take at its next step boundary."""
-        if len(inst.rows) >= inst.slots:
+        if not self.queued or len(inst.rows) >= inst.slots:
             return False
         if self.partial:  # every row decodes on the newest weights, whatever version it started on
-            return any(self.pending.values())
-        return self.waiting(inst.loaded) > 0 or (not inst.rows and bool(self.all_waiting()))
+            return True
+        v = inst.loaded
+        return bool(self.pending.get(v) or self.moving.get(v) or not inst.rows)
 
     # -- instances -----------------------------------------------------------------------------------------------
 
     def schedule(self, i: int) -> None:
-        inst, costs = self.insts[i], self.costs
-        inst.gen += 1
-        wants = inst.reprefill or inst.check or self.admissible(inst)
-        if not inst.rows:
-            inst.t = max(inst.t, self.now)
+        """Queues instance ``i``'s next step boundary (the event queued before goes stale): when its next row
+        finishes, or the first boundary at or after now if it has something to do there."""
+        inst = self.insts[i]
+        gen = inst.gen = inst.gen + 1
+        n = len(inst.rows)
+        wants = inst.reprefill or inst.check or (n < inst.slots and self.admissible(inst))
+        if not n:
+            if self.now > inst.t:
+                inst.t = self.now
             if wants:
-                heapq.heappush(self.events, (inst.t, next(self.seq), "inst", (i, inst.gen, 0)))
+                heapq.heappush(self.events, (inst.t, next(self.seq), i, gen, 0, 0.0))
             return
-        k = inst.heap[0][0] - inst.counter
-        if wants:
-            k = min(k, inst.steps_by(costs, self.now - inst.t))
-        heapq.heappush(self.events, (inst.t + inst.steps_time(costs, k), next(self.seq), "inst", (i, inst.gen, k)))
+        counter = inst.counter
+        k = inst.heap[0][0] - counter
+        if self.table is None:
+            if wants:
+                k = min(k, inst.steps_by(self.costs, self.now - inst.t))
+            dt = inst.steps_time(self.costs, k)
+        else:  # Instance.steps_by and steps_time, with the cost model's terms from the table
+            fixed, slopes, rate = self.table
+            first = fixed[n] + (inst.base + n * counter) * rate  # decode_time(n, ctx)
+            slope = slopes[n]
+            if wants:
+                by = _linear_steps_by(first, slope, self.now - inst.t)
+                k = by if by < k else k
+            dt = k * first + slope * k * (k - 1) / 2 if k > 0 else 0.0
+        heapq.heappush(self.events, (inst.t + dt, next(self.seq), i, gen, k, dt))
 
     def load(self, i: int, v: int) -> None:
         """Puts version ``v``'s weights on instance ``i`` (a stall unless it already holds them)."""
@@ -249,41 +292,63 @@ class _Simulation:
             self.load(i, max(alloc, key=lambda v: (alloc[v], -v)))
 
     def admit(self, i: int) -> None:
-        inst, costs, pending = self.insts[i], self.costs, self.pending
+        """Instance ``i`` fills its free slots with rows of its version: rows handed over by another instance
+        first (their KV cache moves: ``migrate_token_s`` per context token), then fresh prompts (prefilled). An
+        empty instance with none of its version queued binds to another version first."""
+        inst = self.insts[i]
         free = inst.slots - len(inst.rows)
         if free <= 0:
             return
-        cost = 0.0
+        if not self.queued:  # nothing to take: what taking none would leave
+            if self.now > inst.t:
+                inst.t = self.now
+            return
         if self.partial:
-            if not any(pending.values()):
-                return
-            self.load(i, self.sched.version)
-            alloc = self.sched.assign_slots(free, {v: len(q) for v, q in pending.items() if q})
-            if sum(alloc.values()) > free:
-                raise SimulationError(f"assign_slots gave {alloc} for {free} free slots")
-            take = [(v, pending[v].popleft()) for v in sorted(alloc) for _ in range(alloc[v])]
+            cost = self.admit_any(i, free)
         else:
             if not inst.rows and not self.waiting(inst.loaded):
                 self.bind(i)
-            v = inst.loaded
-            while free and self.moving.get(v):  # rows handed over with their KV cache: no re-prefill
-                sid, done = self.moving[v].popleft()
+            v, cost = inst.loaded, 0.0
+            moving = self.moving.get(v)
+            while free and moving:  # rows handed over with their KV cache: no re-prefill
+                sid, done = moving.popleft()
                 inst.add(sid, Row(v, self.prompt_tokens, inst.counter, done,
                                   inst.counter + self.lengths_of[sid] - done))
                 inst.moved_in += 1
-                cost += costs.migrate_token_s * (self.prompt_tokens + done)
+                cost += self.costs.migrate_token_s * (self.prompt_tokens + done)
                 free -= 1
-            take = []
-            while free and pending.get(v):
-                take.append((v, pending[v].popleft()))
-                free -= 1
-        p = self.prompt_tokens
+                self.queued -= 1
+            fresh = self.pending.get(v)
+            if fresh and free:
+                n = len(fresh) if len(fresh) < free else free
+                self.queued -= n
+                p, start, add, lengths_of, per, at = self.prompt_tokens, self.led.start, inst.add, \
+                    self.lengths_of, self.prefill_s, inst.counter
+                for _ in range(n):
+                    sid = fresh.popleft()
+                    start(sid)
+                    add(sid, Row(v, p, at, 0, at + lengths_of[sid]))
+                    cost += per
+        now = self.now
+        inst.t = (now if now > inst.t else inst.t) + cost  # max(inst.t, now) + cost
+        inst.busy_slot_s += cost * len(inst.rows)
+
+    def admit_any(self, i: int, free: int) -> float:
+        """Partial rollout: instance ``i`` loads the newest weights and takes the fresh prompts of any version
+        that ``assign_slots`` gives its ``free`` slots. Returns their prefill seconds."""
+        inst, pending = self.insts[i], self.pending
+        self.load(i, self.sched.version)
+        alloc = self.sched.assign_slots(free, {v: len(q) for v, q in pending.items() if q})
+        if sum(alloc.values()) > free:
+            raise SimulationError(f"assign_slots gave {alloc} for {free} free slots")
+        take = [(v, pending[v].popleft()) for v in sorted(alloc) for _ in range(alloc[v])]
+        self.queued -= len(take)
+        cost = 0.0
         for v, sid in take:
             self.led.start(sid)
-            inst.add(sid, Row(v, p, inst.counter, 0, inst.counter + self.lengths_of[sid]))
-            cost += costs.prefill_token_s * p + costs.prefill_pair_s * p ** 2 / 2
-        inst.t = max(inst.t, self.now) + cost
-        inst.busy_slot_s += cost * len(inst.rows)
+            inst.add(sid, Row(v, self.prompt_tokens, inst.counter, 0, inst.counter + self.lengths_of[sid]))
+            cost += self.prefill_s
+        return cost
 
     # -- the orchestrator's re-partitioning ----------------------------------------------------------------------
 
@@ -291,8 +356,8 @@ class _Simulation:
         """The instance of version ``v`` that should hand its rows to the other instances of ``v``: the one
         with the fewest rows, when the others have room for them, ``v`` has no fresh work left and another
         version has work waiting for the instance this frees (the orchestrator's defragmentation)."""
-        if self.partial or v is None or self.pending.get(v) or not self.all_waiting(but=v):
-            return None
+        if self.partial or v is None or self.pending.get(v) or self.queued == len(self.moving.get(v, ())):
+            return None  # (the last: no other version has work waiting)
         insts = self.insts
         hs = [j for j in self.holding.get(v, ()) if insts[j].rows]
         if len(hs) < 2:
@@ -307,6 +372,7 @@ class _Simulation:
         q = self.moving.setdefault(v, deque())
         for sid in sorted(inst.rows):
             q.append((sid, inst.generated(inst.remove(sid))))
+            self.queued += 1
         inst.heap.clear()
         self.bind(i, but=v)
         for j in self.holding[v]:
@@ -327,9 +393,9 @@ class _Simulation:
     def dispatch(self) -> None:
         new = self.sched.dispatch()
         for g in new:
-            for sid in g.sample_ids:
-                self.lengths_of[sid] = self.lengths.sample(self.rng)
+            self.lengths_of.update(zip(g.sample_ids, self.draw(self.rng, len(g.sample_ids))))
             self.pending.setdefault(g.version, deque()).extend(g.sample_ids)
+            self.queued += len(g.sample_ids)
         if new:
             self.note_live()
             for i, inst in enumerate(self.insts):
@@ -357,14 +423,29 @@ class _Simulation:
             return
         now = self.now
         ids = [s for g in batch for s in led.groups[g].sample_ids]
-        seqs = [self.prompt_tokens + self.lengths_of[s] for s in ids]
-        dur = self.costs.train_time(sum(seqs), sum(x * x for x in seqs) / 2, self.placement.trainer_gpus)
+        lengths = list(map(self.lengths_of.__getitem__, ids))
+        seqs = list(map(add, itertools.repeat(self.prompt_tokens), lengths))
+        dur = self.costs.train_time(sum(seqs), sum(map(mul, seqs, seqs)) / 2, self.placement.trainer_gpus)
         self.busy = True
         self.idle = self.idle + now - self.idle_since
         self.train_s = self.train_s + dur + self.costs.weight_sync_s
-        self.updates.append({"start": now, "samples": len(ids), "tokens": sum(self.lengths_of[s] for s in ids),
+        self.updates.append({"start": now, "samples": len(ids), "tokens": sum(lengths),
                              "version": sched.version})
-        heapq.heappush(self.events, (now + dur + self.costs.weight_sync_s, next(self.seq), "train", (batch,)))
+        heapq.heappush(self.events, (now + dur + self.costs.weight_sync_s, next(self.seq), None, batch, 0, 0.0))
+
+
+def _linear_steps_by(first: float, slope: float, dt: float) -> int:
+    """:meth:`Instance.steps_by` for an instance whose next step costs ``first`` and whose ``k`` steps cost
+    ``k * first + slope * k * (k - 1) / 2`` (the linear cost model, ``slope`` = ``ctx_rate * n``)."""
+    if dt <= 0:
+        return 0
+    a = slope / 2
+    b = first - a
+    k = dt / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * dt)) / (2 * a)
+    k = max(0, math.ceil(k) - 1)
+    while (k * first + slope * k * (k - 1) / 2 if k > 0 else 0.0) < dt:
+        k += 1
+    return k
 
 
 def _metrics(sim: _Simulation, steps: int, warm: int) -> dict[str, Any]:
@@ -375,7 +456,10 @@ def _metrics(sim: _Simulation, steps: int, warm: int) -> dict[str, Any]:
     wait = sum(updates[i]["start"] - ends[i] for i in measured)
     wall = ends[-1]
     avail = wall - (sim.train_s if placement.colocated else 0.0)
-    stale = Counter(e.trained_at - e.version for e in led.entries.values() if e.state == "consumed")
+    entries = list(led.entries.values())
+    is_consumed = map(eq, map(attrgetter("state"), entries), itertools.repeat("consumed"))
+    consumed = list(itertools.compress(entries, is_consumed))
+    stale = Counter(map(sub, map(attrgetter("trained_at"), consumed), map(attrgetter("version"), consumed)))
     samples = sum(updates[i]["samples"] for i in measured)
     return {
         "mode": mode,
