@@ -309,9 +309,14 @@ ALL_CONSUMED_DEFECTS = {
 
 @pytest.mark.parametrize("defect", sorted(ALL_CONSUMED_DEFECTS))
 def test_ledger_check_rejects_broken_ledgers_all_consumed(defect):
-    led = _valid_ledger()
-    del led.groups[2], led.entries[4], led.entries[5]  # groups 0 and 1 only, both consumed
-    led._counts.update(filtered=0, finished=0)
+    led = Ledger()  # _valid_ledger's groups 0 and 1, both consumed
+    led.add_group(0, [0, 1], version=0, prompt_index=0)
+    led.add_group(1, [2, 3], version=1, prompt_index=1)
+    for s in range(4):
+        led.start(s)
+        led.finish(s)
+    led.consume([0], 1)
+    led.consume([1], 2)
     led.check(1)
     brk, message = ALL_CONSUMED_DEFECTS[defect]
     brk(led)
