@@ -11,9 +11,9 @@ point: the line is on disk, the checkpoint of that update is not). What each tes
   mode and resumed each time: the saved ledger passes its own check (every sample consumed once or filtered with a reason, groups whole, staleness <= K), metrics
   steps are 1..N once each, samples.jsonl holds each consumed sample once;
 * a crashed and resumed run regenerates the lost samples with the same tokens and log-probs: in ``sync`` mode
-  equal to an uninterrupted run; in ``one_step_off`` and ``dora`` the checkpoint holds pending and decoding
-  samples of older versions, which come back from their snapshots and reproduce what the crashed run had
-  generated;
+  equal to an uninterrupted run; in ``one_step_off`` and ``dora`` (also at one version per rollout group) the
+  checkpoint holds pending and decoding samples of older versions, which come back from their snapshots and
+  reproduce what the crashed run had generated, and the run's running figures continue across the kill;
 * a truncated file in the newest checkpoint: the run falls back to the previous one with a warning and still
   ends equal to the uninterrupted run;
 * a changed config is refused naming the field, before anything is written.
@@ -259,15 +259,26 @@ def snapshot_logits(versions_dir, overrides):
     return logits_after
 
 
-@pytest.mark.parametrize("mode,k,rbs", [("one_step_off", 1, 8), ("dora", 2, 16)])
-def test_resume_regenerates_old_version_samples_from_snapshots(child_env, tmp_path, tmp_path_factory, mode, k, rbs):
+# One version per rollout group: the trainer on one device, K + 1 = 3 rollout groups of one device each.
+PER_GROUP = ["roles.placement=split", "roles.trainer_devices=1", "target.num_devices=4", "roles.rollout_groups=3",
+             "roles.versions_per_group=1"]
+
+
+@pytest.mark.parametrize("mode,k,rbs,groups", [("one_step_off", 1, 8, []), ("dora", 2, 16, []),
+                                               ("dora", 2, 16, PER_GROUP)], ids=["one_step_off", "dora", "per_group"])
+def test_resume_regenerates_old_version_samples_from_snapshots(child_env, tmp_path, tmp_path_factory, mode, k, rbs,
+                                                               groups):
     """Killed right after update 3's metrics line, resumed from checkpoint 2: the samples that were pending or
     decoding at the checkpoint are generated again on their own (older) versions, restored from snapshots, and
     equal what the killed run had generated and trained at update 3. In one_step_off the schedule is fixed, so
     the resumed run also trains them at the same update; dora's schedule follows reward timing, so only what
-    each sample is (its tokens, log-probs, reward, version) is compared."""
+    each sample is (its tokens, log-probs, reward, version) is compared. At one version per rollout group the
+    groups take their versions again from the balancer's plans; the run's figures (the most versions a group
+    held, the balancer's totals) continue from the checkpoint's instead of restarting."""
     overrides = BASE + [f"dora.mode={mode}", f"train.max_staleness={k}", f"dora.rollout_batch={rbs}",
-                        "run.checkpoint_every=2"]
+                        "run.checkpoint_every=2"] + groups
+    if groups:
+        child_env = dict(child_env, XLA_FLAGS=cpu_test_flags(devices=4))
     run_child(child_env, tmp_path, overrides, kill_after=3)
     crashed = lines(tmp_path / "samples.jsonl")
     at_kill = tmp_path_factory.mktemp("versions_at_kill")  # the snapshots as the killed run left them
@@ -278,6 +289,13 @@ def test_resume_regenerates_old_version_samples_from_snapshots(child_env, tmp_pa
     assert redo and max(led.entries[s].version for s in redo) <= 2
     if mode == "one_step_off":
         assert {led.entries[s].version for s in redo} == {1}  # the older version: from its snapshot
+    killed_rows = lines(tmp_path / "metrics.jsonl")
+    assert state["metrics"]["max_versions_per_group"] == killed_rows[1]["max_versions_per_group"]
+    if groups:  # the totals as update 2's row reported them
+        saved = state["metrics"]["balancer"]
+        assert {c: saved[c] for c in ("plans", "changes", "drains")} == {
+            c: killed_rows[1]["balancer"][c] for c in ("plans", "changes", "drains")}
+        assert sum(saved["loads"]) == killed_rows[1]["balancer"]["loads"] >= 3 and saved["changes"] >= 1
     lost = [r for r in crashed if r["sample_id"] in redo]  # generated and trained after the checkpoint
     assert lost and any(r["version"] < 2 for r in lost)  # some on a version older than the checkpoint's
     err = run_child(child_env, tmp_path, overrides)
@@ -292,9 +310,21 @@ def test_resume_regenerates_old_version_samples_from_snapshots(child_env, tmp_pa
         assert all(r["version"] == 1 and r["trained_at"] == 2 for r in regenerated)
         same_samples(resumed[:24], crashed)
     assert_every_update_changed_the_policy(tmp_path)  # so the older versions differ from the newest
-    assert [m["step"] for m in lines(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+    metrics = lines(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     check_trained_samples(resumed, saved_ledger(tmp_path), k)
     saved_ledger(tmp_path).check(k)
+    summary = json.load(open(tmp_path / "summary.json"))
+    most = [m["max_versions_per_group"] for m in metrics]  # a running maximum, across the resume too
+    assert most == sorted(most) and summary["max_versions_per_group"] == most[-1] >= killed_rows[1][
+        "max_versions_per_group"]
+    if groups:
+        assert most == [1, 1, 1, 1]
+        totals = [m["balancer"] for m in metrics]
+        for key in ("plans", "changes", "loads"):
+            assert [t[key] for t in totals] == sorted(t[key] for t in totals), key  # totals continue
+        assert totals[2]["plans"] > saved["plans"] and sum(summary["balancer"]["loads"]) == totals[-1]["loads"]
+        assert summary["balancer"]["moved_requests"] == sum(t["moved_requests"] for t in totals)
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(child_env, tmp_path, sync_reference,
@@ -380,8 +410,9 @@ def test_a_cut_off_first_checkpoint_starts_afresh_and_corrupt_ones_only_stop(tmp
 
 
 def test_run_states_and_metadata_the_runner_did_not_write_are_named(tmp_path, monkeypatch):
-    """A run state whose metrics lack a counter (another version wrote it) and a checkpoint whose meta.json is
-    not a mapping: a ResumeError naming the file, and the config check passes over what restore reports."""
+    """A run state whose metrics lack a counter (another version wrote it) or hold a malformed one, and a
+    checkpoint whose meta.json is not a mapping: a ResumeError naming the file and the field, and the config check
+    passes over what restore reports. Metrics added later may be absent (an older run's checkpoint)."""
     from dora_jax.run.resume import RUN_METRICS, pack_run_state, unpack_run_state
     from dora_jax.dora.scheduler import SchedulePolicy, Scheduler
 
@@ -389,7 +420,22 @@ def test_run_states_and_metadata_the_runner_did_not_write_are_named(tmp_path, mo
     policy = SchedulePolicy("sync", 0, 8, 8, 4, 32)
     metrics = {k: 0 for k in RUN_METRICS}
     state = pack_run_state(Scheduler(policy), {}, metrics, cfg)
-    assert unpack_run_state(policy, state, tmp_path, cfg)[2] == metrics
+    assert unpack_run_state(policy, state, tmp_path, cfg)[2] == metrics  # without the later fields: an older run's
+    totals = {"plans": 3, "changes": 2, "reassigned": 1, "drains": 1, "moved": 0, "loads": [2],
+              "moved_requests": 0, "moved_kv_bytes": 0, "move_waits": 0}
+    for later, named in [({"max_versions_per_group": -1}, r"metrics.max_versions_per_group: -1 is not a count"),
+                         ({"max_versions_per_group": "2"}, r"metrics.max_versions_per_group: '2' is not a count"),
+                         ({"balancer": {**totals, "loads": [2, 1]}}, r"metrics.balancer.loads: \[2, 1\] is not a "
+                                                                      r"list of 1 counts"),
+                         ({"balancer": {**totals, "drains": 0.5}}, r"metrics.balancer.drains: 0.5 is not a count"),
+                         ({"balancer": {**totals, "loads": [True]}}, r"metrics.balancer.loads\[0\]: True"),
+                         ({"balancer": {"plans": 3}}, r"metrics.balancer: fields \['plans'\], expected"),
+                         ({"balancer": [3]}, r"metrics.balancer: \[3\] is not a mapping")]:
+        bad = pack_run_state(Scheduler(policy), {}, {**metrics, **later}, cfg)
+        with pytest.raises(ResumeError, match=r"run_state.json: not a run state this runner can continue \(" + named):
+            unpack_run_state(policy, bad, tmp_path, cfg)
+    good = {**metrics, "max_versions_per_group": 2, "balancer": totals}
+    assert unpack_run_state(policy, pack_run_state(Scheduler(policy), {}, good, cfg), tmp_path, cfg)[2] == good
     del state["metrics"]["rows_computed"]
     with pytest.raises(ResumeError, match=r"run_state.json: not a run state this runner can continue \(its metrics "
                                           r"lack rows_computed"):

@@ -24,6 +24,25 @@ from dora_jax.rollout.groups import VersionGroups
 from dora_jax.run.residency import Residency
 
 RECENT_DECISIONS = 8  # the newest decisions each metrics row names
+MOVE_TOTALS = ("moved_requests", "moved_kv_bytes", "move_waits")  # the groups' move totals over the run
+
+
+def check_saved(saved: Any, groups: int) -> str | None:
+    """What is wrong with a checkpoint's balancer totals (:meth:`GroupBalancing.state`) for ``groups`` rollout
+    groups, in words (None: nothing)."""
+    if not isinstance(saved, dict):
+        return f"balancer: {saved!r:.80} is not a mapping"
+    want = {*Balancer(groups, max_live=1).counters, *MOVE_TOTALS, "loads"}
+    if set(saved) != want:
+        return f"balancer: fields {sorted(saved)}, expected {sorted(want)}"
+    loads = saved["loads"]
+    if not isinstance(loads, list) or len(loads) != groups:
+        return f"balancer.loads: {loads!r:.80} is not a list of {groups} counts (one per rollout group)"
+    for name, n in [*((k, v) for k, v in saved.items() if k != "loads"), *((f"loads[{i}]", v) for i, v in
+                                                                           enumerate(loads))]:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            return f"balancer.{name}: {n!r:.80} is not a count (an integer >= 0)"
+    return None
 
 
 class GroupBalancing:
@@ -112,6 +131,24 @@ class GroupBalancing:
         self.decided = 0
         self._moved = moved
         return out
+
+    def state(self) -> dict[str, Any]:
+        """The run's totals a checkpoint saves (:meth:`restore` continues them): the balancer's counters, each
+        group's version loads and the move totals."""
+        g = self.groups
+        return {**self.balancer.counters, "loads": list(g.loads), **{k: getattr(g, k) for k in MOVE_TOTALS}}
+
+    def restore(self, saved: Mapping[str, Any]) -> None:
+        """Continues the totals of a checkpoint's :meth:`state` (checked by :func:`check_saved`): they are added
+        to this run's own, which already count the versions a resume loaded into the groups (loaded again: the
+        groups' weights are not saved). The next report's move counts start from the saved totals."""
+        g = self.groups
+        for k in self.balancer.counters:
+            self.balancer.counters[k] += saved[k]
+        g.loads = [a + b for a, b in zip(g.loads, saved["loads"])]
+        for k in MOVE_TOTALS:
+            setattr(g, k, getattr(g, k) + saved[k])
+        self._moved = tuple(self._moved[i] + saved[k] for i, k in enumerate(MOVE_TOTALS))
 
     def summary(self) -> dict[str, Any]:
         """The run's totals: the balancer's counters, each group's version loads (its first included), and the

@@ -224,7 +224,9 @@ class Runner:
         counters = meter.counters(eval_before=eval_before, eval_s=eval_s, lines=self._lines["metrics.jsonl"],
                                   samples_lines=self._lines["samples.jsonl"], rows_computed=self.driver.rows_computed,
                                   rows_live=self.driver.rows_live, batch_steps=self.driver.batch_steps,
-                                  max_resident=self.versions.max_resident, evals=self.eval_curve)
+                                  max_resident=self.versions.max_resident, evals=self.eval_curve,
+                                  max_versions_per_group=self.versions.max_versions_per_group,
+                                  balancer=self.balancing.state() if self.balancing is not None else None)
         path = self.store.save(self.sched.version, self.state,
                                pack_run_state(self.sched, self.rollout.done, counters, self.cfg),
                                set(self.sched.live_versions()), self.versions.resident(), self.versions.params)
@@ -250,6 +252,9 @@ class Runner:
         self.driver.rows_computed, self.driver.rows_live = counters["rows_computed"], counters["rows_live"]
         self.driver.batch_steps = counters["batch_steps"]
         self.versions.max_resident = max(counters["max_resident"], self.versions.max_resident)
+        self.versions.max_versions_per_group = counters.get("max_versions_per_group", 0)  # absent: an older run's
+        if self.balancing is not None and counters.get("balancer") is not None:
+            self.balancing.restore(counters["balancer"])
         self._resumed, self._saved_at = counters, found.step
         self.eval_curve = [list(x) for x in counters.get("evals", [])]  # evaluations in flight were dropped
         if self.writes:

@@ -50,6 +50,7 @@ class Residency:
         self.sync_s = 0.0  # trainer -> rollout weight transfers, in total
         self.store_max_resident = 0  # the most versions the store held at once
         self._restored = 0  # the figure a resumed run had reached before its checkpoint
+        self._restored_per_group = 0  # likewise for max_versions_per_group
         self.per_group = isinstance(driver, VersionGroups)
 
     @property
@@ -61,8 +62,12 @@ class Residency:
     @property
     def max_versions_per_group(self) -> int:
         """The most versions one rollout group held at once (the drivers' own counts; 1 at one version per
-        group)."""
-        return self.driver.max_held
+        group), and at least the figure a resumed run had reached before its checkpoint."""
+        return max(self.driver.max_held, self._restored_per_group)
+
+    @max_versions_per_group.setter
+    def max_versions_per_group(self, value: int) -> None:  # a resume restores the figure the run had reached
+        self._restored_per_group = int(value)
 
     @property
     def max_resident(self) -> int:

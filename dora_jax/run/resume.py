@@ -124,6 +124,20 @@ RUN_METRICS = ("eval_before", "eval_s", "wall_s", "train_s", "gen_tokens", "chec
                "rows_computed", "rows_live", "batch_steps", "max_resident")
 
 
+def check_later_metrics(metrics: dict[str, Any], cfg: Config) -> str | None:
+    """What is wrong with the run-state metrics added after :data:`RUN_METRICS` (a checkpoint written before them
+    lacks them and resumes without: their figures restart), in words (None: nothing). ``max_versions_per_group``
+    is a count; ``balancer`` (at ``roles.versions_per_group: 1``) the balancer's and groups' totals."""
+    n = metrics.get("max_versions_per_group", 0)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        return f"max_versions_per_group: {n!r:.80} is not a count (an integer >= 0)"
+    if metrics.get("balancer") is not None:
+        from dora_jax.run.balancing import check_saved  # not at import: it brings the rollout side
+
+        return check_saved(metrics["balancer"], cfg.roles.rollout_groups)
+    return None
+
+
 def unpack_run_state(policy: SchedulePolicy, run_state: dict[str, Any], where: Path,
                      cfg: Config) -> tuple[Scheduler, list[Sample], dict[str, Any]]:
     """The scheduler, finished samples and metrics position of a checkpoint's run state, with every sample
@@ -146,6 +160,8 @@ def unpack_run_state(policy: SchedulePolicy, run_state: dict[str, Any], where: P
                           f"{', '.join(missing)}; written by another version of dora-jax?)")
     if saved_seeds != seeds(cfg):
         raise ResumeError(f"{where}: seeds {saved_seeds} differ from this run's {seeds(cfg)}")
+    if (wrong := check_later_metrics(metrics, cfg)) is not None:
+        raise ResumeError(f"{where}: not a run state this runner can continue (metrics.{wrong})")
     led = sched.ledger
     want = sorted(s for s, e in led.entries.items() if e.state == "finished")
     if sorted(f.sample_id for f in finished) != want:
