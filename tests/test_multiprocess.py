@@ -3,7 +3,9 @@ each (gloo collectives). The trainer's mesh spans both processes' eight devices;
 share of the groups on its own four, and the finished samples are shared. Both processes must take the same
 decisions and end with the same ledger, which keeps its
 invariants; only process 0 writes the run directory's files, and both write the run checkpoints and version
-snapshots together; two processes resumed from a checkpoint finish the run exactly as the uninterrupted one.
+snapshots together; held-out evaluations during training (``task.eval_every``) decode beside rollout, each
+process its share, and every process records the same results; two processes resumed from a checkpoint finish
+the run exactly as the uninterrupted one.
 Under split placement each process trains on some of its devices and decodes on the others; such a run killed
 at a random moment resumes to one complete run."""
 
@@ -52,6 +54,9 @@ _WORKER = textwrap.dedent("""
     run_dir, out, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     runner = Runner(load_config("tiny_llama", overrides), run_dir, progress=False)
     resumed_at = runner.sched.version
+    evals, record_eval = [], runner._record_eval  # every evaluation's result as this process measured it
+    runner._record_eval = lambda version, result, *rest: (evals.append([version, result]),
+                                                          record_eval(version, result, *rest))
     summary = runner.run()
     # This process's rollout copy of the newest version against the trainer's (global) params.
     v = runner.sched.version
@@ -73,7 +78,7 @@ _WORKER = textwrap.dedent("""
            "local_devices": sorted(d.id for d in jax.local_devices()),
            "updates": list(runner.updates), "ledger": runner.sched.state_dict(),
            "copy_max_diff": max(float(np.max(np.abs(np.asarray(a) - b))) for a, b in zip(local, full)),
-           "tp_ok": tp_ok, "tp_sharded": tp_sharded,
+           "tp_ok": tp_ok, "tp_sharded": tp_sharded, "evals": evals,
            "copy_sum": sum(float(np.asarray(a, np.float64).sum()) for a in local),
            "summary": {k: summary[k] for k in ("steps", "samples", "accuracy_before", "accuracy_after",
                                                 "max_resident_versions", "processes", "sync_s")}}
@@ -210,9 +215,14 @@ def _launch(tmp_path, overrides_of, timeout=240, worker=_WORKER, devices=4):
     return _finish(_start(tmp_path, overrides_of, worker, devices), timeout)
 
 
+# Held-out evaluations during training too: versions 1 and 2 (3, the last, is the final evaluation's), each
+# process decoding its share of the held-out requests beside rollout, the answers exchanged with the samples.
+EVALS = ["task.eval_every=1"]
+
+
 def test_two_processes_run_dora_end_to_end_and_agree(tmp_path):
     run_dir = tmp_path / "run"
-    codes, outs = _launch(tmp_path, lambda pid: OVERRIDES)
+    codes, outs = _launch(tmp_path, lambda pid: OVERRIDES + EVALS)
     for pid, (code, out) in enumerate(zip(codes, outs)):
         assert code == 0, f"process {pid} failed:\n{out[-6000:]}"
     recs = [json.loads((tmp_path / f"rec{pid}.json").read_text()) for pid in range(2)]
@@ -233,10 +243,11 @@ def test_two_processes_run_dora_end_to_end_and_agree(tmp_path):
         assert r["copy_max_diff"] == 0.0  # the process's rollout copy is the trainer's newest version
         assert r["tp_ok"] and r["tp_sharded"] > 0  # and a tensor-sharded local copy holds the right slices
     assert len({r["local_devices"][0] for r in recs}) == 2  # different devices
-    # Each process generated its own share of the groups; together, every finished sample exactly once.
+    # Each process generated its own share of the groups; together, every finished sample exactly once, and each
+    # held-out answer of the two evaluations during training.
     counts = Ledger.from_dict(recs[0]["ledger"]["ledger"]).counts()
     assert all(r["generated"] > 0 for r in recs)
-    assert sum(r["generated"] for r in recs) == counts["consumed"] + counts["finished"]
+    assert sum(r["generated"] for r in recs) == counts["consumed"] + counts["finished"] + 2 * 2
 
     # Both processes agree on every decision: the same steps, groups, samples and versions, the same train
     # metrics, the same final ledger, the same weights and evaluations.
@@ -246,9 +257,15 @@ def test_two_processes_run_dora_end_to_end_and_agree(tmp_path):
     assert recs[0]["summary"]["accuracy_after"] == recs[1]["summary"]["accuracy_after"]
     assert max(lag for u in recs[0]["updates"] for lag in [u["step"] - 1 - v for _, v in u["samples"]]) >= 1
 
-    # Only process 0 wrote the (shared) run directory: one line per update and per consumed sample.
+    # Only process 0 wrote the (shared) run directory: one line per update and per consumed sample, and one per
+    # evaluation (before training, of versions 1 and 2 during it, and after), in the order they finished; every
+    # process measured the same accuracies.
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
+    assert [m["step"] for m in lines if "eval" not in m] == list(range(1, STEPS + 1))
+    evals = [[m["version"], m["eval"]] for m in lines if "eval" in m]
+    assert [v for v, _ in evals] == list(range(STEPS + 1)) and all(e["n"] == 2 and e["len_mean"] > 0 for _, e in evals)
+    assert recs[0]["evals"] == recs[1]["evals"] == evals
+    assert evals[-1][1]["accuracy"] == recs[0]["summary"]["accuracy_after"]
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert sorted(s["sample_id"] for s in samples) == sorted(sid for u in recs[0]["updates"] for sid, _ in u["samples"])
     saved = json.loads((run_dir / "ledger.json").read_text())
@@ -265,7 +282,7 @@ def test_two_processes_run_dora_end_to_end_and_agree(tmp_path):
     assert sorted(p.name for p in (run_dir / "versions").iterdir() if p.name.startswith("v_"))[-1] == f"v_{STEPS:08d}"
     shutil.rmtree(run_dir / "checkpoints" / f"step_{STEPS:08d}")
     (run_dir / "summary.json").unlink()
-    codes, outs = _launch(tmp_path, lambda pid: OVERRIDES + ["run.resume=true"])
+    codes, outs = _launch(tmp_path, lambda pid: OVERRIDES + EVALS + ["run.resume=true"])
     for pid, (code, out) in enumerate(zip(codes, outs)):
         assert code == 0, f"resumed process {pid} failed:\n{out[-6000:]}"
     again = [json.loads((tmp_path / f"rec{pid}.json").read_text()) for pid in range(2)]
@@ -274,7 +291,13 @@ def test_two_processes_run_dora_end_to_end_and_agree(tmp_path):
         assert r["updates"] == recs[0]["updates"][STEPS - 1:]  # the redone update: same samples, versions, loss
         assert r["ledger"] == recs[0]["ledger"] and r["copy_sum"] == recs[0]["copy_sum"]
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == list(range(1, STEPS + 1))  # the redone update's line replaced, not added
+    # The redone update's line replaced, not added. Evaluations in flight at checkpoint 2 are dropped with it
+    # (version 2's; version 1's too when it had not finished by then): the lines kept are the checkpoint's, and
+    # the final evaluation is the same again.
+    assert [m["step"] for m in lines if "eval" not in m] == list(range(1, STEPS + 1))
+    again_evals = [[m["version"], m["eval"]] for m in lines if "eval" in m]
+    assert again_evals in ([evals[0], evals[-1]], [evals[0], evals[1], evals[-1]])
+    assert again[0]["evals"] == again[1]["evals"] == evals[-1:]
 
 
 @pytest.mark.parametrize("extra_of,message", [
