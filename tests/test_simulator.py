@@ -5,10 +5,13 @@ Hand cases share one small cluster unless stated: 2 rollout instances x 2 slots,
 4 samples (2 groups), every completion 6 tokens, prompts of 0 tokens, one decode step = 1 s whatever the batch,
 an update = 3 s of training + 1 s of weight sync. An instance holds one version's weights; switching to another
 version stalls it for the weight sync (1 s; the first load, before the run, is free), except under colocated
-sync. Events at the same time run in the order they were queued.
+sync. Events at the same time run in the order they were queued. Under dora the runner's Balancer places the
+versions (dora_jax/sim/balancing.py): it plans after a publish (once that update's prompts are dispatched), when
+a version or a draining instance drains, and on imbalance; an instance no version needs goes to the newest.
 """
 
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -17,8 +20,8 @@ from dora_jax.dora.ledger import Ledger
 from dora_jax.sim.config import Costs, SimConfigError, load_sim_config, parse_config
 from dora_jax.sim.engine import Instance, Placement, Row, SimLedger
 from dora_jax.sim.lengths import length_dist
-from dora_jax.sim.report import run_one
-from dora_jax.sim.run import simulate
+from dora_jax.sim.report import compare_versions, format_report, run_one
+from dora_jax.sim.run import SimulationError, _Simulation, simulate
 
 COSTS = Costs(decode_step_s=1.0, train_fixed_s=3.0, weight_sync_s=1.0)
 SIX = length_dist({"kind": "fixed", "value": 6})
@@ -79,8 +82,11 @@ def test_dora_timeline_and_window():
     # v1 (pending: every slot holds a v0 row until 12). At 12 both instances empty, load v1 (12-13) and decode
     # it 13-19, and g2, g3 (v0) train 12-16; v2 is dispatched at 16, loaded at 19 (19-20) and decoded 20-26.
     # Updates (6,10) (12,16) (19,23) (26,30), every sample trained one version late but the first batch.
+    # The balancer at 10: v0 (4 rows) and v1 (4 waiting) are owed one instance each; both hold v0 rows and neither
+    # has a free slot for the other's, so instance 0 drains (and at 16 the same for v1 -> v2): 2 drains, no move.
     r = run("dora", steps=1, warmup_steps=0)
     assert spans(r) == [(6, 10), (12, 16), (19, 23), (26, 30)]
+    assert r["balancer"]["drains"] == 2 and r["moved_rows"] == 0
     assert r["staleness"] == {"0": 4, "1": 12} and r["max_live_versions"] == 2
     # Live versions after each update: the newest plus those still outstanding (v0's g2, g3 at the first).
     assert [e["live"] for e in r["timeline"]] == [[0, 1], [1, 2], [2, 3], [4]]
@@ -106,14 +112,79 @@ def test_dora_hands_a_fragmented_old_version_over_and_reuses_the_instance():
     # (4 tokens left each) 6.6-10.6. t=10: s4, s5 done but the window holds them (v0 must drain first).
     # t=10.6: s1, s3 train 10.6-14.6 -> v2; s6, s7 dispatched on v2; s4, s5 train 14.6-18.6; instance 0 loads
     # v2 (14.6-15.6) and decodes s6, s7 15.6-16.6; they train 18.6-22.6.
+    # The balancer's plan at 6 (work v0: 2 in flight, v1: 2 waiting; one instance each) gives up instance 0 (the
+    # fewest rows, then the lower index) and moves its row to instance 1, which has the room. Weight loads: instance
+    # 0 -> v1 at 6; v0 drained at 10.6: instance 1, idle, -> the newest (v1); at 14.6 and 18.6 (publishes) both go
+    # to the newest: 1 + 1 + 2 + 2 = 6. The last publish (22.6) ends the run and places nothing.
     costs = Costs(decode_step_s=1.0, train_fixed_s=3.0, weight_sync_s=1.0, migrate_token_s=0.1)
     r = simulate("dora", costs, Placement(2, 2, 1), Lengths(2, 10, 2, 10, 3, 3, 1, 1), train_batch=2,
                  group_size=1, prompt_tokens=0, steps=1, max_staleness=1, rollout_batch=4)
     assert spans(r) == [(2, 6), (pytest.approx(10.6), pytest.approx(14.6)), (pytest.approx(14.6),
                                                                               pytest.approx(18.6)),
                         (pytest.approx(18.6), pytest.approx(22.6))]
-    assert r["migrated_rows"] == 1 and r["weight_loads"] == 2  # instance 0: v1 at 6, v2 at 14.6
+    assert r["migrated_rows"] == 1 and r["weight_loads"] == 6
+    assert r["moved_kv_tokens"] == 6 and r["moved_kv_bytes"] is None  # the costs give no bytes per token
     assert r["staleness"] == {"0": 2, "1": 6}
+
+
+def test_dora_balancer_splits_a_busy_instances_rows_over_two_and_reassigns_it():
+    # 3 instances x 4 slots, groups of 1, TBS 4, K = 2, RBS 12, 0.1 s per moved token and 1000 B of KV per token.
+    # Lengths s0..s19 = 1 1 8 8 | 1 8 8 8 | 1 8 8 8 | 2 2 2 2 | 1 1 1 1.
+    # t=0: 12 samples of v0; the plan gives every instance v0 (loads before the run are free); instance 0 takes
+    # s0-s3, instance 1 s4-s7, instance 2 s8-s11. t=1: s0, s1, s4, s8 done: train 1-5 -> v1, leaving 8 of v0
+    # (<= (0 + K - 0) x TBS). t=5: s12-s15 dispatched on v1; the plan (work v0 8 in flight, v1 4 waiting, 3
+    # instances) owes v0 2 instances and v1 1 (shares 2 and 1; v0's the larger remainder after one each). Every
+    # instance is busy with v0 (2, 3, 3 rows): instance 0, the fewest, gives up its 2 rows, one to each of the
+    # others (1 free slot each), and changes to v1. At its step boundary (t=5, 5 tokens per row) it hands s2 to
+    # instance 1 and s3 to instance 2, loads v1 (5-6) and takes s12-s15 (decoded 6-8). Instances 1 and 2 take
+    # the moved row at 5 (5 tokens x 0.1 s = 0.5 s, no prefill) and decode 4 rows 5.5-8.5 (3 steps to 8 tokens).
+    # t=8: v1's rows are done but the window holds them (v0 must drain first). t=8.5: v0 is done; s2, s5, s6, s7
+    # train 8.5-12.5 -> v2 (4 of v0 left <= (0 + K - 1) x TBS); v0 drained: the idle instances 1, 2 -> the newest
+    # (v1). t=12.5: s16-s19 on v2: instance 0 -> v2 (v2's one instance), 1 and 2 -> the newest (v2): 3 loads
+    # (12.5-13.5); instance 0 takes all four, done at 14.5. v0's last 4 train 12.5-16.5 -> v3, v1's 16.5-20.5 ->
+    # v4, v2's 20.5-24.5 -> v5; the publishes at 16.5 and 20.5 move the 3 idle instances to the newest.
+    costs = Costs(decode_step_s=1.0, train_fixed_s=3.0, weight_sync_s=1.0, migrate_token_s=0.1,
+                  kv_bytes_per_token=1000)
+    lengths = Lengths(1, 1, 8, 8, 1, 8, 8, 8, 1, 8, 8, 8, 2, 2, 2, 2, 1, 1, 1, 1)
+    r = simulate("dora", costs, Placement(3, 4, 1), lengths, train_batch=4, group_size=1, prompt_tokens=0,
+                 steps=1, max_staleness=2, rollout_batch=12)
+    assert spans(r) == [(1, 5), (8.5, 12.5), (12.5, 16.5), (16.5, 20.5), (20.5, 24.5)]
+    assert r["staleness"] == {"0": 4, "1": 4, "2": 12}
+    assert r["weight_loads"] == 1 + 2 + 3 + 3 + 3
+    assert r["moved_rows"] == 2 and r["moved_kv_tokens"] == 10 and r["moved_kv_bytes"] == 10_000
+    assert r["transfer_share"] == pytest.approx(1.0 / (3 * 24.5))  # 2 x 0.5 s over 3 instances x 24.5 s
+    b = r["balancer"]
+    # Plans at 0, 5, 8 (v1 drained: nothing to change), 8.5, 12.5, 14.5 (v2 drained: nothing), 16.5, 20.5.
+    assert (b["plans"], b["changes"], b["moved"], b["drains"], b["reassigned"]) == (8, 6, 2, 0, 3 + 1 + 2 + 3 + 3 + 3)
+    assert b["decisions_per_update"] == 6 / 5
+    assert "t=5.0: version 1 published: version 1 has work and no group" in b["last_decisions"]
+
+
+def test_dora_with_every_version_on_every_instance():
+    # One instance x 4 slots holding every live version; a step costs 1 s plus 1 s of weight reads per version
+    # among its rows. Groups of 1, TBS 2, K = 1, RBS 4, lengths s0..s7 = 1 1 5 5 1 1 1 1.
+    # t=0: s0-s3 (v0) admitted; one version: 2 s per step. t=2: s0, s1 done: train 2-6 -> v1. t=6 (publish): s4,
+    # s5 dispatched on v1; the instance stops at its next boundary (6, s2 and s3 at 3 tokens), loads v1 beside v0
+    # (6-7) and takes s4, s5: two versions, 3 s per step: s4, s5 done at 10; then v0 alone: s2, s3 done at 12.
+    # s2, s3 train 12-16 -> v2; s6, s7 on v2: the empty instance loads v2 (16-17) and decodes them 17-19; s4, s5
+    # train 16-20 -> v3 (load 20-21), s6, s7 20-24. Nothing moves and the balancer has no part.
+    costs = Costs(decode_step_s=1.0, decode_weights_s=1.0, train_fixed_s=3.0, weight_sync_s=1.0)
+    r = simulate("dora", costs, Placement(1, 4, 1), Lengths(1, 1, 5, 5, 1, 1, 1, 1), train_batch=2, group_size=1,
+                 prompt_tokens=0, steps=1, max_staleness=1, rollout_batch=4, versions_per_instance="all")
+    assert spans(r) == [(2, 6), (12, 16), (16, 20), (20, 24)]
+    assert r["weight_loads"] == 3 and r["moved_rows"] == 0 and r["balancer"] is None
+    assert r["versions_per_instance"] == "all" and r["staleness"] == {"0": 2, "1": 6}
+
+
+def test_versions_per_instance_is_refused_where_it_does_not_apply():
+    with pytest.raises(SimulationError, match=r"versions_per_instance 'some': dora takes 1 or 'all'"):
+        run("dora", versions_per_instance="some")
+    with pytest.raises(SimulationError, match=r"versions_per_instance 'all': .* other modes 1"):
+        run("sync", versions_per_instance="all")
+    # K = 2 needs 3 live versions: at one version per instance 2 instances cannot hold them.
+    with pytest.raises(SimulationError, match=r"2 rollout instances cannot serve K \+ 1 = 3 live versions"):
+        run("dora", max_staleness=2)
+    assert run("dora", max_staleness=2, versions_per_instance="all")["max_live_versions"] <= 3
 
 
 def test_decode_weight_read_overlaps_the_row_compute():
@@ -171,18 +242,66 @@ def test_sim_ledger_answers_like_the_ledger():
     led.check()
 
 
+def one_version_per_instance(sim):
+    """Raises AssertionError unless every instance's rows, and the rows handed to it and not yet taken, are of the
+    version it holds, and no instance is promised more rows than its slots."""
+    for i, inst in enumerate(sim.insts):
+        held = {r.version for r in inst.rows.values()} | {sim.led.entries[sid].version for sid, _ in inst.inbox}
+        assert held <= {inst.loaded}, f"instance {i} holds version {inst.loaded} and rows of versions {held}"
+        assert len(inst.rows) + len(inst.inbox) + inst.incoming <= inst.slots, f"instance {i} over its slots"
+
+
+def test_the_one_version_check_catches_an_instance_with_two_versions():
+    sim = _Simulation("dora", COSTS, Placement(2, 2, 1), SIX, train_batch=4, group_size=2, prompt_tokens=0,
+                      steps=1, max_staleness=1, rollout_batch=8, seed=0)
+    one_version_per_instance(sim)
+    sim.insts[0].loaded = 3
+    sim.insts[0].add(0, Row(3, 0, 0, 0, 6))
+    one_version_per_instance(sim)
+    sim.insts[0].add(1, Row(4, 0, 0, 0, 6))
+    with pytest.raises(AssertionError, match=r"instance 0 holds version 3 and rows of versions \{3, 4\}"):
+        one_version_per_instance(sim)
+    sim.insts[0].remove(1)
+    sim.insts[1].incoming = 3
+    with pytest.raises(AssertionError, match="instance 1 over its slots"):
+        one_version_per_instance(sim)
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_invariants_hold_in_random_runs(seed, monkeypatch):
+    random_run(seed, monkeypatch)
+
+
+@pytest.mark.parametrize("seed", range(12, 24))
+def test_invariants_hold_in_random_runs_at_one_version_per_instance(seed, monkeypatch):
+    # Checked after every event (the loop dispatches after each): one version per instance, slots not overbooked.
+    dispatch = _Simulation.dispatch
+
+    def checked(sim):
+        one_version_per_instance(sim)
+        dispatch(sim)
+
+    monkeypatch.setattr(_Simulation, "dispatch", checked)
+    r = random_run(seed, monkeypatch, mode="dora", versions=1)
+    assert r["balancer"]["plans"] >= 1 and r["versions_per_instance"] == 1
+
+
+def random_run(seed, monkeypatch, mode=None, versions=None):
+    """A run with random policy, batch, window, lengths, costs and cluster; checks the ledger's counts, the
+    staleness bound and the shares, and (but for partial and every version per instance) that each row joins an
+    instance holding its version."""
     add = Instance.add
 
     def one_version(inst, sid, row):
-        assert mode == "partial" or row.version == inst.loaded, "an instance decodes two versions at once"
+        assert inst.mix is not None or mode == "partial" or row.version == inst.loaded, \
+            "an instance decodes two versions at once"
         assert len(inst.rows) < inst.slots
         add(inst, sid, row)
 
     monkeypatch.setattr(Instance, "add", one_version)
     rng = random.Random(seed)
-    mode = rng.choice(["sync", "one_step_off", "partial", "dora"])
+    mode = mode or rng.choice(["sync", "one_step_off", "partial", "dora"])
+    versions = versions or rng.choice([1, "all"])
     g = rng.randint(1, 4)
     tbs = g * rng.randint(1, 4)
     k = rng.randint(1, 3)
@@ -194,9 +313,12 @@ def test_invariants_hold_in_random_runs(seed, monkeypatch):
                   prefill_token_s=rng.uniform(0, 0.01), train_token_gpu_s=rng.uniform(0, 0.05),
                   train_fixed_s=rng.uniform(0, 5), weight_sync_s=rng.uniform(0, 2),
                   migrate_token_s=rng.uniform(0, 1e-3))
-    place = Placement(rng.randint(1, 4), rng.randint(1, 6), rng.randint(1, 8), mode == "sync" and rng.random() < .5)
+    fewest = k + 1 if mode == "dora" and versions == 1 else 1  # one version per instance: one per live version
+    place = Placement(rng.randint(fewest, fewest + 3), rng.randint(1, 6), rng.randint(1, 8),
+                      mode == "sync" and rng.random() < .5)
     r = simulate(mode, costs, place, lengths, train_batch=tbs, group_size=g, prompt_tokens=rng.randint(0, 50),
-                 steps=rng.randint(1, 5), max_staleness=k, rollout_batch=rb, seed=seed)
+                 steps=rng.randint(1, 5), max_staleness=k, rollout_batch=rb, seed=seed,
+                 versions_per_instance=versions if mode == "dora" else 1)
     # simulate() already ran Ledger.check(bound) and refused abandoned samples; check the report agrees.
     counts = r["ledger"]
     assert counts["consumed"] == len(r["updates"]) * tbs and counts["pending"] == counts["in_flight"] == 0
@@ -204,6 +326,7 @@ def test_invariants_hold_in_random_runs(seed, monkeypatch):
     if bound is not None:
         assert max(int(s) for s in r["staleness"]) <= bound and r["max_live_versions"] <= bound + 1
     assert 0 <= r["rollout_share"] <= 1 and 0 <= r["slot_utilization"] <= 1 + 1e-9
+    return r
 
 
 # -- the paper preset -------------------------------------------------------------------------------------------
@@ -223,11 +346,8 @@ def test_paper_sync_rollout_share_at_64_gpus(paper):
     assert within(runs[64, "sync"]["rollout_share"], cfg.paper["64"]["sync_rollout_share"])  # 65%
 
 
-@pytest.mark.xfail(strict=True, reason="at the balanced split (7 rollout instances, 36 trainer GPUs) the simulated "
-                   "dora pipeline is trainer-bound at 64 GPUs: its trainer never waits in the steady state (0% "
-                   "against the paper's 12%); the paper's split is not public, and one instance fewer (40 trainer "
-                   "GPUs) gives 15.6% (docs/simulator.md)")
 def test_paper_dora_rollout_share_at_64_gpus(paper):
+    # 11.2% with the balancer placing the versions; 0% under the earlier hand-over rule (docs/simulator.md).
     cfg, runs = paper
     assert within(runs[64, "dora"]["rollout_share"], cfg.paper["64"]["dora_rollout_share"])  # 12%
 
@@ -245,12 +365,20 @@ def test_paper_speedup_at_128_gpus(paper):
 
 
 def test_paper_preset_rollout_side_is_one_version_per_instance(paper):
-    # The dora runs move rows between instances (defragmentation) and reload weights as instances change
-    # version; sync (colocated) does neither.
-    _, runs = paper
+    # The dora runs move rows between instances (the balancer's moves) and reload weights as instances change
+    # version; sync (colocated) does neither. Each moved token's KV cache weighs Qwen2.5-32B's 2 x 64 layers x 8 KV
+    # heads x 128 x 2 B.
+    cfg, runs = paper
+    assert cfg.costs.kv_bytes_per_token == 2 * 64 * 8 * 128 * 2
     for g in (64, 128):
-        assert runs[g, "dora"]["migrated_rows"] > 0 and runs[g, "dora"]["weight_loads"] > 0
+        d = runs[g, "dora"]
+        assert d["versions_per_instance"] == 1 and d["migrated_rows"] > 0 and d["weight_loads"] > 0
+        assert d["moved_kv_bytes"] == d["moved_kv_tokens"] * 262_144 and 0 < d["transfer_share"] < 1e-3
+        # The balancer counts rows planned to move; a row that finishes before its instance's next step boundary,
+        # where the moves are made, never moves.
+        assert d["balancer"]["plans"] >= d["balancer"]["changes"] > 0 and d["balancer"]["moved"] >= d["moved_rows"]
         assert runs[g, "sync"]["migrated_rows"] == runs[g, "sync"]["weight_loads"] == 0
+        assert runs[g, "sync"]["balancer"] is None
 
 
 def test_paper_preset_scheduler_invariants(paper):
@@ -258,6 +386,31 @@ def test_paper_preset_scheduler_invariants(paper):
     for r in runs.values():
         bound = 0 if r["mode"] == "sync" else 5
         assert max(int(s) for s in r["staleness"]) <= bound <= 5 and r["max_live_versions"] <= bound + 1
+
+
+def test_a_config_compares_dora_at_one_and_every_version_per_instance():
+    from dora_jax.sim.report import run_config
+
+    raw = bad("policies.dora", {"max_staleness": 2, "rollout_batches": 2.0, "versions_per_instance": [1, "all"]})
+    raw["cluster"]["trainer_gpus"] = 2  # 3 rollout instances: one per live version (K + 1)
+    cfg = parse_config(raw)
+    assert cfg.policy("dora").versions_per_instance == (1, "all")
+    result = run_config(cfg, progress=False)
+    runs = result["runs"]["8"]
+    assert set(runs) == {"sync", "dora", "dora_all"}
+    assert runs["dora"]["versions_per_instance"] == 1 and runs["dora_all"]["versions_per_instance"] == "all"
+    rows = result["versions_per_instance"]
+    assert rows == compare_versions(result["runs"]) and [r["versions_per_instance"] for r in rows] == [1, "all"]
+    assert rows[0]["vs_first"] == 1 and rows[1]["vs_first"] == runs["dora_all"]["samples_per_s"] / \
+        runs["dora"]["samples_per_s"]
+    assert rows[1]["moved_rows"] == 0 and rows[1]["plans_per_update"] is None
+    assert rows[0]["plans_per_update"] == runs["dora"]["balancer"]["plans_per_update"]
+    text = format_report(result)
+    assert "| GPUs | dora versions per instance |" in text and "| 8 | dora (all per inst.) |" in text
+    # Too few rollout instances for one version per instance is refused naming the setting.
+    with pytest.raises(SimConfigError, match=r"'policies.dora.versions_per_instance' = 1: at 8 GPUs the split "
+                                             r"leaves 2 rollout instances for K \+ 1 = 3 live versions"):
+        run_one(dataclasses.replace(cfg, trainer_gpus=4), 8, "dora")
 
 
 # -- configs ----------------------------------------------------------------------------------------------------
@@ -331,6 +484,19 @@ def test_good_config_parses_and_lognormal_mean_is_the_clipped_mean():
     ("policies.partial", {"max_staleness": 2, "rollout_batches": 2.0},
      r"'policies.partial.max_staleness' = 2: not an option of partial; allowed: rollout_batches"),
     ("policies", {}, r"'policies' = \{\}: must be a mapping of policy names"),
+    ("policies.dora", {"max_staleness": 2, "rollout_batches": 2.0, "versions_per_instance": 2},
+     r"'policies.dora.versions_per_instance' = 2: allowed: 1 \(one version per rollout instance, placed by the "
+     r"balancer\), 'all'"),
+    ("policies.dora", {"max_staleness": 2, "rollout_batches": 2.0, "versions_per_instance": "every"},
+     r"'policies.dora.versions_per_instance' = 'every': allowed: 1 "),
+    ("policies.dora", {"max_staleness": 2, "rollout_batches": 2.0, "versions_per_instance": [1, "all", 1]},
+     r"'policies.dora.versions_per_instance' = \[1, 'all', 1\]: .*without repeats"),
+    ("policies.dora", {"max_staleness": 2, "rollout_batches": 2.0, "versions_per_instance": []},
+     r"'policies.dora.versions_per_instance' = \[\]: allowed"),
+    ("policies.dora", {"max_staleness": 2, "rollout_batches": 2.0, "versions_per_instance": 1.5},
+     r"'policies.dora.versions_per_instance' = 1.5: must be an integer or a string or a list"),
+    ("policies.partial", {"rollout_batches": 2.0, "versions_per_instance": "all"},
+     r"'policies.partial.versions_per_instance' = 'all': not an option of partial; allowed: rollout_batches"),
     ("hardware", {"peak_flops": 1e15}, r"^config field 'model' = None: model and hardware go together"),
 ])
 def test_bad_config_values_are_named(path, value, message):

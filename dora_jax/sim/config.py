@@ -10,8 +10,9 @@ Cost model (all seconds; an *instance* is one rollout engine of ``gpus_per_insta
   overhead, the weight matmuls (which stream the weights once while computing every row: memory-bound at small
   batches, compute-bound at large ones) and the KV-cache reads of attention;
 * moving a live row to another instance of the same version costs the receiving instance ``migrate_token_s``
-  per context token (its KV cache crosses the network; no re-prefill); an instance that switches versions
-  stalls ``weight_sync_s`` while it loads the weights;
+  per context token (its KV cache crosses the network; no re-prefill), and ``kv_bytes_per_token`` bytes per
+  context token cross (a size, not a time: it only feeds the moved-bytes metric; 0 when unknown); an instance
+  that switches versions stalls ``weight_sync_s`` while it loads the weights;
 * admitting rows costs ``prefill_token_s`` per prompt token (plus ``prefill_pair_s`` per causal token pair,
   which matters only for the long re-prefills of partial rollout) before the instance's next step;
 * one update on ``T`` trainer GPUs over samples of total length ``L_i`` costs
@@ -39,7 +40,10 @@ SimConfigError = ConfigError
 POLICIES = ("sync", "one_step_off", "partial", "dora")
 COST_FIELDS = ("decode_step_s", "decode_weights_s", "decode_row_s", "decode_ctx_s", "prefill_token_s",
                "prefill_pair_s", "train_token_gpu_s", "train_pair_gpu_s", "train_fixed_s", "weight_sync_s",
-               "migrate_token_s")
+               "migrate_token_s", "kv_bytes_per_token")
+# ``policies.dora.versions_per_instance``: one version per rollout instance, placed by the runner's Balancer (DORA's
+# Algorithm 1), or every live version resident on every instance.
+VERSIONS_PER_INSTANCE = (1, "all")
 
 
 @dataclass(frozen=True)
@@ -57,9 +61,20 @@ class Costs:
     train_fixed_s: float = 0.0
     weight_sync_s: float = 0.0
     migrate_token_s: float = 0.0
+    kv_bytes_per_token: float = 0.0  # bytes, not seconds: what a moved row's KV cache weighs per context token
 
     def decode_time(self, n: int, ctx: float) -> float:
         return self.decode_step_s + max(self.decode_weights_s, n * self.decode_row_s) + ctx * self.decode_ctx_s
+
+    def mixed_decode_time(self, counts: tuple[int, ...], ctx: float) -> float:
+        """One decode step of rows of several versions (``counts[j]`` rows of the j-th): each version's matmuls
+        stream its own weights, so the weight term is paid per version; the overhead and attention once."""
+        w, r = self.decode_weights_s, self.decode_row_s
+        return self.decode_step_s + sum(max(w, c * r) for c in counts) + ctx * self.decode_ctx_s
+
+    def mixed_ctx_rate(self, counts: tuple[int, ...], ctx: float) -> float:
+        """d(mixed_decode_time)/d(ctx)."""
+        return self.decode_ctx_s
 
     def ctx_rate(self, n: int, ctx: float) -> float:
         """d(decode_time)/d(ctx) at ``(n, ctx)``: what one more context token adds to a step (constant here)."""
@@ -74,6 +89,7 @@ class PolicySpec:
     name: str
     max_staleness: int = 0
     rollout_batches: float = 1.0  # RBS / TBS (dora, partial)
+    versions_per_instance: tuple[Union[int, str], ...] = (1,)  # dora: the first is the policy's, the rest compared
 
 
 @dataclass(frozen=True)
@@ -142,6 +158,7 @@ def derive_costs(model: dict[str, float], hw: dict[str, float], tp: int) -> tupl
         "train_pair_gpu_s": attn_pair * passes / (hw["peak_flops"] * hw["train_mfu"]),
         "weight_sync_s": n * by / (tp * hw["link_bytes_s"]) + hw["sync_fixed_s"],
         "migrate_token_s": kv_bytes / (tp * hw["link_bytes_s"]),
+        "kv_bytes_per_token": kv_bytes,
     }
     f = {
         "decode_step_s": f"{hw['step_overhead_s']} s",
@@ -155,6 +172,8 @@ def derive_costs(model: dict[str, float], hw: dict[str, float], tp: int) -> tupl
                             f"({hw['peak_flops']:.3g} x {hw['train_mfu']})",
         "weight_sync_s": f"{n:.3g} x {by:g} B / ({tp} x {hw['link_bytes_s']:.3g} B/s) + {hw['sync_fixed_s']} s",
         "migrate_token_s": f"{kv_bytes:.0f} B KV per token / ({tp} x {hw['link_bytes_s']:.3g} B/s)",
+        "kv_bytes_per_token": f"2 x {model['layers']} layers x {model['kv_heads']} KV heads x {model['head_dim']} x "
+                              f"{by:g} B",
     }
     return c, f
 
@@ -307,16 +326,19 @@ class Hardware:
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelShape))
 HARDWARE_FIELDS = tuple(f.name for f in dataclasses.fields(Hardware))
 POLICY_OPTIONS = {"sync": (), "one_step_off": (), "partial": ("rollout_batches",),
-                  "dora": ("max_staleness", "rollout_batches")}
+                  "dora": ("max_staleness", "rollout_batches", "versions_per_instance")}
 
 
 @dataclass(frozen=True)
 class PolicyOptions:
-    """One entry of ``policies``: ``dora`` takes ``max_staleness`` (K) and ``rollout_batches`` (RBS / TBS),
-    ``partial`` takes ``rollout_batches``, ``sync`` and ``one_step_off`` take nothing (:data:`POLICY_OPTIONS`)."""
+    """One entry of ``policies``: ``dora`` takes ``max_staleness`` (K), ``rollout_batches`` (RBS / TBS) and
+    ``versions_per_instance`` (``1``, ``all``, or a list of both: the first is the policy's, the others are run
+    beside it for comparison), ``partial`` takes ``rollout_batches``, ``sync`` and ``one_step_off`` take nothing
+    (:data:`POLICY_OPTIONS`)."""
 
     max_staleness: Optional[int] = None
     rollout_batches: Optional[float] = None
+    versions_per_instance: Union[int, str, tuple[Union[int, str], ...], None] = None
 
     def spec(self, name: str, path: str = "policies") -> PolicySpec:
         """Checks these options for policy ``name`` and returns its :class:`PolicySpec`."""
@@ -342,7 +364,19 @@ class PolicyOptions:
         if name == "dora" and rb > k + 1:
             fail(f"{path}.{name}.rollout_batches", rb, f"must be <= max_staleness + 1 = {k + 1} (more outstanding "
                  "work than the next K + 1 updates can train)")
-        return PolicySpec(name, k, rb)
+        if name == "partial":
+            return PolicySpec(name, k, rb)
+        return PolicySpec(name, k, rb, self.versions(f"{path}.{name}.versions_per_instance"))
+
+    def versions(self, path: str) -> tuple[Union[int, str], ...]:
+        """``versions_per_instance`` checked, as a tuple (default: one version per instance)."""
+        given = self.versions_per_instance
+        vs = (1,) if given is None else given if isinstance(given, tuple) else (given,)
+        shown = list(given) if isinstance(given, tuple) else given
+        if not vs or any(isinstance(v, bool) or v not in VERSIONS_PER_INSTANCE for v in vs) or len(set(vs)) < len(vs):
+            fail(path, shown, "allowed: 1 (one version per rollout instance, placed by the balancer), 'all' (every "
+                 "live version on every instance), or a list of both without repeats (the first is the policy's)")
+        return vs
 
 
 @dataclass(frozen=True)

@@ -14,17 +14,19 @@ published (and new prompts use it) when both are done.
 
 An instance holds the weights of one policy version at a time (a 32B-class model's weights fill a fifth of
 an 80 GB GPU at TP 4: a second resident version would take 30% of its KV cache, and K + 1 = 6 would not fit),
-so every row on it is of that version. Switching versions costs the instance ``weight_sync_s`` (it loads the version's weights), except
-under colocated sync, where the update's own weight sync leaves the new weights in the engines. Partial rollout
-stops every instance at its next step boundary after an update, loads the new weights and re-prefills each
-live row's prompt and generated tokens; its rows of any version share an instance.
+so every row on it is of that version. Switching versions costs the instance ``weight_sync_s`` (it loads the
+version's weights), except under colocated sync, where the update's own weight sync leaves the new weights in
+the engines. Partial rollout stops every instance at its next step boundary after an update, loads the new
+weights and re-prefills each live row's prompt and generated tokens; its rows of any version share an instance.
+DORA with every version on every instance (``versions_per_instance: all``) mixes rows of the live versions on an
+instance (:attr:`Instance.mix`); a step then pays each version's weight matmuls (:meth:`Costs.mixed_decode_time`).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from dora_jax.dora.ledger import Group, Ledger
@@ -222,25 +224,46 @@ class Instance:
     busy_slot_s: float = 0.0
     reloads: int = 0  # weight loads (version switches)
     moved_in: int = 0  # rows received from another instance of the same version
+    moved_tokens: int = 0  # their context tokens (prompt and generated), whose KV cache came with them
+    moved_s: float = 0.0  # seconds this instance spent receiving them
+    # One version per instance under the balancer: rows handed over to this instance and waiting for its next step
+    # boundary, (sample id, tokens generated); rows a plan's moves still owe it; the moves it makes at its next
+    # boundary, (destination, rows); the version it loads once they are made (None: it keeps its own).
+    inbox: deque = field(default_factory=deque)
+    incoming: int = 0
+    outbox: list[tuple[int, int]] = field(default_factory=list)
+    switch_to: int | None = None
+    draining: bool = False  # a plan said so: it admits nothing new until a later plan reassigns it
+    pull: bool = False  # every version resident: load the newest at the next step boundary
+    mix: Counter | None = None  # every version resident: rows per version on the instance (no zero entries)
 
     def ctx(self) -> int:
         return self.base + len(self.rows) * self.counter
+
+    def step_terms(self, costs: Costs) -> tuple[float, float]:
+        """The next step's seconds and what one more context token adds to a step, for the rows on the instance."""
+        n, ctx = len(self.rows), self.ctx()
+        if self.mix is not None and len(self.mix) > 1:
+            counts = tuple(self.mix.values())
+            return costs.mixed_decode_time(counts, ctx), costs.mixed_ctx_rate(counts, ctx)
+        return costs.decode_time(n, ctx), costs.ctx_rate(n, ctx)
 
     def steps_time(self, costs: Costs, k: int) -> float:
         """Seconds for ``k`` decode steps from the current state (contexts grow by one token per step)."""
         n = len(self.rows)
         if k <= 0 or n == 0:
             return 0.0
-        ctx = self.ctx()
-        return k * costs.decode_time(n, ctx) + costs.ctx_rate(n, ctx) * n * k * (k - 1) / 2
+        first, rate = self.step_terms(costs)
+        return k * first + rate * n * k * (k - 1) / 2
 
     def steps_by(self, costs: Costs, dt: float) -> int:
         """The smallest ``k`` whose ``k`` steps end at or after ``dt`` seconds from ``t``."""
         if dt <= 0 or not self.rows:
             return 0
-        n, ctx = len(self.rows), self.ctx()
-        a = costs.ctx_rate(n, ctx) * n / 2
-        b = costs.decode_time(n, ctx) - a
+        n = len(self.rows)
+        first, rate = self.step_terms(costs)
+        a = rate * n / 2
+        b = first - a
         k = dt / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * dt)) / (2 * a)
         k = max(0, math.ceil(k) - 1)
         while self.steps_time(costs, k) < dt:
@@ -251,11 +274,22 @@ class Instance:
         self.rows[sid] = row
         self.base += row.prompt + row.before - row.start
         heapq.heappush(self.heap, (row.target, sid))
+        if self.mix is not None:
+            self.mix[row.version] += 1
 
     def remove(self, sid: int) -> Row:
+        """Takes ``sid``'s row off the instance (its entry in :attr:`heap` is left for the caller)."""
         row = self.rows.pop(sid)
         self.base -= row.prompt + row.before - row.start
+        if self.mix is not None:
+            self.unmix(row.version)
         return row
+
+    def unmix(self, version: int) -> None:
+        mix = self.mix
+        mix[version] -= 1
+        if not mix[version]:
+            del mix[version]
 
     def generated(self, row: Row) -> int:
         """Tokens ``row`` has generated so far (before it joined this instance and here)."""

@@ -286,14 +286,24 @@ class ProfileCosts(Costs):
     def ctx_rate(self, n: int, ctx: float) -> float:
         return self.profile.decode_kv_slope(1, n, ctx / n if n else 0.0) / max(n, 1)
 
+    def mixed_decode_time(self, counts: tuple[int, ...], ctx: float) -> float:
+        """The grid's fused step of ``len(counts)`` versions at their mean rows each (the grid has one row count
+        for every version of a step)."""
+        n, v = sum(counts), len(counts)
+        return self.profile.decode_step(v, n / v, ctx / n if n else 0.0) + self.profile.dispatch_s
+
+    def mixed_ctx_rate(self, counts: tuple[int, ...], ctx: float) -> float:
+        n, v = sum(counts), len(counts)
+        return self.profile.decode_kv_slope(v, n / v, ctx / n if n else 0.0) / max(n, 1)
+
     def train_time(self, tokens: float, pairs: float, gpus: int) -> float:
         return self.train_fixed_s + self.profile.train(tokens * self.train_devices / gpus)
 
 
 def profile_costs(profile: Profile, base: Costs | None = None) -> ProfileCosts:
     """Costs that read ``profile`` in place of the analytic model: decode and train from its grids, prefill per
-    token, weight sync (publish) and the fixed train cost from its fits; ``migrate_token_s`` (no measurement
-    covers it) is kept from ``base``."""
+    token, weight sync (publish) and the fixed train cost from its fits; ``migrate_token_s`` and
+    ``kv_bytes_per_token`` (no measurement covers them) are kept from ``base``."""
     fixed, per_token = profile.train_per_token()
     devices = int(profile.workload.get("train_devices", 1) or 1)
     return ProfileCosts(
@@ -301,7 +311,7 @@ def profile_costs(profile: Profile, base: Costs | None = None) -> ProfileCosts:
         decode_row_s=0.0, decode_ctx_s=0.0, prefill_token_s=profile.prefill_per_token(), prefill_pair_s=0.0,
         train_token_gpu_s=per_token * devices, train_pair_gpu_s=0.0, train_fixed_s=0.0,
         weight_sync_s=profile.publish_s, migrate_token_s=base.migrate_token_s if base else 0.0,
-        profile=profile, train_devices=devices)
+        kv_bytes_per_token=base.kv_bytes_per_token if base else 0.0, profile=profile, train_devices=devices)
 
 
 def with_profile(cfg: SimConfig, profile: Profile) -> SimConfig:
@@ -310,4 +320,6 @@ def with_profile(cfg: SimConfig, profile: Profile) -> SimConfig:
     where = f"measured: {profile.source or 'a profile'}"
     derivation = {k: where for k in ("decode_step_s", "prefill_token_s", "train_token_gpu_s", "weight_sync_s")}
     derivation["migrate_token_s"] = cfg.derivation.get("migrate_token_s", "given")
+    if "kv_bytes_per_token" in cfg.derivation:
+        derivation["kv_bytes_per_token"] = cfg.derivation["kv_bytes_per_token"]
     return dataclasses.replace(cfg, costs=costs, derivation=derivation)

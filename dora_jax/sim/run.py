@@ -15,15 +15,24 @@ at time 0):
 * ``staleness``: histogram of ``trained_at - version`` over consumed samples (for partial rollout, the age of
   a trajectory's first token).
 * ``weight_loads``: times an instance loaded another version's weights (not counting colocated sync, whose
-  update leaves them in place); ``migrated_rows``: rows handed from one instance to another of the same version.
+  update leaves them in place); ``migrated_rows`` (also ``moved_rows``): rows handed from one instance to another
+  of the same version, ``moved_kv_tokens`` their context tokens and ``moved_kv_bytes`` those tokens' KV cache
+  (``kv_bytes_per_token`` each; None when the costs do not give it).
+* ``transfer_share``: seconds instances spent receiving moved rows' KV cache (``migrate_token_s`` per token),
+  over instances x the run's wall time: the modelled cost of moving rows, not the host time of planning.
+* ``balancer`` (dora at one version per instance): the balancer's counters (plans, changes, instances reassigned,
+  drains started, rows planned to move), plans and changes per update, and the latest decisions.
 
 Rollout side: every instance holds one version (see :mod:`dora_jax.sim.engine`). An instance with free slots
-takes queued rows of its own version (rows handed over first, then fresh prompts); an empty instance with none
-of its version queued takes the version :meth:`Scheduler.assign_slots` gives most of its slots (ties to the
-older) and loads it. When a version has no fresh prompts queued and another version has work waiting, its
-instance with the fewest rows hands them to its other instances if they have room (zero re-prefill: the KV
-cache moves, ``migrate_token_s`` per context token on the receiving instance) and takes the waiting work: the
-orchestrator's re-partitioning of instances between versions.
+takes queued rows of its own version (rows handed over first, then fresh prompts). Under ``dora`` the runner's
+balancer places the versions (:mod:`dora_jax.sim.balancing`); with ``versions_per_instance: all`` every live
+version is resident on every instance instead (each publish loads the new one, ``weight_sync_s``), an instance
+takes fresh prompts of any version as :meth:`Scheduler.assign_slots` shares its free slots, and rows never move.
+Under ``sync`` and ``one_step_off`` an empty instance with none of its version queued takes the version
+:meth:`Scheduler.assign_slots` gives most of its slots (ties to the older) and loads it, and when a version has
+no fresh prompts queued and another version has work waiting, its instance with the fewest rows hands them to
+its other instances if they have room (zero re-prefill: the KV cache moves, ``migrate_token_s`` per context token
+on the receiving instance) and takes the waiting work.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from dora_jax.sim.balancing import InstanceBalancing
 from dora_jax.sim.config import Costs
 from dora_jax.sim.engine import Instance, PartialRollout, Placement, Row, decode_table, make_policy
 from dora_jax.sim.lengths import LengthDist
@@ -50,7 +60,8 @@ class SimulationError(RuntimeError):
 
 def simulate(mode: str, costs: Costs, placement: Placement, lengths: LengthDist, *, train_batch: int,
              group_size: int, prompt_tokens: int, steps: int, warmup_steps: int = 0, max_staleness: int = 0,
-             rollout_batch: int = 0, seed: int = 0, progress: bool = False, label: str = "") -> dict[str, Any]:
+             rollout_batch: int = 0, seed: int = 0, progress: bool = False, label: str = "",
+             versions_per_instance: int | str = 1) -> dict[str, Any]:
     """Simulates ``steps`` measured updates (plus the drain needed to finish every dispatched sample).
 
     Args:
@@ -65,16 +76,20 @@ def simulate(mode: str, costs: Costs, placement: Placement, lengths: LengthDist,
         max_staleness: K for dora; rollout_batch: RBS in samples for dora and partial.
         seed: seeds the length draws.
         progress: show a progress bar over updates.
+        versions_per_instance: dora only: ``1`` (the runner's balancer places one version per instance) or
+            ``all`` (every live version on every instance).
 
     Returns:
         Metrics (see the module docstring), the per-update records and the timeline of live versions.
 
     Raises:
-        SimulationError: the ledger's invariants fail at the end, or no event is left before the run is done.
+        SimulationError: the ledger's invariants fail at the end, no event is left before the run is done, or
+            ``versions_per_instance`` is not one of dora's (or is not 1 for another mode), or one version per
+            instance leaves fewer instances than the K + 1 live versions.
     """
     sim = _Simulation(mode, costs, placement, lengths, train_batch=train_batch, group_size=group_size,
                       prompt_tokens=prompt_tokens, steps=steps, max_staleness=max_staleness,
-                      rollout_batch=rollout_batch, seed=seed)
+                      rollout_batch=rollout_batch, seed=seed, versions_per_instance=versions_per_instance)
     collecting = gc.isenabled()
     gc.disable()  # the run allocates millions of small acyclic objects: collections would only walk them
     try:
@@ -91,7 +106,7 @@ class _Simulation:
 
     def __init__(self, mode: str, costs: Costs, placement: Placement, lengths: LengthDist, *, train_batch: int,
                  group_size: int, prompt_tokens: int, steps: int, max_staleness: int, rollout_batch: int,
-                 seed: int) -> None:
+                 seed: int, versions_per_instance: int | str = 1) -> None:
         self.mode, self.costs, self.placement, self.lengths = mode, costs, placement, lengths
         self.prompt_tokens = prompt_tokens
         self.total_updates = steps + {"sync": 0, "one_step_off": 1}.get(mode, -(-rollout_batch // train_batch) + 1)
@@ -125,6 +140,31 @@ class _Simulation:
         self.max_live = 1
         self.updates: list[dict[str, Any]] = []
         self.timeline: list[dict[str, Any]] = []
+        self.every, self.balancing = False, None
+        self.versions(versions_per_instance)
+
+    def versions(self, per_instance: int | str) -> None:
+        """Sets up dora's version placement: the balancer (``1``) or every version on every instance (``all``)."""
+        allowed = (1, "all") if self.mode == "dora" else (1,)
+        if isinstance(per_instance, bool) or per_instance not in allowed:
+            raise self.error(f"versions_per_instance {per_instance!r}: dora takes 1 or 'all', other modes 1")
+        if self.mode != "dora":
+            return
+        live = self.bound + 1
+        if per_instance == 1:
+            if len(self.insts) < live:
+                raise self.error(f"{len(self.insts)} rollout instances cannot serve K + 1 = {live} live versions at "
+                                 f"one version per instance (a version with work could get none); use at least "
+                                 f"{live} instances or every version per instance")
+            self.balancing = InstanceBalancing(self, live)
+            return
+        self.every = True
+        for inst in self.insts:  # version 0's weights are loaded before the run, as the first load elsewhere
+            inst.mix, inst.loaded = Counter(), 0
+        self.holding = {0: set(range(len(self.insts)))}
+
+    def error(self, message: str) -> SimulationError:
+        return SimulationError(f"{self.mode}: {message}")
 
     # -- the event loop ----------------------------------------------------------------------------------------
 
@@ -175,6 +215,15 @@ class _Simulation:
                 if inst.rows:
                     inst.reprefill = True
                     self.schedule(i)
+        elif self.every and not sched.done():  # each instance loads the new version beside the others it holds
+            for i, inst in enumerate(self.insts):
+                if inst.rows:
+                    inst.pull = inst.check = True
+                else:
+                    self.load(i, sched.version)
+                self.schedule(i)
+        elif self.balancing is not None and not sched.done():  # (the last update leaves nothing to place)
+            self.balancing.owed = f"version {sched.version} published"  # planned after the dispatch that follows
 
     def instance_step(self, t: float, i: int, gen: int, k: int, dt: float) -> bool:
         """Instance ``i`` reaches a step boundary after ``k`` steps (``dt`` seconds); True if a group became ready
@@ -189,21 +238,36 @@ class _Simulation:
         if t > inst.t:
             inst.t = t
         counter = inst.counter = inst.counter + k
-        finish, pop = self.led.finish, heapq.heappop
+        finish, pop, mix = self.led.finish, heapq.heappop, inst.mix
         while heap and heap[0][0] <= counter:
             sid = pop(heap)[1]
             row = rows.pop(sid)  # Instance.remove
             inst.base -= row.prompt + row.before - row.start
+            if mix is not None:
+                inst.unmix(row.version)
             if finish(sid):  # its group is ready
                 ready = True
         if inst.reprefill:
             self.reprefill(i)
         inst.check = False
-        v = inst.loaded
-        if self.queued and not self.pending.get(v) and self.look_for_giver(v, here=i):
-            self.hand_off(i)  # (a giver needs another version's work queued and none of its own)
+        bal = self.balancing
+        if bal is not None:
+            if inst.outbox:
+                bal.hand_over(i)
+            if not rows and not inst.inbox and not inst.incoming:
+                bal.emptied(i)
+        elif self.every:
+            if inst.pull:
+                inst.pull = False
+                self.load(i, self.sched.version)
+        else:
+            v = inst.loaded
+            if self.queued and not self.pending.get(v) and self.look_for_giver(v, here=i):
+                self.hand_off(i)  # (a giver needs another version's work queued and none of its own)
         self.admit(i)
         self.schedule(i)
+        if bal is not None:
+            bal.settle()
         return ready
 
     def reprefill(self, i: int) -> None:
@@ -235,9 +299,14 @@ class _Simulation:
         """Whether the instance has work to take at its next step boundary."""
         if not self.queued or len(inst.rows) >= inst.slots:
             return False
-        if self.partial:  # every row decodes on the newest weights, whatever version it started on
+        if self.partial or self.every:  # rows of any version share the instance
             return True
         v = inst.loaded
+        if self.balancing is not None:
+            if inst.inbox:
+                return True
+            return not (inst.draining or inst.outbox) and len(inst.rows) + inst.incoming < inst.slots and \
+                bool(self.pending.get(v))
         return bool(self.pending.get(v) or self.moving.get(v) or not inst.rows)
 
     # -- instances -----------------------------------------------------------------------------------------------
@@ -263,7 +332,10 @@ class _Simulation:
             dt = inst.steps_time(self.costs, k)
         else:  # Instance.steps_by and steps_time, with the cost model's terms from the table
             fixed, slopes, rate = self.table
-            first = fixed[n] + (inst.base + n * counter) * rate  # decode_time(n, ctx)
+            if inst.mix is not None and len(inst.mix) > 1:
+                first = self.costs.mixed_decode_time(tuple(inst.mix.values()), inst.base + n * counter)
+            else:
+                first = fixed[n] + (inst.base + n * counter) * rate  # decode_time(n, ctx)
             slope = slopes[n]
             if wants:
                 by = _linear_steps_by(first, slope, self.now - inst.t)
@@ -303,23 +375,21 @@ class _Simulation:
             if self.now > inst.t:
                 inst.t = self.now
             return
-        if self.partial:
+        if self.partial or self.every:
             cost = self.admit_any(i, free)
         else:
-            if not inst.rows and not self.waiting(inst.loaded):
+            bal = self.balancing
+            if bal is None and not inst.rows and not self.waiting(inst.loaded):
                 self.bind(i)
-            v, cost = inst.loaded, 0.0
-            moving = self.moving.get(v)
-            while free and moving:  # rows handed over with their KV cache: no re-prefill
-                sid, done = moving.popleft()
-                inst.add(sid, Row(v, self.prompt_tokens, inst.counter, done,
-                                  inst.counter + self.lengths_of[sid] - done))
-                inst.moved_in += 1
-                cost += self.costs.migrate_token_s * (self.prompt_tokens + done)
-                free -= 1
-                self.queued -= 1
+            v = inst.loaded
+            moving = inst.inbox if bal is not None else self.moving.get(v)
+            cost, took = self.take_moved(inst, moving, free)
+            free -= took
+            if bal is not None:
+                bal.transfers -= took
+                free = 0 if inst.draining or inst.outbox else free - inst.incoming  # room the moves still owe
             fresh = self.pending.get(v)
-            if fresh and free:
+            if fresh and free > 0:
                 n = len(fresh) if len(fresh) < free else free
                 self.queued -= n
                 p, start, add, lengths_of, per, at = self.prompt_tokens, self.led.start, inst.add, \
@@ -333,11 +403,28 @@ class _Simulation:
         inst.t = (now if now > inst.t else inst.t) + cost  # max(inst.t, now) + cost
         inst.busy_slot_s += cost * len(inst.rows)
 
+    def take_moved(self, inst: Instance, moving: deque | None, free: int) -> tuple[float, int]:
+        """``inst`` takes up to ``free`` rows handed over with their KV cache (no re-prefill; ``migrate_token_s``
+        per context token). Returns their seconds and how many it took."""
+        v, took, cost = inst.loaded, 0, 0.0
+        while free > took and moving:
+            sid, done = moving.popleft()
+            inst.add(sid, Row(v, self.prompt_tokens, inst.counter, done, inst.counter + self.lengths_of[sid] - done))
+            inst.moved_in += 1
+            inst.moved_tokens += self.prompt_tokens + done
+            cost += self.costs.migrate_token_s * (self.prompt_tokens + done)
+            took += 1
+        self.queued -= took
+        inst.moved_s += cost
+        return cost, took
+
     def admit_any(self, i: int, free: int) -> float:
-        """Partial rollout: instance ``i`` loads the newest weights and takes the fresh prompts of any version
-        that ``assign_slots`` gives its ``free`` slots. Returns their prefill seconds."""
+        """Partial rollout (which loads the newest weights first) and dora with every version on every instance:
+        instance ``i`` takes the fresh prompts of any version that ``assign_slots`` gives its ``free`` slots.
+        Returns their prefill seconds."""
         inst, pending = self.insts[i], self.pending
-        self.load(i, self.sched.version)
+        if self.partial:
+            self.load(i, self.sched.version)
         alloc = self.sched.assign_slots(free, {v: len(q) for v, q in pending.items() if q})
         if sum(alloc.values()) > free:
             raise SimulationError(f"assign_slots gave {alloc} for {free} free slots")
@@ -398,11 +485,15 @@ class _Simulation:
             self.queued += len(g.sample_ids)
         if new:
             self.note_live()
+        if self.balancing is not None and (new or self.balancing.owed):
+            self.balancing.rebalance()
+        if new:
             for i, inst in enumerate(self.insts):
                 if self.admissible(inst):
                     self.schedule(i)
-            for v in list(self.holding):
-                self.look_for_giver(v)
+            if self.balancing is None and not self.every:
+                for v in list(self.holding):
+                    self.look_for_giver(v)
 
     def note_live(self) -> None:
         live = set(self.led.outstanding()) | {self.sched.version}
@@ -461,6 +552,8 @@ def _metrics(sim: _Simulation, steps: int, warm: int) -> dict[str, Any]:
     consumed = list(itertools.compress(entries, is_consumed))
     stale = Counter(map(sub, map(attrgetter("trained_at"), consumed), map(attrgetter("version"), consumed)))
     samples = sum(updates[i]["samples"] for i in measured)
+    moved_tokens = sum(i.moved_tokens for i in insts)
+    per_token = sim.costs.kv_bytes_per_token
     return {
         "mode": mode,
         "instances": placement.instances,
@@ -476,6 +569,12 @@ def _metrics(sim: _Simulation, steps: int, warm: int) -> dict[str, Any]:
         "max_live_versions": sim.max_live,
         "weight_loads": sum(i.reloads for i in insts),
         "migrated_rows": sum(i.moved_in for i in insts),
+        "versions_per_instance": ("all" if sim.every else 1) if mode == "dora" else None,
+        "moved_rows": sum(i.moved_in for i in insts),
+        "moved_kv_tokens": moved_tokens,
+        "moved_kv_bytes": moved_tokens * per_token if per_token else None,
+        "transfer_share": sum(i.moved_s for i in insts) / (len(insts) * wall),
+        "balancer": None if sim.balancing is None else sim.balancing.report(len(updates)),
         "wall_s": wall,
         "updates": [{k: round(v, 3) if isinstance(v, float) else v for k, v in u.items()} for u in updates],
         "timeline": sim.timeline,
