@@ -365,8 +365,10 @@ class _Simulation:
 
     def admit(self, i: int) -> None:
         """Instance ``i`` fills its free slots with rows of its version: rows handed over by another instance
-        first (their KV cache moves: ``migrate_token_s`` per context token), then fresh prompts (prefilled). An
-        empty instance with none of its version queued binds to another version first."""
+        first (their KV cache moves: ``migrate_token_s`` per context token), then fresh prompts (prefilled).
+        Without the balancer an empty instance with none of its version queued binds to another version first;
+        under it, an instance that drains or is handing its rows over takes no fresh prompt, and the slots that
+        moves still owe an instance stay free for them."""
         inst = self.insts[i]
         free = inst.slots - len(inst.rows)
         if free <= 0:
@@ -383,7 +385,7 @@ class _Simulation:
                 self.bind(i)
             v = inst.loaded
             moving = inst.inbox if bal is not None else self.moving.get(v)
-            cost, took = self.take_moved(inst, moving, free)
+            cost, took = self.take_moved(inst, moving, free) if moving else (0.0, 0)
             free -= took
             if bal is not None:
                 bal.transfers -= took
