@@ -11,6 +11,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 from flax import nnx
 
 from conftest import rel_err
@@ -240,3 +241,76 @@ def test_a_second_engine_of_equal_programs_compiles_and_loads_nothing(models):
     run(make_engine(m0, slots=2, num_pages=2 * 3 * 2 * 64 // 16))  # another pool: other programs
     other = compile_count() - before
     assert other.compiles + other.cache_loads > 0
+
+
+def _one_by_one(book, sizes, free):
+    """The admission as a queue of one test per request: the oldest request joins while the pool takes all of
+    them together, and the first it refuses stops the queue."""
+    taken: list = []
+    for size in sizes[:max(free, 0)]:
+        if book.admissible(taken + [size]) is None:
+            break
+        taken.append(size)
+    return len(taken)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(1, 3), st.integers(3, 40), st.lists(st.tuples(st.integers(1, 30), st.integers(0, 40)), max_size=8),
+       st.integers(0, 12), st.lists(st.tuples(st.integers(1, 30), st.integers(1, 40)), max_size=12),
+       st.integers(0, 14))
+def test_admission_takes_the_head_of_the_queue_the_one_by_one_test_takes(shards, pages, live, grow, queue, free):
+    """The driver admits the longest head of its queue that the page pool takes together (a bisection where it
+    does not take them all): the same count as testing one more request at a time, on page books of 1-3 shards
+    with live requests grown by a program, in at most 1 + log2(head) tests."""
+    from dora_jax.rollout.page_book import PageBook
+    from dora_jax.rollout.pages import PageError
+    from dora_jax.sim.local import Clock, TimedEngine
+    from test_sim_profile import parse_profile, synthetic
+
+    book = PageBook(pages * shards, 4, shards, table_width=32)
+    refs = []
+    for i, (prompt, more) in enumerate(live):
+        try:
+            refs.append(book.admit(i % shards, prompt, prompt + more))
+        except PageError:  # no room now, or none ever: the book holds what it took
+            pass
+    book.dispatch([refs], [[grow] * len(refs)])
+    engine = TimedEngine(parse_profile(synthetic()), Clock(), slots=64, max_prefill_length=32,
+                         max_target_length=128, decode_steps=8)
+    tests = []
+    engine.admissible = lambda sizes: tests.append(len(sizes)) or book.admissible(sizes)
+    driver = RolloutDriver(engine, decode_steps=8)
+    driver.add_version(0, 0)
+    for i, (prompt, new) in enumerate(queue):
+        driver.submit(Request(i, (1,) * prompt, max_new_tokens=new))
+    sizes = [(p, p + n) for p, n in queue]
+    assert driver._admissible_count(free) == _one_by_one(book, sizes, free)
+    head = min(free, len(queue))
+    assert len(tests) <= (1 + int(np.ceil(np.log2(head))) if head > 1 else head)
+
+
+def test_host_time_counts_the_driver_work_and_leaves_out_cpu_spent_waiting_for_the_device(monkeypatch):
+    """host_ms_per_dispatch is the driver thread's CPU time less its device waits: on a simulated engine whose
+    decode dispatch burns 4 ms of CPU and whose result wait burns 30 ms (a runtime spinning while it waits),
+    each dispatch counts at least the 4 ms and less than one wait."""
+    import time
+
+    from dora_jax.rollout import driver as driver_module
+    from dora_jax.sim.local import Clock, TimedEngine
+    from test_sim_profile import parse_profile, synthetic
+
+    def burn(seconds):
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    engine = TimedEngine(parse_profile(synthetic()), Clock(), slots=4, max_prefill_length=8, max_target_length=64,
+                         decode_steps=8)
+    generate_steps = engine.generate_steps
+    engine.generate_steps = lambda *a, **k: (burn(0.004), generate_steps(*a, **k))[1]
+    monkeypatch.setattr(driver_module.jax, "block_until_ready", lambda data: burn(0.03))
+    driver = RolloutDriver(engine, decode_steps=8)
+    driver.add_version(0, 0)
+    driver.run([Request(i, (1, 2, 3), max_new_tokens=20) for i in range(6)])
+    assert driver.dispatches >= 3 and driver.wait_s >= 0.03 * driver.dispatches
+    assert 4.0 <= driver.host_ms_per_dispatch < 30.0

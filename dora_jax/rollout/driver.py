@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 from typing import Any, Iterable, Sequence
 
@@ -128,6 +129,7 @@ class _Group:
     prefix: SharedPrefix | None = None  # the driver's shared prefix prefilled by this version, made at first use
     freed: list[int] = dataclasses.field(default_factory=list)  # rows ended since the state last freed slots
     live: int = 0  # rows holding a live trajectory (kept with ``slots``: the hot path reads it per program)
+    filtering: int = 0  # live rows sampling with top-k or top-p, kept with ``slots`` as ``live`` is
     # Each row's stop ids as the engine reads them (int32 [rows, M], -1 padded), kept with ``slots``.
     stops: np.ndarray = dataclasses.field(default_factory=lambda: np.full((0, 4), -1, np.int32))
 
@@ -140,12 +142,20 @@ class _Group:
         for slot, live in rows:
             self.slots[slot] = live
             self.live += 1
+            self.filtering += _filters(live)
             self.stops[slot] = -1
             self.stops[slot, :len(live.stops)] = live.stops
 
     def clear(self, slot: int) -> None:
+        self.filtering -= _filters(self.slots[slot])
         self.slots[slot] = None
         self.live -= 1
+
+
+def _filters(live: _Live) -> bool:
+    """Whether the row samples with top-k or top-p (the decode program's ``filtered`` variant)."""
+    sampling = live.request.sampling
+    return needs_filter((sampling.top_k,), (sampling.top_p,))
 
 
 @dataclasses.dataclass
@@ -230,6 +240,7 @@ class RolloutDriver:
         # wall time it waited for the device.
         self.host_s = 0.0
         self.wait_s = 0.0
+        self._wait_cpu_s = 0.0  # the thread's CPU time inside those waits, left out of host_s
 
     # -- versions -------------------------------------------------------------------------------------------
 
@@ -327,11 +338,11 @@ class RolloutDriver:
         held = self.engine.pages_held
         if held is None:
             return
-        lives = [s for g in self._groups.values() for s in g.slots if s is not None]
-        steady = len(lives) == self.engine.max_concurrent_decodes
+        steady = self.live_rows == self.engine.max_concurrent_decodes
         if steady and not self._kv_steady:  # the first steady sample: drop what came before
             self._kv_steady, self.kv_page_tokens, self.kv_live_tokens = True, 0, 0
         if steady or not self._kv_steady:
+            lives = [s for g in self._groups.values() for s in g.slots if s is not None]
             self.kv_page_tokens += held * self.engine.page_tokens
             self.kv_live_tokens += sum(len(s.request.prompt_ids) + len(s.tokens) + s.in_flight for s in lives)
 
@@ -495,16 +506,10 @@ class RolloutDriver:
         waiting for its first token, which is read with the next step's results (``admitted``)."""
         free = self.engine.max_concurrent_decodes - sum(g.live for g in self._groups.values())
         taken: dict[int, list[tuple[Request, float]]] = {}
-        sizes: list[tuple[int, int]] = []
-        while self._pending and free > 0:
-            # The oldest request waits until the pool can take it safely (nothing is evicted for it).
-            r = self._pending[0][0]
-            sizes.append((len(r.prompt_ids), len(r.prompt_ids) + r.max_new_tokens))
-            if self.engine.admissible(sizes) is None:
-                break
+        # The oldest requests wait until the pool can take them safely (nothing is evicted for them).
+        for _ in range(self._admissible_count(free)):
             request, submitted = self._pending.popleft()
             taken.setdefault(request.version, []).append((request, submitted))
-            free -= 1
         n = len(self.shared_prefix)
         for version, items in taken.items():
             g = self._groups[version]
@@ -519,6 +524,30 @@ class RolloutDriver:
                 self._prefill_and_insert(g, chunk, done, admitted, None)
             for chunk in self.prefill_chunks(after, skip=n):
                 self._prefill_and_insert(g, chunk, done, admitted, g.prefix)
+
+    def _admissible_count(self, free: int) -> int:
+        """How many of the oldest pending requests (at most ``free``) the pool takes now: the longest head of the
+        queue that :meth:`Engine.admissible` accepts together.
+
+        A request joining a set only makes the set harder to admit (it takes pages now and frees only as many
+        at its end; the requests before it keep their batch shards), so the heads it accepts are exactly those
+        shorter than the first it refuses: one test when it accepts them all, as it does while the pool has
+        room, and a bisection otherwise, not one test per request of a growing list."""
+        k = min(free, len(self._pending))
+        if k <= 0:
+            return 0
+        sizes = [(len(r.prompt_ids), len(r.prompt_ids) + r.max_new_tokens)
+                 for r, _ in itertools.islice(self._pending, k)]
+        if self.engine.admissible(sizes) is not None:
+            return k
+        good, bad = 0, k  # admissible(sizes[:good]) holds (nothing at all, or tested); sizes[:bad] is refused
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            if self.engine.admissible(sizes[:mid]) is not None:
+                good = mid
+            else:
+                bad = mid
+        return good
 
     def prefill_chunks(self, items: list[tuple[Request, float]], skip: int = 0) -> list[list[tuple[Request, float]]]:
         """Splits admitted requests so that (distinct prompts x bucket of the tokens prefilled, which start
@@ -615,15 +644,23 @@ class RolloutDriver:
     def dispatch(self) -> None:
         """The first half of :meth:`step`: admits and dispatches a decode step (:meth:`launch`), queued for
         :meth:`harvest`. Drivers on other devices can dispatch theirs before any result is read."""
-        start = time.thread_time()
+        start, waited = time.thread_time(), self._wait_cpu_s
         self._launched.append(self.launch())
         self._count_held()
-        self.host_s += time.thread_time() - start
+        self._count_host(start, waited)
+
+    def _count_host(self, start: float, waited: float) -> None:
+        """Adds the driver thread's CPU time since ``start`` to ``host_s``, less what it spent waiting for the
+        device since ``_wait_cpu_s`` was ``waited``."""
+        self.host_s += time.thread_time() - start - (self._wait_cpu_s - waited)
 
     def _ready(self, data: Any) -> None:
-        """Waits for a program's results before the host reads them, counted apart from host time."""
-        start = time.perf_counter()
+        """Waits for a program's results before the host reads them, counted apart from host time: its wall time
+        as ``wait_s``, and the thread's CPU time while it waits (the runtime may spin before it sleeps) apart
+        from ``host_s``."""
+        start, cpu = time.perf_counter(), time.thread_time()
         jax.block_until_ready(data)
+        self._wait_cpu_s += time.thread_time() - cpu
         self.wait_s += time.perf_counter() - start
 
     @property
@@ -636,7 +673,7 @@ class RolloutDriver:
     def harvest(self) -> list[Trajectory]:
         """The second half of :meth:`step`: reads back the oldest dispatched step (without ``overlap``: the one
         just dispatched; with it: the one before, while the newest runs) and returns what finished."""
-        start = time.thread_time()
+        start, waited = time.thread_time(), self._wait_cpu_s
         out: list[Trajectory] = []
         if len(self._launched) > (1 if self.overlap else 0):
             out += self.collect(self._launched.popleft())
@@ -646,7 +683,7 @@ class RolloutDriver:
             # trajectory (an eos or stop at the step just read): nothing would run beside it, and keeping it
             # would keep its groups alive past the end of the work.
             out += self.collect(self._launched.popleft())
-        self.host_s += time.thread_time() - start
+        self._count_host(start, waited)
         return out
 
     def launch(self) -> "_Launched":
@@ -661,8 +698,7 @@ class RolloutDriver:
         active = [g for g in self._groups.values() if any(s is not None and s.needs_step for s in g.slots)]
         if not active:
             return _Launched(done, [], [], 1, admitted=admitted)
-        live_sampling = [s.request.sampling for g in active for s in g.slots if s is not None]
-        filtered = needs_filter([s.top_k for s in live_sampling], [s.top_p for s in live_sampling])
+        filtered = any(g.filtering for g in active)
         return self._dispatch_decode(done, active, filtered, admitted)
 
     def _dispatch_decode(self, done: list[Trajectory], active: list[_Group], filtered: bool,
@@ -772,14 +808,17 @@ class RolloutDriver:
         live.logprobs.append(logprob)
         self._ended(self._groups[live.request.version], live, token, now, done)
 
-    def _ended(self, g: _Group, live: _Live, token: int, now: float, done: list[Trajectory]) -> None:
-        """Finishes ``live`` if ``token``, its last, ends it, freeing its slot."""
+    def _ended(self, g: _Group, live: _Live, token: int, now: float, done: list[Trajectory],
+               slot: int | None = None) -> None:
+        """Finishes ``live`` if ``token``, its last, ends it, freeing its slot (``slot`` where it was at dispatch:
+        looked for only when a resize has moved it since)."""
         reason = self._reason(live, token)
         if reason is None:
             return
         live.finished = True
         done.append(self._finish(live, reason, now))
-        slot = g.slots.index(live)
+        if slot is None or slot >= len(g.slots) or g.slots[slot] is not live:
+            slot = g.slots.index(live)
         g.clear(slot)
         g.freed.append(slot)
 
@@ -801,11 +840,16 @@ class RolloutDriver:
         ours = ~valid | (cols["version"] == g.version)
         stop = (tokens[..., None] == stops[None]).any(axis=-1) & valid  # an eos or one of the row's stop ids
         early = stop & (step < counts - 1)  # a stop before the row's last token
-        bad = (~order.all(axis=0) | ~ours.all(axis=0) | early.any(axis=0) | (counts > np.asarray(budgets))).tolist()
+        granted = np.asarray(budgets)
+        bad = (~order.all(axis=0) | ~ours.all(axis=0) | early.any(axis=0) | (counts > granted)).tolist()
         ends = stop[np.maximum(counts - 1, 0), np.arange(counts.size)].tolist()
-        toks, lps, counts = tokens.T.tolist(), cols["logprob"].T.tolist(), counts.tolist()
+        toks, lps = tokens.T.tolist(), cols["logprob"].T.tolist()
+        # A row with no budget and no token has nothing to book: the empty rows of a draining group are skipped.
+        busy = np.flatnonzero((granted > 0) | (counts > 0)).tolist()
+        counts = counts.tolist()
         produced = 0
-        for slot, live in enumerate(rows):
+        for slot in busy:
+            live = rows[slot]
             if live is None:
                 continue
             live.in_flight -= budgets[slot]
@@ -819,7 +863,7 @@ class RolloutDriver:
             live.tokens += toks[slot][:n]
             live.logprobs += lps[slot][:n]
             if ends[slot] or len(live.tokens) >= live.request.max_new_tokens:
-                self._ended(g, live, toks[slot][n - 1], now, done)
+                self._ended(g, live, toks[slot][n - 1], now, done, slot)
         self.rows_live += produced
         self._free(g)
         self._compact(g, floor)

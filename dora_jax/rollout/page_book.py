@@ -155,32 +155,41 @@ class PageBook:
             at = np.searchsorted(idx, lose[0])
             own[at] = max(own[at] - lose[1], 0)
         need = -(-self._limit[idx] // self.page_tokens) - held
-        if extra:
+        if len(extra):
             more = np.asarray(extra, np.int64).reshape(-1, 2)
             need, own = np.concatenate([need, more[:, 0]]), np.concatenate([own, more[:, 1]])
         return safe_to_grow(int(self._nfree[shard]) - taken, need, own)
 
+    def _extra(self, requests: Any) -> np.ndarray:
+        """Requests of (prompt tokens, limit) not admitted yet as the banker's test counts them: int64 [n, 2] of
+        (pages each may still take, pages of its prompt, its own and freed at its end)."""
+        req = np.asarray(requests, np.int64).reshape(-1, 2)
+        prompt = -(-req[:, 0] // self.page_tokens)
+        return np.stack([-(-req[:, 1] // self.page_tokens) - prompt, prompt], axis=1)
+
     def safe(self, shard: int, extra: Sequence[tuple[int, int]] = ()) -> bool:
         """Whether every live request of the shard (and ``extra`` ones, (prompt tokens, limit), not admitted
         yet, their whole prompts their own) could still reach its limit."""
-        pages = [(pages_for(limit, self.page_tokens) - pages_for(prompt, self.page_tokens),
-                  pages_for(prompt, self.page_tokens)) for prompt, limit in extra]
-        return self._safe(shard, sum(own for _, own in pages), extra=pages)
+        pages = self._extra(extra)
+        return self._safe(shard, int(pages[:, 1].sum()), extra=pages)
 
     def admissible(self, requests: Sequence[tuple[int, int]]) -> list[int] | None:
         """The batch shard each request of (prompt tokens, limit) would go to if admitted now together: each to
         the shard with the most free pages, as long as every shard stays safe; ``None`` when they do not all fit
         now (a sample's prompt pages shared with its group count as its own: the check errs on the side of
         waiting)."""
-        free = self._nfree.copy()
-        placed: list[list[tuple[int, int]]] = [[] for _ in range(self.shards)]
-        out = []
-        for prompt, limit in requests:
-            shard = int(np.argmax(free))  # the lowest shard among those with the most free pages
-            placed[shard].append((prompt, limit))
-            free[shard] -= pages_for(prompt, self.page_tokens)
-            out.append(shard)
-        return out if all(self.safe(k, placed[k]) for k in range(self.shards) if placed[k]) else None
+        pages = self._extra(requests)
+        if self.shards == 1:
+            out = [0] * len(pages)
+        else:
+            free, out = self._nfree.tolist(), []
+            for own in pages[:, 1].tolist():
+                shard = free.index(max(free))  # the lowest shard among those with the most free pages
+                free[shard] -= own
+                out.append(shard)
+        where = np.asarray(out, np.int64)
+        return out if all(self._safe(k, int(pages[where == k, 1].sum()), extra=pages[where == k])
+                          for k in sorted(set(out))) else None
 
     # -- pages ----------------------------------------------------------------------------------------------
 
