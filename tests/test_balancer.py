@@ -92,6 +92,53 @@ def test_a_draining_group_goes_back_to_work_when_its_version_needs_it():
     assert not p.drain and p.versions == (3, 3, 3, 3) and p.reason == "groups [0] no longer drain"
 
 
+def test_a_version_consolidates_its_requests_into_the_groups_they_need_rather_than_drain():
+    # Work 14 : 30 over 4 groups of 8 -> targets {3: 1, 4: 3} (exact shares 1.27 and 2.73; version 3's cap is 2).
+    # Version 3 gives up 3 of its 4 groups. Its requests (6, 6, 1, 1) need two groups: the two groups of 1 fit
+    # the free slots of the others (1 + 1 <= 2 + 2), so they move, each to the group with the most free slots
+    # left (group 0, then group 1), and serve version 4. The third group given up could only drain, and version 4
+    # has groups now: it keeps its requests and its version, so nothing waits for its longest request.
+    states = [G(3, 8, 6), G(3, 8, 6), G(3, 8, 1), G(3, 8, 1)]
+    p = plan(states, {4: 30}, 4)
+    assert dict(p.targets) == {3: 1, 4: 3}
+    assert p.moves == (Move(2, 0, 3, 1), Move(3, 1, 3, 1)) and p.versions == (3, 3, 4, 4) and not p.drain
+    # The plan's result is a fixed point: version 3's 14 requests need both groups it has left.
+    after = [G(3, 8, 7), G(3, 8, 7), G(4, 8), G(4, 8)]
+    assert plan(after, {4: 30}, 4).reason == ""
+
+
+def test_the_fewest_requests_move_and_a_draining_destination_goes_back_to_work():
+    # Targets {3: 1, 4: 1} (version 3's 7 requests fill one group). Group 1's single request moves to group 0
+    # (draining, the most free slots among the groups that are not sources); group 2's 2 would fit too, but one
+    # group is all version 4 needs. Group 0 received a request, so it admits again.
+    states = [G(3, 8, 4, draining=True), G(3, 8, 1), G(3, 8, 2)]
+    p = plan(states, {4: 8}, 4)
+    assert p.moves == (Move(1, 0, 3, 1),) and p.versions == (3, 4, 3) and not p.drain
+    assert p.reason == "version 4 has work and no group; groups [0] no longer drain"
+
+
+def test_the_newer_versions_requests_move_first():
+    # Targets {3: 1, 4: 1, 5: 1}: versions 3 and 4 can each free a group by moving its single request, and version
+    # 5 needs one. Version 4's moves: the staleness window waits for version 3's requests, which would decode
+    # slower packed three to a group.
+    states = [G(3, 8, 1), G(3, 8, 2), G(4, 8, 1), G(4, 8, 2)]
+    p = plan(states, {5: 8}, 5, max_live=3)
+    assert dict(p.targets) == {3: 1, 4: 1, 5: 1}
+    assert p.moves == (Move(2, 3, 4, 1),) and p.versions == (3, 3, 5, 4) and not p.drain
+
+
+def test_only_a_version_with_no_group_drains_a_group_with_work_waiting():
+    # Work 42 : 40 over 4 full groups -> targets {4: 2, 5: 2}. No request can move (every slot is taken). Version
+    # 5 has no group, so one group drains for it (the first of the fewest in flight); the second group version 5
+    # is owed would stop admitting version 4's 10 waiting requests until its longest request ended, so it keeps
+    # serving version 4, and version 5 gets it once its requests fit elsewhere.
+    states = [G(4, 8, 8)] * 4
+    p = plan(states, {4: 10, 5: 40}, 5)
+    assert dict(p.targets) == {4: 2, 5: 2}
+    assert p.drain == (0,) and p.versions == (4, 4, 4, 4) and not p.moves
+    assert plan([G(4, 8, 8, draining=True)] + [G(4, 8, 8)] * 3, {4: 10, 5: 40}, 5).reason == ""
+
+
 def test_too_few_groups_and_impossible_states_are_refused():
     with pytest.raises(BalancerError, match=r"2 rollout groups cannot serve 3 live versions .* at least 3 groups"):
         Balancer(2, max_live=3)

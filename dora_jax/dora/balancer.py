@@ -126,7 +126,8 @@ class Balancer:
             newest: the newest published version (new prompts go to it).
             can_move: whether requests may move between groups (their KV pages fit the destinations, and the groups
                 are in one process), for all groups or per group (group ``i``'s requests may leave it); a busy group
-                whose requests may not move and that must change version drains.
+                whose requests may not move changes version only by draining, which only a version with work and no
+                group starts.
 
         Raises:
             BalancerError: naming the bad state (a count out of range, work outside the window of live versions).
@@ -173,21 +174,53 @@ class Balancer:
         self.decisions.append(Decision(groups, tuple(sorted(waiting.items())), newest, plan))
 
 
-def _give_up(groups: tuple[GroupState, ...], owed: Mapping[int, int]) -> tuple[dict[int, list[int]], list[int]]:
-    """Per version the groups it keeps (its ``owed`` share of the groups it holds), and the others: empty ones
-    first, then a group already draining, then the fewest in flight."""
+def _give_up(groups: tuple[GroupState, ...], owed: Mapping[int, int],
+             movable: Sequence[bool]) -> tuple[dict[int, list[int]], list[int], list[int], dict[int, int]]:
+    """What each version gives up of the groups it holds beyond its ``owed`` share, in the order the plan uses
+    them: empty groups, then ``sources`` (busy groups whose requests fit the free slots of their version's other
+    groups, fewest in flight first), then up to ``drains[v]`` of its other busy groups (those that received no
+    moved request; one already draining first, then the fewest in flight). Returns the groups each version
+    keeps (as many as it is owed where it holds more), the empty ones, the sources and ``drains``."""
     members: dict[int | None, list[int]] = {}
     for i, g in enumerate(groups):
         members.setdefault(g.version, []).append(i)
     kept: dict[int, list[int]] = {}
-    surplus: list[int] = []
+    empty: list[int] = []
+    sources: list[int] = []
+    drains: dict[int, int] = {}
     for v, ids in members.items():
-        order = sorted(ids, key=lambda i: (groups[i].in_flight > 0, not groups[i].draining, groups[i].in_flight, i))
-        give = max(0, len(ids) - (owed.get(v, 0) if v is not None else 0))
-        surplus += order[:give]
+        give = len(ids) - (owed.get(v, 0) if v is not None else 0)
+        gone = [i for i in ids if not groups[i].in_flight][:max(give, 0)]
+        out = _sources(groups, [i for i in ids if i not in gone], give - len(gone), movable)
+        left = sorted((i for i in ids if groups[i].in_flight and i not in out),
+                      key=lambda i: (not groups[i].draining, groups[i].in_flight, i))
+        drainable = left[:max(give - len(gone) - len(out), 0)]
+        empty += gone
+        sources += out
         if v is not None:
-            kept[v] = order[give:]
-    return kept, surplus
+            drains[v] = len(drainable)
+            kept[v] = [i for i in ids if i not in gone and i not in out and i not in drainable]
+    return kept, empty, sources, drains
+
+
+def _sources(groups: tuple[GroupState, ...], ids: list[int], give: int, movable: Sequence[bool]) -> list[int]:
+    """Up to ``give`` of the busy groups ``ids`` (one version's, empty ones given up left out) whose requests fit
+    together into the free slots of the others, fewest in flight first: a version's requests end up in as few
+    groups as they need, and the groups freed serve versions with work waiting."""
+    room = sum(groups[i].slots - groups[i].in_flight for i in ids)
+    out: list[int] = []
+    rows = 0
+    for i in sorted((i for i in ids if groups[i].in_flight), key=lambda i: (groups[i].in_flight, i)):
+        if len(out) >= give:
+            break
+        g = groups[i]
+        # Every source's requests within the free slots of the groups that are not sources: the moves then find
+        # room whichever of the sources the plan uses.
+        if movable[i] and rows + g.in_flight <= room - (g.slots - g.in_flight):
+            out.append(i)
+            rows += g.in_flight
+            room -= g.slots - g.in_flight
+    return out
 
 
 def _moves(src: int, groups: tuple[GroupState, ...], dsts: list[int], incoming: list[int]) -> list[Move] | None:
@@ -210,36 +243,51 @@ def _moves(src: int, groups: tuple[GroupState, ...], dsts: list[int], incoming: 
 def assign(groups: tuple[GroupState, ...], owed: Mapping[int, int], newest: int,
            can_move: bool | Sequence[bool]) -> Plan:
     """The plan for ``groups`` given the groups ``owed`` to each version with work (:func:`targets`): versions under
-    target take empty groups given up first, then busy ones (moved out where ``can_move`` allows, for all groups or
-    per group, or drained). :meth:`Balancer.plan` checks its inputs and records it; this is the step the
-    balancer's tests replace to show their checks catch a broken plan."""
+    target take empty groups given up first, then busy ones whose requests move to the other groups of their
+    version (where ``can_move`` allows, for all groups or per group; newer versions' first), then, for a version
+    with no group only, busy ones that drain.
+    :meth:`Balancer.plan` checks its inputs and records it; this is the step the balancer's tests replace to show
+    their checks catch a broken plan."""
     movable = [can_move] * len(groups) if isinstance(can_move, bool) else list(can_move)
-    kept, surplus = _give_up(groups, owed)
+    kept, empty, sources, drains = _give_up(groups, owed, movable)
+    # A version's moves go to its groups that are not sources; of those, ones that received none may drain.
+    stay = {v: [i for i, g in enumerate(groups) if g.version == v and i not in empty and i not in sources]
+            for v in drains}
     # What each version under target still needs, most urgent first: a first group for versions with none (older
-    # first), then the rest (older first).
+    # first), then the rest (older first); True marks a first group.
     short = {v: t - len(kept.get(v, ())) for v, t in owed.items() if t > len(kept.get(v, ()))}
-    wants = [v for v in sorted(short) if not kept.get(v)]
-    wants += [v for v in sorted(short) for _ in range(short[v] - (not kept.get(v)))]
-    needs = list(wants)
-    free = sorted((i for i in surplus if not groups[i].in_flight), key=lambda i: (groups[i].version == newest, i))
-    busy = sorted((i for i in surplus if groups[i].in_flight),
-                  key=lambda i: (not groups[i].draining, groups[i].in_flight, i))
+    wants = [(v, True) for v in sorted(short) if not kept.get(v)]
+    wants += [(v, False) for v in sorted(short) for _ in range(short[v] - (not kept.get(v)))]
+    needs = [v for v, _ in wants]
+    free = sorted(empty, key=lambda i: (groups[i].version == newest, i))
+    # Sources newest version first, then fewest requests first: moving requests packs them into fewer groups, whose
+    # steps then take longer, and the oldest versions' requests are the ones the staleness window waits for. Then
+    # the groups that may drain.
+    busy = sorted(sources, key=lambda i: (-groups[i].version, groups[i].in_flight, i))
+    busy += sorted((i for v in stay if drains[v] for i in stay[v] if groups[i].in_flight),
+                   key=lambda i: (not groups[i].draining, groups[i].in_flight, i))
     versions = [g.version for g in groups]
     drain: list[int] = []
     moves: list[Move] = []
     incoming = [0] * len(groups)
     while wants and (free or busy):
         if free:
-            versions[free.pop(0)] = wants.pop(0)
+            versions[free.pop(0)] = wants.pop(0)[0]
             continue
         i = busy.pop(0)
-        out = _moves(i, groups, kept[groups[i].version], incoming) if movable[i] else None
-        if out is None:
-            drain.append(i)
-            wants.pop()  # a drain serves the least urgent need: the groups free now go to the most urgent
-        else:
+        v = groups[i].version
+        out = _moves(i, groups, stay[v], incoming) if i in sources else None
+        if out is not None:
             moves += out
-            versions[i] = wants.pop(0)
+            versions[i] = wants.pop(0)[0]
+        elif incoming[i] or not drains[v]:
+            continue  # requests moved into it, or its version gave up enough: it serves its version
+        elif any(first for _, first in wants):
+            # A drain stops the group's admissions and holds it until its longest request ends: only a version
+            # with no group is worth that; others get groups as moves free them.
+            drain.append(i)
+            drains[v] -= 1
+            wants.pop(max(k for k, (_, first) in enumerate(wants) if first))
     idle = sorted(i for i in free if versions[i] != newest)
     for i in free:  # empty groups no version needs: new prompts arrive on the newest
         versions[i] = newest
