@@ -123,15 +123,16 @@ def test_the_plot_draws_a_result(tmp_path):
 def test_run_checkpoint_writes_leave_python_s_heap_nearly_as_it_was(tmp_path):
     """Orbax's TensorStore I/O counters, read around every array write, leaked ~28 Python objects a read
     (tensorstore 0.1.86): about 340 blocks per save of this two-array state before the read was stopped
-    (dora_jax.run.checkpoint), about 90 after (TensorStore's spec conversions, a few per array, remain). The soak saw
+    (dora_jax.run.checkpoint.stop_tensorstore_metrics_leak), about 90 after (TensorStore's spec conversions, a few per array, remain). The soak saw
     it as Python's heap growing with every snapshot and checkpoint."""
     import gc
     import sys
 
     import jax.numpy as jnp
 
-    from dora_jax.run.checkpoint import RunCheckpoints
+    from dora_jax.run.checkpoint import RunCheckpoints, stop_tensorstore_metrics_leak
 
+    stop_tensorstore_metrics_leak()  # as the run's store does
     store = RunCheckpoints(tmp_path, fingerprint="x", keep_last=1)
     state = {"a": jnp.ones(4), "b": jnp.zeros(3)}
     for step in range(1, 3):  # Orbax's first saves build what it keeps

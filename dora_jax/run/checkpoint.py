@@ -59,12 +59,14 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 
-def _stop_tensorstore_metrics_leak() -> None:
-    """Orbax reads TensorStore's I/O counters before and after every array write, only to log a throughput;
-    ``tensorstore.experimental_collect_matching_metrics`` (0.1.86) never frees the dicts it returns, about 28 Python
-    objects a call, so a run that snapshots every version grew its heap by ~300 objects (18 KB) an update,
-    without bound (``dora-jax bench soak``; docs/runner.md, "Checkpoints and resume"). The read is replaced by
-    0, which makes Orbax skip that log line and nothing else (its ``_record_raw_metrics`` returns on no bytes)."""
+def stop_tensorstore_metrics_leak() -> None:
+    """Makes this process's Orbax skip its TensorStore I/O-counter reads, which leak: Orbax reads the counters
+    before and after every array write only to log a throughput, and ``tensorstore.experimental_collect_matching_
+    metrics`` (0.1.86) never frees the dicts it returns, about 28 Python objects a call. A run that snapshots every
+    version grew its heap by ~300 objects (18 KB) an update, without bound (``dora-jax bench soak``). The read is
+    replaced by 0, which makes Orbax skip that log line and nothing else (its ``_record_raw_metrics`` returns on no
+    bytes). The run's store calls it (:class:`~dora_jax.run.resume.RunStore`): a process-wide change, so importing
+    this module does not."""
     try:
         from orbax.checkpoint._src.serialization import tensorstore_utils
     except ImportError:  # another Orbax layout: nothing of this to stop
@@ -72,8 +74,6 @@ def _stop_tensorstore_metrics_leak() -> None:
     if hasattr(tensorstore_utils, "get_tensorstore_raw_bytes"):
         tensorstore_utils.get_tensorstore_raw_bytes = lambda direction=None: 0
 
-
-_stop_tensorstore_metrics_leak()
 
 FORMAT = 1
 MARKER = "COMPLETE"

@@ -34,7 +34,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from dora_jax.run.checkpoint import CheckpointError, Restored, RunCheckpoints
+from dora_jax.run.checkpoint import CheckpointError, Restored, RunCheckpoints, stop_tensorstore_metrics_leak
 from dora_jax.config import Config
 from dora_jax.dora.ledger import LedgerError
 from dora_jax.rollout.samples import Sample
@@ -255,6 +255,7 @@ class RunStore:
         self.run_dir = Path(run_dir)
         self.fingerprint = run_fingerprint(cfg)
         self.every = cfg.run.checkpoint_every
+        stop_tensorstore_metrics_leak()  # a run writes a snapshot per version: the leak would grow without bound
         self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", fingerprint=self.fingerprint,
                                           keep_last=cfg.run.keep_checkpoints)
         self._snaps = None
