@@ -137,8 +137,9 @@ def test_a_move_waits_for_pages(models):
     assert d.fits(1, [(60, 64)]) and not d.fits(2, [(60, 64), (60, 64)]) and not d.fits(5, [])
     G = Balancer(3, max_live=2)
     states = [GroupState(0, 4, 2), GroupState(0, 4, 1), GroupState(0, 4, 1)]
-    # Group 1, the first busy group to give up (fewest in flight, the lower), moves where it may, else drains.
+    # Group 1, the first busy group to give up (fewest in flight, the lower), moves its request to the group with
+    # the most free slots (group 2) where it may; where no group may move, it drains.
     moved = G.plan(states, {1: 3}, 1, can_move=[False, True, False])
-    drained = G.plan(states, {1: 3}, 1, can_move=[True, False, True])
-    assert moved.moves == (Move(1, 0, 0, 1),) and moved.versions == (0, 1, 0) and not moved.drain
+    drained = G.plan(states, {1: 3}, 1, can_move=[False, False, False])
+    assert moved.moves == (Move(1, 2, 0, 1),) and moved.versions == (0, 1, 0) and not moved.drain
     assert not drained.moves and drained.drain == (1,) and drained.versions == (0, 0, 0)
