@@ -275,8 +275,11 @@ def test_resume_regenerates_old_version_samples_from_snapshots(child_env, tmp_pa
     each sample is (its tokens, log-probs, reward, version) is compared. At one version per rollout group the
     groups take their versions again from the balancer's plans; the run's figures (the most versions a group
     held, the balancer's totals) continue from the checkpoint's instead of restarting."""
+    # One decode step per program: a sample then takes up to 24 trips of the loop, far longer than its group's
+    # rewards take to come back, so samples are still decoding at checkpoint 2 however loaded the machine (at 8
+    # steps a program a loaded machine's slow rewards let every dispatched sample finish first).
     overrides = BASE + [f"dora.mode={mode}", f"train.max_staleness={k}", f"dora.rollout_batch={rbs}",
-                        "run.checkpoint_every=2"] + groups
+                        "run.checkpoint_every=2", "rollout.decode_steps=1"] + groups
     if groups:
         child_env = dict(child_env, XLA_FLAGS=cpu_test_flags(devices=4))
     run_child(child_env, tmp_path, overrides, kill_after=3)
