@@ -284,7 +284,7 @@ def test_admission_takes_the_head_of_the_queue_the_one_by_one_test_takes(shards,
     for i, (prompt, new) in enumerate(queue):
         driver.submit(Request(i, (1,) * prompt, max_new_tokens=new))
     sizes = [(p, p + n) for p, n in queue]
-    assert driver._admissible_count(free) == _one_by_one(book, sizes, free)
+    assert driver.admissible_count(free) == _one_by_one(book, sizes, free)
     head = min(free, len(queue))
     assert len(tests) <= (1 + int(np.ceil(np.log2(head))) if head > 1 else head)
 

@@ -21,7 +21,7 @@ from dora_jax.sim.config import Costs, SimConfigError, load_sim_config, parse_co
 from dora_jax.sim.engine import Instance, Placement, Row, SimLedger
 from dora_jax.sim.lengths import length_dist
 from dora_jax.sim.report import compare_versions, format_report, run_one
-from dora_jax.sim.run import SimulationError, _Simulation, simulate
+from dora_jax.sim.run import SimulationError, Simulation, simulate
 
 COSTS = Costs(decode_step_s=1.0, train_fixed_s=3.0, weight_sync_s=1.0)
 SIX = length_dist({"kind": "fixed", "value": 6})
@@ -252,7 +252,7 @@ def one_version_per_instance(sim):
 
 
 def test_the_one_version_check_catches_an_instance_with_two_versions():
-    sim = _Simulation("dora", COSTS, Placement(2, 2, 1), SIX, train_batch=4, group_size=2, prompt_tokens=0,
+    sim = Simulation("dora", COSTS, Placement(2, 2, 1), SIX, train_batch=4, group_size=2, prompt_tokens=0,
                       steps=1, max_staleness=1, rollout_batch=8, seed=0)
     one_version_per_instance(sim)
     sim.insts[0].loaded = 3
@@ -275,13 +275,13 @@ def test_invariants_hold_in_random_runs(seed, monkeypatch):
 @pytest.mark.parametrize("seed", range(12, 24))
 def test_invariants_hold_in_random_runs_at_one_version_per_instance(seed, monkeypatch):
     # Checked after every event (the loop dispatches after each): one version per instance, slots not overbooked.
-    dispatch = _Simulation.dispatch
+    dispatch = Simulation.dispatch
 
     def checked(sim):
         one_version_per_instance(sim)
         dispatch(sim)
 
-    monkeypatch.setattr(_Simulation, "dispatch", checked)
+    monkeypatch.setattr(Simulation, "dispatch", checked)
     r = random_run(seed, monkeypatch, mode="dora", versions=1)
     assert r["balancer"]["plans"] >= 1 and r["versions_per_instance"] == 1
 

@@ -507,7 +507,7 @@ class RolloutDriver:
         free = self.engine.max_concurrent_decodes - sum(g.live for g in self._groups.values())
         taken: dict[int, list[tuple[Request, float]]] = {}
         # The oldest requests wait until the pool can take them safely (nothing is evicted for them).
-        for _ in range(self._admissible_count(free)):
+        for _ in range(self.admissible_count(free)):
             request, submitted = self._pending.popleft()
             taken.setdefault(request.version, []).append((request, submitted))
         n = len(self.shared_prefix)
@@ -525,7 +525,7 @@ class RolloutDriver:
             for chunk in self.prefill_chunks(after, skip=n):
                 self._prefill_and_insert(g, chunk, done, admitted, g.prefix)
 
-    def _admissible_count(self, free: int) -> int:
+    def admissible_count(self, free: int) -> int:
         """How many of the oldest pending requests (at most ``free``) the pool takes now: the longest head of the
         queue that :meth:`Engine.admissible` accepts together.
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from dora_jax.dora.balancer import Balancer, GroupState, Plan
 
 if TYPE_CHECKING:
-    from dora_jax.sim.run import _Simulation
+    from dora_jax.sim.run import Simulation
 
 CHECK = "imbalance"  # a deferred look at the triggers, as opposed to a named event
 
@@ -36,7 +36,7 @@ class InstanceBalancing:
     ``(time, trigger, reason)``.
     """
 
-    def __init__(self, sim: _Simulation, max_live: int) -> None:
+    def __init__(self, sim: Simulation, max_live: int) -> None:
         self.sim = sim
         self.balancer = Balancer(len(sim.insts), max_live=max_live, keep=1)
         self.transfers = 0

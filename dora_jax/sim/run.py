@@ -87,7 +87,7 @@ def simulate(mode: str, costs: Costs, placement: Placement, lengths: LengthDist,
             ``versions_per_instance`` is not one of dora's (or is not 1 for another mode), or one version per
             instance leaves fewer instances than the K + 1 live versions.
     """
-    sim = _Simulation(mode, costs, placement, lengths, train_batch=train_batch, group_size=group_size,
+    sim = Simulation(mode, costs, placement, lengths, train_batch=train_batch, group_size=group_size,
                       prompt_tokens=prompt_tokens, steps=steps, max_staleness=max_staleness,
                       rollout_batch=rollout_batch, seed=seed, versions_per_instance=versions_per_instance)
     collecting = gc.isenabled()
@@ -100,7 +100,7 @@ def simulate(mode: str, costs: Costs, placement: Placement, lengths: LengthDist,
     return _metrics(sim, steps, warmup_steps)
 
 
-class _Simulation:
+class Simulation:
     """One simulated run's state (scheduler, instances, queues, event heap, clock) and the steps of its event
     loop; :func:`simulate` makes one and runs it once."""
 
@@ -541,7 +541,7 @@ def _linear_steps_by(first: float, slope: float, dt: float) -> int:
     return k
 
 
-def _metrics(sim: _Simulation, steps: int, warm: int) -> dict[str, Any]:
+def _metrics(sim: Simulation, steps: int, warm: int) -> dict[str, Any]:
     mode, updates, insts, placement, led = sim.mode, sim.updates, sim.insts, sim.placement, sim.led
     ends = [0.0] + [u["end"] for u in updates]
     measured = range(warm, steps)
