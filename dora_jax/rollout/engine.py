@@ -28,9 +28,10 @@ from dora_jax.models.decoder import FUSED_INPUTS, Decoder, DecodeSettings, resol
 from dora_jax.models.paged import PagedKV, ReadCounter, token_bytes
 from dora_jax.rollout.engine_api import (DecodeState, EngineError, KVRows, PreparedParams, PrefixBatch,
                                          RequestSampling, ResultSteps, ResultTokens, SharedPrefix, stop_table)
+from dora_jax.rollout import kv_transfer
 from dora_jax.rollout.page_book import PageBook, StateRecords
 from dora_jax.rollout.pages import DEFAULT_PAGE_TOKENS, PageError, bucket, pages_for
-from dora_jax.rollout.programs import DecodePrograms, fitting_sharding, jitted_programs, page_copy_programs
+from dora_jax.rollout.programs import DecodePrograms, jitted_programs
 from dora_jax.rollout.sampling import SamplingParams
 from dora_jax.sharding import Rules, logical_to_spec, serial_jit
 
@@ -222,6 +223,12 @@ class _Retired:
         return self.decodes
 
 
+def _page_tokens(page_tokens: Any) -> int:
+    if not (isinstance(page_tokens, (int, np.integer)) and page_tokens >= 1):
+        raise EngineError(f"page_tokens must be an integer >= 1, got {page_tokens!r}")
+    return int(page_tokens)
+
+
 def _check_sizes(engine: "Engine") -> None:
     """Refuses an engine whose sizes do not fit together, naming them."""
     if jax.process_index() not in engine.processes:
@@ -254,10 +261,8 @@ class Engine:
         ``compute_dtype``. settings: how decode reads the cache and how many steps a program runs.
       page_tokens: tokens per KV page; num_pages: pages in the pool (default: every slot at its longest).
 
-    The KV cache is one page pool (:attr:`pool`) shared by every decode state. A request is admitted, and a slot
-    given pages before a program, only while every live request could still reach its limit
-    (:func:`~dora_jax.rollout.pages.safe_to_grow`): nothing is evicted and some slot always progresses. A mesh over
-    several processes makes one engine of all of them: every process runs the same calls with the same host values.
+    The KV cache is one page pool (:attr:`pool`) shared by every decode state (docs/rollout.md, "Paged KV cache").
+    A mesh over several processes makes one engine of them all: each process makes the same calls.
     """
 
     def __init__(self, model: Decoder, *, max_concurrent_decodes: int = 8, max_prefill_length: int = 256,
@@ -266,8 +271,7 @@ class Engine:
                  page_tokens: int = DEFAULT_PAGE_TOKENS, num_pages: int | None = None):
         _check_settings(dtype, settings)
         self.processes = mesh_processes(mesh)
-        # Several processes decode as one engine: a trace-time switch, so one process's programs do not change.
-        self.spans_processes = len(self.processes) > 1
+        self.spans_processes = len(self.processes) > 1  # a trace-time switch: one process's programs stay as they are
         self.rules, self.settings, self._mesh = tuple(rules), settings, mesh
         self.dtype = model.cfg.compute_dtype if dtype == "auto" else dtype
         # The architecture as the engine runs it: weights held and decode computed in the engine's dtype.
@@ -276,9 +280,7 @@ class Engine:
         self._prepared: PreparedParams | None = None
         self._max_concurrent_decodes, self._max_prefill_length = max_concurrent_decodes, max_prefill_length
         self.max_target_length = max_target_length
-        if not (isinstance(page_tokens, (int, np.integer)) and page_tokens >= 1):
-            raise EngineError(f"page_tokens must be an integer >= 1, got {page_tokens!r}")
-        self.page_tokens = int(page_tokens)
+        self.page_tokens = _page_tokens(page_tokens)
         self.table_width = pages_for(max_target_length, self.page_tokens)  # the most pages one slot holds
         self.num_pages = max_concurrent_decodes * self.table_width if num_pages is None else num_pages
         # Slots split over the mesh's batch shards hold pages of their own shard (dora_jax.models.paged).
@@ -295,8 +297,7 @@ class Engine:
                                        page_tokens=self.page_tokens, pool_pages=self.shards * self.shard_pages,
                                        mesh=mesh, rules=self.rules, spans_processes=self.spans_processes)
         self._jit_programs(self.programs)
-        # Requests of one prefill program: fixed per engine (padding rows are never inserted), so the programs
-        # after the model's prefill are compiled per distinct-prompt count and prompt bucket only.
+        # Requests of one prefill program, fixed per engine: the programs after it vary only in prompt shape.
         self.request_rows = bucket(max_concurrent_decodes, minimum=1)
         # Attention reads counted on the host from each program's results (benchmarks' kv_read_ratio) while
         # ``count_reads`` is set: off by default, as it costs host time per dispatch.
@@ -309,7 +310,8 @@ class Engine:
         """Jits every program under its name (:attr:`compiled`), so warm-up compiles them all and a later compile
         is logged with its shape. Engines of equal programs in one process share the jitted functions."""
         self.compiled = Programs("rollout engine", serial_jit)
-        fns = {name: self.compiled.add(name, f) for name, f in jitted_programs(progs, self.dtype, serial_jit).items()}
+        # By name, for the calls kept outside this class too (kv_transfer).
+        self.fns = fns = {n: self.compiled.add(n, f) for n, f in jitted_programs(progs, self.dtype, serial_jit).items()}
         self._prefill_batch_jit, self._shared_prefix_jit = fns["prefill_batch"], fns["shared_prefix"]
         self._write_prompts_jit, self._set_slots_jit = fns["write_prompts"], fns["set_slots"]
         self._generate_steps_jit, self._pool_jit, self._resize_jit = fns["generate_steps"], fns["new_pool"], fns["resize"]
@@ -393,7 +395,7 @@ class Engine:
         pool without room for them all now (nothing is inserted then; the driver asks :meth:`admissible`)."""
         b, nb = decode_state.tokens.shape[0], batch.rows.shape[0]
         idx, limits = _insert_slots(self, batch, b, slots, limits)
-        rec = self._rows(decode_state)
+        rec = self.rows_of(decode_state)
         shards = [None if slot is None else self.row_shard(b, slot) for slot in slots]
         try:
             page_nt, row_nt = self.records.admit(rec, batch.host, slots, shards, limits, nb, batch.cache.v.shape[3])
@@ -433,7 +435,7 @@ class Engine:
             raise EngineError(f"generate_steps: {len(params_seq)} params for {len(states_seq)} decode states")
         limit, budget_arrays, stop_arrays, final_arrays, end_after = _step_arguments(
             states_seq, steps, budgets, stop_ids, final, end_after, limit)
-        recs = [self._rows(st) for st in states_seq]
+        recs = [self.rows_of(st) for st in states_seq]
         # Pages for every token a slot may produce; a slot the pool cannot serve safely gets a smaller budget
         # (what its pages cover), and its final flag only if it keeps its whole budget.
         starts = [self.book.dispatched(rec.ids) for rec in recs] if self.count_reads else None
@@ -464,7 +466,7 @@ class Engine:
     def free_slots(self, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
         """Marks ``slots`` empty and returns their pages to the pool. Host work only: a row without a request
         gets no budget from the page book, so no later program steps it until an insertion fills it."""
-        rec = self._rows(decode_state)
+        rec = self.rows_of(decode_state)
         for slot in slots:
             self.records.release(rec, slot)
         return decode_state
@@ -476,7 +478,7 @@ class Engine:
             raise EngineError(f"resize: {capacity} slots do not split over the {self.shards} batch shards")
         idx = np.full((capacity,), -1, np.int32)
         idx[:len(rows)] = rows
-        rec, old = self._rows(decode_state), decode_state.tokens.shape[0]
+        rec, old = self.rows_of(decode_state), decode_state.tokens.shape[0]
         try:
             moved = self.records.regather(rec, idx, [self.row_shard(old, r) for r in range(old)],
                                           [self.row_shard(capacity, i) for i in range(capacity)])
@@ -486,98 +488,16 @@ class Engine:
         rec.ids = moved
         return state
 
-    # -- moving requests between engines ---------------------------------------------------------------------
+    # -- moving requests between engines (dora_jax.rollout.kv_transfer) ----------------------------------------
 
     def take_rows(self, decode_state: DecodeState, slots: Sequence[int]) -> KVRows:
-        """Takes the live requests of ``slots`` out of ``decode_state``: their decode rows and the contents of the
-        pages holding what they have written, gathered in one program (on this engine's devices), for
-        :meth:`put_rows` of another engine. The slots are then empty and their pages back in the pool (a page
-        shared with a request left behind stays with it).
-
-        Raises:
-          EngineError: an empty slot, or a slot a dispatched program still computes (read its results first).
-        """
-        rec, b = self._rows(decode_state), decode_state.tokens.shape[0]
-        refs = [int(rec.ids[s]) if 0 <= s < b else 0 for s in slots]
-        if not all(refs):
-            raise EngineError(f"take_rows: slots {list(slots)} of a decode state of {b} include an empty one")
-        host = jax.tree.map(lambda x: np.asarray(x)[np.asarray(slots, np.intp)], decode_state)
-        written = host.positions.astype(np.int32)
-        if (self.book.dispatched(refs) != written).any():
-            raise EngineError(f"take_rows: slots {list(slots)}: a dispatched program still computes a row; read its "
-                              "results first")
-        pages = np.array([pages_for(int(w), self.page_tokens) for w in written], np.int32)
-        src = [self._pool_ids(self.row_shard(b, s), self.book.table(ref)[:n]) for s, ref, n in zip(slots, refs, pages)]
-        gather, _ = page_copy_programs(self.programs)
-        k, v = gather(self.pool, self._padded(src))
-        self.free_slots(decode_state, slots)
-        return KVRows(written, pages, host.tokens, host.sample_ids, host.versions, host.seeds, host.sampling, k, v,
-                      self.token_bytes)
+        """:func:`~dora_jax.rollout.kv_transfer.take_rows` of this engine."""
+        return kv_transfer.take_rows(self, decode_state, slots)
 
     def put_rows(self, decode_state: DecodeState, rows: KVRows, slots: Sequence[int],
                  limits: Sequence[int]) -> DecodeState:
-        """Places row ``i`` of ``rows`` (:meth:`take_rows` of an engine of this architecture, serving the same
-        version) into ``slots[i]`` of the decode state (donated), growing to ``limits[i]`` tokens: each takes
-        fresh pages for what it has written, the pages' contents are copied onto this engine's pool (device to
-        device), and its decode row is set; nothing is prefilled. What a slot held before ends.
-
-        Raises:
-          EngineError: a bad slot, or a pool without room for them all now (nothing is placed then; ask
-            :meth:`admissible` with (written tokens, limit) per row first).
-        """
-        b, n = decode_state.tokens.shape[0], len(rows.written)
-        if len(slots) != n or len(limits) != n or n > self.request_rows:
-            raise EngineError(f"put_rows: {n} rows for {len(slots)} slots and {len(limits)} limits (at most "
-                              f"{self.request_rows})")
-        if not all(0 <= s < b for s in slots) or len(set(slots)) != n:
-            raise EngineError(f"put_rows: slots {list(slots)} of a decode state of {b} slots")
-        rec = self._rows(decode_state)
-        for slot in slots:
-            self.records.release(rec, slot)
-        done: list[int] = []
-        try:
-            for slot, written, limit in zip(slots, rows.written.tolist(), limits):
-                rec.ids[slot] = self.book.admit(self.row_shard(b, slot), written, int(limit))
-                done.append(slot)
-        except PageError as e:
-            for slot in done:
-                self.records.release(rec, slot)
-            raise EngineError(f"put_rows: {e}") from None
-        dst = [self._pool_ids(self.row_shard(b, s), self.book.table(int(rec.ids[s]))) for s in slots]
-        sharding = self.pool.k.sharding if self.mesh is None else fitting_sharding(
-            self.mesh, PagedKV.axes(), self.rules, rows.k.shape)
-        _, scatter = page_copy_programs(self.programs)
-        self._pool = scatter(self.pool, self._padded(dst, rows.k.shape[2]), jax.device_put(rows.k, sharding),
-                             jax.device_put(rows.v, sharding))
-        return self._set_rows(decode_state, rows, slots)
-
-    def _set_rows(self, decode_state: DecodeState, rows: KVRows, slots: Sequence[int]) -> DecodeState:
-        """Sets the decode rows of ``rows`` at ``slots`` with the insertion's program (padded to its rows)."""
-        nb, n = self.request_rows, len(rows.written)
-
-        def col(values, dtype, pad=0):
-            out = np.full((nb,), pad, dtype)
-            out[:n] = values
-            return out
-
-        sp = SamplingParams(col(rows.sampling.temperature, np.float32), col(rows.sampling.top_k, np.int32),
-                            col(rows.sampling.top_p, np.float32, 1.0))
-        batch = PrefixBatch(None, col(0, np.int32), col(rows.token, np.int32), col(0.0, np.float32),
-                            col(rows.written, np.int32), col(rows.sample_id, np.int32), col(rows.version, np.int32),
-                            sp, col(rows.seed, np.int32))
-        idx = col(slots, np.int32, decode_state.tokens.shape[0])
-        return self.records.handoff(decode_state, self._set_slots_jit(batch, decode_state, idx))
-
-    def _pool_ids(self, shard: int, pages: list[int]) -> list[int]:
-        """Pool-wide ids of a shard's pages (the book's ids within the shard, past its scratch page)."""
-        return [shard * self.shard_pages + p + 1 for p in pages]
-
-    def _padded(self, groups: list[list[int]], size: int | None = None) -> np.ndarray:
-        """The pages of ``groups`` in order, padded with the scratch page to ``size`` (default: a power of two)."""
-        ids = [p for g in groups for p in g]
-        out = np.zeros((bucket(len(ids), minimum=1) if size is None else size,), np.int32)
-        out[:len(ids)] = ids
-        return out
+        """:func:`~dora_jax.rollout.kv_transfer.put_rows` of this engine."""
+        return kv_transfer.put_rows(self, decode_state, rows, slots, limits)
 
     # -- the page pool --------------------------------------------------------------------------------------
 
@@ -587,6 +507,10 @@ class Engine:
         if self._pool is None:
             self._pool = self._pool_jit() if self.mesh is not None else self.programs.new_pool()
         return self._pool
+
+    @pool.setter
+    def pool(self, pool: PagedKV) -> None:
+        self._pool = pool
 
     def pool_shape(self) -> PagedKV:
         """The pool's shapes and dtypes, without making it."""
@@ -606,7 +530,7 @@ class Engine:
 
     def page_table(self, decode_state: DecodeState, slot: int) -> list[int]:
         """The pages of the request ``slot`` of ``decode_state`` holds, in order (empty for an empty slot)."""
-        return self.book.table(self._rows(decode_state).ids[slot])
+        return self.book.table(self.rows_of(decode_state).ids[slot])
 
     def pages_needed(self, limit: int) -> int:
         """Pages a request of up to ``limit`` tokens holds at its longest (sharing with its group aside)."""
@@ -617,7 +541,8 @@ class Engine:
         tokens, limit) would go to if admitted now together, or ``None`` when they do not all fit safely now."""
         return self.book.admissible(requests)
 
-    def _rows(self, state: DecodeState):
+    def rows_of(self, state: DecodeState):
+        """The page book's record of ``state``'s rows (:class:`~dora_jax.rollout.page_book.StateRecords`)."""
         try:
             return self.records.of(state)
         except PageError as e:

@@ -1,0 +1,121 @@
+"""Live requests moved between engines with their KV cache: DORA's request migration between rollout groups
+(docs/design.md, "Load balancing").
+
+:func:`take_rows` gathers what the requests of some slots have written (their pages' contents) and their decode
+rows; :func:`put_rows` places them in another engine of the same architecture and version, on the same devices or
+others, where they go on decoding without a prefill. :class:`~dora_jax.rollout.engine.Engine` exposes both as
+methods, the calls :class:`~dora_jax.rollout.driver.RolloutDriver` makes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import jax
+import numpy as np
+
+from dora_jax.models.paged import PagedKV
+from dora_jax.rollout.engine_api import DecodeState, EngineError, KVRows, PrefixBatch
+from dora_jax.rollout.pages import PageError, bucket, pages_for
+from dora_jax.rollout.programs import fitting_sharding, page_copy_programs
+from dora_jax.rollout.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from dora_jax.rollout.engine import Engine
+
+
+def take_rows(engine: Engine, decode_state: DecodeState, slots: Sequence[int]) -> KVRows:
+    """Takes the live requests of ``slots`` out of ``decode_state``: their decode rows and the contents of the
+    pages holding what they have written, gathered in one program (on ``engine``'s devices), for :func:`put_rows`
+    of another engine. The slots are then empty and their pages back in the pool (a page shared with a request
+    left behind stays with it).
+
+    Raises:
+      EngineError: an empty slot, or a slot a dispatched program still computes (read its results first).
+    """
+    rec, b = engine.rows_of(decode_state), decode_state.tokens.shape[0]
+    refs = [int(rec.ids[s]) if 0 <= s < b else 0 for s in slots]
+    if not all(refs):
+        raise EngineError(f"take_rows: slots {list(slots)} of a decode state of {b} include an empty one")
+    host = jax.tree.map(lambda x: np.asarray(x)[np.asarray(slots, np.intp)], decode_state)
+    written = host.positions.astype(np.int32)
+    if (engine.book.dispatched(refs) != written).any():
+        raise EngineError(f"take_rows: slots {list(slots)}: a dispatched program still computes a row; read its "
+                          "results first")
+    pages = np.array([pages_for(int(w), engine.page_tokens) for w in written], np.int32)
+    src = [_pool_ids(engine, engine.row_shard(b, s), engine.book.table(ref)[:n])
+           for s, ref, n in zip(slots, refs, pages)]
+    gather, _ = page_copy_programs(engine.programs)
+    k, v = gather(engine.pool, _padded(src))
+    engine.free_slots(decode_state, slots)
+    return KVRows(written, pages, host.tokens, host.sample_ids, host.versions, host.seeds, host.sampling, k, v,
+                  engine.token_bytes)
+
+
+def put_rows(engine: Engine, decode_state: DecodeState, rows: KVRows, slots: Sequence[int],
+             limits: Sequence[int]) -> DecodeState:
+    """Places row ``i`` of ``rows`` (:func:`take_rows` of an engine of this architecture, serving the same
+    version) into ``slots[i]`` of the decode state (donated), growing to ``limits[i]`` tokens: each takes fresh
+    pages for what it has written, the pages' contents are copied onto ``engine``'s pool (device to device), and
+    its decode row is set; nothing is prefilled. What a slot held before ends.
+
+    Raises:
+      EngineError: a bad slot, or a pool without room for them all now (nothing is placed then; ask
+        ``engine.admissible`` with (written tokens, limit) per row first).
+    """
+    b, n = decode_state.tokens.shape[0], len(rows.written)
+    if len(slots) != n or len(limits) != n or n > engine.request_rows:
+        raise EngineError(f"put_rows: {n} rows for {len(slots)} slots and {len(limits)} limits (at most "
+                          f"{engine.request_rows})")
+    if not all(0 <= s < b for s in slots) or len(set(slots)) != n:
+        raise EngineError(f"put_rows: slots {list(slots)} of a decode state of {b} slots")
+    rec = engine.rows_of(decode_state)
+    for slot in slots:
+        engine.records.release(rec, slot)
+    done: list[int] = []
+    try:
+        for slot, written, limit in zip(slots, rows.written.tolist(), limits):
+            rec.ids[slot] = engine.book.admit(engine.row_shard(b, slot), written, int(limit))
+            done.append(slot)
+    except PageError as e:
+        for slot in done:
+            engine.records.release(rec, slot)
+        raise EngineError(f"put_rows: {e}") from None
+    dst = [_pool_ids(engine, engine.row_shard(b, s), engine.book.table(int(rec.ids[s]))) for s in slots]
+    sharding = engine.pool.k.sharding if engine.mesh is None else fitting_sharding(
+        engine.mesh, PagedKV.axes(), engine.rules, rows.k.shape)
+    _, scatter = page_copy_programs(engine.programs)
+    engine.pool = scatter(engine.pool, _padded(dst, rows.k.shape[2]), jax.device_put(rows.k, sharding),
+                          jax.device_put(rows.v, sharding))
+    return _set_rows(engine, decode_state, rows, slots)
+
+
+def _set_rows(engine: Engine, decode_state: DecodeState, rows: KVRows, slots: Sequence[int]) -> DecodeState:
+    """Sets the decode rows of ``rows`` at ``slots`` with the insertion's program (padded to its rows)."""
+    nb, n = engine.request_rows, len(rows.written)
+
+    def col(values, dtype, pad=0):
+        out = np.full((nb,), pad, dtype)
+        out[:n] = values
+        return out
+
+    sp = SamplingParams(col(rows.sampling.temperature, np.float32), col(rows.sampling.top_k, np.int32),
+                        col(rows.sampling.top_p, np.float32, 1.0))
+    batch = PrefixBatch(None, col(0, np.int32), col(rows.token, np.int32), col(0.0, np.float32),
+                        col(rows.written, np.int32), col(rows.sample_id, np.int32), col(rows.version, np.int32),
+                        sp, col(rows.seed, np.int32))
+    idx = col(slots, np.int32, decode_state.tokens.shape[0])
+    return engine.records.handoff(decode_state, engine.fns["set_slots"](batch, decode_state, idx))
+
+
+def _pool_ids(engine: Engine, shard: int, pages: list[int]) -> list[int]:
+    """Pool-wide ids of a shard's pages (the book's ids within the shard, past its scratch page)."""
+    return [shard * engine.shard_pages + p + 1 for p in pages]
+
+
+def _padded(groups: list[list[int]], size: int | None = None) -> np.ndarray:
+    """The pages of ``groups`` in order, padded with the scratch page to ``size`` (default: a power of two)."""
+    ids = [p for g in groups for p in g]
+    out = np.zeros((bucket(len(ids), minimum=1) if size is None else size,), np.int32)
+    out[:len(ids)] = ids
+    return out
