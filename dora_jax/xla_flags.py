@@ -81,7 +81,7 @@ def cpu_test_flags(flags: str = "", opt_level: int | None = None, devices: int |
 
     Besides the level, XLA:CPU's MLIR fusion emitters are off (:data:`FUSION_EMITTERS`): the older emitters
     compile the suite's programs in about half the time. Neither setting changes XLA's HLO passes or the
-    runtime's matmul libraries: results differ by float32 rounding only (docs/performance.md, "Test suite").
+    runtime's matmul libraries: results differ by float32 rounding only (docs/testing.md, "The suite's time").
     """
     if opt_level is not None:
         flags = f"{flags} {OPT_LEVEL}={opt_level}"  # XLA takes the last occurrence

@@ -19,7 +19,7 @@ if _REPO not in sys.path:
 # (LLVM's optimizations and XLA:CPU's MLIR fusion emitters off, unless XLA_FLAGS sets them): the tests' programs
 # are small, so compiling them costs far more than running them. XLA's own HLO passes (fusion, layout,
 # scheduling) still run and the matmuls go to the same runtime libraries; results differ from the defaults' by
-# float32 rounding, inside every test's tolerance. docs/performance.md ("Test suite") has the numbers.
+# float32 rounding, inside every test's tolerance. docs/testing.md ("The suite's time") has the numbers.
 os.environ["XLA_FLAGS"] = cpu_test_flags(os.environ.get("XLA_FLAGS", ""))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
