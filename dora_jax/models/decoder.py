@@ -1,19 +1,11 @@
-"""The decoder family (Llama 2/3/3.1, Qwen2, Qwen3, SmolLM2) in Flax NNX.
+"""The decoder family (Llama 2/3/3.1, Qwen2, Qwen3, SmolLM2) in Flax NNX, with stacked, scanned layers.
 
-RMSNorm, rotary embeddings (with Llama 3.1 scaling), grouped-query attention, SwiGLU MLP, optional qkv bias
-(Qwen2), optional q/k RMSNorm (Qwen3), tied or untied embeddings.
+Entry points: :meth:`Decoder.__call__` (training forward) and :func:`decode_forward` / :meth:`Decoder.decode`
+(new tokens against an explicit :class:`KVCache`; prefill included). Parameters carry logical axis names for
+:mod:`dora_jax.sharding`. See docs/models.md.
 
-Layer parameters are stacked on a leading ``layers`` axis and the blocks run under ``jax.lax.scan``, so the
-compiled program has one block body whatever the depth (MaxText's ``scan_layers``). Every parameter carries
-logical axis names in its ``axes`` metadata; :mod:`dora_jax.sharding` turns them into shardings.
-
-Two entry points:
-  * :meth:`Decoder.__call__` — training forward over full sequences with padding / packing masks;
-  * :meth:`Decoder.decode` — forward of a chunk of new tokens against an explicit :class:`KVCache` that is
-    passed in and returned, so decode stays a pure function (prefill is a decode of the whole prompt).
-
-Shape legend: B batch, T new tokens, S cache length, D hidden, H query heads, K kv heads, G = H // K,
-d head dim, F mlp hidden, V vocab, L layers.
+Shapes: B batch, T new tokens, S cache length, D hidden, H query heads, K kv heads, G = H // K, d head dim,
+F mlp hidden, V vocab, L layers.
 """
 
 from __future__ import annotations
@@ -34,10 +26,8 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer: ``k`` [L, B, K, d, S] and ``v`` [L, B, K, S, d]. Slot ``s`` holds the
-    token at position ``s`` of that row. Heads before length, and keys stored transposed, so that one decode
-    query's scores (contract d) and its output (contract S) both stream the cache along its minor axis
-    instead of reducing across it or transposing it every step."""
+    """Keys and values of every layer: ``k`` [L, B, K, d, S] (transposed) and ``v`` [L, B, K, S, d]. Slot ``s``
+    holds the token at position ``s`` of that row (layout: docs/models.md, 'The decoder family')."""
 
     k: jax.Array
     v: jax.Array
@@ -123,11 +113,8 @@ def attention(q_bthd: jax.Array, k_bksd: jax.Array, v_bksd: jax.Array, mask_bts:
 
 def attention_with_cache(q_bthd: jax.Array, k_bkds: jax.Array, v_bksd: jax.Array, k_new_btkd: jax.Array,
                          v_new_btkd: jax.Array, mask_cache_bts: jax.Array, mask_new_btt: jax.Array) -> jax.Array:
-    """Grouped-query attention over a read-only cache plus the chunk's own new keys and values.
-
-    One softmax over both parts (exact, float32): the cache is only read here, and the new entries are
-    written once after all layers (:func:`write_cache`), so no layer ever copies the cache. Returns [B, T, H, d].
-    """
+    """Grouped-query attention over a read-only cache plus the chunk's own new keys and values, one float32
+    softmax over both. Returns [B, T, H, d]."""
     b, t, h, d = q_bthd.shape
     kv = k_bkds.shape[1]
     f32 = jnp.float32
@@ -149,14 +136,8 @@ def attention_with_cache(q_bthd: jax.Array, k_bkds: jax.Array, v_bksd: jax.Array
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
     """How the training forward runs (``train.remat``, ``train.attention_impl``, ``train.attention_block``);
-    none of them changes a result beyond float rounding.
-
-    ``remat``: what each scanned layer keeps for the backward pass. ``none`` keeps every intermediate;
-    ``full`` keeps only the layer's input and recomputes the layer in the backward pass; ``dots`` keeps the
-    weight products' outputs (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``: attention scores,
-    which have batch dims, are recomputed); ``offload`` keeps the same products in pinned host memory
-    (``offload_dot_with_no_batch_dims``). ``attention_impl``: :mod:`dora_jax.models.attention`;
-    ``interpret`` runs a Pallas kernel through its interpreter (CPU tests).
+    none of them changes a result beyond float rounding (docs/trainer.md, 'Long sequences'). ``attention_impl``:
+    :mod:`dora_jax.models.attention`; ``interpret`` runs a Pallas kernel through its interpreter (CPU tests).
     """
 
     remat: str = "none"
@@ -184,12 +165,8 @@ def remat_policy(remat: str):
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSettings:
-    """How the rollout engine runs decode: its serving settings, apart from the architecture.
-
-    The fields and their meaning are those of the same names in :class:`~dora_jax.config.RolloutConfig`
-    (``rollout.attention_impl``, ``rollout.pallas_interpret``, ``rollout.decode_steps``).
-    :func:`dora_jax.models.paged.decode_forward_paged` reads the first two, the rollout driver ``decode_steps``
-    (decode steps per dispatched program). None of them changes a result beyond float rounding.
+    """How the rollout engine runs decode: the fields of the same names in
+    :class:`~dora_jax.config.RolloutConfig`. None of them changes a result beyond float rounding.
     """
 
     attention_impl: str = "xla"
@@ -203,11 +180,8 @@ class DecodeSettings:
 
 
 def resolve_attention_impl(settings: DecodeSettings | RolloutConfig) -> str:
-    """``settings.attention_impl`` with ``"auto"`` resolved: ``"xla"`` on every platform.
-
-    A shipped paged kernel becomes a platform's default only once a measurement on that platform shows it ahead
-    of the XLA gather (docs/performance.md); until then they are chosen by name (``pallas_gpu``, ``pallas_tpu``).
-    """
+    """``settings.attention_impl`` with ``"auto"`` resolved: ``"xla"`` on every platform (the Pallas paged
+    kernels are chosen by name; docs/performance.md)."""
     if settings.attention_impl != "auto":
         return settings.attention_impl
     return "xla"
@@ -230,17 +204,15 @@ def decode_forward(cfg: ModelConfig, p: dict, tokens_bt: jax.Array, positions_bt
     """Forward of T new tokens per row against the cache, as a pure function of ``Decoder.decode_params()``.
 
     Row ``b``'s new tokens sit at positions ``positions_bt[b]`` (distinct within a row); a query at position
-    ``p`` sees the cached slots ``s <= p`` that this chunk does not overwrite, plus the chunk's own tokens at
-    positions ``<= p``: exactly slots ``0..p`` after the write. Layers read the cache and the new entries are
-    written once after all layers. Prefill runs here, over a dense cache of the prompt's own length; the
-    rollout engine's one-token steps read its page pool (:func:`dora_jax.models.paged.decode_forward_paged`).
+    ``p`` sees exactly slots ``0..p`` after the write. Used for prefill; the engine's decode steps use
+    :func:`dora_jax.models.paged.decode_forward_paged`.
 
     Args:
       cfg: the architecture; activations and the new cache entries are in ``cfg.compute_dtype`` (the rollout
         engine passes its architecture with its own dtype).
       p: ``Decoder.decode_params(fuse=...)``: the stacked layer params are scanned over.
       tokens_bt, positions_bt: int [B, T].
-      cache: [L, B, K, S, d] each; donate it to update it in place.
+      cache: :class:`KVCache`; donate it to update it in place.
       logits: return float32 logits [B, T, V]; else the final hidden states [B, T, D] (for
         :func:`head_logits` on the rows that need it).
       settings: how the cache is read (the rollout engine's :class:`DecodeSettings`).
@@ -274,10 +246,8 @@ def decode_forward(cfg: ModelConfig, p: dict, tokens_bt: jax.Array, positions_bt
 
 
 def _proj(p: dict[str, jax.Array], name: str, eq: str, x: jax.Array) -> jax.Array:
-    """``x @ W[name]`` plus, when ``p`` carries a low-rank adapter for it, ``scale * (x @ a) @ b``.
-
-    Applying the adapter on the activations (instead of merging it into W) keeps the backward pass free
-    of W's gradient: only the input gradient flows through W."""
+    """``x @ W[name]`` plus, when ``p`` carries a low-rank adapter for it, ``scale * (x @ a) @ b`` (applied on
+    the activations, so no gradient of W is formed)."""
     dt = x.dtype
     y = jnp.einsum(eq, x, p[name].astype(dt))
     if f"lora_a:{name}" not in p:
@@ -294,11 +264,8 @@ FUSED_INPUTS = ("wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up")
 
 
 def fuse_layer_params(p: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """q|k|v -> ``wqkv`` [L, D, H + 2K, d] (and ``bqkv``), gate|up -> ``w_gate_up`` [L, D, 2, F].
-
-    The blocks accept either form and compute the same values; the fused one runs one matmul for q, k, v and
-    one for gate, up. Gate and up are stacked on a new axis (not concatenated along F) so the ``mlp`` axis
-    keeps its meaning and its sharding."""
+    """q|k|v -> ``wqkv`` [L, D, H + 2K, d] (and ``bqkv``), gate|up -> ``w_gate_up`` [L, D, 2, F] (a new axis,
+    so ``mlp`` keeps its sharding). The blocks accept either form and compute the same values."""
     p = dict(p)
     p["wqkv"] = jnp.concatenate([p.pop("wq"), p.pop("wk"), p.pop("wv")], axis=2)
     if "bq" in p:
@@ -453,8 +420,7 @@ class Decoder(nnx.Module):
         """Everything :func:`decode_forward` needs: ``{"layers": stacked layer params, **head_params()}``.
 
         Args:
-          fuse: concatenate q|k|v and gate|up into one weight each (:func:`fuse_layer_params`), so that a
-            decode step runs two larger matmuls instead of five smaller ones. Do it once per set of weights
+          fuse: fuse q|k|v and gate|up (:func:`fuse_layer_params`); do it once per set of weights
             (``Engine.prepare_params``), not inside a step.
         """
         layers = self._layer_params()
@@ -514,12 +480,8 @@ class Decoder(nnx.Module):
         return x if hidden else self._logits(x)
 
     def decode(self, tokens_bt: jax.Array, positions_bt: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-        """Forward of T new tokens per row against the cache; returns (float32 logits [B, T, V], new cache).
-
-        Row ``b``'s new tokens sit at positions ``positions_bt[b]`` and land in the matching cache slots; a
-        query at position ``p`` sees exactly slots ``0..p``. Prefill is this call with the whole (right-padded)
-        prompt; stale slots past ``p`` are always masked. See :func:`decode_forward`.
-        """
+        """:func:`decode_forward` with this module's weights: (float32 logits [B, T, V], new cache). Stale slots
+        past a row's position are always masked."""
         return decode_forward(self.cfg, self.decode_params(), tokens_bt, positions_bt, cache)
 
 

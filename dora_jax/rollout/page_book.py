@@ -1,29 +1,9 @@
 """The host-side book of one rollout engine's KV page pool: NumPy arrays, no JAX.
 
-The engine's pool is split into one range of pages per batch shard of its mesh (one range without a mesh), each
-with its scratch page (page 0 of the range). Each live request has a *record*, an integer >= 1 (0 is no
-request): its shard, its page table, how many tokens its pages cover, what its programs may have written, its
-limit. Every operation on many requests is a few array operations over their records, so host time per dispatch
-grows with the live requests in NumPy, not in Python, and never with the pool.
-
-- **Admission** (:meth:`PageBook.admit`, :meth:`PageBook.admissible`): a request takes its prompt's pages and is
-  admitted only while every live request of its shard could still reach its limit one after another
-  (:func:`~dora_jax.rollout.pages.safe_to_grow`, the banker's test for one resource).
-- **Sharing**: a request may share the full pages of a live request of its shard with the same prompt (a GRPO
-  group's members, ``fork``) or of a held head (:meth:`PageBook.hold_prefix`); shared pages are read-only and
-  only ever full, so nothing is copied on write. A request's end frees the pages only it references; the book
-  counts a page as its own (``own``) from the moment it was the only referrer, and never counts a shared page
-  as freed, so the banker's test errs on the side of waiting.
-- **Growth** (:meth:`PageBook.grant`, :meth:`PageBook.dispatch`): before a program, each slot gets the pages
-  for the tokens its budget lets it produce where that stays safe; a slot the pool cannot serve safely gets
-  what its held pages still cover, maybe nothing, and waits. In a safe state the request closest to its limit
-  can always take every page it may need, so some slot always progresses.
-- **What was written** (``asked``): the positions a request's dispatched programs may have written; a program
-  that ends early wrote fewer, and :meth:`PageBook.settle` sets the count back from what its rows produced.
-- **Tables** (:meth:`PageBook.tables`, :meth:`PageBook.live_pages`): each slot's page ids within its shard at
-  the full table width, as the device reads them, and how many of them the slot holds.
-- **Records per decode state** (:class:`StateRecords`): which request each row of a live state holds, passed
-  from the state a call is given to the state it returns, and the admission of a prefilled batch's requests.
+:class:`PageBook` keeps one record per live request (an integer >= 1; 0 is none: its shard, page table, covered
+and written tokens, limit) and admits, shares, grows and frees pages under the banker's test
+(:func:`~dora_jax.rollout.pages.safe_to_grow`). :class:`StateRecords` maps each live decode state's rows to
+records. See docs/rollout.md, 'Paged KV cache' and 'The page book's rules'.
 """
 
 from __future__ import annotations
@@ -75,8 +55,7 @@ class PageBook:
         self._grow_records(16)
 
     def _grow_records(self, n: int) -> None:
-        """Room for ``n`` records (index 0 is the empty slot's, never live): doubled as requests come, so never
-        more than twice the most requests live at once."""
+        """Room for ``n`` records (index 0 is the empty slot's, never live), doubling."""
         old = getattr(self, "_live", np.zeros((0,), bool)).shape[0]
 
         def grown(name: str, dtype, *tail: int) -> None:
@@ -174,10 +153,8 @@ class PageBook:
         return self._safe(shard, int(pages[:, 1].sum()), extra=pages)
 
     def admissible(self, requests: Sequence[tuple[int, int]]) -> list[int] | None:
-        """The batch shard each request of (prompt tokens, limit) would go to if admitted now together: each to
-        the shard with the most free pages, as long as every shard stays safe; ``None`` when they do not all fit
-        now (a sample's prompt pages shared with its group count as its own: the check errs on the side of
-        waiting)."""
+        """The batch shard each request of (prompt tokens, limit) would go to if admitted now together (each to
+        the shard with the most free pages, every shard staying safe); ``None`` when they do not all fit now."""
         pages = self._extra(requests)
         if self.shards == 1:
             out = [0] * len(pages)
@@ -231,8 +208,7 @@ class PageBook:
     def hold_prefix(self, shard: int, tokens: int, extra: Sequence[tuple[int, int]] = ()) -> HeldPages | None:
         """Pages for ``tokens`` tokens (whole pages) that requests of ``shard`` will share read-only, held until
         :meth:`release_prefixes`; ``None`` when the shard cannot give them now and stay safe with the ``extra``
-        requests, (prompt tokens, limit), admitted after them (their whole prompts their own, as
-        :meth:`admissible` counts them: the held pages are never freed by a request's end)."""
+        requests, (prompt tokens, limit), admitted after them."""
         if tokens < 1 or tokens % self.page_tokens:
             raise PageError(f"a held head covers whole pages of {self.page_tokens} tokens, got {tokens!r} tokens")
         need = tokens // self.page_tokens
@@ -329,10 +305,9 @@ class PageBook:
 
     def grant(self, ids_seq: Sequence[Any], tokens_seq: Sequence[Any]) -> list[np.ndarray]:
         """Takes the pages for ``tokens_seq[g][b]`` more tokens of each live slot (``ids_seq[g][b]``, 0 or None:
-        none) where the pool can serve them safely: every slot at once when that is safe (the common case),
-        else slot by slot, those closest to their limits first (they free their pages soonest). Returns the
-        tokens each slot's pages cover past what is already dispatched, at most what was asked: what a program
-        may run. Asking twice before a dispatch grants the same and takes nothing more."""
+        none) where the pool can serve them safely (else slot by slot, closest to their limits first). Returns
+        the tokens each slot's pages cover past what is already dispatched, at most what was asked. Idempotent
+        until the next dispatch."""
         ids = [ids_array(x) for x in ids_seq]
         asks = [np.asarray(t, np.int64).reshape(-1) for t in tokens_seq]
         refs, n = np.concatenate(ids), np.concatenate(asks)
@@ -387,9 +362,8 @@ class PageBook:
     # -- what the device reads ------------------------------------------------------------------------------
 
     def tables(self, ids_seq: Sequence[Any]) -> list[np.ndarray]:
-        """Per state, int32 ``[B, table_width]``: each slot's page ids within its shard + 1, scratch (0) past its
-        pages and for an empty slot. Always the full width, so the programs' shapes do not follow the longest
-        slot; :meth:`live_pages` says how far each row is live. Fresh arrays."""
+        """Per state, fresh int32 ``[B, table_width]``: each slot's page ids within its shard + 1, scratch (0)
+        past its pages and for an empty slot."""
         return [self._rows[ids_array(ids)] for ids in ids_seq]
 
     def live_pages(self, ids_seq: Sequence[Any]) -> list[np.ndarray]:
@@ -491,11 +465,9 @@ class StateRecords:
             self.release(rows, r)
 
     def hold_head(self, head: Any, wanted: dict[int, list[tuple[int, int]]]) -> tuple[dict[int, HeldPages], set[int]]:
-        """The pages holding the full pages of ``head`` (a shared prefix, ``head.tokens``) in each shard of
-        ``wanted`` (shard -> its requests' (prompt tokens, limit)), taken now in a shard without them where it
-        can give them safely with those requests, and the shards where they were taken now (the caller writes
-        them). Only full pages are shared, so no page is ever copied; the pool gets them back once ``head`` is
-        garbage collected and no slot references them."""
+        """The pages holding the full pages of ``head`` (a shared prefix) in each shard of ``wanted`` (shard ->
+        its requests' (prompt tokens, limit)), taken now where safe, and the shards where they were taken now
+        (the caller writes them). They return once ``head`` is garbage collected and no slot references them."""
         full = 0 if head is None else len(head.tokens) // self.book.page_tokens * self.book.page_tokens
         if not full:
             return {}, set()
@@ -515,12 +487,12 @@ class StateRecords:
               limits: Sequence[int], nb: int, t: int) -> tuple[np.ndarray, np.ndarray]:
         """Admits request ``i`` of a prefilled batch (``host``: its prompt lengths, cache rows and shared head)
         into row ``slots[i]`` (``None``: not inserted) of a state, in batch shard ``shards[i]``, growing to
-        ``limits[i]`` tokens; what a row held before ends. Requests with the same prompt share its full pages
-        (the first of them writes them); requests after a shared head share its full pages in their shard.
+        ``limits[i]`` tokens; what a row held before ends. Requests with the same prompt, or after a shared
+        head, share its full pages.
 
         Returns the (pool page, page row) each request's prompt tokens are written at, int32 [nb, t] (scratch
-        for what it does not write). Raises :class:`PageError` when the pool has no room for them all now;
-        nothing is admitted then."""
+        for what it does not write). Raises :class:`PageError` when the pool has no room for them all now
+        (nothing is admitted)."""
         lengths, prompt_rows, head = host
         for slot in slots:  # a slot's previous request ends here (JetStream's insert overwrites)
             if slot is not None:

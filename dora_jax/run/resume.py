@@ -1,27 +1,10 @@
-"""Run checkpoints and resume for the runner: what is saved, where, and how it is checked on the way back.
+"""Run checkpoints and resume for the runner.
 
-A training run keeps everything it needs to continue under ``RUN_DIR``::
-
-    checkpoints/step_N/   RunCheckpoints: the TrainState and the run-state dict (atomic, checksummed)
-    versions/v_N/         Snapshots: every published version's params, so older versions still in flight
-                          at a checkpoint can be brought back
-    metrics.jsonl         one line per update; truncated on resume to the checkpoint's line count
-    samples.jsonl         one line per consumed sample; truncated likewise
-
-:class:`RunStore` owns the two directories: it refuses a checkpoint written under another configuration
-(naming the fields that differ), restores the newest good checkpoint (falling back past corrupt or partial
-ones with a warning), snapshots published versions asynchronously, and protects the snapshots that a retained
-checkpoint still needs from snapshot retention.  A finished-but-unconsumed sample
-(:class:`~dora_jax.rollout.samples.Sample`) round-trips through the checkpoint's JSON as it is. :func:`pack_run_state` and
-:func:`unpack_run_state` turn the scheduler, those samples, the metrics position and the seeds into the
-checkpoint's run-state dict and back (in-flight samples come back as pending: their generation is redone).
-
-The configuration check uses :func:`run_fingerprint`, the config fingerprint without the fields that say where
-the run lives, whether or how often it checkpoints or evaluates, and how rollout overlaps host and device (the
-``mesh`` section, ``run.name``, ``run.out_dir``, ``run.resume``, ``run.checkpoint_every``, ``rollout.overlap``,
-``task.eval_every``): those do not change what the run trains, and the train state and snapshots restore onto
-any mesh. Every other field, ``dora.steps`` included, must match: a run is resumed to the end it was started for, not extended (a
-longer run changes the schedule's sample budget near the end).
+:class:`RunStore` owns ``RUN_DIR/checkpoints/`` (train state and run state) and ``RUN_DIR/versions/`` (version
+snapshots): it refuses checkpoints of another configuration (:func:`run_fingerprint`), restores the newest good
+one and keeps the snapshots a kept checkpoint needs. :func:`pack_run_state` / :func:`unpack_run_state` convert
+the scheduler, finished samples, metrics position and seeds to the checkpoint's run-state dict and back.
+See docs/runner.md, 'Checkpoints and resume'.
 """
 
 from __future__ import annotations
@@ -37,8 +20,8 @@ from typing import Any, Callable
 from dora_jax.run.checkpoint import CheckpointError, Restored, RunCheckpoints, stop_tensorstore_metrics_leak
 from dora_jax.config import Config
 from dora_jax.dora.ledger import LedgerError
-from dora_jax.rollout.samples import Sample
 from dora_jax.dora.scheduler import SchedulePolicy, Scheduler
+from dora_jax.rollout.samples import Sample
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +51,8 @@ def _computing_dict(cfg: Config | dict[str, Any]) -> dict[str, Any]:
 def run_fingerprint(cfg: Config | dict[str, Any]) -> str:
     """A short hash of every setting that changes what a run computes, of a config or of its ``to_dict()``:
     ``Config.fingerprint`` without the ``mesh`` section, ``run.name``, ``run.out_dir``, ``run.resume``,
-    ``run.checkpoint_every``, ``run.keep_checkpoints``, ``rollout.overlap`` and ``task.eval_every``.
-
-    Only settings that differ from their defaults are hashed, so a setting added later (at its default) leaves the
-    fingerprints of existing runs as they were, and their checkpoints resume under the newer code.
+    ``run.checkpoint_every``, ``run.keep_checkpoints``, ``rollout.overlap`` and ``task.eval_every``. Only
+    settings that differ from their defaults are hashed.
     """
     blob = json.dumps(_non_default(_computing_dict(cfg), _computing_dict(Config())), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
@@ -105,8 +86,7 @@ def config_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "", wher
 
 
 def seeds(cfg: Config) -> dict[str, int]:
-    """The host RNG state of a run. Sampling randomness is a pure function of (seed, sample id, position) and
-    the trainer's key lives in the TrainState, so the seeds (with the scheduler's sample counter) are all of it."""
+    """The host RNG state of a run (with the scheduler's sample counter, all of it; docs/runner.md)."""
     return {"run.seed": cfg.run.seed, "rollout.seed": cfg.rollout.seed}
 
 
@@ -125,9 +105,8 @@ RUN_METRICS = ("eval_before", "eval_s", "wall_s", "train_s", "gen_tokens", "chec
 
 
 def check_later_metrics(metrics: dict[str, Any], cfg: Config) -> str | None:
-    """What is wrong with the run-state metrics added after :data:`RUN_METRICS` (a checkpoint written before them
-    lacks them and resumes without: their figures restart), in words (None: nothing). ``max_versions_per_group``
-    is a count; ``balancer`` (at ``roles.versions_per_group: 1``) the balancer's and groups' totals."""
+    """What is wrong with the run-state metrics added after :data:`RUN_METRICS`, in words (None: nothing; a
+    checkpoint that lacks them is fine, their figures restart)."""
     n = metrics.get("max_versions_per_group", 0)
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         return f"max_versions_per_group: {n!r:.80} is not a count (an integer >= 0)"
@@ -182,8 +161,7 @@ def count_lines(path: str | os.PathLike) -> int:
 
 
 def truncate_lines(path: str | os.PathLike, keep: int) -> int:
-    """Keeps the first ``keep`` lines of ``path`` (written after a checkpoint, the rest is redone on resume).
-    Atomic: the shortened file replaces the old one in one rename. Returns how many lines were dropped.
+    """Keeps the first ``keep`` lines of ``path``, atomically (one rename). Returns how many lines were dropped.
 
     Raises:
       ResumeError: the file holds fewer than ``keep`` complete lines (the checkpoint is newer than the file).
@@ -246,8 +224,8 @@ class RunStore:
       run_dir: the run directory (``checkpoints/`` and ``versions/`` go inside).
       cfg: the run's config; its :func:`run_fingerprint` is checked against every checkpoint and snapshot.
 
-    Retention: the newest ``run.keep_checkpoints`` checkpoints, and a version's snapshot only while a kept
-    checkpoint or a resident version needs it (resident: a later checkpoint may record it in flight).
+    Keeps the newest ``run.keep_checkpoints`` checkpoints, and a snapshot while a kept checkpoint or residency
+    needs its version.
     """
 
     def __init__(self, run_dir: str | os.PathLike, cfg: Config):
@@ -271,8 +249,8 @@ class RunStore:
         return self._snaps
 
     def disk_estimate(self, state_bytes: int, params_bytes: int, bound: int) -> int:
-        """The most bytes retention lets the run directory hold: the kept checkpoints (train state) and the
-        snapshots they and the resident versions need (at most K + 1 resident, K more per kept checkpoint)."""
+        """The most bytes retention lets the run directory hold (kept checkpoints and the snapshots they and
+        the resident versions need)."""
         keep = self.cfg.run.keep_checkpoints
         return keep * state_bytes + ((bound + 1) + keep * bound) * params_bytes
 
@@ -323,9 +301,8 @@ class RunStore:
                    if any(d.startswith("dora.steps") for d in diff) else ""))
 
     def check_restart(self) -> None:
-        """Refuses to start over in a directory whose earlier attempt left updates but no checkpoint (killed
-        before its first one, or ``run.checkpoint_every`` 0), unless that attempt's ``config.json`` shows the
-        same configuration: then its lines are this run's own and are rewritten; another run's never are.
+        """Refuses to start over in a directory whose earlier attempt left updates but no checkpoint, unless
+        that attempt's ``config.json`` shows the same configuration (its lines are then rewritten).
 
         Raises:
           ResumeError: naming the files that would be replaced and every field that differs (or that
@@ -352,8 +329,7 @@ class RunStore:
             p.name.startswith(("step_", ".tmp-step_")) for p in self.checkpoints.directory.iterdir()))
 
     def restore(self, target: Any) -> Restored | None:
-        """The newest good checkpoint (None when the directory has none); corrupt or partial ones are skipped
-        with a warning naming the file and the reason.
+        """The newest good checkpoint (None when the directory has none); bad ones are skipped with a warning.
 
         Raises:
           ResumeError: checkpoints exist but another configuration wrote them, or none of them is usable.
@@ -393,8 +369,8 @@ class RunStore:
         return self.every > 0 and step % self.every == 0
 
     def needed_versions(self) -> set[int]:
-        """Versions some checkpoint on disk still needs from a snapshot: in flight or finished-unconsumed when it
-        was saved, other than its own version (its train state holds those params)."""
+        """Versions some checkpoint on disk still needs from a snapshot (in flight or finished-unconsumed when
+        it was saved, other than its own version)."""
         return {int(v) for _, meta in self._metas() for v in meta.get("versions", ()) if int(v) != meta.get("step")}
 
     def snapshot(self, version: int, params: Any, resident: set[int]) -> None:
@@ -410,8 +386,7 @@ class RunStore:
 
         Args:
           versions: the versions a resume from it needs (in flight or finished-unconsumed); each one's snapshot
-            is kept while the checkpoint exists, and written now if missing (a run that snapshots nothing
-            between checkpoints, ``run.checkpoint_every`` 0, still writes one when preempted).
+            is kept while the checkpoint exists, and written now if missing.
           resident: the versions resident now (their snapshots are kept too).
           params_of: a needed version's params (it is resident).
 

@@ -1,36 +1,8 @@
-"""Policy versions kept resident for rollout: refcounts, a hard cap, eviction, and Orbax snapshots.
+"""Policy versions kept resident for rollout, and their Orbax snapshots.
 
-DORA samples every trajectory from start to end with the version it was dispatched with, so several policy
-versions are alive at once. :class:`VersionStore` holds them:
-
-- ``publish(v, params)`` adds the newest version (versions strictly increase) and, with a
-  :class:`Snapshots` attached, starts an asynchronous Orbax snapshot of it;
-- ``acquire(v)`` / ``release(v)`` count the in-flight trajectories of each version;
-- a version that is not the newest and has refcount 0 is drained: ``publish`` evicts every drained version
-  before adding the new one, ``evict_drained()`` / ``evict(v)`` do it explicitly;
-- at most ``max_resident`` versions (K + 1 for staleness bound K) are ever resident: a publish that would
-  exceed the cap raises :class:`VersionError` naming the resident versions and their refcounts, and changes
-  nothing.
-
-Under LoRA a version stores only its adapters; the frozen base is stored once and shared.
-``params(v)`` returns what the rollout engine and ``Trainer.with_recomputed_behaviour`` take: the full
-parameters (adapters merged into the base; the merged copy belongs to the caller).
-Published arrays are copied into the store (the trainer's state is donated at the next step).
-
-:class:`Snapshots` writes one Orbax checkpoint per published version (``v_00000012/``: ``params`` and
-``meta`` with version, train step, parent version, config fingerprint and time). ``save`` returns once the
-arrays are on the host; the files are written in the background. Retention keeps the newest ``keep_last``
-versions, every ``keep_every``-th, and the protected ones (resident or pinned). Any retained version restores
-onto any mesh: pass the target shardings.
-
-Resume (the runner)::
-
-    snaps = Snapshots(run_dir / "versions", fingerprint=cfg.fingerprint(), keep_last=K + 2)
-    store = VersionStore.from_config(cfg, base=state.frozen, snapshots=snaps)
-    store.publish(int(state.version), state.params, step=int(state.step))      # newest, from the checkpoint
-    for v in in_flight_versions:                                                # older, from snapshots
-        store.reinstate(v, snaps.restore(v, target=state.params))
-        store.acquire(v, n_in_flight[v])
+:class:`VersionStore` holds the resident versions with a refcount of in-flight trajectories each, under a hard
+cap of K + 1 (staleness bound K); :class:`Snapshots` writes one asynchronous Orbax snapshot per published
+version, with retention, restorable onto any mesh. docs/versions.md has the rules and how resume uses both.
 """
 
 from __future__ import annotations
@@ -82,8 +54,6 @@ def _signature(tree: Any) -> tuple:
 
 class VersionStore:
     """The resident policy versions, each with a refcount of in-flight trajectories.
-
-    Plain Python around jax arrays; it knows nothing about the scheduler.
 
     Args:
       max_resident: hard cap on resident versions (K + 1 for staleness bound K).
@@ -186,18 +156,16 @@ class VersionStore:
 
         Args:
           version: greater than every version published before.
-          params: the full parameters, or under LoRA the adapters (``TrainState.params``); copied.
+          params: the full parameters, or under LoRA the adapters (``TrainState.params``); copied unless
+            ``copy`` is False (the caller hands over arrays no one else holds or donates).
           step: the train step that produced it (snapshot metadata).
           parent: the version it was trained from; default: the previous newest.
-          copy: False when the caller hands ``params`` over (arrays no one else holds or donates, such as a
-            jitted function's fresh output): they are stored as they are, saving a copy of the weights.
 
         Returns:
           The versions evicted to make room.
 
         Raises:
-          VersionError: ``version`` is not newer than the newest, or the cap would be exceeded (nothing
-            is changed then).
+          VersionError: ``version`` is not newer than the newest, or the cap would be exceeded (nothing changes).
         """
         version = int(version)
         if self._newest is not None and version <= self._newest:
@@ -213,7 +181,6 @@ class VersionStore:
 
     def reinstate(self, version: int, params: Any, *, copy: bool = True) -> None:
         """Brings back an older version (from a snapshot, on resume) with refcount 0; no snapshot is written.
-        ``copy`` as in :meth:`publish`.
 
         Raises:
           VersionError: ``version`` is resident already, is not older than the newest, or the cap is full.
@@ -247,11 +214,7 @@ class VersionStore:
         self._evicted.add(version)
 
     def evict(self, version: int) -> None:
-        """Evicts one drained version.
-
-        Raises:
-          VersionError: it is not resident, is the newest, or still has in-flight trajectories.
-        """
+        """Evicts one drained version; raises VersionError if it is not resident, is the newest, or has refs."""
         e = self._get(version)
         if version == self._newest or e.refs:
             raise VersionError(f"version {version} cannot be evicted: "
@@ -319,8 +282,7 @@ class Snapshots:
         still in flight).
       keep_every: also keep every version that is a multiple of this (0: none).
 
-    Multi-host: every process calls ``save`` with its shards (Orbax coordinates the write); only process 0
-    deletes.
+    Multi-host: every process calls ``save``; only process 0 deletes.
     """
 
     def __init__(self, directory: str | os.PathLike, *, fingerprint: str, keep_last: int = 4, keep_every: int = 0):
@@ -357,11 +319,8 @@ class Snapshots:
         self._unsealed.append(path)
 
     def _finish(self) -> None:
-        """Waits for the writes in flight, then records the sizes of each committed one's files (process 0).
-
-        A truncated or missing file then stops a restore with the file's name before Orbax reads anything
-        (Orbax's own failure on such a file is an opaque tensorstore error). A snapshot committed by a process
-        that died before this record is restored without the check."""
+        """Waits for the writes in flight, then writes each committed one's :data:`SIZES` record (process 0).
+        See docs/versions.md, 'Snapshots'."""
         self._ckptr.wait_until_finished()
         unsealed, self._unsealed = self._unsealed, []
         if jax.process_index() != 0:
