@@ -28,11 +28,7 @@ Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
 
 def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, ...]:
-    """Resolves per-axis sizes (one may be -1) against ``num_devices``.
-
-    Raises:
-      ConfigError: if the sizes do not multiply to the device count.
-    """
+    """Resolves per-axis sizes (one may be -1) against ``num_devices``; ConfigError if they do not multiply to it."""
     sizes = [cfg.axis_sizes[a] for a in MESH_AXES]
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
@@ -217,12 +213,8 @@ def role_meshes(mesh_cfg: MeshConfig, roles: RolesConfig,
 
 
 def settle(tree: Any) -> Any:
-    """Waits for ``tree`` when it lives on several CPU devices of this process; returns it unchanged.
-
-    XLA:CPU's in-process collectives hold a thread of the shared pool per participant while they wait for the
-    others, so on CPU one multi-device program runs at a time and a stuck collective is the one the host waits
-    for (its stack names it). Arrays with one device in this process are not waited for. Programs get this through
-    :func:`serial_jit`.
+    """Waits for ``tree`` when it lives on several CPU devices of this process; returns it unchanged. On CPU
+    this runs one multi-device program at a time (docs/scale.md); elsewhere it does nothing.
     """
     for leaf in jax.tree.leaves(tree):
         if isinstance(leaf, jax.Array):
@@ -240,10 +232,8 @@ def settle(tree: Any) -> Any:
 
 
 def serial_jit(fun: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
-    """``jax.jit(fun, **jit_kwargs)``, whose calls on the CPU backend also :func:`settle` their results.
-
-    On accelerators this is ``jax.jit`` itself: nothing waits and calls stay asynchronous. The returned
-    function keeps ``lower`` and ``_cache_size`` for inspecting the compiled programs.
+    """``jax.jit(fun, **jit_kwargs)``, whose calls on the CPU backend also :func:`settle` their results (on
+    accelerators, ``jax.jit`` itself). Keeps ``lower`` and ``_cache_size``.
     """
     jitted = jax.jit(fun, **jit_kwargs)
     if jax.default_backend() != "cpu":
@@ -286,11 +276,8 @@ def _cut(devices: list[jax.Device], pieces: Sequence[int]) -> NamedSharding | No
 
 
 def _move(x: Any, target: Any) -> Any:
-    """``x`` in ``target`` without a host copy. ``jax.device_put`` copies shard to shard between device sets
-    only when every target shard is exactly one of the source's shards; any other layout it assembles on the
-    host. So the array is first laid out on its own devices in the target's blocks (a compiled program), and
-    then each block is copied to the devices that hold it. When the target's blocks do not fit the source's
-    device count, the whole array goes over instead (replicated on both sides) and is cut on the target."""
+    """``x`` in ``target`` without a host copy: laid out in the target's blocks on its own devices, then each
+    block copied over (the whole array when the blocks do not fit the source devices); docs/scale.md."""
     if not isinstance(x, jax.Array):
         return jax.device_put(x, target)
     if x.sharding.device_set == target.device_set:
@@ -312,12 +299,7 @@ def _move(x: Any, target: Any) -> Any:
 
 def reshard(tree: Any, shardings: Any) -> tuple[Any, float]:
     """Moves ``tree`` into ``shardings`` (one ``Sharding`` or a tree of them) device to device, never through
-    host memory, and waits for it.
-
-    This is how a new policy version travels from the trainer's mesh to a rollout group's mesh: each array is
-    laid out in the target's blocks on the trainer's devices and each block copied to the rollout devices
-    that hold it. Under ``shared`` placement with equal shardings nothing moves.
-    ``tests/test_weight_moves.py`` runs it under JAX's transfer guards.
+    host memory, and waits for it; with equal shardings nothing moves.
 
     Returns:
       ``(moved tree, seconds)``, the time including the wait for the last copy.
@@ -360,8 +342,7 @@ def process_role_meshes(mesh_cfg: MeshConfig, roles: RolesConfig, devices: Seque
 
     ``shared``: the trainer's ``mesh_cfg`` mesh spans every device and each process decodes on all of its own.
     ``split``: each process gives its first ``roles.trainer_devices / process_count`` devices to the trainer,
-    whose mesh spans those of every process, and decodes on the rest (a :func:`rollout_mesh_config` mesh), so
-    every host trains and decodes at once and a new version moves between devices of the same host.
+    whose mesh spans those of every process, and decodes on the rest (a :func:`rollout_mesh_config` mesh).
 
     Raises:
       ConfigError: naming the roles field when the devices do not split that way.
@@ -393,14 +374,9 @@ class ProcessLocalCopy:
     """Makes each process's own copy of a tree whose arrays span every process's devices.
 
     ``local_shardings`` are this process's target shardings (a tree of NamedShardings on
-    ``meshes[jax.process_index()]``). When the tree lives on the devices of ``meshes`` (``shared`` placement),
-    one jitted program moves it onto a mesh that stacks every process's mesh along a ``process`` axis, with the
-    same partition specs: each device receives exactly the shard its process's copy needs (XLA's collectives,
-    device to device, never through host memory). When it lives on other devices (``split``: the trainer's),
-    :class:`_Across` sends each rollout device its block, a part of the tree at a time (:func:`move_parts`). The
-    shards a process holds then form its copy, an array on its own devices only, usable by programs that never
-    span processes (the rollout engine's decode).
-    Every process calls it at the same point, with the same tree.
+    ``meshes[jax.process_index()]``). The result's arrays live on this process's devices only. Device to
+    device, never through host memory (docs/scale.md, 'A training run under several processes'). Every process calls
+    it at the same point, with the same tree.
     """
 
     def __init__(self, local_shardings: Any, meshes: Sequence[Mesh]):
@@ -467,16 +443,9 @@ def _local_array(x: jax.Array, sharding: NamedSharding, shape: tuple[int, ...]) 
 
 
 class _Across:
-    """The move of a tree from devices of every process (the trainer's) to each process's rollout mesh, other
-    devices of every process, for one layout of the tree.
-
-    One program on the source devices lays every array out in the target's blocks, as many copies of each as
-    the source devices allow, every process holding each block when its share of the source devices does; one
-    program over both device sets then hands every target device its block with collective permutes, from a
-    source device of the same process where one holds it (so under ``split`` placement the weights cross no
-    host boundary), in as many rounds as one source device has receivers. When the target's blocks do not fit
-    the source devices, the whole array goes over and is cut on the target. Only XLA's collectives move data:
-    nothing passes through host memory, and the source devices are busy only for the two programs.
+    """The move of a tree from devices of every process (the trainer's) to each process's rollout mesh, for one
+    layout of the tree: a staging program on the source devices, then collective permutes to every target
+    device, from a source device of its own process where one holds it (docs/scale.md).
     """
 
     def __init__(self, leaves: list[jax.Array], specs: list[Any], meshes: Sequence[Mesh]):

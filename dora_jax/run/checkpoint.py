@@ -1,43 +1,9 @@
-"""Run checkpoints: the trainer state and the run state, written atomically, restored with fallback.
+"""Run checkpoints: the trainer state and a JSON run-state dict, written atomically, restored with fallback.
 
-A run checkpoint is everything a resumed run needs besides the weights of older policy versions (those come
-from the version snapshots, :mod:`dora_jax.run.versions`): the :class:`~dora_jax.trainer.state.TrainState`
-pytree and a JSON-able dict of run state (the scheduler's ``state_dict()`` with its ledger, the data
-position, host RNG state, the metrics position: whatever the runner puts in it).
-
-Layout under ``directory``::
-
-    step_00000040/          a complete checkpoint
-      state/                Orbax checkpoint of the TrainState (sharded arrays)
-      run_state.json        the run-state dict
-      meta.json             step, version, config fingerprint, time, format
-      COMPLETE              written last: size and sha256 of every other file
-    .tmp-step_00000044/     a write in progress, or one that crashed: never read
-
-Write protocol: everything goes into ``.tmp-step_N``; the marker ``COMPLETE`` (checksums of every file) is
-written last; then the directory is renamed to ``step_N``. A crash at any point leaves the previous
-checkpoints as they were. Retention (keep the newest ``keep_last``) runs only after the new checkpoint is
-complete, and never deletes anything newer than the oldest checkpoint it keeps.
-
-:meth:`RunCheckpoints.restore_latest` tries checkpoints newest first. A missing marker (partial write), a file
-whose size or checksum differs from the marker (corrupt or truncated), missing or unreadable metadata, a
-config fingerprint other than the run's, or a state that does not restore onto the target is reported (what
-and where, in ``Restored.skipped`` and the log) and the next older checkpoint is tried.
-
-Multi-host assumptions: every process calls :meth:`RunCheckpoints.save` and :meth:`~RunCheckpoints.restore_latest`
-with the same arguments, and ``directory`` is on a file system every process sees. The TrainState is written
-by Orbax, which is multi-host aware (each process writes its own shards, process 0 commits). The run state is
-host-replicated: only process 0 writes JSON files, checksums, renames and deletes; processes meet at a
-barrier before and after.
-
-Typical use (the runner)::
-
-    ckpts = RunCheckpoints(run_dir / "checkpoints", fingerprint=cfg.fingerprint(), keep_last=3)
-    found = ckpts.restore_latest(target=state)     # None in a fresh directory
-    if found is not None:
-        state, run_state = found.train_state, found.run_state
-    ...
-    ckpts.save(step, state, {"scheduler": scheduler.state_dict(), "data": ..., "rng": ..., "metrics": ...})
+:class:`RunCheckpoints` writes ``step_N/`` (Orbax TrainState, ``run_state.json``, ``meta.json`` and a
+``COMPLETE`` marker of sizes and checksums, written last) and :meth:`~RunCheckpoints.restore_latest` returns
+the newest one that verifies. Every process calls both with the same arguments on a shared file system.
+Layout, write protocol and retention: docs/versions.md, 'Run checkpoints'.
 """
 
 from __future__ import annotations
@@ -60,13 +26,9 @@ log = logging.getLogger(__name__)
 
 
 def stop_tensorstore_metrics_leak() -> None:
-    """Makes this process's Orbax skip its TensorStore I/O-counter reads, which leak: Orbax reads the counters
-    before and after every array write only to log a throughput, and ``tensorstore.experimental_collect_matching_
-    metrics`` (0.1.86) never frees the dicts it returns, about 28 Python objects a call. A run that snapshots every
-    version grew its heap by ~300 objects (18 KB) an update, without bound (``dora-jax bench soak``). The read is
-    replaced by 0, which makes Orbax skip that log line and nothing else (its ``_record_raw_metrics`` returns on no
-    bytes). The run's store calls it (:class:`~dora_jax.run.resume.RunStore`): a process-wide change, so importing
-    this module does not."""
+    """Makes this process's Orbax skip its leaking TensorStore I/O-counter reads (replaced by 0: Orbax then
+    skips one throughput log line and nothing else). Process-wide; :class:`~dora_jax.run.resume.RunStore`
+    calls it, importing this module does not. See docs/runner.md, 'Checkpoints and resume'."""
     try:
         from orbax.checkpoint._src.serialization import tensorstore_utils
     except ImportError:  # another Orbax layout: nothing of this to stop
@@ -105,8 +67,7 @@ def abstract_tree(tree: Any, shardings: Any = None) -> Any:
 
 def leaf_shardings(tree: Any, shardings: Any) -> list[Any]:
     """One sharding (or None) per array leaf of ``tree``, from one ``Sharding``, None, or a tree of shardings
-    with the same leaves in the same order (an ``nnx.State`` of shardings matches an ``nnx.State`` of params
-    although one holds ``Variable`` nodes and the other does not)."""
+    with the same leaves in the same order (``Variable`` nodes or not)."""
     n = len(jax.tree.leaves(tree))
     if shardings is None or isinstance(shardings, jax.sharding.Sharding):
         return [shardings] * n
@@ -311,9 +272,8 @@ class RunCheckpoints:
         """Checks one checkpoint directory and returns its metadata.
 
         Raises:
-          CheckpointError: naming the directory and the file at fault: no completion marker (partial
-            write), a file missing or of another size or checksum than the marker records (corrupt or
-            truncated), missing or unreadable metadata, or another config fingerprint.
+          CheckpointError: naming the directory and the file at fault: no marker, a file missing or of
+            another size or checksum, missing or unreadable metadata, or another config fingerprint.
         """
         path = Path(path)
         marker_path = path / MARKER

@@ -1,10 +1,7 @@
 """The train step: a pure function ``(TrainState, TrainBatch) -> (TrainState, metrics)``.
 
-:func:`make_train_step` returns it unjitted, for composition in research code. :class:`Trainer` holds what
-is static (graph definition, optimizer, config, mesh) and jits the step with explicit in/out shardings and a
-donated state (MaxText's functional train step), plus the forward passes the loop around it needs: policy
-params for the rollout engine, exact behaviour log-probs recomputed on a behaviour version's own params, and
-reference log-probs for the KL term.
+:func:`make_train_step` returns it unjitted; :class:`Trainer` jits it with explicit shardings and a donated
+state, with the forward passes the loop needs (policy params, recomputed behaviour and reference log-probs).
 """
 
 from __future__ import annotations
@@ -39,11 +36,9 @@ def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, tokens_bt: jax.
     """The training forward's log-prob of every token given its prefix at the rollout's ``temperature``,
     [B, T] float32 (column 0 is 0).
 
-    With ``lora`` the adapters are applied on the activations (the same function as the merged weights, but
-    the backward pass never forms the base weights' gradients). ``settings``: the forward's remat policy and
-    attention (:class:`~dora_jax.models.decoder.TrainSettings`); ``logprob_chunk`` > 0: the output head and
-    log-softmax run over that many positions at a time (:func:`chunked_token_logprobs`). ``positions_bt``:
-    rotary positions (default ``0..T-1`` in every row; packed rows restart them per segment)."""
+    ``lora``: adapters applied on the activations. ``settings``: :class:`~dora_jax.models.decoder.TrainSettings`;
+    ``logprob_chunk`` > 0: head and log-softmax over that many positions at a time. ``positions_bt``: rotary
+    positions (default ``0..T-1`` in every row)."""
     b, t = tokens_bt.shape
     positions = positions_bt
     if positions is None:
@@ -68,13 +63,9 @@ def packed_sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, tokens_n
 
 
 def check_train_forward(cfg: TrainConfig, devices) -> None:
-    """Refuses a training forward that ``devices`` cannot run: a platform kernel (``train.attention_impl``
-    ``cudnn``, ``pallas_gpu``, ``splash``) on another platform, ``train.remat: offload`` without a pinned host
-    memory to offload to.
-
-    Raises:
-      ConfigError: naming the field, the value and what to use instead.
-    """
+    """Raises ConfigError (naming the field, the value and what to use instead) for a training forward that
+    ``devices`` cannot run: a platform kernel on another platform, or ``train.remat: offload`` without a
+    pinned host memory."""
     from dora_jax.models.attention import unsupported_reason
 
     platform = devices[0].platform
@@ -106,17 +97,11 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig, tx: optax.Gradient
                     ) -> Callable[..., tuple[TrainState, dict]]:
     """One pure optimizer update for ``cfg``: advantages, staleness mask, micro-batched gradient, guarded update.
 
-    The batch's rows are split into ``cfg.micro_batches`` equal micro-batches whose gradients are summed in a
-    ``lax.scan``; the loss normalizers come from the whole batch, so the result equals the one-batch
-    gradient. A non-finite loss or gradient leaves params and optimizer state as they were (metric
-    ``skipped`` = 1). The version is the iteration's to advance (:meth:`Trainer.train_step`), not an update's.
-    ``use_prox``: the proximal log-probs are the batch's ``prox_logprobs`` (several updates an iteration);
-    otherwise the current policy's, exactly.
-
-    The step is ``step(state, batch, packing=None)``: with a :class:`~dora_jax.trainer.packing.Packing` of the
-    batch, the micro-batches are its packed ones (the scan runs over them) and the forward runs on packed rows;
-    each micro-batch's loss is taken on the batch's rows as they are with the other micro-batches' samples
-    masked out, so the loss and gradient are the unpacked ones.
+    The step is ``step(state, batch, packing=None)``. The gradient is summed over ``cfg.micro_batches``
+    micro-batches (the packed ones with a :class:`~dora_jax.trainer.packing.Packing`) and equals the one-batch
+    gradient. A non-finite loss or gradient leaves params and optimizer state as they were (metric ``skipped``
+    = 1). The version is not advanced here (:meth:`Trainer.train_step` does). ``use_prox``: the proximal
+    log-probs are the batch's ``prox_logprobs``; otherwise the current policy's.
     """
     schedule = learning_rate_schedule(cfg)
     forward = dict(settings=TrainSettings.of(cfg), logprob_chunk=cfg.logprob_chunk)
@@ -259,8 +244,8 @@ def _step_metrics(cfg: TrainConfig, schedule: optax.Schedule, state: TrainState,
 def minibatch_rows(group_ids: np.ndarray, valid: np.ndarray, minibatches: int, epochs: int,
                    rng: np.random.Generator, row_multiple: int) -> list[Any]:
     """Each update's rows, ``(rows, real, group_ids)`` index arrays of whole groups, ``minibatches`` to an epoch,
-    the groups shuffled per epoch. A minibatch's row count
-    is bucketed like a batch's (padding rows repeat row 0 with ``real`` False and weigh nothing)."""
+    the groups shuffled per epoch; row counts bucketed like a batch's (padding rows repeat row 0, ``real``
+    False)."""
     groups = sorted(set(group_ids[valid].tolist()))
     if len(groups) % minibatches:
         raise BatchError(f"the batch has {len(groups)} groups, which train.minibatches = {minibatches} does not "
@@ -394,8 +379,7 @@ class Trainer:
 
         Args:
           cfg: the whole config (``cfg.model`` builds or loads the model unless ``model`` is given).
-          model: an already built model; its parameters become the initial policy, version 0. They are placed
-            in ``mesh``'s shardings (from their logical axes and ``rules``), wherever the model was built.
+          model: an already built model; its parameters become version 0, placed in ``mesh``'s shardings.
           mesh: default: the mesh of ``cfg.mesh`` over all devices.
           rules: default: ``cfg.mesh.logical_axis_rules``.
           tx: an optimizer to use instead of the one ``cfg.train`` describes.
@@ -489,9 +473,7 @@ class Trainer:
             return self._finish(state, history)
 
     def _update_packings(self, lengths: np.ndarray, t: int, plan: list[Any]) -> list[Packing]:
-        """Each update's packing (:func:`~dora_jax.trainer.packing.iteration_plan`): each data-parallel
-        device's samples packed into rows of the batch's length ``t``, micro-batches of as many rows per device
-        as an unpacked micro-batch holds."""
+        """Each update's packing (:func:`~dora_jax.trainer.packing.iteration_plan`) into rows of length ``t``."""
         per_update = [lengths if rows is None else lengths[rows[0]] * rows[1] for rows in plan]
         per_device = len(per_update[0]) // self.row_multiple  # rows of an unpacked micro-batch on a device
         plans = packing_lib.iteration_plan(per_update, t, self.data_parallel, per_device, self.cfg.train.micro_batches)
