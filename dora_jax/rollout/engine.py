@@ -1,14 +1,9 @@
-"""The rollout engine: a host wrapper over the device programs (:mod:`dora_jax.rollout.programs`) and one page
-book (:mod:`dora_jax.rollout.page_book`), with the batched calls RL rollout makes: ``prefill_batch``,
-``insert_batch``, ``generate_steps``, ``free_slots``, ``resize``.
+"""The rollout engine, :class:`Engine`: a host wrapper over the device programs (:mod:`dora_jax.rollout.programs`)
+and one page book (:mod:`dora_jax.rollout.page_book`), with the batched calls ``prefill_batch``,
+``insert_batch``, ``generate_steps``, ``free_slots``, ``resize``; names follow JetStream's Engine API. See
+docs/rollout.md.
 
-Names follow JetStream's Engine API (``prepare_params`` is its ``load_params``, ``init_decode_state``,
-``max_concurrent_decodes``, ``max_prefill_length``, ``mesh``); its single-request calls live in
-:mod:`dora_jax.rollout.jetstream_adapter`. Every sampled token carries its log-prob and policy version, and its
-randomness depends on ``(seed, sample_id, position)`` only. Programs come from a fixed catalog that
-:func:`dora_jax.rollout.warmup.warmup` compiles ahead of time (docs/rollout.md has the design).
-
-Shape legend: B slots, T prompt bucket, S a prompt's cache length (prefill), W pages per table.
+Shapes: B slots, T prompt bucket, S a prompt's cache length (prefill), W pages per table.
 """
 
 from __future__ import annotations
@@ -82,9 +77,8 @@ def batch_shards(mesh: Mesh | None, rules: Rules, slots: int) -> int:
 
 
 def prompt_rows(distinct: int, slots: int) -> int:
-    """Rows of a prefill program for ``distinct`` prompts on an engine of ``slots`` slots: a power of four
-    (prefill is a small share of a rollout's time, and every row count is a program compiled at warm-up), at
-    most the slots' power of two."""
+    """Rows of a prefill program for ``distinct`` prompts on an engine of ``slots`` slots: a power of four, at
+    most the slots' power of two (docs/rollout.md, 'Warm-up')."""
     rows = 1
     while rows < distinct:
         rows *= 4
@@ -199,10 +193,8 @@ def _insert_slots(engine: "Engine", batch: PrefixBatch, b: int, slots, limits) -
 
 
 class _Retired:
-    """Device arrays whose last use is a program still in flight (a prefill's first tokens and batch), each with
-    the number of decode programs dispatched before it: dropped once a later decode program's results are read.
-    Dropping the last reference to an array in use blocks the host on some backends (XLA:CPU), and the decode
-    program that follows depends on every one of them."""
+    """Device arrays whose last use is a program still in flight, kept until a later decode program's results
+    are read (dropping the last reference to an array in use blocks the host on XLA:CPU)."""
 
     def __init__(self):
         self._arrays: collections.deque[tuple[int, Any]] = collections.deque()
@@ -261,8 +253,8 @@ class Engine:
         ``compute_dtype``. settings: how decode reads the cache and how many steps a program runs.
       page_tokens: tokens per KV page; num_pages: pages in the pool (default: every slot at its longest).
 
-    The KV cache is one page pool (:attr:`pool`) shared by every decode state (docs/rollout.md, "Paged KV cache").
-    A mesh over several processes makes one engine of them all: each process makes the same calls.
+    The KV cache is one page pool (:attr:`pool`) shared by every decode state. Over several processes every
+    process makes the same calls.
     """
 
     def __init__(self, model: Decoder, *, max_concurrent_decodes: int = 8, max_prefill_length: int = 256,
@@ -307,8 +299,8 @@ class Engine:
         self._retired = _Retired()
 
     def _jit_programs(self, progs: DecodePrograms) -> None:
-        """Jits every program under its name (:attr:`compiled`), so warm-up compiles them all and a later compile
-        is logged with its shape. Engines of equal programs in one process share the jitted functions."""
+        """Jits every program under its name (:attr:`compiled`); engines of equal programs in one process share
+        them."""
         self.compiled = Programs("rollout engine", serial_jit)
         # By name, for the calls kept outside this class too (kv_transfer).
         self.fns = fns = {n: self.compiled.add(n, f) for n, f in jitted_programs(progs, self.dtype, serial_jit).items()}
@@ -331,9 +323,8 @@ class Engine:
 
     def prepare_params(self, params: Any = None) -> PreparedParams:
         """One policy version's weights in the engine's dtype and decode layout (q|k|v and gate|up fused), made
-        once per version and passed to every call (JetStream's ``load_params``). ``params``: an ``nnx.State`` of
-        this architecture, already prepared params (returned as they are), or ``None`` for the engine's own
-        (prepared once). Unfused weights already in the engine's dtype are shared, not copied."""
+        once per version. ``params``: an ``nnx.State`` of this architecture, already prepared params (returned
+        as they are), or ``None`` for the engine's own. Unfused weights already in the engine's dtype are shared."""
         if isinstance(params, PreparedParams):
             return params
         if params is None:
@@ -370,11 +361,9 @@ class Engine:
         """Prefills several requests of one policy version in one program and samples each one's first token
         (result row ``i`` is request ``i``'s) from its own ``(seed, sample_id, position)`` stream.
 
-        Requests with equal prompts share one cache row (a GRPO group's prompt is prefilled once). Distinct
-        prompts and the prompt length are bucketed, so compilation stays bounded. ``params``: prepared params
-        (``None``: the engine's own); ``samplings``: one per request; ``shared_prefix``: this version's
-        :meth:`prefill_shared_prefix`, which every prompt continues: only the tokens after it are prefilled,
-        attending to its cache (a whole-prompt prefill's computation, up to float rounding).
+        Requests with equal prompts share one cache row. ``params``: prepared params (``None``: the engine's
+        own); ``samplings``: one per request; ``shared_prefix``: this version's :meth:`prefill_shared_prefix`,
+        which every prompt continues (only the tokens after it are prefilled).
         """
         args, skip = _prompt_arrays(self, prompts, sample_ids, samplings, shared_prefix, version)
         tokens, lengths, rows, valid, ids, seeds, sampling = args
@@ -389,10 +378,9 @@ class Engine:
     def insert_batch(self, batch: PrefixBatch, decode_state: DecodeState, slots: Sequence[int | None],
                      limits: Sequence[int] | None = None) -> DecodeState:
         """Places request ``i`` of a :meth:`prefill_batch` result into ``slots[i]`` of the decode state (donated),
-        ending what the slot held; ``None`` (or a missing entry) skips the request. Each request takes pages for
-        its prompt (sharing full pages with its group and shared prefix: :meth:`StateRecords.admit`) and may grow
-        to ``limits[i]`` tokens (default ``max_target_length``). Raises :class:`EngineError` for a bad slot, or a
-        pool without room for them all now (nothing is inserted then; the driver asks :meth:`admissible`)."""
+        ending what the slot held; ``None`` (or a missing entry) skips the request. Each request may grow to
+        ``limits[i]`` tokens (default ``max_target_length``). Raises :class:`EngineError` for a bad slot, or a
+        pool without room for them all now (nothing is inserted; see :meth:`admissible`)."""
         b, nb = decode_state.tokens.shape[0], batch.rows.shape[0]
         idx, limits = _insert_slots(self, batch, b, slots, limits)
         rec = self.rows_of(decode_state)
@@ -464,8 +452,7 @@ class Engine:
                                                                                             granted=budget_arrays)
 
     def free_slots(self, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
-        """Marks ``slots`` empty and returns their pages to the pool. Host work only: a row without a request
-        gets no budget from the page book, so no later program steps it until an insertion fills it."""
+        """Marks ``slots`` empty and returns their pages to the pool (host work only)."""
         rec = self.rows_of(decode_state)
         for slot in slots:
             self.records.release(rec, slot)

@@ -1,23 +1,7 @@
-"""Simulator configuration (``configs/sim_*.yaml``): the file's sections as dataclasses read by the run config's
-schema machinery (:func:`dora_jax.schema.from_dict`, errors from :func:`dora_jax.schema.fail` that name the
-field, the value and what is allowed), and the cost model, either given directly, derived from model and
-hardware figures, or calibrated from a measured ``dora-jax bench decode`` / ``bench engine`` JSON.
-
-Cost model (all seconds; an *instance* is one rollout engine of ``gpus_per_instance`` GPUs):
-
-* one decode step of an instance (which holds one policy version) with ``n`` live rows whose contexts sum to
-  ``S`` tokens costs ``decode_step_s + max(decode_weights_s, n * decode_row_s) + S * decode_ctx_s``: a fixed
-  overhead, the weight matmuls (which stream the weights once while computing every row: memory-bound at small
-  batches, compute-bound at large ones) and the KV-cache reads of attention;
-* moving a live row to another instance of the same version costs the receiving instance ``migrate_token_s``
-  per context token (its KV cache crosses the network; no re-prefill), and ``kv_bytes_per_token`` bytes per
-  context token cross (a size, not a time: it only feeds the moved-bytes metric; 0 when unknown); an instance
-  that switches versions stalls ``weight_sync_s`` while it loads the weights;
-* admitting rows costs ``prefill_token_s`` per prompt token (plus ``prefill_pair_s`` per causal token pair,
-  which matters only for the long re-prefills of partial rollout) before the instance's next step;
-* one update on ``T`` trainer GPUs over samples of total length ``L_i`` costs
-  ``train_fixed_s + (train_token_gpu_s * sum L_i + train_pair_gpu_s * sum L_i^2 / 2) / T``, then
-  ``weight_sync_s`` to publish the new weights.
+"""Simulator configuration (``configs/sim_*.yaml``): the file's sections as dataclasses read with
+:func:`dora_jax.schema.from_dict`, and the cost model's fields (given, derived with :func:`derive_costs`, or
+measured with :func:`costs_from_bench`). :func:`load_sim_config` / :func:`parse_config` build a
+:class:`SimConfig`. The cost model: docs/simulator.md, 'Model'; the fields: 'Writing a config'.
 """
 
 from __future__ import annotations
@@ -67,8 +51,8 @@ class Costs:
         return self.decode_step_s + max(self.decode_weights_s, n * self.decode_row_s) + ctx * self.decode_ctx_s
 
     def mixed_decode_time(self, counts: tuple[int, ...], ctx: float) -> float:
-        """One decode step of rows of several versions (``counts[j]`` rows of the j-th): each version's matmuls
-        stream its own weights, so the weight term is paid per version; the overhead and attention once."""
+        """One decode step of rows of several versions (``counts[j]`` rows of the j-th): the weight term paid
+        per version, the overhead and attention once."""
         w, r = self.decode_weights_s, self.decode_row_s
         return self.decode_step_s + sum(max(w, c * r) for c in counts) + ctx * self.decode_ctx_s
 
@@ -131,11 +115,9 @@ def derive_costs(model: dict[str, float], hw: dict[str, float], tp: int) -> tupl
 
     Args:
         model: ``params`` (count), ``layers``, ``heads``, ``kv_heads``, ``head_dim``, ``bytes_per_param``.
-        hw: per-GPU ``peak_flops``, ``hbm_bytes_s`` and the fraction of it reached (``hbm_efficiency``),
-            model-FLOPs utilizations for decode, prefill and training, a fixed per-decode-step overhead
-            (kernel launches, tensor-parallel all-reduces, sampling), the per-GPU link rate used for weight
-            transfer and a fixed cost per weight sync, and ``logprob_forwards`` (extra forward passes per
-            update, e.g. recomputing old log-probs).
+        hw: per-GPU ``peak_flops``, ``hbm_bytes_s``, ``hbm_efficiency``, model-FLOPs utilizations for decode,
+            prefill and training, a fixed per-decode-step overhead, the per-GPU link rate for weight transfer,
+            a fixed cost per weight sync, and ``logprob_forwards`` (extra forward passes per update).
         tp: GPUs per rollout instance (tensor parallel).
 
     Returns:
@@ -179,13 +161,9 @@ def derive_costs(model: dict[str, float], hw: dict[str, float], tp: int) -> tupl
 
 
 def costs_from_bench(path: str) -> dict[str, float]:
-    """Decode costs from a measured benchmark JSON.
-
-    ``bench decode`` (``decode_step_ms``, ``layers_and_head_ms``, ``kv_cache_part_ms`` at ``batch`` rows and
-    ``cache_length``): the cache-free forward becomes the per-step cost (weights are read once per step,
-    whatever the batch) and the cache part is spread over ``batch x cache_length`` context tokens.
-    ``bench engine`` (``engine_tok_s`` at ``batch``): one step is ``batch / engine_tok_s``, all of it fixed.
-    One measured point cannot separate per-row from per-step work; a second bench at another batch would.
+    """Decode costs from a ``bench decode`` JSON (``batch``, ``cache_length``, ``layers_and_head_ms``,
+    ``kv_cache_part_ms``) or a ``bench engine`` JSON (``batch``, ``engine_tok_s``); ConfigError naming
+    ``costs.from_bench`` otherwise. How they are read: docs/simulator.md, 'Writing a config'.
     """
     try:
         data = json.loads(read_text(path))

@@ -1,38 +1,6 @@
-"""One simulated run: the event loop that drives rollout instances and the trainer with a scheduler, and the
-metrics it reports.
-
-Definitions (per run; a *step* is the interval between the ends of two consecutive updates, the first starting
-at time 0):
-
-* ``rollout_share``: over the measured steps (those after ``warmup_steps``), the time the trainer waits for
-  rollout (from the end of the previous update to the start of this one: no trainable batch yet, or the
-  staleness window holds it back) divided by the step time. In colocated sync this is the rollout phase's
-  share of the step, the figure papers quote.
-* ``throughput``: trained samples (and generated tokens of trained samples) per second over the measured steps.
-* ``trainer_idle``: the trainer's waiting time over the whole run (pipeline fill and drain included) / wall.
-* ``slot_utilization``: occupied slot-seconds (decoding or prefilling) / (slots x the time the rollout GPUs
-  are available: the whole run, or for colocated sync the run minus the update time, weight sync included).
-* ``staleness``: histogram of ``trained_at - version`` over consumed samples (for partial rollout, the age of
-  a trajectory's first token).
-* ``weight_loads``: times an instance loaded another version's weights (not counting colocated sync, whose
-  update leaves them in place); ``migrated_rows`` (also ``moved_rows``): rows handed from one instance to another
-  of the same version, ``moved_kv_tokens`` their context tokens and ``moved_kv_bytes`` those tokens' KV cache
-  (``kv_bytes_per_token`` each; None when the costs do not give it).
-* ``transfer_share``: seconds instances spent receiving moved rows' KV cache (``migrate_token_s`` per token),
-  over instances x the run's wall time: the modelled cost of moving rows, not the host time of planning.
-* ``balancer`` (dora at one version per instance): the balancer's counters (plans, changes, instances reassigned,
-  drains started, rows planned to move), plans and changes per update, and the latest decisions.
-
-Rollout side: every instance holds one version (see :mod:`dora_jax.sim.engine`). An instance with free slots
-takes queued rows of its own version (rows handed over first, then fresh prompts). Under ``dora`` the runner's
-balancer places the versions (:mod:`dora_jax.sim.balancing`); with ``versions_per_instance: all`` every live
-version is resident on every instance instead (each publish loads the new one, ``weight_sync_s``), an instance
-takes fresh prompts of any version as :meth:`Scheduler.assign_slots` shares its free slots, and rows never move.
-Under ``sync`` and ``one_step_off`` an empty instance with none of its version queued takes the version
-:meth:`Scheduler.assign_slots` gives most of its slots (ties to the older) and loads it, and when a version has
-no fresh prompts queued and another version has work waiting, its instance with the fewest rows hands them to
-its other instances if they have room (zero re-prefill: the KV cache moves, ``migrate_token_s`` per context token
-on the receiving instance) and takes the waiting work.
+"""One simulated run: :func:`simulate` drives rollout instances and the trainer with a scheduler in an event
+loop (:class:`Simulation`) and returns its metrics. The model and the metrics' definitions are in
+docs/simulator.md ('Model', 'Definitions').
 """
 
 from __future__ import annotations
@@ -80,7 +48,7 @@ def simulate(mode: str, costs: Costs, placement: Placement, lengths: LengthDist,
             ``all`` (every live version on every instance).
 
     Returns:
-        Metrics (see the module docstring), the per-update records and the timeline of live versions.
+        Metrics (docs/simulator.md, 'Definitions'), the per-update records and the timeline of live versions.
 
     Raises:
         SimulationError: the ledger's invariants fail at the end, no event is left before the run is done, or
@@ -227,8 +195,7 @@ class Simulation:
 
     def instance_step(self, t: float, i: int, gen: int, k: int, dt: float) -> bool:
         """Instance ``i`` reaches a step boundary after ``k`` steps (``dt`` seconds); True if a group became ready
-        to train. A stale event (the instance was rescheduled since) does nothing; a live one finds the instance
-        as :meth:`schedule` left it (every change to an instance is followed by its rescheduling)."""
+        to train. A stale event (the instance was rescheduled since) does nothing."""
         inst = self.insts[i]
         if gen != inst.gen:
             return False
@@ -365,10 +332,7 @@ class Simulation:
 
     def admit(self, i: int) -> None:
         """Instance ``i`` fills its free slots with rows of its version: rows handed over by another instance
-        first (their KV cache moves: ``migrate_token_s`` per context token), then fresh prompts (prefilled).
-        Without the balancer an empty instance with none of its version queued binds to another version first;
-        under it, an instance that drains or is handing its rows over takes no fresh prompt, and the slots that
-        moves still owe an instance stay free for them."""
+        first, then fresh prompts (prefilled); placement rules: docs/simulator.md, 'Model'."""
         inst = self.insts[i]
         free = inst.slots - len(inst.rows)
         if free <= 0:
@@ -421,9 +385,8 @@ class Simulation:
         return cost, took
 
     def admit_any(self, i: int, free: int) -> float:
-        """Partial rollout (which loads the newest weights first) and dora with every version on every instance:
-        instance ``i`` takes the fresh prompts of any version that ``assign_slots`` gives its ``free`` slots.
-        Returns their prefill seconds."""
+        """Partial rollout and dora at ``versions_per_instance: all``: instance ``i`` takes the fresh prompts of
+        any version that ``assign_slots`` gives its ``free`` slots. Returns their prefill seconds."""
         inst, pending = self.insts[i], self.pending
         if self.partial:
             self.load(i, self.sched.version)
