@@ -1,27 +1,10 @@
-"""Multi-host runtime: one process per host (or per GPU) under ``jax.distributed``.
+"""Multi-host runtime: one process per host (or per GPU) under ``jax.distributed``, every process running the
+same program.
 
-Every process runs the same program (multi-controller SPMD). :func:`initialize` connects the processes before
-JAX touches a device. Finding the cluster is ``jax.distributed.initialize()``'s own work: it reads SLURM
-(processes started by ``srun``), Open MPI, Cloud TPU VMs (a pod slice's workers) and Kubernetes jobs, and
-JAX's variables ``JAX_COORDINATOR_ADDRESS``, ``JAX_COORDINATOR_PORT`` and ``JAX_LOCAL_DEVICE_IDS``. On top of
-that, explicit settings, checked before anything connects:
-
-* ``DORA_COORDINATOR`` (``host:port`` of process 0), ``DORA_NUM_PROCESSES``, ``DORA_PROCESS_ID``: with all
-  three set JAX detects nothing; with some of them, JAX fills in the rest from the cluster it finds (e.g.
-  ``DORA_COORDINATOR`` alone under ``srun`` moves the coordinator). ``launch/multinode_gpu.sh`` and
-  ``launch/local_cpu.sh`` set all three.
-* ``DORA_LOCAL_DEVICE_IDS`` (``0,1``): the local devices this process drives. Without it JAX gives each process
-  under SLURM or Open MPI the one device of its local rank (one process per GPU), and every local device
-  otherwise.
-* ``DORA_CLUSTER``: ``auto`` (default: whatever JAX finds), ``single`` (one process; connect nothing), or one
-  of JAX's detection methods (``slurm``, ``ompi``, ``mpi4py``, ``gce_tpu``, ``gke_tpu``, ``k8s``) to use that
-  one only (``mpi4py`` is used only when named).
-
-When nothing is set and JAX finds no cluster, the process runs alone and :func:`initialize` connects nothing.
-
-Control decisions that every host must take identically (which batch trains next, when to stop) are made by
-process 0 and sent to all with :func:`broadcast_decision`, or taken on every host and checked to agree with
-:func:`gather_decisions`; data is split with :func:`process_shard`.
+:func:`initialize` connects the processes (JAX's own cluster detection, plus the ``DORA_COORDINATOR``,
+``DORA_NUM_PROCESSES``, ``DORA_PROCESS_ID``, ``DORA_LOCAL_DEVICE_IDS`` and ``DORA_CLUSTER`` variables; see
+docs/scale.md, 'The multi-host model'). :func:`broadcast_decision` and :func:`gather_decisions` keep control
+decisions identical on every process; :func:`process_shard` splits data.
 """
 
 from __future__ import annotations
@@ -141,12 +124,11 @@ def initialize(env: Mapping[str, str] | None = None) -> ClusterSpec:
     """Connects this process to the others (``jax.distributed.initialize``); call before any JAX work.
 
     Returns at once for a single process: when ``DORA_CLUSTER=single`` or ``DORA_NUM_PROCESSES=1``, when
-    nothing is set and JAX finds no cluster, and when nothing is set and JAX's backend is already running
-    (joining a cluster is no longer possible then, so the process runs alone). Cross-process collectives on
-    CPU go through gloo. Calling it again returns the first call's result.
+    nothing is set and JAX finds no cluster, and when nothing is set and JAX's backend is already running.
+    Calling it again returns the first call's result.
 
     Args:
-      env: the environment to read (default ``os.environ``); see the module docstring for the variables.
+      env: the environment to read (default ``os.environ``).
 
     Returns:
       The :class:`ClusterSpec` that was used, with JAX's process count and index.
@@ -198,8 +180,7 @@ def broadcast_decision(obj: Any) -> Any:
     """Process 0's ``obj`` on every process: for control decisions all hosts must take identically.
 
     ``obj`` must be JSON-serializable; every process receives ``json.loads(json.dumps(obj_of_process_0))``
-    (also with one process, so that a program behaves the same on one host and on many: tuples come back as
-    lists). Every process must call it at the same point of the program.
+    (also with one process: tuples come back as lists). Every process must call it at the same point.
     """
     import jax
 
@@ -224,9 +205,8 @@ def gather_decisions(obj: Any) -> list[Any]:
     took on its own is the same everywhere (and fail on every process at once when it is not).
 
     ``obj`` must be JSON-serializable; entries are ``json.loads(json.dumps(obj))`` (also with one process).
-    Every process must call it at the same point of the program. The values go through ``jax.distributed``'s
-    key-value store (the coordinator), not through the devices: a decision never waits behind device work, such
-    as a train step still running on the trainer's devices while the rollout devices decode.
+    Every process must call it at the same point. The values go through the coordinator's key-value store, not
+    the devices, so a decision never waits behind device work.
     """
     import jax
 
@@ -250,13 +230,10 @@ def process_shard(items: Sequence[T], *, index: int | None = None, count: int | 
                   even: bool = True) -> list[T]:
     """This process's share of ``items``: every ``count``-th item from ``index`` (defaults: this process).
 
-    Strided rather than contiguous, so long-tailed items spread evenly over the hosts.
-
     Args:
       items: the whole, identically ordered sequence every process holds.
       index, count: override ``jax.process_index()`` / ``jax.process_count()``.
-      even: require ``len(items)`` to be a multiple of ``count``, so that every host feeds the same number of
-        rows into a collective step (an uneven split would hang it).
+      even: require ``len(items)`` to be a multiple of ``count`` (an uneven split would hang a collective step).
 
     Raises:
       ValueError: if ``even`` and the items do not split evenly, or the index is out of range.

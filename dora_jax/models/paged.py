@@ -1,29 +1,14 @@
 """Decode against a paged KV cache: one pool of fixed-size pages shared by every slot, a page table per slot.
 
-The pool holds every layer's keys and values as ``[L, K, N, P, d]`` (layers, kv heads, pages, tokens per page,
-head dim): per layer, the layout JAX's shipped paged-attention kernels read (``jax.experimental.pallas.ops``
-``gpu.paged_attention`` and ``tpu.paged_attention``). Token ``i`` of a slot sits in page ``tables[b, i // P]``
-at row ``i % P``. Which pages a slot holds is decided on the host (:mod:`dora_jax.rollout.page_book`); here the
-tables are plain int32 arrays.
+The pool is ``[L, K, N, P, d]`` for keys and for values; token ``i`` of a slot sits in page ``tables[b, i // P]``
+at row ``i % P``. Page 0 (of each shard) is scratch: it belongs to no slot, takes the writes that must land
+nowhere, and table entries past a slot's pages point there. On a mesh that splits the slots over S batch shards,
+the pages split the same way, tables hold page ids within the slot's shard, and slot ``b`` of B is in shard
+``b // (B / S)``. Entry point: :func:`decode_forward_paged`. See docs/rollout.md, 'How a decode step runs' and
+'Paged KV cache'.
 
-On a mesh whose batch axes split the slots over S shards, the pool's pages split the same way and each shard's
-slots hold only pages of their own shard: ``tables`` then hold page ids within the slot's shard, and the
-gather and scatter run per shard (a batch dimension of S, which XLA partitions without moving pages between
-devices). Slot ``b`` of a decode state of B slots is in shard ``b // (B / S)``.
-
-Page 0 of the device pool (of each shard) is scratch: it belongs to no slot. Writes that must not land anywhere (an empty
-slot, a slot that is not producing this step, a prompt's padding) go there, so one scatter serves every row
-without a branch, and table entries past a slot's pages point there and are masked out by length.
-
-:func:`decode_forward_paged` is :func:`~dora_jax.models.decoder.decode_forward` for one new token per row.
-With ``attention_impl = "xla"`` each layer reads the slot's cached tokens ``0 .. position - 1`` through its
-table, only as far as its length class needs (:func:`live_paged_attention`), and merges the current token's own
-key and value in the same float32 online softmax; the pool is only read inside the layer scan and the new entries are written once after it, so no
-layer copies the pool. The kernel implementations read the current token from the pool, so each layer writes
-its entry first (:mod:`dora_jax.kernels.paged_attention` picks and calls the kernel).
-
-Shape legend: B slots, H query heads, K kv heads, G = H // K, d head dim, N pages, P tokens per page, W pages
-per table, L layers.
+Shapes: B slots, H query heads, K kv heads, G = H // K, d head dim, N pages, P tokens per page, W pages per
+table, L layers.
 """
 
 from __future__ import annotations
@@ -195,8 +180,7 @@ def live_read_tokens(lengths, table_width: int, page_tokens: int, *, row_classes
 def attention_read_tokens(impl: str, lengths, table_width: int, page_tokens: int, head_dim: int,
                           interpret: bool = False) -> int:
     """Cached tokens one layer's decode attention reads for slots of ``lengths`` (numpy, host), by the path
-    ``impl`` takes: the live-reading XLA path's classes and blocks, or a kernel's compute blocks up to each
-    slot's length. ``kv_read_ratio`` is this over the live tokens."""
+    ``impl`` takes (``kv_read_ratio`` is this over the live tokens)."""
     import numpy as np
 
     if impl == "xla":
@@ -252,11 +236,8 @@ def live_paged_attention(q_bhd: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     ``dora_jax.kernels.paged_attention.reference_paged_attention`` with ``k_new``, ``v_new``), reading only each
     slot class's live page blocks.
 
-    ``k_pool``, ``v_pool`` are the stacked pool [L, K, N, P, d], read at ``layer`` by the gather itself (no
-    copy of a layer). Slots are sorted by length into classes (:func:`live_plan`); a loop over (class, block)
-    tiles, as many as the step's longest slots need, gathers one block of pages for the class's rows and folds
-    it into an online softmax that starts from each row's own new key and value. ``block_pages``: the plan's
-    (:func:`live_block_pages`). Returns [B, H, d]."""
+    ``k_pool``, ``v_pool`` are the stacked pool [L, K, N, P, d], read at ``layer`` by the gather itself.
+    ``plan``: :func:`live_plan`; ``block_pages``: :func:`live_block_pages`. Returns [B, H, d]."""
     b, h, d = q_bhd.shape
     kv, p = k_pool.shape[1], k_pool.shape[3]
     c, r, _ = plan.tables.shape
@@ -329,7 +310,7 @@ def decode_forward_paged(cfg: ModelConfig, p: dict, tokens_b: jax.Array, positio
     Row ``b``'s token sits at ``positions_b[b]`` and attends to the row's tokens ``0 .. position``; its entries
     are written at that position's page where ``write_b`` is on, else to scratch. ``tables_bw`` must cover
     position ``positions_b[b]`` for every written row (the host appends pages before it dispatches). With
-    ``shards`` > 1 (the xla path), page ids are within each row's shard (module docstring)."""
+    ``shards`` > 1 (the xla path), page ids are within each row's shard."""
     impl = resolve_attention_impl(settings)
     page_b, row_b = slot_pages(tables_bw, positions_b, pool.page_tokens, write_b)
     x0 = embed_tokens(cfg, p["embed"], tokens_b[:, None])

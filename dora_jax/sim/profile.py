@@ -1,15 +1,6 @@
-"""A measured cost profile (``dora-jax bench profile --json OUT``) and the costs the simulator reads from it.
-
-A profile is what one machine measured for one model and engine setup: the time of a decode step as a function
-of the resident versions stepped together, the rows computed and the cache slots read (a grid), the prefill
-program by padded prompt tokens, the train step by padded tokens, publishing a version, the per-call costs the
-rollout driver pays besides (resizing a decode state, freeing a slot), how much training and decoding slow
-each other when they run at once (two devices on one machine's cores), by the rows the decode computes, and the reward pool's latency. Between
-grid points the costs are interpolated linearly; past the last point a cost grows along its last segment, and
-below the first it stays at the first point's value.
-
-The cluster simulator (:mod:`dora_jax.sim.run`) takes a profile in place of its analytic costs
-(:func:`profile_costs`); the run simulator (:mod:`dora_jax.sim.local`) takes the whole of it.
+"""A measured cost profile (``dora-jax bench profile --json OUT``): :func:`load_profile` reads and checks one,
+:func:`profile_costs` turns it into the cluster simulator's costs; :mod:`dora_jax.sim.local` takes the whole of
+it. What each field measures and how it is interpolated: docs/simulator.md, 'Measured cost profiles'.
 
 Format (JSON; every time in seconds)::
 
@@ -24,17 +15,8 @@ Format (JSON; every time in seconds)::
     rewards: {latency_s, host_s}
     update_host_s, iteration_host_s
 
-``decode.step_s[v][b][k]`` is one device decode step of ``versions[v]`` versions with ``batch[b]`` rows each,
-reading ``kv[k]`` cache slots per row; ``dispatch_s`` is what a dispatch costs on top of its steps (launch,
-result transfer, the driver's booking). ``kv_reads``, when given, are the cache lengths the engine chooses
-among (it reads the shortest that covers every live row): a context is rounded up to one before the grid is
-read.
-
-``prefill.seconds`` is a whole admission into a version's decode group at those padded tokens (the prompts'
-program, their first tokens read, the decode state made and the requests inserted); ``shared_prefix_s`` the
-chat head's prefill, once per version. ``train.seconds`` run from the train step's call to its results;
-``train.host_s`` builds the batch and ``train.dispatch_s`` is the call's own time before it returns (both on the
-host, before the step runs beside the rollout).
+``decode.step_s[v][b][k]``: one device decode step of ``versions[v]`` versions with ``batch[b]`` rows each,
+reading ``kv[k]`` cache slots per row.
 """
 
 from __future__ import annotations
@@ -271,11 +253,9 @@ def load_profile(path: str) -> Profile:
 
 @dataclass(frozen=True)
 class ProfileCosts(Costs):
-    """The cluster simulator's costs read from a measured :class:`Profile`: a decode step of ``n`` rows whose
-    contexts sum to ``ctx`` is the grid's step of one version at ``n`` rows and the mean context ``ctx / n``;
-    a train step over ``tokens`` on ``gpus`` GPUs is the profile's step over the tokens each of its trainer
-    devices would get. The other fields (prefill per token, weight sync) are set from the profile too, so
-    ``Costs``' own formulas that read them (the cluster split, partial rollout's re-prefill) agree."""
+    """The cluster simulator's costs read from a measured :class:`Profile` (docs/simulator.md, 'Measured cost
+    profiles'); the other fields (prefill per token, weight sync) are set from the profile too, so ``Costs``'
+    own formulas that read them agree."""
 
     profile: Profile | None = None
     train_devices: int = 1
