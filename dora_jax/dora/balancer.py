@@ -1,12 +1,9 @@
-"""Which policy version each rollout group serves when a group holds one version (``roles.versions_per_group: 1``,
-DORA's Algorithm 1), as plain, deterministic Python (no JAX). docs/design.md, "Load balancing", holds the
-reasoning.
+"""Which policy version each rollout group serves at ``roles.versions_per_group: 1`` (DORA's Algorithm 1), as
+plain, deterministic Python. See docs/design.md, "Load balancing".
 
-The caller (the rollout side) hands :meth:`Balancer.plan` the state of its groups and the requests waiting per
-version, and applies the :class:`Plan` it gets back: first the moves (requests leave their group with their KV
-pages), then each group's version. A group in ``Plan.drain`` admits nothing and keeps its version; the caller
-passes it back with ``draining=True`` until a later plan, once it is empty, gives it another version. A version's
-waiting requests are admitted only by the groups that serve it and do not drain.
+The caller applies the :class:`Plan` from :meth:`Balancer.plan` moves first, then versions. A group in
+``Plan.drain`` admits nothing and keeps its version; the caller passes it back with ``draining=True`` until a
+later plan reassigns it.
 """
 
 from __future__ import annotations
@@ -66,11 +63,8 @@ class Decision:
 
 
 def targets(work: Mapping[int, int], groups: int, slots: int) -> dict[int, int]:
-    """The groups owed to each version with work.
-
-    Version ``w`` gets ``groups * work[w] / sum(work)`` rounded by largest remainder (ties to the older version),
-    at least one, and at most ``ceil(work[w] / slots)``: what its work fills. What the caps leave over goes to
-    the others; the sum may fall short of ``groups`` (the rest is the newest version's).
+    """The groups owed to each version with work: ``groups * work[w] / sum(work)`` by largest remainder (ties to
+    the older), at least one, at most ``ceil(work[w] / slots)``; the sum may fall short of ``groups``.
 
     Args:
         work: requests per version, waiting plus in flight; versions with none are left out of the result.
@@ -98,9 +92,8 @@ class Balancer:
     """Plans which version each of ``groups`` rollout groups serves, one version per group, for at most
     ``max_live`` live versions (K + 1).
 
-    :meth:`plan` is a function of its arguments: the same inputs give the same plan. ``decisions`` holds the
-    latest ``keep`` plans that changed something (with their inputs, targets and reason); ``counters`` the
-    totals a run's metrics read: plans, changes, groups reassigned, drains started, requests moved.
+    :meth:`plan` is deterministic. ``decisions`` holds the latest ``keep`` plans that changed something;
+    ``counters`` the totals a run's metrics read.
 
     Raises:
         BalancerError: when ``groups < max_live``: a version with work could get no group.
@@ -124,10 +117,8 @@ class Balancer:
             groups: every group's state, in group order.
             waiting: requests waiting to be admitted, per version.
             newest: the newest published version (new prompts go to it).
-            can_move: whether requests may move between groups (their KV pages fit the destinations, and the groups
-                are in one process), for all groups or per group (group ``i``'s requests may leave it); a busy group
-                whose requests may not move changes version only by draining, which only a version with work and no
-                group starts.
+            can_move: whether requests may move between groups, for all groups or per group (group ``i``'s
+                requests may leave it); a group whose requests may not move changes version only by draining.
 
         Raises:
             BalancerError: naming the bad state (a count out of range, work outside the window of live versions).
@@ -177,10 +168,8 @@ class Balancer:
 def _give_up(groups: tuple[GroupState, ...], owed: Mapping[int, int],
              movable: Sequence[bool]) -> tuple[dict[int, list[int]], list[int], list[int], dict[int, int]]:
     """What each version gives up of the groups it holds beyond its ``owed`` share, in the order the plan uses
-    them: empty groups, then ``sources`` (busy groups whose requests fit the free slots of their version's other
-    groups, fewest in flight first), then up to ``drains[v]`` of its other busy groups (those that received no
-    moved request; one already draining first, then the fewest in flight). Returns the groups each version
-    keeps (as many as it is owed where it holds more), the empty ones, the sources and ``drains``."""
+    them (empty groups, ``sources``, then up to ``drains[v]`` busy groups that received no moved request).
+    Returns the groups each version keeps, the empty ones, the sources and ``drains``."""
     members: dict[int | None, list[int]] = {}
     for i, g in enumerate(groups):
         members.setdefault(g.version, []).append(i)
@@ -205,8 +194,7 @@ def _give_up(groups: tuple[GroupState, ...], owed: Mapping[int, int],
 
 def _sources(groups: tuple[GroupState, ...], ids: list[int], give: int, movable: Sequence[bool]) -> list[int]:
     """Up to ``give`` of the busy groups ``ids`` (one version's, empty ones given up left out) whose requests fit
-    together into the free slots of the others, fewest in flight first: a version's requests end up in as few
-    groups as they need, and the groups freed serve versions with work waiting."""
+    together into the free slots of the others, fewest in flight first."""
     room = sum(groups[i].slots - groups[i].in_flight for i in ids)
     out: list[int] = []
     rows = 0
@@ -242,12 +230,8 @@ def _moves(src: int, groups: tuple[GroupState, ...], dsts: list[int], incoming: 
 
 def assign(groups: tuple[GroupState, ...], owed: Mapping[int, int], newest: int,
            can_move: bool | Sequence[bool]) -> Plan:
-    """The plan for ``groups`` given the groups ``owed`` to each version with work (:func:`targets`): versions under
-    target take empty groups given up first, then busy ones whose requests move to the other groups of their
-    version (where ``can_move`` allows, for all groups or per group; newer versions' first), then, for a version
-    with no group only, busy ones that drain.
-    :meth:`Balancer.plan` checks its inputs and records it; this is the step the balancer's tests replace to show
-    their checks catch a broken plan."""
+    """The plan for ``groups`` given the groups ``owed`` to each version with work (:func:`targets`), by the
+    rules of docs/design.md, "Load balancing". :meth:`Balancer.plan` checks its inputs and records the plan."""
     movable = [can_move] * len(groups) if isinstance(can_move, bool) else list(can_move)
     kept, empty, sources, drains = _give_up(groups, owed, movable)
     # A version's moves go to its groups that are not sources; of those, ones that received none may drain.

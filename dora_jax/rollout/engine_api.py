@@ -1,8 +1,6 @@
-"""The rollout engine's data: its requests' sampling settings, prefilled requests, decode states and per-step
-results, the counterparts of ``jetstream.engine.engine_api``'s types (google-jetstream 0.2.2), extended for RL
-rollout (a log-prob and a policy version with every token).
-
-:mod:`dora_jax.rollout.engine` re-exports every name here; the engine itself lives there.
+"""The rollout engine's data types (sampling settings, prefilled requests, decode states, per-step results),
+the counterparts of ``jetstream.engine.engine_api``'s with a log-prob and a policy version per token;
+:mod:`dora_jax.rollout.engine` re-exports them.
 """
 
 from __future__ import annotations
@@ -50,9 +48,8 @@ class PreparedParams(NamedTuple):
 @dataclasses.dataclass(frozen=True, eq=False)
 class SharedPrefix:
     """Tokens that many prompts start with (a chat template's fixed head), prefilled once for one policy
-    version (:meth:`Engine.prefill_shared_prefix`). :meth:`Engine.prefill_batch` given one prefills only what
-    follows it in each prompt, attending to this cache: the prefix costs one prefill per version, not one per
-    prompt."""
+    version (:meth:`Engine.prefill_shared_prefix`); :meth:`Engine.prefill_batch` given one prefills only what
+    follows it in each prompt."""
 
     tokens: tuple[int, ...]
     cache: KVCache  # k [L, 1, K, d, n], v [L, 1, K, n, d]: exactly n = len(tokens) slots, no padding
@@ -88,11 +85,8 @@ class PrefixBatch(NamedTuple):
 
 
 class DecodeState(NamedTuple):
-    """Every slot's next token to feed and its request. ``positions[b]`` is where ``tokens[b]`` sits.
-
-    The slots' keys and values live in the engine's page pool (:attr:`Engine.pool`), shared by every decode
-    state of the engine; which pages a slot holds is the engine's host-side record of this state, carried from
-    each call's state to the state it returns."""
+    """Every slot's next token to feed and its request. ``positions[b]`` is where ``tokens[b]`` sits. The keys
+    and values are in the engine's page pool (:attr:`Engine.pool`), not here."""
 
     tokens: jax.Array  # [B] int32
     positions: jax.Array  # [B] int32
@@ -110,8 +104,8 @@ class KVRows:
 
     Row ``i`` has written ``written[i]`` tokens to its cache (the position of its next token to feed, ``token[i]``)
     over ``pages[i]`` whole pages, which are its pages in ``k`` and ``v`` [L, K, M, P, d] after those of the rows
-    before it (M is a power of two: the pages past them are padding). ``sample_id``, ``seed`` and ``sampling``
-    are its sampling state (its keys depend on them and the position only)."""
+    before it (M a power of two; the rest is padding). ``sample_id``, ``seed`` and ``sampling`` are its
+    sampling state."""
 
     written: np.ndarray  # [n] int32
     pages: np.ndarray  # [n] int32

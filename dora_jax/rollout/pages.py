@@ -1,9 +1,6 @@
-"""Sizes and rules of a paged KV cache, shared by the engine's page book (:mod:`dora_jax.rollout.page_book`),
-the checks and the simulator: pages per token count, the banker's test, a pool planned for a config.
-
-A slot's page table lists the pages holding its tokens in order: token ``i`` sits in page
-``table[i // page_tokens]`` at row ``i % page_tokens``. :func:`plan_pool` sizes a pool for a config
-(``dora-jax check`` prints it next to the dense cache).
+"""Sizes and rules of a paged KV cache (pages per token count, the banker's test :func:`safe_to_grow`, a pool
+planned for a config with :func:`plan_pool`), shared by the engine's page book, the checks and the simulator.
+Token ``i`` of a slot sits in page ``table[i // page_tokens]`` at row ``i % page_tokens``.
 """
 
 from __future__ import annotations
@@ -43,8 +40,7 @@ class HeldPages:
 def safe_to_grow(free: int, need: Any, frees: Any) -> bool:
     """The banker's test for one resource: whether requests that may still take ``need[i]`` pages and free
     ``frees[i]`` for certain at their end can all reach their limits one after another from ``free`` free
-    pages, with no page taken back. Taken in order of need: any request that can finish may go first and
-    finishing only adds free pages, so this order finds a way through whenever there is one."""
+    pages (checked in order of need, which finds a way whenever there is one)."""
     need, frees = np.asarray(need, np.int64).reshape(-1), np.asarray(frees, np.int64).reshape(-1)
     if free < 0:
         return False

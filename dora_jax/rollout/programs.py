@@ -1,12 +1,8 @@
 """The device programs of the rollout engine (:class:`~dora_jax.rollout.engine.Engine`): prefill, insertion,
-decode steps over the page pool, and resizing, as pure functions of arrays that the engine jits.
+decode steps over the page pool, and resizing, as pure functions of arrays (:class:`DecodePrograms`) that the
+engine jits; no host state.
 
-They hold no host state: which pages a slot holds, when a request is admitted and what the host reads back are
-the engine's (:mod:`dora_jax.rollout.engine`, :mod:`dora_jax.rollout.page_book`). On a mesh spanning processes,
-every program keeps the decode state and the pool in one layout (:meth:`DecodePrograms.pin`), so donation reuses
-their buffers, and returns what the host reads replicated, so each process reads its own copy.
-
-Shape legend: B slots, T prompt bucket, S a prompt's cache length (prefill), W pages per table.
+Shapes: B slots, T prompt bucket, S a prompt's cache length (prefill), W pages per table.
 """
 
 from __future__ import annotations
@@ -85,8 +81,7 @@ class DecodePrograms:
 
     def pin(self, state: DecodeState) -> DecodeState:
         """A decode state in its layout on the mesh (as is without one): the same layout in and out of every
-        program, so donation reuses the buffers, no program reshards the cache, and the programs compiled at
-        warm-up are the ones every later call finds."""
+        program, so donation reuses the buffers and warm-up's programs are the ones later calls find."""
         if self.mesh is None:
             return state
 
@@ -104,8 +99,7 @@ class DecodePrograms:
         return jax.lax.with_sharding_constraint(pool, PagedKV(sharding, sharding))
 
     def readable(self, packed: jax.Array) -> jax.Array:
-        """Results the host reads, replicated on a mesh spanning processes: each process reads its own copy (an
-        array split across processes cannot be read by any one of them)."""
+        """Results the host reads, replicated on a mesh spanning processes (each process reads its own copy)."""
         if not self.spans_processes:
             return packed
         return jax.lax.with_sharding_constraint(packed, NamedSharding(self.mesh, PartitionSpec()))
@@ -192,13 +186,11 @@ class DecodePrograms:
         """Up to ``steps`` decode steps of several decode states in one ``lax.while_loop``.
 
         A slot is live in a step while it is active, has produced fewer tokens than its budget and has not
-        sampled one of its stop ids; only live slots advance (token, position) and report a token. A slot
-        that samples a stop id is marked inactive in the state it returns, so a later call dispatched before
-        its results are read produces nothing for it. A slot is freed when it stops, or when it produces its
-        budget's last token and ``final`` says that token ends its request. The loop ends after ``limit``
-        steps, when no slot is live, or after the step at which some state ``g`` with ``end_after[g] > 0``
-        has had that many slots freed. Only live slots write their entries to their pages (the others write
-        to scratch), so a slot's pages need cover only the tokens its budget lets it produce."""
+        sampled one of its stop ids; only live slots advance (token, position), report a token and write to
+        their pages (the others write to scratch). A slot that samples a stop id is inactive in the returned
+        state. A slot is freed when it stops, or when it produces its budget's last token and ``final`` says
+        that token ends its request. The loop ends after ``limit`` steps, when no slot is live, or after the
+        step at which some state ``g`` with ``end_after[g] > 0`` has had that many slots freed."""
         sizes = [st.tokens.shape[0] for st in states_seq]
         out0 = jnp.zeros((steps, sum(sizes), 5), jnp.int32)
         produced0 = tuple(jnp.zeros((n,), jnp.int32) for n in sizes)
@@ -261,7 +253,7 @@ _JITTED = (("prefill_batch", "prefill_batch", {}), ("shared_prefix", "shared_pre
 
 def jitted_programs(progs: DecodePrograms, dtype: str, jit: Callable[..., Any]) -> dict[str, Callable[..., Any]]:
     """Every program of ``progs`` jitted with ``jit``, by name; engines of equal programs and dtype in one process
-    get the same jitted functions, so a second engine traces, lowers and loads nothing its twin already has."""
+    get the same jitted functions."""
     # The class's own methods are part of the key: a method replaced on the class (a test's trace counter) gets
     # functions of its own.
     methods = tuple(getattr(DecodePrograms, m) for _, m, _ in _JITTED)
@@ -287,7 +279,7 @@ def scatter_pages(progs: DecodePrograms, pool: PagedKV, pages_m, k_m, v_m) -> Pa
 def page_copy_programs(progs: DecodePrograms) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """The jitted (gather, scatter) of whole pages that move requests between engines
     (:meth:`~dora_jax.rollout.engine.Engine.take_rows`, :meth:`~dora_jax.rollout.engine.Engine.put_rows`). Not in
-    the warm-up's catalog: a move is rare next to decode steps, and its page count (a power of two) varies."""
+    the warm-up's catalog."""
     return (serial_jit(functools.partial(gather_pages, progs)),
             serial_jit(functools.partial(scatter_pages, progs), donate_argnums=(0,)))
 

@@ -1,8 +1,5 @@
-"""The training batch: finished samples packed into padded arrays, checked before anything is traced.
-
-A row is one sample: prompt then response, right-padded. Shapes are bucketed so compilation is bounded: the
-length goes up to the next of ``TrainConfig.length_buckets`` and the row count to ``multiple * 2**k``
-(``multiple`` = micro-batches x data-parallel devices). Padding rows carry ``valid = False`` and weigh nothing.
+"""The training batch (:class:`TrainBatch`): finished samples in padded, bucketed arrays, one sample per row,
+made and checked by :func:`make_batch` before anything is traced. Layout and buckets: docs/trainer.md, 'The batch'.
 """
 
 from __future__ import annotations
@@ -58,12 +55,13 @@ def bucket_rows(n: int, multiple: int) -> int:
 
 def make_batch(samples: Sequence[Sample], *, group_size: int, length_buckets: Sequence[int],
                row_multiple: int = 1) -> TrainBatch:
-    """Packs samples into a :class:`TrainBatch` (host numpy arrays).
+    """Packs samples into a :class:`TrainBatch` (host numpy arrays): the length padded to the next of
+    ``length_buckets``, the row count to ``row_multiple * 2**k`` (padding rows have ``valid`` False).
 
     Raises:
-      BatchError: naming the sample or group at fault: log-probs that do not match the response, a group
-        that is not whole (every group must have exactly ``group_size`` samples in this batch), a
-        non-finite reward or log-prob, a negative version, a sample longer than the largest bucket.
+      BatchError: naming the sample or group at fault: an empty batch or prompt, log-probs that do not match
+        the response, a non-finite reward or log-prob, a negative version, a duplicate sample id, a group
+        without exactly ``group_size`` samples here, a sample longer than the largest bucket.
     """
     if not samples:
         raise BatchError("empty batch: no samples")

@@ -1,33 +1,11 @@
-"""GRPO-family objectives with a staleness mask and importance corrections, as pure functions of arrays.
+"""GRPO-family objectives with a staleness mask and importance corrections, as pure functions of arrays
+(:func:`group_advantages`, :func:`policy_loss`, :func:`token_logprobs`). Definitions: docs/trainer.md, 'Losses'
+and 'Off-policy corrections'.
 
-Shape letters: ``b`` batch rows (one sample each), ``t`` token positions, ``v`` vocabulary.
-
-Every per-token array is aligned with ``tokens_bt``: entry ``[b, t]`` is about token ``t`` of row ``b``, so
-``logprobs_bt[b, t] = log pi(tokens[b, t] | tokens[b, :t])`` and ``mask_bt`` marks the response tokens.
-
-The losses are written as sums over rows divided by normalizers of the *whole* batch (:class:`Normalizers`),
-so a micro-batch's loss is an exact share of the full loss and gradient accumulation over micro-batches gives
-the one-batch gradient.
-
-Definitions (``m`` response mask, ``k_b`` = 1 for a sample kept by the staleness bound, ``n_b`` its response
-length, ``A_b`` its advantage, ``pi`` current, ``mu`` behaviour, ``pi_prox`` the trainer's params at the start
-of the iteration, held fixed over its ``minibatches x epochs`` updates):
-
-* old log-probs: ``mu`` with correction ``none``; ``pi_prox`` otherwise (decoupled PPO: clip against the
-  proximal policy, reweight by ``pi_prox / mu``).
-* token ratio ``r_bt = pi / old``; sequence ratio (GSPO) ``s_b = exp(mean_t log(pi / old))``.
-* importance weight from ``delta = log pi_prox - log mu``: ``tis`` min(exp(delta), C); ``decoupled``
-  exp(delta), or 0 where it exceeds ``decoupled_cap`` if that is set (AReaL's filter); ``mis_token``
-  exp(delta) where it lies in [lo, hi], else 0; ``mis_seq`` the length-normalized sequence weight
-  exp(mean_t delta) where it lies in [lo, hi], else 0, applied to all the sequence's tokens.
-  GSPO always uses the sequence weight exp(mean_t delta) (truncated or masked the same way).
-* clipped surrogate ``l = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``, times the weight. With
-  ``clip_mode = "triple"`` (LongCat's three clips): ``A >= 0`` clips at ``1 + clip_pos_high``; ``A < 0`` clips
-  below at ``1 - clip_neg_low`` and takes ``l = -max(min(r A, clip(r, ...) A), clip_neg_high A)`` (dual clip).
-* aggregation: ``grpo`` and ``gspo`` mean over kept samples of the per-sample token mean; ``dapo`` mean over
-  all kept tokens; ``dr_grpo`` sum over kept tokens / (valid rows * max_response_tokens).
-* KL to a reference (k3): ``exp(ref - pi) - (ref - pi) - 1`` per token, aggregated like the loss (token mean
-  per sample for ``gspo``), times ``kl_coef``; never importance-weighted.
+Shapes: ``b`` batch rows (one sample each), ``t`` token positions, ``v`` vocabulary. Every per-token array is
+aligned with ``tokens_bt``: ``logprobs_bt[b, t] = log pi(tokens[b, t] | tokens[b, :t])``, and ``mask_bt`` marks
+the response tokens. Losses are sums over rows divided by the *whole* batch's :class:`Normalizers`, so
+micro-batch losses add up to the full loss.
 """
 
 from __future__ import annotations
@@ -57,14 +35,11 @@ def chunked_token_logprobs(hidden_btd: jax.Array, logits_fn, tokens_bt: jax.Arra
                            chunk: int = 0) -> jax.Array:
     """:func:`token_logprobs` of ``logits_fn(hidden_btd)``, computed ``chunk`` positions at a time.
 
-    ``logits_fn`` maps hidden states [B, c, D] to logits [B, c, V] (the final norm and the output head). The
-    chunks run in a ``lax.map`` under ``jax.checkpoint``, so neither the forward nor the backward pass holds
-    more than one chunk's [B, chunk, V] logits: the backward recomputes each chunk's logits and accumulates
-    the head's gradient over the chunks. ``chunk`` 0, or at least T, is the whole row at once.
+    ``logits_fn`` maps hidden states [B, c, D] to logits [B, c, V] (the final norm and the output head). Neither
+    pass holds more than one chunk's logits. ``chunk`` 0, or at least T, is the whole row at once.
 
     Raises:
-      ValueError: when ``chunk`` does not divide the row length T (``train.logprob_chunk`` is checked against
-        the length buckets at start-up).
+      ValueError: when ``chunk`` does not divide the row length T.
     """
     b, t = tokens_bt.shape
     if chunk <= 0 or chunk >= t:
@@ -197,7 +172,7 @@ class LossTerms(NamedTuple):
 def policy_loss(logp_bt: jax.Array, behaviour_bt: jax.Array, ref_bt: jax.Array, mask_bt: jax.Array,
                 advantages_b: jax.Array, keep_b: jax.Array, norms: Normalizers, cfg: TrainConfig,
                 prox_bt: jax.Array | None = None) -> LossTerms:
-    """The objective of ``cfg.loss`` with ``cfg.correction`` (see the module docstring). Differentiable in
+    """The objective of ``cfg.loss`` with ``cfg.correction`` (docs/trainer.md, 'Losses'). Differentiable in
     ``logp_bt``; everything else is data. Computes in ``logp_bt``'s dtype.
 
     ``prox_bt`` are the proximal policy's log-probs, taken with the weights at the start of the iteration (the
