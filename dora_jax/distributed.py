@@ -202,7 +202,7 @@ GATHER_TIMEOUT_S = 3600  # a process that never comes (a crash) stops the others
 
 def gather_decisions(obj: Any) -> list[Any]:
     """Every process's ``obj``, in process order, on every process: to check that a decision each process
-    took on its own is the same everywhere (and fail on every process at once when it is not).
+    took on its own is the same everywhere.
 
     ``obj`` must be JSON-serializable; entries are ``json.loads(json.dumps(obj))`` (also with one process).
     Every process must call it at the same point. The values go through the coordinator's key-value store, not

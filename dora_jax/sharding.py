@@ -184,10 +184,8 @@ def role_meshes(mesh_cfg: MeshConfig, roles: RolesConfig,
 
     ``shared``: one mesh of ``mesh_cfg`` over every device, for trainer and rollout alike. ``split``: the
     trainer's ``mesh_cfg`` mesh over the first ``roles.trainer_devices`` devices; the rest cut into
-    ``roles.rollout_groups`` equal consecutive groups, each a :func:`rollout_mesh_config` mesh.
-
-    Raises:
-      ConfigError: naming the roles field when the devices do not split that way.
+    ``roles.rollout_groups`` equal consecutive groups, each a :func:`rollout_mesh_config` mesh. Raises
+    ConfigError, naming the roles field, when the devices do not split that way.
     """
     devices = list(jax.devices() if devices is None else devices)
     if roles.placement == "shared":
@@ -318,11 +316,8 @@ def reshard(tree: Any, shardings: Any) -> tuple[Any, float]:
 
 def process_meshes(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> tuple[Mesh, ...]:
     """One ``mesh_cfg`` mesh per process over that process's devices among ``devices`` (default: all),
-    indexed by process index. Every process computes the same tuple.
-
-    Raises:
-      ConfigError: when a process's devices do not fit ``mesh_cfg`` (the process and its device count are named).
-    """
+    indexed by process index; every process computes the same tuple. ConfigError (naming the process and its
+    device count) when a process's devices do not fit ``mesh_cfg``."""
     devices = list(jax.devices() if devices is None else devices)
     out = []
     for p in range(jax.process_count()):
@@ -343,9 +338,7 @@ def process_role_meshes(mesh_cfg: MeshConfig, roles: RolesConfig, devices: Seque
     ``shared``: the trainer's ``mesh_cfg`` mesh spans every device and each process decodes on all of its own.
     ``split``: each process gives its first ``roles.trainer_devices / process_count`` devices to the trainer,
     whose mesh spans those of every process, and decodes on the rest (a :func:`rollout_mesh_config` mesh).
-
-    Raises:
-      ConfigError: naming the roles field when the devices do not split that way.
+    Raises ConfigError, naming the roles field, when the devices do not split that way.
     """
     devices = list(jax.devices() if devices is None else devices)
     rollout_cfg = rollout_mesh_config(roles)
@@ -374,9 +367,8 @@ class ProcessLocalCopy:
     """Makes each process's own copy of a tree whose arrays span every process's devices.
 
     ``local_shardings`` are this process's target shardings (a tree of NamedShardings on
-    ``meshes[jax.process_index()]``). The result's arrays live on this process's devices only. Device to
-    device, never through host memory (docs/scale.md, 'A training run under several processes'). Every process calls
-    it at the same point, with the same tree.
+    ``meshes[jax.process_index()]``); the result lives on this process's devices only, moved device to device
+    (docs/scale.md). Every process calls it at the same point, with the same tree.
     """
 
     def __init__(self, local_shardings: Any, meshes: Sequence[Mesh]):

@@ -208,14 +208,12 @@ def decode_forward(cfg: ModelConfig, p: dict, tokens_bt: jax.Array, positions_bt
     :func:`dora_jax.models.paged.decode_forward_paged`.
 
     Args:
-      cfg: the architecture; activations and the new cache entries are in ``cfg.compute_dtype`` (the rollout
-        engine passes its architecture with its own dtype).
-      p: ``Decoder.decode_params(fuse=...)``: the stacked layer params are scanned over.
+      cfg: the architecture; activations and the new cache entries are in ``cfg.compute_dtype``.
+      p: ``Decoder.decode_params(fuse=...)``.
       tokens_bt, positions_bt: int [B, T].
       cache: :class:`KVCache`; donate it to update it in place.
-      logits: return float32 logits [B, T, V]; else the final hidden states [B, T, D] (for
-        :func:`head_logits` on the rows that need it).
-      settings: how the cache is read (the rollout engine's :class:`DecodeSettings`).
+      logits: return float32 logits [B, T, V]; else the final hidden states [B, T, D].
+      settings: unused (the dense cache is read whole); accepted for the engine's calls.
 
     Returns:
       ``(logits or hidden states, new cache)``.
@@ -419,9 +417,7 @@ class Decoder(nnx.Module):
     def decode_params(self, fuse: bool = False) -> dict:
         """Everything :func:`decode_forward` needs: ``{"layers": stacked layer params, **head_params()}``.
 
-        Args:
-          fuse: fuse q|k|v and gate|up (:func:`fuse_layer_params`); do it once per set of weights
-            (``Engine.prepare_params``), not inside a step.
+        ``fuse``: fuse q|k|v and gate|up (:func:`fuse_layer_params`), once per set of weights, not in a step.
         """
         layers = self._layer_params()
         return {"layers": fuse_layer_params(layers) if fuse else layers, **self.head_params()}
@@ -440,7 +436,7 @@ class Decoder(nnx.Module):
           positions_bt: rotary positions; defaults to 0..T-1 per row. Packed rows restart them per segment.
           segment_ids_bt: tokens attend only within their own segment; 0 marks padding. Defaults to all 1.
           lora: low-rank adapters ``{param name: {"a": [L, in, r], "b": [L, r, out]}}`` added to those
-            projections on the activations (``dora_jax.trainer.lora``); the weights themselves are unchanged.
+            projections on the activations (``dora_jax.trainer.lora``).
           lora_scale: ``alpha / r`` for ``lora``.
           settings: remat policy and attention implementation (:class:`TrainSettings`).
           hidden: return the last layer's output instead of the logits.

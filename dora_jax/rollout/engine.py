@@ -251,10 +251,10 @@ class Engine:
       mesh: where params and the decode state live; rules: the logical axis rules that lay them out.
       dtype: the dtype weights are held and decode computes in (KV cache included); ``"auto"``: the model's
         ``compute_dtype``. settings: how decode reads the cache and how many steps a program runs.
-      page_tokens: tokens per KV page; num_pages: pages in the pool (default: every slot at its longest).
+      page_tokens: tokens per KV page; num_pages: pages in the pool (:attr:`pool`; default: every slot at its
+        longest).
 
-    The KV cache is one page pool (:attr:`pool`) shared by every decode state. Over several processes every
-    process makes the same calls.
+    Over several processes every process makes the same calls.
     """
 
     def __init__(self, model: Decoder, *, max_concurrent_decodes: int = 8, max_prefill_length: int = 256,
@@ -402,22 +402,19 @@ class Engine:
         """Up to ``steps`` decode steps of several decode states (one policy version each) in one program: one
         dispatch and one result transfer. States are donated; results are stacked in the order given.
 
-        A slot produces tokens until it samples one of its stop ids (reported; the slot is then inactive in the
-        returned state) or has produced its budget; a slot whose next token to feed is a stop id produces none.
-        A slot the page pool cannot serve safely gets a smaller budget now (it waits for pages).
+        A slot produces tokens until it samples one of its stop ids (it is then inactive in the returned state)
+        or has produced its budget (smaller when the page pool cannot serve it safely now).
 
         Args:
           params_seq: one :meth:`prepare_params` output per state.
-          steps: the most steps (compiled in: one program per value, so callers keep to a few).
+          steps: the most steps (compiled in: one program per value).
           budgets: per state, int [B]: the most tokens each slot may produce (0: none).
           stop_ids: per state, each slot's stop ids, or their :func:`~dora_jax.rollout.engine_api.stop_table`.
-          final: per state, bool [B]: the budget's last token ends the slot's request, so producing it frees the
-            slot. Default: none does.
+          final: per state, bool [B]: producing the budget's last token frees the slot (default: never).
           end_after: per state, end after the step at which this many of its slots have been freed (0: never).
           limit: run at most this many steps (<= ``steps``; default ``steps``).
-          filtered: ``False`` promises no slot uses top-k / top-p (the vocabulary sort is compiled out), ``True``
-            always filters, ``None`` decides on the device; the tokens are the same under every choice that keeps
-            the promise (:func:`~dora_jax.rollout.sampling.sample`).
+          filtered: ``False`` promises no slot uses top-k / top-p, ``True`` always filters, ``None`` decides on
+            the device; the tokens are the same under every choice that keeps the promise.
         """
         if len(params_seq) != len(states_seq):
             raise EngineError(f"generate_steps: {len(params_seq)} params for {len(states_seq)} decode states")

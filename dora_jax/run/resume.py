@@ -120,12 +120,8 @@ def check_later_metrics(metrics: dict[str, Any], cfg: Config) -> str | None:
 def unpack_run_state(policy: SchedulePolicy, run_state: dict[str, Any], where: Path,
                      cfg: Config) -> tuple[Scheduler, list[Sample], dict[str, Any]]:
     """The scheduler, finished samples and metrics position of a checkpoint's run state, with every sample
-    that was in flight moved back to pending (its generation was lost with the process).
-
-    Raises:
-      ResumeError: the run state is not one the runner wrote, its seeds differ from ``cfg``'s, or its
-        finished samples do not match its ledger (naming ``where``).
-    """
+    that was in flight moved back to pending. Raises ResumeError (naming ``where``) for a run state the runner
+    did not write, seeds other than ``cfg``'s, or finished samples that do not match the ledger."""
     where = Path(where) / "run_state.json"
     try:
         sched = Scheduler.from_state_dict(policy, run_state["scheduler"])
@@ -161,11 +157,8 @@ def count_lines(path: str | os.PathLike) -> int:
 
 
 def truncate_lines(path: str | os.PathLike, keep: int) -> int:
-    """Keeps the first ``keep`` lines of ``path``, atomically (one rename). Returns how many lines were dropped.
-
-    Raises:
-      ResumeError: the file holds fewer than ``keep`` complete lines (the checkpoint is newer than the file).
-    """
+    """Keeps the first ``keep`` lines of ``path``, atomically (one rename); returns how many were dropped.
+    Raises ResumeError when the file holds fewer than ``keep`` complete lines."""
     path = Path(path)
     if not path.exists():
         if keep:
@@ -281,12 +274,8 @@ class RunStore:
         return out
 
     def check_config(self) -> None:
-        """Refuses a directory whose checkpoints were written by another configuration.
-
-        Raises:
-          ResumeError: naming the checkpoint and every field that differs (or, when the checkpoint does not
-            record its config, both fingerprints).
-        """
+        """Raises ResumeError, naming the checkpoint and every field that differs (or both fingerprints), when
+        the directory's checkpoints were written by another configuration."""
         for path, meta in self._metas():
             if meta.get("fingerprint") == self.fingerprint:
                 continue
@@ -330,10 +319,7 @@ class RunStore:
 
     def restore(self, target: Any) -> Restored | None:
         """The newest good checkpoint (None when the directory has none); bad ones are skipped with a warning.
-
-        Raises:
-          ResumeError: checkpoints exist but another configuration wrote them, or none of them is usable.
-        """
+        Raises ResumeError when checkpoints exist but another configuration wrote them, or none is usable."""
         self.check_config()
         d = self.checkpoints.directory
         if d.is_dir() and not any(p.name.startswith("step_") and p.name[5:].isdigit() for p in d.iterdir()):
@@ -351,11 +337,8 @@ class RunStore:
         return found
 
     def restore_version(self, version: int, target: Any) -> Any:
-        """Version ``version``'s params from its snapshot, placed like ``target``.
-
-        Raises:
-          ResumeError: no usable snapshot of that version (the message lists the ones present).
-        """
+        """Version ``version``'s params from its snapshot, placed like ``target``; ResumeError (listing the
+        snapshots present) when there is no usable one."""
         try:
             return self.snapshots.restore(version, target)
         except CheckpointError as e:

@@ -59,9 +59,8 @@ class VersionStore:
       max_resident: hard cap on resident versions (K + 1 for staleness bound K).
       lora: the LoRA config when versions are adapters over ``base``; None for full parameters.
       base: the frozen base weights under LoRA (``TrainState.frozen``); copied once and shared.
-      shardings: where stored versions live (one ``Sharding`` or a tree matching the published params,
-        e.g. the rollout submesh's); default: where the published arrays are, or under LoRA replicated
-        over the base's mesh.
+      shardings: where stored versions live (one ``Sharding`` or a tree matching the published params);
+        default: where the published arrays are, or under LoRA replicated over the base's mesh.
       snapshots: snapshot every published version there (asynchronously).
     """
 
@@ -181,10 +180,7 @@ class VersionStore:
 
     def reinstate(self, version: int, params: Any, *, copy: bool = True) -> None:
         """Brings back an older version (from a snapshot, on resume) with refcount 0; no snapshot is written.
-
-        Raises:
-          VersionError: ``version`` is resident already, is not older than the newest, or the cap is full.
-        """
+        Raises VersionError if it is resident already, is not older than the newest, or the cap is full."""
         version = int(version)
         if version in self._versions:
             raise VersionError(f"reinstate of version {version}: it is already resident")
@@ -278,8 +274,7 @@ class Snapshots:
     Args:
       directory: where snapshots live (``v_00000012/``, plus ``base/`` under LoRA).
       fingerprint: the run's ``Config.fingerprint()``, recorded and checked on restore.
-      keep_last: newest versions kept (at least 1; keep it above K + 1 so a resume finds every version
-        still in flight).
+      keep_last: newest versions kept (at least 1; above K + 1 so a resume finds every version in flight).
       keep_every: also keep every version that is a multiple of this (0: none).
 
     Multi-host: every process calls ``save``; only process 0 deletes.

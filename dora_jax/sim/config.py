@@ -483,9 +483,6 @@ def parse_config(raw: Any, base_dir: str = ".") -> SimConfig:
         base_dir: directory relative paths in it (``costs.from_bench``, a ``jsonl`` length file) are resolved
             against: the config file's.
 
-    Returns:
-        The simulator setup.
-
     Raises:
         ConfigError: naming the dotted field, the bad value and what is allowed.
     """
@@ -504,11 +501,8 @@ def parse_config(raw: Any, base_dir: str = ".") -> SimConfig:
 
 
 def load_sim_config(path: str) -> SimConfig:
-    """Loads and validates ``path`` (a YAML file, or a shipped preset name such as ``sim_dora_paper``).
-
-    Raises:
-        ConfigError: the file cannot be found or read, or a value is bad (the message starts with the file).
-    """
+    """Loads and validates ``path`` (a YAML file, or a shipped preset name such as ``sim_dora_paper``); a
+    ConfigError starting with the file when it cannot be found or read, or a value is bad."""
     path = resolve_config_path(path)
     try:
         raw = load_yaml(path)

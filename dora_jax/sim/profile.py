@@ -1,22 +1,7 @@
 """A measured cost profile (``dora-jax bench profile --json OUT``): :func:`load_profile` reads and checks one,
 :func:`profile_costs` turns it into the cluster simulator's costs; :mod:`dora_jax.sim.local` takes the whole of
-it. What each field measures and how it is interpolated: docs/simulator.md, 'Measured cost profiles'.
-
-Format (JSON; every time in seconds)::
-
-    kind: "dora-jax cost profile", format: 1
-    workload: {slots, max_target_length, decode_steps, overlap, train_devices, ...}   # what was measured
-    decode: {versions: [..], batch: [..], kv: [..], step_s: [versions][batch][kv], dispatch_s, kv_reads: [..]}
-    prefill: {tokens: [..], seconds: [..]}, shared_prefix_s
-    calls: {resize_s, free_slot_s}
-    train: {tokens: [..], seconds: [..], host_s, dispatch_s}
-    publish_s
-    overlap: {rows: [..], decode_factor: [..], train_factor: [..]}
-    rewards: {latency_s, host_s}
-    update_host_s, iteration_host_s
-
-``decode.step_s[v][b][k]``: one device decode step of ``versions[v]`` versions with ``batch[b]`` rows each,
-reading ``kv[k]`` cache slots per row.
+it. The format, what each field measures and how it is interpolated: docs/simulator.md, 'Measured cost
+profiles'.
 """
 
 from __future__ import annotations
@@ -185,11 +170,8 @@ def _section(data: dict, key: str) -> dict:
 
 
 def parse_profile(data: Any, source: str = "") -> Profile:
-    """Checks a profile's JSON object and builds the :class:`Profile`.
-
-    Raises:
-      ProfileError: naming the first field that is missing or bad, its value and what it must be.
-    """
+    """Checks a profile's JSON object and builds the :class:`Profile`; ProfileError names the first field
+    that is missing or bad, its value and what it must be."""
     if not isinstance(data, dict):
         _bad("(top level)", type(data).__name__, "must be a JSON object written by 'dora-jax bench profile'")
     if data.get("kind") != KIND:

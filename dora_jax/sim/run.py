@@ -137,12 +137,8 @@ class Simulation:
     # -- the event loop ----------------------------------------------------------------------------------------
 
     def run(self, progress: bool, label: str) -> None:
-        """Runs events until every update is trained.
-
-        Raises:
-            SimulationError: no event is left before the run is done, samples are abandoned at the end, or the
-                ledger's invariants fail.
-        """
+        """Runs events until every update is trained; SimulationError when no event is left before the run is
+        done, samples are abandoned at the end, or the ledger's invariants fail."""
         bar = tqdm(total=self.total_updates, desc=label or self.mode, unit="update", disable=not progress,
                    leave=False)
         self.dispatch()

@@ -34,9 +34,7 @@ def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, tokens_bt: jax.
                       settings: TrainSettings = TrainSettings(), logprob_chunk: int = 0,
                       positions_bt: jax.Array | None = None) -> jax.Array:
     """The training forward's log-prob of every token given its prefix at the rollout's ``temperature``,
-    [B, T] float32 (column 0 is 0).
-
-    ``lora``: adapters applied on the activations. ``settings``: :class:`~dora_jax.models.decoder.TrainSettings`;
+    [B, T] float32 (column 0 is 0). ``settings``: :class:`~dora_jax.models.decoder.TrainSettings`;
     ``logprob_chunk`` > 0: head and log-softmax over that many positions at a time. ``positions_bt``: rotary
     positions (default ``0..T-1`` in every row)."""
     b, t = tokens_bt.shape
@@ -429,11 +427,8 @@ class Trainer:
         return self.cfg.train.micro_batches * self.data_parallel
 
     def put(self, batch: TrainBatch) -> TrainBatch:
-        """Checks a host batch and places it in the batch shardings.
-
-        Raises:
-          BatchError: on wrong shapes or values, or a row count the mesh and micro-batches cannot split.
-        """
+        """Checks a host batch and places it in the batch shardings; BatchError on wrong shapes or values, or
+        a row count the mesh and micro-batches cannot split."""
         check_batch(batch)
         rows = np.shape(batch.tokens)[0]
         if rows % self.row_multiple:
@@ -504,11 +499,8 @@ class Trainer:
 
     def with_recomputed_behaviour(self, batch: TrainBatch, params_of: Callable[[int], nnx.State] | Mapping[int, nnx.State]
                                   ) -> TrainBatch:
-        """The batch with ``recomputed_logprobs`` from the training forward on each row's own version.
-
-        ``params_of(version)`` returns that version's full parameters (resident or restored). Rows are
-        grouped by version and each group runs once, padded to a bucketed row count.
-        """
+        """The batch with ``recomputed_logprobs`` from the training forward on each row's own version;
+        ``params_of(version)`` returns that version's full parameters (resident or restored)."""
         get = params_of.__getitem__ if isinstance(params_of, Mapping) else params_of
         tokens, seg = np.asarray(batch.tokens), np.asarray(batch.segment_ids)
         versions, valid = np.asarray(batch.versions), np.asarray(batch.valid)
