@@ -31,10 +31,8 @@ def ids_array(ids: Any) -> np.ndarray:
 
 class PageBook:
     """``num_pages`` pages of ``page_tokens`` tokens over ``shards`` batch shards (each shard ``ceil(num_pages /
-    shards)`` of them, plus its scratch page), for slots of at most ``table_width`` pages.
-
-    Page ids here are within a shard's range without its scratch page: ``0 .. shard_pages - 2``. The tables the
-    device reads hold them + 1 (0 is the scratch page)."""
+    shards)`` of them, plus its scratch page), for slots of at most ``table_width`` pages. Page ids here are
+    ``0 .. shard_pages - 2`` within a shard; the device's tables hold them + 1 (0 is the scratch page)."""
 
     def __init__(self, num_pages: int, page_tokens: int, shards: int, table_width: int):
         for name, value in (("num_pages", num_pages), ("page_tokens", page_tokens), ("shards", shards),
@@ -235,12 +233,8 @@ class PageBook:
         """A request of ``prompt_tokens`` (written now) growing up to ``limit`` tokens, in ``shard``; with
         ``fork`` (a live record of the same shard), sharing its first ``fork_tokens`` tokens (whole pages); else
         with ``prefix`` (held in this shard by :meth:`hold_prefix`), sharing its pages. Returns its record.
-
-        Raises:
-          PageError: a request that could never fit (naming its pages and the pool's, or the table width), or
-            an inconsistent fork or head.
-          PoolFull: one that does not fit now (nothing changed).
-        """
+        Raises PageError for a request that could never fit or an inconsistent fork or head, PoolFull for one
+        that does not fit now (nothing changed)."""
         p, where = self.page_tokens, f" in batch shard {shard} of {self.shards}" if self.shards > 1 else ""
         if not 1 <= prompt_tokens <= limit:
             raise PageError(f"a request needs 1 <= prompt tokens ({prompt_tokens}) <= its limit ({limit})")
@@ -418,12 +412,10 @@ class _Rows:
 
 
 class StateRecords:
-    """The engine's records over its :class:`PageBook`, keyed by live decode state: which request each row
-    holds, and the pages each shared prefix holds per shard.
-
-    A decode state is known by its token array. Every engine call donates the state it is given and returns a
-    new one: :meth:`handoff` passes the record on. A state dropped without being passed on, and a shared prefix
-    no longer referenced, return their pages when they are garbage collected."""
+    """The engine's records over its :class:`PageBook`, keyed by live decode state (its token array): which
+    request each row holds, and the pages each shared prefix holds per shard. :meth:`handoff` passes a record
+    to the state a call returns; a state dropped without that, or an unreferenced prefix, returns its pages
+    when garbage collected."""
 
     def __init__(self, book: PageBook):
         self.book = book
