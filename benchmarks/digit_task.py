@@ -13,8 +13,9 @@ from flax import nnx
 
 from dora_jax.config import Config, MeshConfig, ModelConfig, TrainConfig
 from dora_jax.models.build import init_model
-from dora_jax.rollout.driver import Request, RolloutDriver
+from dora_jax.rollout.driver import RolloutDriver
 from dora_jax.rollout.engine import Engine, RequestSampling
+from dora_jax.rollout.samples import Request
 from dora_jax.sharding import create_mesh
 from dora_jax.trainer import Sample, Trainer, make_batch
 

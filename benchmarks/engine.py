@@ -119,8 +119,9 @@ def run_fixed_batch(engine, params, prompts, new_tokens: int = 128, shared_prefi
     Returns:
       ``(tokens/s, driver, trajectories by sample id)``.
     """
-    from dora_jax.rollout.driver import Request, RolloutDriver
+    from dora_jax.rollout.driver import RolloutDriver
     from dora_jax.rollout.engine import RequestSampling
+    from dora_jax.rollout.samples import Request
 
     d = RolloutDriver(engine, overlap=overlap, shared_prefix=shared_prefix, decode_steps=decode_steps)
     d.add_version(0, params)
@@ -136,13 +137,13 @@ def run_fixed_batch(engine, params, prompts, new_tokens: int = 128, shared_prefi
     return sum(len(t.tokens) for t in trajs) / seconds, d, sorted(trajs, key=lambda t: t.sample_id)
 
 
-def _per_dispatch(driver) -> dict[str, float]:
+def _per_dispatch(stats) -> dict[str, float]:
     """A driver's device decode steps per host dispatch: the mean over its run and the median dispatch."""
     import numpy as np
 
-    runs = [n for n, count in driver.dispatch_steps.items() for _ in range(count)]
-    steady = driver.steady_decode_steps_per_dispatch
-    return {"decode_steps_per_dispatch": driver.decode_steps_per_dispatch,
+    runs = [n for n, count in stats.dispatch_steps.items() for _ in range(count)]
+    steady = stats.steady_decode_steps_per_dispatch
+    return {"decode_steps_per_dispatch": stats.decode_steps_per_dispatch,
             "decode_steps_per_dispatch_median": float(np.median(runs)) if runs else 0.0,
             "decode_steps_per_dispatch_steady": steady}
 
@@ -212,8 +213,9 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     from dora_jax.config import load_config
     from dora_jax.models.decoder import DecodeSettings, resolve_attention_impl
     from dora_jax.models.weights import load_model
-    from dora_jax.rollout.driver import Request, RolloutDriver
+    from dora_jax.rollout.driver import RolloutDriver
     from dora_jax.rollout.engine import Engine, RequestSampling
+    from dora_jax.rollout.samples import Request
     from dora_jax.tokenizer import chat_template_head
     from tqdm.auto import tqdm
 
@@ -255,7 +257,7 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     hf_run = hf_generate_run(prompts[:batch], new_tokens, c.compute_dtype, out) if with_hf else None
     first = fixed_run()[1]  # compiles
     out["overlap"], out["decode_steps"] = first.overlap, first.decode_steps
-    out.update(_per_dispatch(first))
+    out.update(_per_dispatch(first.stats))
     runs = {"engine_tok_s": lambda: fixed_run()[0]}
     if hf_run is not None:
         runs["hf_tok_s"] = hf_run
@@ -334,13 +336,13 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
         _, seconds = timed(lambda: (d.run(reqs), d.block_until_ready()))
         if driver is not None:
             driver.append(d)
-        return sum(lengths) / seconds, d.slot_utilization
+        return sum(lengths) / seconds, d.stats.slot_utilization
 
     def static(prefix=head):
         d = RolloutDriver(eng2, compact=False, shared_prefix=prefix)
         d.add_version(0, params)
         _, seconds = timed(lambda: [d.run(reqs[i:i + tail_slots]) for i in range(0, len(reqs), tail_slots)])
-        return sum(lengths) / seconds, d.slot_utilization
+        return sum(lengths) / seconds, d.stats.slot_utilization
 
     continuous(), static()  # compile every capacity both use
     util: dict[str, float] = {}  # the same schedule every run: the utilization does not vary
@@ -413,7 +415,7 @@ def bench_engine(config: str = "smollm2_135m", batch: int = 32, new_tokens: int 
     # the configured rollout.decode_steps against one step per program; alternated, best of `rounds` each.
     tail: list[Any] = []
     continuous(decode_steps=1), continuous(driver=tail)  # compile the capacities the long tail reaches
-    out.update({f"tail_{k}": v for k, v in _per_dispatch(tail[-1]).items()})
+    out.update({f"tail_{k}": v for k, v in _per_dispatch(tail[-1].stats).items()})
     if out["decode_steps"] > 1:
         fixed_run(decode_steps=1)  # compile the one-step programs
         out.update(best_alternated({"one_step_tok_s": lambda: fixed_run(decode_steps=1)[0],
@@ -536,21 +538,22 @@ def measure_decode(eng, prepared, requests, warmup=None, prefix=()) -> dict[str,
     d, trajs, seconds = run(requests)
     compiles, eng.count_reads = compile_count() - before, False
     seconds -= eng.reads.seconds
-    host_s = d.host_s - eng.reads.seconds
+    host_s = d.stats.host_s - eng.reads.seconds
     prefill_s = run(firsts)[2]
     by_id = {r.sample_id: len(r.prompt_ids) for r in requests}
     tokens = [len(t.tokens) for t in trajs]
-    steps = max(d.steps, 1)
+    steps = max(d.stats.steps, 1)
     decode_s = max(seconds - prefill_s, 1e-9)
-    ratio = d.kv_bytes_ratio
+    ratio = d.stats.kv_bytes_ratio
     return {"requests": len(requests), "tokens": sum(tokens), "seconds": seconds, "prefill_only_seconds": prefill_s,
-            "tokens_per_s": sum(tokens) / seconds, "decode_steps": d.steps, "decode_step_ms": 1e3 * decode_s / steps,
+            "tokens_per_s": sum(tokens) / seconds, "decode_steps": d.stats.steps,
+            "decode_step_ms": 1e3 * decode_s / steps,
             "live_tokens_per_step": live_token_steps([by_id[t.sample_id] for t in trajs], tokens) / steps,
-            **_per_dispatch(d), "slot_utilization": d.slot_utilization,
+            **_per_dispatch(d.stats), "slot_utilization": d.stats.slot_utilization,
             "kv_bytes_ratio": None if ratio is None else float(ratio),
             "compiles_during_timing": compiles.compiles, "compile_cache_loads_during_timing": compiles.cache_loads,
-            "kv_read_ratio": eng.reads.ratio, "host_ms_per_dispatch": 1e3 * host_s / max(d.dispatches, 1),
-            "dispatches": d.dispatches}
+            "kv_read_ratio": eng.reads.ratio, "host_ms_per_dispatch": 1e3 * host_s / max(d.stats.dispatches, 1),
+            "dispatches": d.stats.dispatches}
 
 
 def _roofline(summary: dict[str, Any], weight_bytes: int, token_bytes: int, bw: float) -> None:
@@ -628,8 +631,8 @@ def bench_engine_accel(quick: bool = False, batches: tuple[int, ...] | None = No
     from dora_jax.config import ModelConfig, RolloutConfig
     from dora_jax.models.build import init_model
     from dora_jax.models.decoder import DecodeSettings, resolve_attention_impl
-    from dora_jax.rollout.driver import Request
     from dora_jax.rollout.engine import Engine, RequestSampling
+    from dora_jax.rollout.samples import Request
 
     prompt, max_out, p50 = prompt_tokens, max_new_tokens, median_new_tokens  # smaller only in tests
     batches = batches or (64, 256)
@@ -726,12 +729,12 @@ def profile_decode(eng, prepared, requests, out_dir: str, dispatches: int = 4) -
         d.submit(r)
     for _ in range(2):  # the first dispatch admits into every slot; the next one runs them all
         d.step()
-    before = d.steps
+    before = d.stats.steps
     with jax.profiler.trace(out_dir, create_perfetto_trace=True):
         for _ in range(dispatches):
             d.step()
         d.block_until_ready()
-    steps = max(d.steps - before, 1)
+    steps = max(d.stats.steps - before, 1)
     trace = json.load(gzip.open(sorted(glob.glob(f"{out_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]))
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     total, count = collections.defaultdict(float), collections.Counter()

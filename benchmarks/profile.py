@@ -66,8 +66,8 @@ def _sweep(engine: Any, params: Any, prompt: tuple[int, ...], head: tuple[int, .
            rows: int, last: int, steps: int | None = None) -> list[tuple[int, int, float]]:
     """``rows`` requests on each of ``versions`` versions, stepped together from the prompt to position ``last``:
     ``(first position read, device steps run, seconds)`` of every dispatch after the one that admitted them."""
-    from dora_jax.rollout.driver import Request
     from dora_jax.rollout.engine import RequestSampling
+    from dora_jax.rollout.samples import Request
 
     d = _driver(engine, head, overlap, steps)
     for v in range(versions):
@@ -79,10 +79,10 @@ def _sweep(engine: Any, params: Any, prompt: tuple[int, ...], head: tuple[int, .
                              sampling=sampling))
     d.step()  # admits, prefills and runs the first dispatch
     out = []
-    while len(prompt) + d.steps <= last:
-        pos, before = len(prompt) + d.steps, d.steps
+    while len(prompt) + d.stats.steps <= last:
+        pos, before = len(prompt) + d.stats.steps, d.stats.steps
         _, seconds = timed(d.step)
-        out.append((pos, d.steps - before, seconds))
+        out.append((pos, d.stats.steps - before, seconds))
     return out
 
 
@@ -140,8 +140,8 @@ def measure_admission(engine: Any, params: Any, prompt_of: Any, head: tuple[int,
     prompts prefilled in one program, their first tokens read, the group's decode state made and the requests
     inserted. Timed as the driver step that admits them, less that step's decode dispatch (from ``decode``'s
     grid); by padded prompt tokens (distinct prompts x the prompt bucket, as the engine pads them)."""
-    from dora_jax.rollout.driver import Request
     from dora_jax.rollout.engine import RequestSampling, bucket
+    from dora_jax.rollout.samples import Request
     from dora_jax.sim.profile import parse_profile
 
     grid = parse_profile(_skeleton(decode))
@@ -158,8 +158,8 @@ def measure_admission(engine: Any, params: Any, prompt_of: Any, head: tuple[int,
             for i in range(n * group):
                 d.submit(Request(i, prompts[i // group], version=0, max_new_tokens=64, sampling=sampling))
             _, seconds = timed(d.step)
-            first = d.steps * grid.decode_step(1, bucket(n * group, minimum=1), max(map(len, prompts))) + \
-                (grid.dispatch_s if d.steps else 0.0)
+            first = d.stats.steps * grid.decode_step(1, bucket(n * group, minimum=1), max(map(len, prompts))) + \
+                (grid.dispatch_s if d.stats.steps else 0.0)
             if r:
                 times[n].append(max(0.0, seconds - first - shared_s))
     skip = len(head)
@@ -291,8 +291,8 @@ def measure_overlap(engine: Any, params: Any, trainer: Any, state: Any, cfg: Any
     two buckets; every setting's figures; and the state."""
     import jax
 
-    from dora_jax.rollout.driver import Request
     from dora_jax.rollout.engine import RequestSampling
+    from dora_jax.rollout.samples import Request
     from dora_jax.trainer import make_batch
 
     from benchmarks.train import synthetic_samples
@@ -319,9 +319,9 @@ def measure_overlap(engine: Any, params: Any, trainer: Any, state: Any, cfg: Any
         """One full decode dispatch timed into ``out`` (a new driver first when the old one is done)."""
         if d.idle:
             d = fresh(n)
-        before = d.steps
+        before = d.stats.steps
         _, seconds = timed(d.step)
-        if d.steps - before == per_dispatch:
+        if d.stats.steps - before == per_dispatch:
             out.append(seconds)
         return d
 

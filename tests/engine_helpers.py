@@ -11,9 +11,9 @@ from flax import nnx
 
 from conftest import possible_draws
 from dora_jax.config import ModelConfig
-from dora_jax.rollout.driver import Request
 from dora_jax.rollout.engine import Engine, RequestSampling
 from dora_jax.rollout.programs import DecodePrograms
+from dora_jax.rollout.samples import Request
 
 CFG = ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=6, num_kv_heads=2,
                   head_dim=8, init_std=0.3, qkv_bias=True)

@@ -16,8 +16,9 @@ from flax import nnx
 
 from conftest import rel_err
 from dora_jax.models.decoder import DecodeSettings
-from dora_jax.rollout.driver import Request, RolloutDriver
+from dora_jax.rollout.driver import RolloutDriver
 from dora_jax.rollout.engine import Engine, EngineError, RequestSampling
+from dora_jax.rollout.samples import Request
 from engine_helpers import GREEDY, assert_same_trajectory, make_engine, make_requests, recompute, trace_limit
 
 
@@ -119,7 +120,7 @@ def test_compaction_utilization_and_bounded_compilation(models, monkeypatch, ste
     d = RolloutDriver(eng, decode_steps=steps)
     d.add_version(0, nnx.state(m0))
     d.run(make_requests(24, seed=9))
-    assert d.slot_utilization > 0.75
+    assert d.stats.slot_utilization > 0.75
     if steps == 1:  # the first workload reached every capacity: nothing new to compile
         limit(0)
     d.run(make_requests(24, seed=10))  # with several steps per program, at most the 4 programs in all
@@ -312,5 +313,5 @@ def test_host_time_counts_the_driver_work_and_leaves_out_cpu_spent_waiting_for_t
     driver = RolloutDriver(engine, decode_steps=8)
     driver.add_version(0, 0)
     driver.run([Request(i, (1, 2, 3), max_new_tokens=20) for i in range(6)])
-    assert driver.dispatches >= 3 and driver.wait_s >= 0.03 * driver.dispatches
-    assert 4.0 <= driver.host_ms_per_dispatch < 30.0
+    assert driver.stats.dispatches >= 3 and driver.stats.wait_s >= 0.03 * driver.stats.dispatches
+    assert 4.0 <= driver.stats.host_ms_per_dispatch < 30.0

@@ -15,8 +15,9 @@ import pytest
 from flax import nnx
 
 from conftest import rel_err
-from dora_jax.rollout.driver import Request, RolloutDriver
+from dora_jax.rollout.driver import RolloutDriver
 from dora_jax.rollout.engine import EngineError, RequestSampling
+from dora_jax.rollout.samples import Request
 from engine_helpers import GREEDY, assert_same_trajectory, make_engine, make_requests, recompute
 
 
@@ -80,9 +81,9 @@ def test_driver_with_a_shared_prefix_gives_the_same_trajectories(models, engine4
     distinct = {(r.version, r.prompt_ids) for r in reqs}
     whole = sum(len(p) for v, p in distinct)
     saved = sum(len(head) for r in continues) - 2 * len(head)  # each version prefilled the prefix once
-    assert drivers[(), False].prefilled_tokens == whole
-    assert drivers[head, False].prefilled_tokens == drivers[head, True].prefilled_tokens == whole - saved
-    assert all(d.prefill_rows == len(distinct) for d in drivers.values())
+    assert drivers[(), False].stats.prefilled_tokens == whole
+    assert drivers[head, False].stats.prefilled_tokens == drivers[head, True].stats.prefilled_tokens == whole - saved
+    assert all(d.stats.prefill_rows == len(distinct) for d in drivers.values())
     with pytest.raises(EngineError, match="shared_prefix of 32 tokens; it must be shorter than max_prefill_length"):
         RolloutDriver(engine4, shared_prefix=range(32))
 
@@ -114,9 +115,9 @@ def test_overlap_gives_the_same_trajectories(models, engine4, fuse):
     same = [assert_same_trajectory(runs[True][i], t, reqs[i], (m0, m1, m0)[t.version]) for i, t in runs[False].items()]
     off, on = drivers[False], drivers[True]
     for d, run in ((off, runs[False]), (on, runs[True])):
-        assert d.rows_live == sum(len(t.tokens) - 1 for t in run.values())
+        assert d.stats.rows_live == sum(len(t.tokens) - 1 for t in run.values())
     if all(same):  # (trajectories parted at a tie have rows of their own)
-        assert on.rows_computed >= off.rows_computed  # rows of finished trajectories computed once more
+        assert on.stats.rows_computed >= off.stats.rows_computed  # rows of finished trajectories computed once more
     assert on.idle and off.idle
 
 
@@ -154,7 +155,7 @@ def test_overlap_dispatches_the_next_step_before_reading_the_last(models, engine
         out = d.run(reqs)
         assert peak[0] == expect_peak, overlap
         assert outstanding[0] == 0  # every dispatched step was read: none was wasted at the end
-        assert d.steps == 9 and d.rows_computed == 4 * 9 and all(len(t.tokens) == 10 for t in out)
+        assert d.stats.steps == 9 and d.stats.rows_computed == 4 * 9 and all(len(t.tokens) == 10 for t in out)
 
     # Compaction between a step's dispatch and its read: two rows end at step 2 and the group shrinks from 4
     # slots to 2 while step 3 (dispatched with 4) is in flight; a row of step 3 ends, found in its new slot.
@@ -166,7 +167,7 @@ def test_overlap_dispatches_the_next_step_before_reading_the_last(models, engine
         d.add_version(0, nnx.state(m0))
         tokens[overlap] = {t.sample_id: t.tokens for t in d.run(reqs)}
         assert [len(tokens[overlap][i]) for i in range(4)] == list(lengths)
-        assert d.rows_live == sum(n - 1 for n in lengths)
+        assert d.stats.rows_live == sum(n - 1 for n in lengths)
     assert tokens[True] == tokens[False]
 
     # Requests that end at their first token (sampled at prefill): with overlap they are inserted and their
@@ -177,7 +178,7 @@ def test_overlap_dispatches_the_next_step_before_reading_the_last(models, engine
         d = RolloutDriver(eng, overlap=overlap, decode_steps=1)
         d.add_version(0, nnx.state(m0))
         firsts[overlap] = {t.sample_id: (t.tokens, t.finish_reason) for t in d.run(ones)}
-        assert d.idle and d.steps == 0 and d.rows_computed == 0
+        assert d.idle and d.stats.steps == 0 and d.stats.rows_computed == 0
     assert firsts[True] == firsts[False] and sorted(firsts[True]) == list(range(20, 26))
 
     # Admissions do not wait either: with overlap nothing is read back inside a launch (a request's first
@@ -220,7 +221,7 @@ def test_overlap_dispatches_the_next_step_before_reading_the_last(models, engine
     (t,) = d.run([Request(9, (5, 6, 7), max_new_tokens=10, sampling=GREEDY)])
     assert t.finish_reason == "eos" and t.tokens == probe.tokens[:probe.tokens.index(eos) + 1]
     # One dispatch past the eos, read back; it runs no step: the device stopped the row at its eos.
-    assert d.idle and outstanding[0] == 0 and d.dispatches == len(t.tokens) and d.steps == len(t.tokens) - 1
+    assert d.idle and outstanding[0] == 0 and d.stats.dispatches == len(t.tokens) and d.stats.steps == len(t.tokens) - 1
     # Its decode state goes with it (its params may share arrays with the model the test still holds).
     arrays = [weakref.ref(x) for x in jax.tree.leaves(d.decode_state(0))]
     d.remove_version(0)
@@ -248,7 +249,7 @@ def test_driver_groups_with_and_without_overlap(models, engine4):
         assert groups.overlap is overlap
         got = _staggered(groups, reqs)
         assert sorted(got) == list(range(10)) and groups.idle
-        assert all(d.rows_live > 0 for d in groups.drivers)  # both groups decoded
+        assert all(d.stats.rows_live > 0 for d in groups.drivers)  # both groups decoded
         for i, t in want.items():
             assert_same_trajectory(got[i], t, reqs[i], (m0, m1)[t.version])
 
@@ -274,12 +275,13 @@ def test_multi_step_decode_gives_the_tokens_of_one_step_per_program(models, engi
         for i, t in want.items():
             assert_same_trajectory(got[i], t, reqs[i], (m0, m1, m0)[t.version])
         d = drivers[key]
-        assert d.idle and d.rows_live == sum(len(t.tokens) - 1 for t in got.values())
-        assert d.rows_computed >= d.rows_live and d.batch_steps == d.steps  # one program per dispatch (fused)
+        assert d.idle and d.stats.rows_live == sum(len(t.tokens) - 1 for t in got.values())
+        s = d.stats
+        assert s.rows_computed >= s.rows_live and s.batch_steps == s.steps  # one program per dispatch (fused)
         assert d.in_flight() == {0: 0, 1: 0, 2: 0}  # no row of any version live or waiting
     one, many = drivers[1, False], drivers[8, False]
-    assert one.decode_steps_per_dispatch == 1 and one.steps == one.dispatches
-    assert many.decode_steps_per_dispatch > 2 and many.dispatches < one.dispatches / 2
+    assert one.stats.decode_steps_per_dispatch == 1 and one.stats.steps == one.stats.dispatches
+    assert many.stats.decode_steps_per_dispatch > 2 and many.stats.dispatches < one.stats.dispatches / 2
 
 
 def test_multi_step_decode_counts_and_admission(models, engine4, monkeypatch):
@@ -293,10 +295,11 @@ def test_multi_step_decode_counts_and_admission(models, engine4, monkeypatch):
         d.add_version(0, nnx.state(m0))
         out = d.run([Request(i, (3 + i, 7, 9), max_new_tokens=10, sampling=GREEDY) for i in range(4)])
         assert all(len(t.tokens) == 10 for t in out)
-        assert (d.steps, d.dispatches, d.batch_steps, d.rows_computed, d.rows_live) == (9, 3, 9, 4 * 9, 4 * 9)
-        assert d.decode_steps_per_dispatch == 3
+        s = d.stats
+        assert (s.steps, s.dispatches, s.batch_steps, s.rows_computed, s.rows_live) == (9, 3, 9, 4 * 9, 4 * 9)
+        assert d.stats.decode_steps_per_dispatch == 3
         # The steady state: the two whole programs of every slot; the drain's last step is not counted.
-        assert (d.steady_dispatches, d.steady_decode_steps_per_dispatch) == (2, 4)
+        assert (d.stats.steady_dispatches, d.stats.steady_decode_steps_per_dispatch) == (2, 4)
 
     ran = []
     generate_steps = engine4.generate_steps
@@ -353,7 +356,7 @@ def test_multi_step_decode_counts_and_admission(models, engine4, monkeypatch):
         d = RolloutDriver(engine4, decode_steps=steps)
         d.add_version(0, nnx.state(m0))
         d.run(reqs)
-        computed[steps] = d.rows_computed
+        computed[steps] = d.stats.rows_computed
     assert [(end, r.steps_run()) for end, r in ran[:2]] == [([2], 3), ([1], 8)]
     assert computed[8] == computed[1] == 3 * 4 + 16 * 2
 

@@ -81,7 +81,8 @@ def test_a_request_moved_partway_finishes_with_the_tokens_it_gives_unmoved(engin
     assert sorted(t.sample_id for t in out) == list(range(6))
     for t in out:
         assert_close(t, want[t.sample_id])
-    assert a.prefill_rows + b.prefill_rows == len({r.prompt_ids for r in reqs}) and b.prefill_rows == 0
+    assert a.stats.prefill_rows + b.stats.prefill_rows == len({r.prompt_ids for r in reqs})
+    assert b.stats.prefill_rows == 0
     for e in engines:
         e.book.check()
 
@@ -116,14 +117,14 @@ def test_version_groups_move_a_busy_group_or_wait_when_the_move_does_not_fit(eng
     assert plan.moves == (Move(0, 1, 0, 2),) and plan.versions == (1, 0) and not plan.drain
     assert groups.apply(plan, lambda g, v: weights[v]) == [0] and groups.serving == [1, 0]
     assert groups.moved_requests == 2 and groups.moved_kv_bytes > 0 and groups.draining == set()
-    assert [groups.group_in_flight(i) for i in (0, 1)] == [0, 4] and groups.max_held == 1
+    assert [groups.group_in_flight(i) for i in (0, 1)] == [0, 4] and groups.stats.max_held == 1
     out += groups.run(later)
     assert sorted(t.sample_id for t in out) == list(range(12))
     for t in out:
         assert t.version == want[t.sample_id].version
         assert_close(t, want[t.sample_id])
     # The prompts of each admission are distinct: each request was prefilled once, and the moves added none.
-    assert sum(d.prefill_rows for d in groups.drivers) == len(reqs + later)
+    assert sum(d.stats.prefill_rows for d in groups.drivers) == len(reqs + later)
     for e in engines:
         e.book.check()
 

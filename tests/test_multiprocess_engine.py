@@ -42,8 +42,9 @@ _WORKER = textwrap.dedent("""
     from jax.experimental import multihost_utils
     from dora_jax.config import DEFAULT_RULES, MeshConfig, load_config
     from dora_jax.models.build import abstract_model, init_model, state_shardings
-    from dora_jax.rollout.driver import Request, RolloutDriver
+    from dora_jax.rollout.driver import RolloutDriver
     from dora_jax.rollout.engine import Engine, EngineError, RequestSampling
+    from dora_jax.rollout.samples import Request
     from dora_jax.sharding import create_mesh, reshard
 
     out = sys.argv[1]

@@ -12,9 +12,10 @@ from dora_jax.config import ConfigError, ModelConfig, RolloutConfig
 from dora_jax.models.build import init_model
 from dora_jax.kernels.paged_attention import reference_paged_attention
 from dora_jax.models.paged import live_block_pages, sharded_live_attention, sharded_live_plan, write_pages
-from dora_jax.rollout.driver import Request, RolloutDriver
+from dora_jax.rollout.driver import RolloutDriver
 from dora_jax.rollout.engine import Engine, EngineError, RequestSampling
 from dora_jax.rollout.pages import pages_for
+from dora_jax.rollout.samples import Request
 from engine_helpers import prefill_one, step_rows
 
 CFG = ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=6, num_kv_heads=2,
@@ -111,7 +112,7 @@ def test_a_short_pool_makes_requests_and_slots_wait_never_evicts(model):
             most = max(most, d.live_rows)
             assert eng.pages_held <= eng.num_pages
         assert eng.pages_held == 0
-        return {t.sample_id: t for t in out}, most, d.page_waits
+        return {t.sample_id: t for t in out}, most, d.stats.page_waits
 
     roomy, most_roomy, waits_roomy = run(12)
     assert (most_roomy, waits_roomy) == (4, 0)

@@ -17,9 +17,10 @@ from flax import nnx
 from dora_jax.config import ModelConfig
 from dora_jax.models.build import init_model
 from dora_jax.models.decoder import DecodeSettings
-from dora_jax.rollout.driver import Request, RolloutDriver
+from dora_jax.rollout.driver import RolloutDriver
 from dora_jax.rollout.groups import DriverGroups
 from dora_jax.rollout.engine import Engine, RequestSampling
+from dora_jax.rollout.samples import Request
 from dora_jax.run.residency import Residency
 from dora_jax.run.versions import VersionError
 
@@ -119,9 +120,9 @@ def test_driver_groups_report_the_fullest_group():
     groups = DriverGroups([a, b])
     groups.add_version(0, [params(0), params(0)])
     a.add_version(1, params(1))  # one group alone holds two
-    assert groups.held() == [0, 1] and groups.max_held == 2
+    assert groups.held() == [0, 1] and groups.stats.max_held == 2
     groups.add_version(2, [params(2), params(2)])
-    assert groups.max_held == 3 and b.max_held == 2
+    assert groups.stats.max_held == 3 and b.stats.max_held == 2
 
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
@@ -151,7 +152,7 @@ def test_a_removed_version_leaves_the_devices_while_a_step_that_used_it_is_in_fl
     in_flight = d.results_in_flight(0)
     assert in_flight, "the scenario needs a step in flight that computes a row of version 0"
     weights = [weakref.ref(x) for x in jax.tree.leaves(d.params(0))]
-    assert d.held() == [0, 1] and d.max_held == 2
+    assert d.held() == [0, 1] and d.stats.max_held == 2
     d.remove_version(0)
     assert all(r.is_ready() for r in in_flight)
     assert d.held() == [1]
@@ -159,4 +160,4 @@ def test_a_removed_version_leaves_the_devices_while_a_step_that_used_it_is_in_fl
     assert all(w() is None for w in weights)  # no copy of version 0 left (the step in flight kept none)
     while not d.idle:
         done += d.step()
-    assert sorted(t.sample_id for t in done) == [0, 1] and d.max_held == 2
+    assert sorted(t.sample_id for t in done) == [0, 1] and d.stats.max_held == 2

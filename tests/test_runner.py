@@ -97,7 +97,7 @@ def test_each_mode_keeps_the_promises(tmp_path, request, published, mode, k, rbs
                 assert all(set(x.sharding.device_set) <= devices for x in jax.tree.leaves(params))
         assert summary["sync_s"] > 0
     if placement == "split2":  # two engines, both decoded: the work was shared
-        assert len(runner.engines) == 2 and all(d.rows_live > 0 for d in runner.driver.drivers)
+        assert len(runner.engines) == 2 and all(d.stats.rows_live > 0 for d in runner.driver.drivers)
     bound = {"sync": 0, "one_step_off": 1}.get(mode, k)
     assert summary["steps"] == 4 and summary["samples"] == 32
     assert summary["max_resident_versions"] <= bound + 1

@@ -190,7 +190,8 @@ def test_a_profile_file_that_is_not_one_is_refused(tmp_path):
 def test_waiting_requests_are_admitted_together_once_a_thirty_second_of_the_slots_is_free(slots, waiting, expect):
     """While requests wait for a slot, a program of several steps ends once 1/32 of the engine's slots have been
     freed (at least one, at most the requests waiting), so they are admitted together."""
-    from dora_jax.rollout.driver import Request, RolloutDriver
+    from dora_jax.rollout.driver import RolloutDriver
+    from dora_jax.rollout.samples import Request
     from dora_jax.sim.local import Clock, TimedEngine
 
     engine = TimedEngine(parse_profile(synthetic()), Clock(), slots=slots, max_prefill_length=8,

@@ -67,8 +67,10 @@ def test_engine_greedy_with_staggered_inserts_matches_transformers(reference, ou
     transformers' greedy continuation of that prompt alone."""
     from flax import nnx
 
-    from dora_jax.rollout.driver import Request, RolloutDriver
+    from dora_jax.rollout.driver import RolloutDriver
+
     from dora_jax.rollout.engine import Engine, RequestSampling
+    from dora_jax.rollout.samples import Request
 
     _, ref_model = reference
     model, tok = ours

@@ -18,8 +18,9 @@ from benchmarks.digit_task import GREEDY_AT_LEAST, LEARNING_RATE, REWARD_AT_LEAS
 from conftest import rel_err
 from dora_jax.config import Config, ConfigError, MeshConfig, ModelConfig, TrainConfig, LoraConfig, load_config
 from dora_jax.models.build import init_model
-from dora_jax.rollout.driver import Request, RolloutDriver
+from dora_jax.rollout.driver import RolloutDriver
 from dora_jax.rollout.engine import Engine, RequestSampling
+from dora_jax.rollout.samples import Request
 from dora_jax.sharding import create_mesh
 from dora_jax.trainer import BatchError, Sample, Trainer, make_batch
 from dora_jax.trainer.lora import TARGETS

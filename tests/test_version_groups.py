@@ -22,9 +22,10 @@ from dora_jax.config import load_config
 from dora_jax.dora.balancer import Move, Plan
 from dora_jax.dora.ledger import Ledger
 from dora_jax.models.decoder import DecodeSettings
-from dora_jax.rollout.driver import Request, RolloutDriver
+from dora_jax.rollout.driver import RolloutDriver
 from dora_jax.rollout.engine import EngineError, RequestSampling
 from dora_jax.rollout.groups import VersionGroups
+from dora_jax.rollout.samples import Request
 from dora_jax.run import Placement, Runner
 from dora_jax.run.balancing import GroupBalancing
 from dora_jax.run.evaluation import EVAL_IDS
@@ -92,7 +93,7 @@ def test_version_groups_decode_each_request_with_the_version_of_its_group(models
     out += groups.run()
     assert sorted(t.sample_id for t in out) == list(range(12))
     assert loads == [(0, 0, []), (1, 0, []), (1, 1, [])]  # group 1 dropped version 0 before loading version 1
-    assert groups.max_held == 1 and all(d.max_held == 1 for d in groups.drivers)
+    assert groups.stats.max_held == 1 and all(d.stats.max_held == 1 for d in groups.drivers)
     assert groups.max_versions == 2 and groups.held() == [0, 1] and groups.loads == [1, 2]
     want = {}
     for v, reqs in ((0, first), (1, later)):  # one version each, as the groups hold them
@@ -166,7 +167,7 @@ def test_balancing_drains_a_busy_group_and_gives_it_the_waiting_version_once_emp
     bal.rebalance({1: 8})
     assert groups.serving == [0, 0, 1] and groups.draining == set() and groups.free_slots(1) == 4
     assert events[-1] == ("move", 2, 1, [])  # version 0 left group 2 before version 1 was copied there
-    assert groups.max_held == 1 and groups.max_versions == 2 and res.rollout_max_resident == 2
+    assert groups.stats.max_held == 1 and groups.max_versions == 2 and res.rollout_max_resident == 2
     report = bal.report()
     assert report["drains"] == 1 and report["loads"] == 4 and report["versions"] == [0, 0, 1]
     assert report["decisions"][1] == "version 1 published: version 1 has work and no group; draining [2]"
@@ -225,7 +226,7 @@ def test_a_dora_run_at_one_version_per_group_keeps_the_promises(tmp_path, placem
     assert {s for _, s, _ in submitted if s < EVAL_IDS} >= {r["sample_id"] for r in rows if r["version"] > 0}
     assert len([s for _, s, _ in submitted if s >= EVAL_IDS]) == cfg.task.eval_size  # version 2's, in its groups
 
-    assert [d.max_held for d in groups.drivers] == [1, 1, 1] and summary["max_versions_per_group"] == 1
+    assert [d.stats.max_held for d in groups.drivers] == [1, 1, 1] and summary["max_versions_per_group"] == 1
     assert 2 <= groups.max_versions <= summary["max_resident_versions"] <= 3
     assert loads and all(held == [] for _, _, held in loads)  # old weights gone before new ones load
     assert any(v > 0 for _, v, _ in loads)  # every group started on version 0: a group changed version

@@ -24,8 +24,9 @@ from benchmarks.timing import alternated, timed
 from dora_jax.config import load_config
 from dora_jax.models.decoder import DecodeSettings
 from dora_jax.models.weights import load_model
-from dora_jax.rollout.driver import Request, RolloutDriver
+from dora_jax.rollout.driver import RolloutDriver
 from dora_jax.rollout.engine import Engine, RequestSampling, bucket
+from dora_jax.rollout.samples import Request
 from dora_jax.tokenizer import chat_template_head
 
 CONFIG = sys.argv[1] if len(sys.argv) > 1 else "smollm2_arith"
@@ -71,7 +72,7 @@ for name, n in (("requests = slots", r.slots), ("requests = 2 x slots", 2 * r.sl
     print(f"{name}: {N} steps per program {many:.1f} tokens/s, one {one:.1f} tokens/s, {many / one:.2f}x "
           f"(runs: {[round(x, 1) for x in seen['many']]} / {[round(x, 1) for x in seen['one']]})", flush=True)
     for steps in (1, N):
-        d = run.last[steps][0]
+        d = run.last[steps][0].stats
         print(f"  decode_steps={steps}: {d.steps} steps in {d.dispatches} dispatches "
               f"({d.decode_steps_per_dispatch:.2f} per dispatch), {d.rows_computed} rows computed, "
               f"{d.rows_live} live", flush=True)

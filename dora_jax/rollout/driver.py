@@ -40,10 +40,12 @@ from typing import Any, Iterable, Sequence
 import jax
 import numpy as np
 
-from dora_jax.rollout.engine import (Engine, EngineError, KVRows, RequestSampling, SharedPrefix, bucket, prompt_rows,
+from dora_jax.rollout.engine import (Engine, EngineError, KVRows, SharedPrefix, bucket, prompt_rows,
                                      resolve_decode_steps)
 from dora_jax.rollout.engine_api import RolloutEngine, continues
+from dora_jax.rollout.samples import Request, Trajectory
 from dora_jax.rollout.sampling import needs_filter
+from dora_jax.rollout.stats import DriverStats
 
 
 # While requests wait for a slot, a program of several steps ends once this fraction of the engine's slots
@@ -51,31 +53,6 @@ from dora_jax.rollout.sampling import needs_filter
 # prefill for several requests and programs that run most of their steps, for at most a few steps' wait of the
 # freed slots. An engine of fewer than 2N slots admits at every freed slot.
 ADMIT_SLOTS_FRACTION = 32
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    sample_id: int
-    prompt_ids: tuple[int, ...]
-    version: int = 0
-    max_new_tokens: int = 64
-    sampling: RequestSampling = RequestSampling()
-    stop_ids: tuple[int, ...] = ()
-
-
-@dataclasses.dataclass
-class Trajectory:
-    """A finished sample: every token and log-prob comes from ``version``."""
-
-    sample_id: int
-    version: int
-    prompt_ids: list[int]
-    tokens: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "eos" | "stop" | "length"
-    submitted_s: float
-    started_s: float
-    finished_s: float
 
 
 @dataclasses.dataclass(eq=False)  # compared by identity: a row is found again after resizes
@@ -216,31 +193,7 @@ class RolloutDriver:
         # before each step): as with requests pending here, a program of several steps ends at the first step
         # that frees a slot, so the caller can fill it.
         self.waiting_outside = False
-        self.rows_computed = 0  # rows of every decode step run (live, finished in flight, or empty)
-        self.rows_live = 0  # rows that produced a token of a live trajectory
-        self.steps = 0  # decode steps run by the programs read back (a program of N steps counts those it ran)
-        self.dispatches = 0  # decode dispatches read back (one per launch that decoded, however many programs)
-        self.dispatch_steps: collections.Counter[int] = collections.Counter()  # dispatches by decode steps run
-        # The same two counts over the steady state's dispatches (steady_decode_steps_per_dispatch).
-        self.steady_steps = 0
-        self.steady_dispatches = 0
-        # Decode batch-steps: one per device decode program step, however many versions it fuses (several
-        # versions stepped by separate programs count one each). The device-independent cost of decoding.
-        self.batch_steps = 0
-        self.prefill_rows = 0  # distinct prompts prefilled (a GRPO group's members count once)
-        self.prefilled_tokens = 0  # prompt tokens run through prefill (shared prefixes once per version)
-        self.max_held = 0  # the most versions held at once (held()), counted at every load and step dispatched
-        # The KV cache's pages against its live tokens in the steady state (every slot live), summed over the
-        # dispatches: kv_bytes_ratio.
-        self.kv_page_tokens = 0
-        self.kv_live_tokens = 0
-        self.page_waits = 0  # dispatches of a live row cut short, or to nothing, to wait for KV pages
-        self._kv_steady = False  # kv_bytes_ratio counts the steady state only, from its first dispatch
-        # The driver thread's CPU time dispatching and reading back programs (host_ms_per_dispatch), and the
-        # wall time it waited for the device.
-        self.host_s = 0.0
-        self.wait_s = 0.0
-        self._wait_cpu_s = 0.0  # the thread's CPU time inside those waits, left out of host_s
+        self.stats = DriverStats()  # counters and the figures derived from them (rollout/stats.py)
 
     # -- versions -------------------------------------------------------------------------------------------
 
@@ -289,11 +242,15 @@ class RolloutDriver:
         return sorted({g.version for g in groups if g.params is not None})
 
     def _count_held(self) -> None:
-        self.max_held = max(self.max_held, len(self.held()))
+        self.stats.max_held = max(self.stats.max_held, len(self.held()))
 
     @property
     def versions(self) -> list[int]:
         return sorted(self._groups)
+
+    def restore_stats(self, counters: dict[str, int]) -> None:
+        """Continues a resumed run's counters (:data:`~dora_jax.rollout.stats.RESUMED`)."""
+        self.stats.restore(counters)
 
     def in_flight(self) -> dict[int, int]:
         """Live plus pending trajectories per version."""
@@ -327,24 +284,14 @@ class RolloutDriver:
         """Pages the request holds at its longest (its prompt's sharing with its group aside)."""
         return self.engine.pages_needed(len(request.prompt_ids) + request.max_new_tokens)
 
-    @property
-    def kv_bytes_ratio(self) -> float | None:
-        """KV cache bytes held against the live tokens' own KV bytes, in the steady state (every slot live;
-        all dispatches when it never was): pages held by live slots (a group's shared prompt pages once) times
-        page bytes, over live tokens (prompt, tokens produced and in flight) times one token's bytes."""
-        return self.kv_page_tokens / self.kv_live_tokens if self.kv_live_tokens else None
-
     def _count_kv(self) -> None:
         held = self.engine.pages_held
         if held is None:
             return
-        steady = self.live_rows == self.engine.max_concurrent_decodes
-        if steady and not self._kv_steady:  # the first steady sample: drop what came before
-            self._kv_steady, self.kv_page_tokens, self.kv_live_tokens = True, 0, 0
-        if steady or not self._kv_steady:
-            lives = [s for g in self._groups.values() for s in g.slots if s is not None]
-            self.kv_page_tokens += held * self.engine.page_tokens
-            self.kv_live_tokens += sum(len(s.request.prompt_ids) + len(s.tokens) + s.in_flight for s in lives)
+        lives = [s for g in self._groups.values() for s in g.slots if s is not None]
+        self.stats.count_kv(held * self.engine.page_tokens,
+                            sum(len(s.request.prompt_ids) + len(s.tokens) + s.in_flight for s in lives),
+                            steady=self.live_rows == self.engine.max_concurrent_decodes)
 
     @property
     def live_rows(self) -> int:
@@ -362,22 +309,6 @@ class RolloutDriver:
         jax.block_until_ready([g.state for g in self._groups.values() if g.state is not None]
                               + [r.data for x in self._launched for r in x.results]
                               + [first.data for x in self._launched for first, _ in x.admitted])
-
-    @property
-    def slot_utilization(self) -> float:
-        return self.rows_live / max(self.rows_computed, 1)
-
-    @property
-    def steady_decode_steps_per_dispatch(self) -> float | None:
-        """:attr:`decode_steps_per_dispatch` over the programs dispatched while every slot was live and could run
-        the whole program (None if none was): the programs of a run's drain are not counted."""
-        return self.steady_steps / self.steady_dispatches if self.steady_dispatches else None
-
-    @property
-    def decode_steps_per_dispatch(self) -> float:
-        """Device decode steps per host dispatch so far, the mean (1 with ``decode_steps=1``; at most
-        ``decode_steps``). :attr:`dispatch_steps` counts the dispatches by the steps each ran."""
-        return self.steps / max(self.dispatches, 1)
 
     # -- moving requests to another driver ------------------------------------------------------------------
 
@@ -519,7 +450,7 @@ class RolloutDriver:
             if after and g.prefix is None:
                 g.prefix = self.engine.prefill_shared_prefix(params=g.params, tokens=self.shared_prefix,
                                                              version=version)
-                self.prefilled_tokens += n
+                self.stats.prefilled_tokens += n
             for chunk in self.prefill_chunks(whole):
                 self._prefill_and_insert(g, chunk, done, admitted, None)
             for chunk in self.prefill_chunks(after, skip=n):
@@ -580,8 +511,8 @@ class RolloutDriver:
                                                  samplings=[r.sampling for r in requests], shared_prefix=prefix)
         distinct = {r.prompt_ids for r in requests}
         skip = 0 if prefix is None else len(prefix.tokens)
-        self.prefill_rows += len(distinct)
-        self.prefilled_tokens += sum(len(p) - skip for p in distinct)
+        self.stats.prefill_rows += len(distinct)
+        self.stats.prefilled_tokens += sum(len(p) - skip for p in distinct)
         lives: list[_Live | None] = []
         if self.overlap:
             # Reading the first tokens now would wait for the step in flight (one device stream): insert every
@@ -590,7 +521,7 @@ class RolloutDriver:
                      for request, submitted in chunk]
             admitted.append((first, list(lives)))
         else:
-            self._ready(first.data)
+            self.stats.wait(first.data)
             cols = first.to_host().columns()
             for i, (request, submitted) in enumerate(chunk):
                 live = _Live(request, [int(cols["token"][i])], [float(cols["logprob"][i])], submitted, started,
@@ -644,46 +575,23 @@ class RolloutDriver:
     def dispatch(self) -> None:
         """The first half of :meth:`step`: admits and dispatches a decode step (:meth:`launch`), queued for
         :meth:`harvest`. Drivers on other devices can dispatch theirs before any result is read."""
-        start, waited = time.thread_time(), self._wait_cpu_s
-        self._launched.append(self.launch())
-        self._count_held()
-        self._count_host(start, waited)
-
-    def _count_host(self, start: float, waited: float) -> None:
-        """Adds the driver thread's CPU time since ``start`` to ``host_s``, less what it spent waiting for the
-        device since ``_wait_cpu_s`` was ``waited``."""
-        self.host_s += time.thread_time() - start - (self._wait_cpu_s - waited)
-
-    def _ready(self, data: Any) -> None:
-        """Waits for a program's results before the host reads them, counted apart from host time: its wall time
-        as ``wait_s``, and the thread's CPU time while it waits (the runtime may spin before it sleeps) apart
-        from ``host_s``."""
-        start, cpu = time.perf_counter(), time.thread_time()
-        jax.block_until_ready(data)
-        self._wait_cpu_s += time.thread_time() - cpu
-        self.wait_s += time.perf_counter() - start
-
-    @property
-    def host_ms_per_dispatch(self) -> float | None:
-        """Host milliseconds per decode dispatch (admission, bookkeeping, dispatch and reading results back): the
-        driver thread's CPU time, so device waits are left out, and so is the time the OS gives other threads
-        (on a CPU backend the device's own threads run on the same cores)."""
-        return 1e3 * self.host_s / self.dispatches if self.dispatches else None
+        with self.stats.host_time():
+            self._launched.append(self.launch())
+            self._count_held()
 
     def harvest(self) -> list[Trajectory]:
         """The second half of :meth:`step`: reads back the oldest dispatched step (without ``overlap``: the one
         just dispatched; with it: the one before, while the newest runs) and returns what finished."""
-        start, waited = time.thread_time(), self._wait_cpu_s
-        out: list[Trajectory] = []
-        if len(self._launched) > (1 if self.overlap else 0):
-            out += self.collect(self._launched.popleft())
-        if self._launched and (not self._launched[0].active or all(g.live == 0 for g in self._groups.values())):
-            # With overlap, the newest launch is read at once when it dispatched no step (only its admitted
-            # requests' first tokens are left to read), or when every row of its step belongs to a finished
-            # trajectory (an eos or stop at the step just read): nothing would run beside it, and keeping it
-            # would keep its groups alive past the end of the work.
-            out += self.collect(self._launched.popleft())
-        self._count_host(start, waited)
+        with self.stats.host_time():
+            out: list[Trajectory] = []
+            if len(self._launched) > (1 if self.overlap else 0):
+                out += self.collect(self._launched.popleft())
+            if self._launched and (not self._launched[0].active or all(g.live == 0 for g in self._groups.values())):
+                # With overlap, the newest launch is read at once when it dispatched no step (only its admitted
+                # requests' first tokens are left to read), or when every row of its step belongs to a finished
+                # trajectory (an eos or stop at the step just read): nothing would run beside it, and keeping it
+                # would keep its groups alive past the end of the work.
+                out += self.collect(self._launched.popleft())
         return out
 
     def launch(self) -> "_Launched":
@@ -744,7 +652,7 @@ class RolloutDriver:
                 active[i].state = state
                 granted[i] = got
             results.append(result)
-        self.page_waits += sum(int((got < want).sum()) for got, want in zip(granted, budgets))
+        self.stats.page_waits += sum(int((got < want).sum()) for got, want in zip(granted, budgets))
         rows = [list(g.slots) for g in active]
         steady = sum(g.live for g in self._groups.values()) == self.engine.max_concurrent_decodes
         for slots, got in zip(rows, granted):
@@ -763,7 +671,7 @@ class RolloutDriver:
         """Reads a launched step's results (one device-to-host transfer) and returns what finished."""
         done, active = launched.done, launched.active
         for first, lives in launched.admitted:  # first tokens before the step's: they come first
-            self._ready(first.data)
+            self.stats.wait(first.data)
             cols = first.to_host().columns()
             now = time.perf_counter()
             for i, live in enumerate(lives):
@@ -773,7 +681,7 @@ class RolloutDriver:
             self._free(g)
         if not active:  # nothing was dispatched
             return done
-        self._ready([r.data for r in launched.results])
+        self.stats.wait([r.data for r in launched.results])
         # One transfer per program, each row's tokens in step order; the rows computed are the program's rows
         # times the steps it ran.
         per_group, ran = [], []
@@ -783,22 +691,17 @@ class RolloutDriver:
             host = result.to_host()
             cols, steps = host.columns(), host.steps_run()
             ran.append(steps)
-            self.batch_steps += steps
+            self.stats.batch_steps += steps
             row = 0
             for g, rows, budgets, stops in members:
-                self.rows_computed += len(rows) * steps
+                self.stats.rows_computed += len(rows) * steps
                 per_group.append((g, rows, budgets, stops, {k: v[:, row:row + len(rows)] for k, v in cols.items()}))
                 row += len(rows)
         now = time.perf_counter()
         floor = bucket(max(g.live for g in active), minimum=1) if launched.floor > 1 else 1
         for g, rows, budgets, stops, cols in per_group:
             self._take_steps(g, rows, budgets, stops, cols, now, done, floor)
-        self.steps += max(ran)
-        self.dispatches += 1
-        self.dispatch_steps[max(ran)] += 1
-        if launched.steady:
-            self.steady_steps += max(ran)
-            self.steady_dispatches += 1
+        self.stats.count_dispatch(max(ran), launched.steady)
         return done
 
     def _append(self, live: _Live, token: int, logprob: float, now: float, done: list[Trajectory]) -> None:
@@ -864,7 +767,7 @@ class RolloutDriver:
             live.logprobs += lps[slot][:n]
             if ends[slot] or len(live.tokens) >= live.request.max_new_tokens:
                 self._ended(g, live, toks[slot][n - 1], now, done, slot)
-        self.rows_live += produced
+        self.stats.rows_live += produced
         self._free(g)
         self._compact(g, floor)
 

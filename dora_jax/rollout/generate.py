@@ -10,8 +10,9 @@ import time
 from typing import Sequence
 
 from dora_jax.models.decoder import Decoder, DecodeSettings
-from dora_jax.rollout.driver import Request, RolloutDriver, Trajectory
+from dora_jax.rollout.driver import RolloutDriver
 from dora_jax.rollout.engine import Engine, RequestSampling, bucket
+from dora_jax.rollout.samples import Request, Trajectory
 
 
 def engine_for(model: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, dtype: str = "auto",

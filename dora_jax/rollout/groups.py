@@ -7,8 +7,10 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Sequence
 
 from dora_jax.dora.balancer import GroupState, Move, Plan
-from dora_jax.rollout.driver import Request, RolloutDriver, Trajectory, run_all
+from dora_jax.rollout.driver import RolloutDriver, run_all
 from dora_jax.rollout.engine import EngineError
+from dora_jax.rollout.samples import Request, Trajectory
+from dora_jax.rollout.stats import DriverStats
 
 
 class DriverGroups:
@@ -39,11 +41,6 @@ class DriverGroups:
     def held(self) -> list[int]:
         """The versions held by any group (each group holds its own copy of each, on its own devices)."""
         return sorted({v for d in self.drivers for v in d.held()})
-
-    @property
-    def max_held(self) -> int:
-        """The most versions one group held at once (:attr:`RolloutDriver.max_held`)."""
-        return max(d.max_held for d in self.drivers)
 
     @property
     def versions(self) -> list[int]:
@@ -88,46 +85,15 @@ class DriverGroups:
         return run_all(self, requests)
 
     @property
-    def rows_computed(self) -> int:
-        return sum(d.rows_computed for d in self.drivers)
+    def stats(self) -> DriverStats:
+        """Every group's counters summed, ``max_held`` the most versions one group held at once."""
+        return DriverStats.total(d.stats for d in self.drivers)
 
-    @rows_computed.setter
-    def rows_computed(self, value: int) -> None:  # a resume restores the total into the first group
-        self.drivers[0].rows_computed, rest = value, self.drivers[1:]
-        for d in rest:
-            d.rows_computed = 0
-
-    @property
-    def rows_live(self) -> int:
-        return sum(d.rows_live for d in self.drivers)
-
-    @rows_live.setter
-    def rows_live(self, value: int) -> None:
-        self.drivers[0].rows_live, rest = value, self.drivers[1:]
-        for d in rest:
-            d.rows_live = 0
-
-    @property
-    def batch_steps(self) -> int:
-        return sum(d.batch_steps for d in self.drivers)
-
-    @batch_steps.setter
-    def batch_steps(self, value: int) -> None:
-        self.drivers[0].batch_steps, rest = value, self.drivers[1:]
-        for d in rest:
-            d.batch_steps = 0
-
-    @property
-    def slot_utilization(self) -> float:
-        return self.rows_live / max(self.rows_computed, 1)
-
-    @property
-    def steps(self) -> int:
-        return sum(d.steps for d in self.drivers)
-
-    @property
-    def dispatches(self) -> int:
-        return sum(d.dispatches for d in self.drivers)
+    def restore_stats(self, counters: dict[str, int]) -> None:
+        """Continues a resumed run's counters: the totals go to the first group, the others start at zero."""
+        self.drivers[0].restore_stats(counters)
+        for d in self.drivers[1:]:
+            d.restore_stats(dict.fromkeys(counters, 0))
 
     @property
     def waiting_outside(self) -> bool:
@@ -137,11 +103,6 @@ class DriverGroups:
     def waiting_outside(self, value: bool) -> None:  # requests wait outside every group (RolloutDriver's)
         for d in self.drivers:
             d.waiting_outside = value
-
-    @property
-    def decode_steps_per_dispatch(self) -> float:
-        """Device decode steps per host dispatch over every group (:attr:`RolloutDriver.decode_steps_per_dispatch`)."""
-        return self.steps / max(self.dispatches, 1)
 
 
 class VersionGroups(DriverGroups):
@@ -153,7 +114,7 @@ class VersionGroups(DriverGroups):
     a group serving its version and not draining, the one with the most free slots (ties to the lower group); a
     caller admits a version's requests only into :meth:`free_slots` of that version. A group changes version
     only when it is empty: its old version is removed (the driver waits for a decode step still computing with
-    it) before the new one's weights are loaded, so no group ever holds two versions (:attr:`max_held` 1).
+    it) before the new one's weights are loaded, so no group ever holds two versions (``stats.max_held`` 1).
     Versions are loaded per group by :meth:`apply`, never into every group (:meth:`add_version` refuses).
 
     A plan's moves take live requests, with their KV pages, to another group of their version

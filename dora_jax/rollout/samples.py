@@ -1,16 +1,45 @@
-"""The finished sample: the one record of a trajectory from the rollout driver to the trainer's batch.
+"""A sample's records from the rollout driver to the trainer's batch.
 
-A request has three forms, one per change of its data: waiting (:class:`~dora_jax.rollout.driver.Request`),
-decoding (the driver's live row) and finished. A finished trajectory (:class:`~dora_jax.rollout.driver.Trajectory`,
-the driver's output) becomes a :class:`Sample` once the run knows its group and task item; its reward is filled
-in when scored, and :func:`~dora_jax.trainer.batch.make_batch` turns samples into arrays. A checkpoint stores
-the finished samples not yet trained as :meth:`Sample.to_dict`.
+A request has three forms, one per change of its data: waiting (:class:`Request`), decoding (the driver's live row)
+and finished. A finished trajectory (:class:`Trajectory`, the driver's output) becomes a :class:`Sample` once the
+run knows its group and task item; its reward is filled in when scored, and
+:func:`~dora_jax.trainer.batch.make_batch` turns samples into arrays. A checkpoint stores the finished samples not
+yet trained as :meth:`Sample.to_dict`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Sequence
+
+from dora_jax.rollout.engine_api import RequestSampling
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A prompt waiting for a slot, to be sampled by ``version`` (the rollout driver's input)."""
+
+    sample_id: int
+    prompt_ids: tuple[int, ...]
+    version: int = 0
+    max_new_tokens: int = 64
+    sampling: RequestSampling = RequestSampling()
+    stop_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """A finished sample: every token and log-prob comes from ``version``."""
+
+    sample_id: int
+    version: int
+    prompt_ids: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "eos" | "stop" | "length"
+    submitted_s: float
+    started_s: float
+    finished_s: float
 
 
 @dataclasses.dataclass
@@ -39,7 +68,7 @@ class Sample:
     @classmethod
     def from_trajectory(cls, traj: Any, group_id: int, reward: float = 0.0, *, item: Any = None,
                         text: str = "") -> "Sample":
-        """From a :class:`dora_jax.rollout.driver.Trajectory`."""
+        """From a :class:`Trajectory`."""
         return cls(traj.sample_id, group_id, traj.version, list(traj.prompt_ids), list(traj.tokens),
                    list(traj.logprobs), float(reward), traj.finish_reason, item, text)
 

@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterable
 
 from dora_jax.config import Config
 from dora_jax.rewards import RewardPool, RewardResult
-from dora_jax.rollout.driver import Request, RolloutDriver, Trajectory
+from dora_jax.rollout.driver import RolloutDriver
+from dora_jax.rollout.samples import Request, Trajectory
 from dora_jax.run.evaluation import EVAL_IDS, heldout_requests, heldout_result, score
 from dora_jax.tasks import Item, Task
 

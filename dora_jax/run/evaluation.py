@@ -14,8 +14,9 @@ import numpy as np
 
 from dora_jax.config import Config
 from dora_jax.rewards import RewardPool, RewardResult
-from dora_jax.rollout.driver import Request, RolloutDriver, Trajectory
+from dora_jax.rollout.driver import RolloutDriver
 from dora_jax.rollout.engine import Engine, RequestSampling
+from dora_jax.rollout.samples import Request, Trajectory
 from dora_jax.tasks import Item, Score, Task
 from dora_jax.tasks.base import score_answer
 

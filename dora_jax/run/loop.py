@@ -31,6 +31,7 @@ from dora_jax.distributed import gather_decisions
 from dora_jax.dora.scheduler import Scheduler
 from dora_jax.metrics import MetricsWriter
 from dora_jax.rollout.groups import DriverGroups, VersionGroups
+from dora_jax.rollout.stats import RESUMED
 from dora_jax.rollout.warmup import warmup
 from dora_jax.run.balancing import GroupBalancing
 from dora_jax.run.evals import update_allowed
@@ -221,9 +222,9 @@ class Runner:
         t0 = time.perf_counter()
         for name in self._lines:
             fsync_file(os.path.join(self.run_dir, name))
+        stats = self.driver.stats
         counters = meter.counters(eval_before=eval_before, eval_s=eval_s, lines=self._lines["metrics.jsonl"],
-                                  samples_lines=self._lines["samples.jsonl"], rows_computed=self.driver.rows_computed,
-                                  rows_live=self.driver.rows_live, batch_steps=self.driver.batch_steps,
+                                  samples_lines=self._lines["samples.jsonl"], **{k: getattr(stats, k) for k in RESUMED},
                                   max_resident=self.versions.max_resident, evals=self.eval_curve,
                                   max_versions_per_group=self.versions.max_versions_per_group,
                                   balancer=self.balancing.state() if self.balancing is not None else None)
@@ -249,8 +250,7 @@ class Runner:
             if v != sched.version:
                 self.versions.load(v, self.store.restore_version(v, params), newest=False)
         self.rollout.resume(sched, finished)
-        self.driver.rows_computed, self.driver.rows_live = counters["rows_computed"], counters["rows_live"]
-        self.driver.batch_steps = counters["batch_steps"]
+        self.driver.restore_stats({k: counters[k] for k in RESUMED})
         self.versions.max_resident = max(counters["max_resident"], self.versions.max_resident)
         self.versions.max_versions_per_group = counters.get("max_versions_per_group", 0)  # absent: an older run's
         if self.balancing is not None and counters.get("balancer") is not None:
@@ -396,7 +396,7 @@ class Runner:
             log.warning("compiled during update %d: %s", self.sched.version,
                         ", ".join(f"{k} x{v}" for k, v in (names - seen_names).items()))
         row.update(step=self.sched.version, version=self.sched.version, filtered=self.sched.ledger.count("filtered"),
-                   resident_versions=len(self.versions.resident()), slot_utilization=self.driver.slot_utilization,
+                   resident_versions=len(self.versions.resident()), slot_utilization=self.driver.stats.slot_utilization,
                    max_versions_per_group=self.versions.max_versions_per_group,
                    compiles=(compiled - seen).compiles, compile_cache_loads=(compiled - seen).cache_loads,
                    **self.disk)  # as of the newest checkpoint

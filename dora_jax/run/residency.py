@@ -57,13 +57,13 @@ class Residency:
     def rollout_max_resident(self) -> int:
         """The most versions the rollout engines held at once (the driver's own count): one group's when every
         group holds every version, every group's together at one version per group."""
-        return self.driver.max_versions if self.per_group else self.driver.max_held
+        return self.driver.max_versions if self.per_group else self.driver.stats.max_held
 
     @property
     def max_versions_per_group(self) -> int:
         """The most versions one rollout group held at once (the drivers' own counts; 1 at one version per
         group), and at least the figure a resumed run had reached before its checkpoint."""
-        return max(self.driver.max_held, self._restored_per_group)
+        return max(self.driver.stats.max_held, self._restored_per_group)
 
     @max_versions_per_group.setter
     def max_versions_per_group(self, value: int) -> None:  # a resume restores the figure the run had reached

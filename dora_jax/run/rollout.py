@@ -25,10 +25,11 @@ from typing import Any, Callable
 from dora_jax.config import Config
 from dora_jax.distributed import gather_decisions
 from dora_jax.rewards import RewardPool
-from dora_jax.rollout.driver import Request, RolloutDriver, Trajectory
+from dora_jax.rollout.driver import RolloutDriver
 from dora_jax.rollout.engine import RequestSampling
 from dora_jax.rollout.groups import DriverGroups, VersionGroups
 from dora_jax.rollout.samples import Sample
+from dora_jax.rollout.samples import Request, Trajectory
 from dora_jax.run.evals import HeldOutEvals
 from dora_jax.run.evaluation import EVAL_IDS, RunError, prompt_ids, score
 from dora_jax.dora.scheduler import Scheduler
@@ -170,10 +171,11 @@ class RolloutSide:
         finished: list[Trajectory] = []
         secs = rows = batch_steps = 0
         if not self.driver.idle:
-            ts, before_rows, before_steps = time.perf_counter(), self.driver.rows_live, self.driver.batch_steps
+            stats = self.driver.stats
+            ts, before_rows, before_steps = time.perf_counter(), stats.rows_live, stats.batch_steps
             finished = self.driver.step()
-            secs, rows = time.perf_counter() - ts, self.driver.rows_live - before_rows
-            batch_steps = self.driver.batch_steps - before_steps
+            secs, rows = time.perf_counter() - ts, self.driver.stats.rows_live - before_rows
+            batch_steps = self.driver.stats.batch_steps - before_steps
             self.generated += len(finished)
         if self.shares:
             everyone = gather_decisions({"started": started, "finished": [dataclasses.asdict(t) for t in finished]})

@@ -176,9 +176,9 @@ def summarize(runner: Any, before: dict[str, Any], after: dict[str, Any], wall: 
         "max_resident_versions": runner.versions.max_resident,
         "max_versions_per_group": runner.versions.max_versions_per_group,
         "placement": "split" if runner.placement.disjoint else "shared", "rollout_groups": len(runner.engines),
-        "sync_s": runner.versions.sync_s, "slot_utilization": runner.driver.slot_utilization,
-        "decode_batch_steps": runner.driver.batch_steps,
-        "decode_batch_steps_per_sample": runner.driver.batch_steps / max(counts["consumed"], 1),
+        "sync_s": runner.versions.sync_s, "slot_utilization": runner.driver.stats.slot_utilization,
+        "decode_batch_steps": runner.driver.stats.batch_steps,
+        "decode_batch_steps_per_sample": runner.driver.stats.batch_steps / max(counts["consumed"], 1),
         "config_fingerprint": cfg.fingerprint(), "resumed": runner._resumed is not None,
         "processes": jax.process_count(),
     }

@@ -34,8 +34,9 @@ import numpy as np
 
 from dora_jax.dora.ledger import Ledger
 from dora_jax.dora.scheduler import SchedulePolicy, Scheduler
-from dora_jax.rollout.driver import Request, RolloutDriver
+from dora_jax.rollout.driver import RolloutDriver
 from dora_jax.rollout.engine import RequestSampling, bucket, prompt_rows
+from dora_jax.rollout.samples import Request
 from dora_jax.sim.profile import Profile
 from dora_jax.trainer.batch import bucket_length, bucket_rows
 
@@ -457,9 +458,9 @@ class _LocalRun:
         samples = self.led.count("consumed")
         return {"mode": policy.mode, "max_staleness": policy.bound, "wall_s": wall, "samples": samples,
                 "samples_per_s": samples / wall if wall else 0.0, "train_s": sum(u["train_s"] for u in self.updates),
-                "decode_batch_steps": driver.batch_steps,
-                "decode_batch_steps_per_sample": driver.batch_steps / max(samples, 1),
-                "slot_utilization": driver.slot_utilization,
-                "max_resident_versions": max(self.max_resident, driver.max_held),
+                "decode_batch_steps": driver.stats.batch_steps,
+                "decode_batch_steps_per_sample": driver.stats.batch_steps / max(samples, 1),
+                "slot_utilization": driver.stats.slot_utilization,
+                "max_resident_versions": max(self.max_resident, driver.stats.max_held),
                 "engine_calls": dict(self.engine.calls), "spent_s": dict(sorted(self.clock.spent.items())),
                 "updates": self.updates}
