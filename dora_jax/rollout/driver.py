@@ -1,32 +1,13 @@
 """The generation driver: continuous batching over several policy versions at once.
 
 Each policy version decodes in its own group (its own ``DecodeState`` and params), so a trajectory is sampled
-from first to last token by the version it was submitted with. A group's capacity is the smallest power of two
-that holds its live trajectories: groups grow when requests arrive and are compacted when trajectories
-finish, so decode compute follows live work instead of a fixed slot count (``slot_utilization`` reports the
-ratio of live rows to computed rows). Capacities are powers of two, so compilation stays bounded. All groups
-step together in one program (one dispatch and one device-to-host transfer per step, whatever the number of
-resident versions), at the capacity of the largest group, so there is one program per (versions, capacity).
-
-New requests are admitted between decode steps into free capacity (total live rows <= the engine's
-``max_concurrent_decodes``), oldest first. The requests admitted together for one version are prefilled in
-one program (:meth:`Engine.prefill_batch`), each distinct prompt once: the members of a GRPO group share one
-prefill and still draw their own tokens. Given a ``shared_prefix`` (the chat template's fixed head, which every
-prompt of a run starts with), each version prefills it once and each prompt only the tokens after it.
-
-With ``overlap`` (the default on accelerators) the driver dispatches step t + 1 before it reads step t's
-results, so the device decodes while the host books the previous step; a trajectory that ended at step t has
-one more row computed and discarded, and a request takes its slot one step later. Admitted requests are
-inserted before their first token (sampled at prefill) is read; it is read with the next step's results.
-
-With ``decode_steps`` N > 1 (``rollout.decode_steps``, 8 by default) one dispatched program runs up to N decode
-steps (:meth:`Engine.generate_steps`): each row stops on the device at an eos or stop id or at its
-``max_new_tokens``, and the host reads the N steps' tokens with one transfer, then finishes, admits and
-compacts between programs. A program ends where the host would act on freed slots: while requests wait for a
-slot (pending here, or ``waiting_outside``), at the step that frees 1/32 of the engine's slots (one on an engine
-of fewer than 64, at most as many as wait: :data:`ADMIT_SLOTS_FRACTION`), or when enough rows are freed for a
-group to compact. "Step" above then reads "program": overlap dispatches program t + 1 before reading
-program t.
+from first to last token by the version it was submitted with. Groups grow to the smallest power of two that
+holds their live rows and are compacted as trajectories finish; all groups step together in one program. New
+requests are admitted between programs into free capacity, oldest first, and prefilled together (each distinct
+prompt once, a ``shared_prefix`` once per version). With ``overlap`` the driver dispatches program t + 1 before
+it reads program t back; with ``decode_steps`` N > 1 a program runs up to N decode steps, each row stopped on the
+device, and ends early where the host must act on freed slots (:data:`ADMIT_SLOTS_FRACTION`). docs/rollout.md,
+"Several versions at once" and its subsections, gives the choices and their reasons.
 """
 
 from __future__ import annotations
