@@ -110,7 +110,6 @@ _SPLIT_WORKER = textwrap.dedent("""
     from dora_jax.config import load_config
     from dora_jax.run import Runner
     from dora_jax.run.resume import ResumeError
-    from dora_jax.run.training import recompute_on_devices
     from dora_jax.trainer import Sample, make_batch
 
     run_dir, out, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -141,11 +140,10 @@ _SPLIT_WORKER = textwrap.dedent("""
                       r["reward"]) for r in rows]
     host = make_batch(samples, group_size=4, length_buckets=(64,), row_multiple=trainer.row_multiple)
     batch = trainer.put(host)
-    versions = np.asarray(host.versions)[np.asarray(host.valid)]
-    own = gather(recompute_on_devices(trainer, batch, versions, snaps.__getitem__).recomputed_logprobs)
+    own = gather(trainer.with_recomputed_behaviour(batch, snaps.__getitem__, host).recomputed_logprobs)
     newest = max(snaps)
-    other = gather(recompute_on_devices(trainer, batch, versions,
-                                        lambda u: snaps[newest if u != newest else min(snaps)]).recomputed_logprobs)
+    other = gather(trainer.with_recomputed_behaviour(batch, lambda u: snaps[newest if u != newest else min(snaps)],
+                                                     host).recomputed_logprobs)
     mask, recorded = np.asarray(host.loss_mask) > 0, np.asarray(host.behaviour_logprobs)
     err = lambda a: float(np.max(np.abs(a[mask] - recorded[mask])) / np.max(np.abs(recorded[mask])))
     rec = {"pid": jax.process_index(), "resumed_at": resumed_at, "generated": runner.rollout.generated,

@@ -430,3 +430,50 @@ def test_iteration_settings_that_cannot_work_are_refused():
         load_config("tiny_llama", ["train.epochs=0"])
     with pytest.raises(ConfigError, match=r"rollout.top_k/top_p.*temperature-scaled full distribution"):
         load_config("tiny_llama", ["rollout.top_p=0.9"])
+
+
+@pytest.mark.parametrize("packing", ["none", "pack"])
+def test_recomputed_behaviour_runs_each_row_on_its_own_version_without_leaving_the_devices(packing):
+    """Rows of three versions, on a data x fsdp x tensor mesh: each row's recomputed log-probs equal the forward of
+    its own version on the whole batch (an independent path: no rows gathered), and with the host batch given
+    nothing is read back from the devices."""
+    cfg = _config(packing=packing, group_size=3)
+    trainer, state = _trainer(cfg, n_devices=8)
+    samples = _samples(seed=5, groups=3, group_size=3, versions=(1, 2, 3))  # 9 rows: padded, invalid ones
+    host = make_batch(samples, group_size=3, length_buckets=cfg.train.length_buckets,
+                      row_multiple=trainer.row_multiple)
+    batch = trainer.put(host)
+    base = trainer.policy_params(state)
+    params = {v: jax.tree.map(lambda x, v=v: x * (1.0 + 0.05 * v), base) for v in (1, 2, 3)}
+    # The trainer module may read no device array back (the guard holds on accelerators; on the CPU backend
+    # device arrays are host memory, so the module's numpy is watched too).
+    import dora_jax.trainer.step as step_module
+
+    class Watched:
+        def __getattr__(self, name):
+            def guarded(x, *args, **kwargs):
+                if isinstance(x, jax.Array):
+                    raise AssertionError(f"a device array {x.shape} read back to the host")
+                return getattr(np, name)(x, *args, **kwargs)
+            return guarded if name in ("asarray", "array") else getattr(np, name)
+
+    with pytest.MonkeyPatch.context() as mp, jax.transfer_guard_device_to_host("disallow"):
+        mp.setattr(step_module, "np", Watched())
+        got = trainer.with_recomputed_behaviour(batch, params, host).recomputed_logprobs
+    got = np.asarray(got)
+    versions, valid, mask = np.asarray(host.versions), np.asarray(host.valid), np.asarray(host.loss_mask) > 0
+    want = np.zeros_like(got)
+    for v in (1, 2, 3):
+        rows = valid & (versions == v)
+        want[rows] = np.asarray(trainer.logprobs(params[v], batch))[rows]
+    want *= np.asarray(host.loss_mask)
+    assert mask.any() and (~valid).any() and len(set(versions[valid].tolist())) == 3
+    assert rel_err(got[mask], want[mask]) <= 1e-5
+    assert not got[~mask].any()  # outside the loss mask (padding rows included): zeros
+    # Each version matters: the rows of version 1 through version 3's params differ.
+    swapped = np.asarray(trainer.with_recomputed_behaviour(batch, {1: params[3], 2: params[2], 3: params[1]},
+                                                           host).recomputed_logprobs)
+    assert rel_err(swapped[mask], want[mask]) > 1e-3
+    # Without the host batch the versions are read from the devices: the same result.
+    again = np.asarray(trainer.with_recomputed_behaviour(batch, params).recomputed_logprobs)
+    np.testing.assert_array_equal(again, got)

@@ -42,33 +42,10 @@ def build_batch(trainer: Trainer, done: list[Sample], params_of: Any, state: Any
                       row_multiple=trainer.row_multiple)
     batch = trainer.put(host)
     if t.behaviour_logprobs == "recompute" or t.correction == "decoupled":
-        if jax.process_count() > 1:
-            batch = recompute_on_devices(trainer, batch, np.asarray(host.versions)[np.asarray(host.valid)], params_of)
-        else:
-            batch = trainer.with_recomputed_behaviour(batch, params_of)
+        batch = trainer.with_recomputed_behaviour(batch, params_of, host)
     if t.kl_coef > 0:
         batch = trainer.with_reference(state, batch)
     return batch
-
-
-@jax.jit
-def _keep_rows(acc: jax.Array, logprobs: jax.Array, versions: jax.Array, version: jax.Array) -> jax.Array:
-    return jnp.where((versions == version)[:, None], logprobs, acc)
-
-
-def recompute_on_devices(trainer: Trainer, batch: Any, versions: np.ndarray, params_of: Any) -> Any:
-    """The batch with ``recomputed_logprobs``: every row through each of ``versions`` (the batch's own), each row
-    keeping its own version's, without leaving the trainer's devices.
-
-    Under several processes a batch's rows are spread over every process's devices and no host holds them, so
-    the forward runs on the whole batch once per version present (at most K + 1) rather than on each version's
-    rows gathered on the host (:meth:`~dora_jax.trainer.Trainer.with_recomputed_behaviour`, one process).
-    """
-    out = None
-    for v in sorted({int(x) for x in versions}):
-        lp = trainer.logprobs(params_of(v), batch)
-        out = lp if out is None else _keep_rows(out, lp, batch.versions, jnp.int32(v))
-    return batch.replace(recomputed_logprobs=out * batch.loss_mask)
 
 
 def batch_row(done: list[Sample], version: int, in_flight: dict[str, int]) -> dict[str, Any]:

@@ -364,6 +364,13 @@ class Trainer:
             out_shardings=self._row_tok)
         self._policy = serial_jit(lambda s: policy_params(s, t))
         self._take = serial_jit(_take_rows, out_shardings=self.batch_shardings)
+        self._place_index = serial_jit(lambda index: index, out_shardings=replicated)  # as _place_packing
+        self._zero_rows = serial_jit(lambda tokens: jnp.zeros(tokens.shape, jnp.float32), out_shardings=self._row_tok)
+        self._gather_rows = serial_jit(lambda tokens, seg, index: (tokens.at[index].get(mode="fill", fill_value=0),
+                                                                   seg.at[index].get(mode="fill", fill_value=0)),
+                                       out_shardings=(self._row_tok, self._row_tok))
+        self._scatter_rows = serial_jit(lambda out, lp, index: out.at[index].set(lp, mode="drop"),
+                                        out_shardings=self._row_tok)
         self._finish = serial_jit(_finish_iteration, out_shardings=(state_shardings, replicated),
                                   donate_argnums=(0,))
 
@@ -497,27 +504,39 @@ class Trainer:
             lengths = _host(self._lengths(batch.segment_ids, batch.valid)) if self.packed else None
             return self._forward(params, batch.tokens, batch.segment_ids, lengths)
 
-    def with_recomputed_behaviour(self, batch: TrainBatch, params_of: Callable[[int], nnx.State] | Mapping[int, nnx.State]
-                                  ) -> TrainBatch:
+    def with_recomputed_behaviour(self, batch: TrainBatch, params_of: Callable[[int], nnx.State] | Mapping[int, nnx.State],
+                                  host: TrainBatch | None = None) -> TrainBatch:
         """The batch with ``recomputed_logprobs`` from the training forward on each row's own version;
-        ``params_of(version)`` returns that version's full parameters (resident or restored)."""
+        ``params_of(version)`` returns that version's full parameters (resident or restored).
+
+        The rows stay on the devices: each version's rows are gathered there by index, run through the forward
+        and put back, so only the row indices cross from the host. ``host``: the batch as numpy arrays
+        (:func:`~dora_jax.trainer.batch.make_batch`'s output, which the caller already has); without it the
+        per-row versions and validity are read back from the devices (a few bytes a row)."""
         get = params_of.__getitem__ if isinstance(params_of, Mapping) else params_of
-        tokens, seg = np.asarray(batch.tokens), np.asarray(batch.segment_ids)
-        versions, valid = np.asarray(batch.versions), np.asarray(batch.valid)
-        out = np.zeros(tokens.shape, np.float32)
-        for v in np.unique(versions[valid]):
-            rows = np.flatnonzero(valid & (versions == v))
-            n = bucket_rows(len(rows), self.data_parallel)
-            sub_t = np.zeros((n, tokens.shape[1]), tokens.dtype)
-            sub_s = np.zeros((n, tokens.shape[1]), seg.dtype)
-            sub_t[:len(rows)], sub_s[:len(rows)] = tokens[rows], seg[rows]
-            lengths = (sub_s != 0).sum(1).astype(np.int32) if self.packed else None
-            sub_t, sub_s = jax.device_put((sub_t, sub_s), self._row_tok)
-            with activate(self.mesh, self.rules):
-                lp = np.asarray(self._forward(get(int(v)), sub_t, sub_s, lengths))
-            out[rows] = lp[:len(rows)]
-        out *= np.asarray(batch.loss_mask)
-        return batch.replace(recomputed_logprobs=jax.device_put(out, self._row_tok))
+        src = batch if host is None else host
+        versions, valid = _host(src.versions), _host(src.valid).astype(bool)
+        lengths = None
+        if self.packed:
+            seg = np.asarray(host.segment_ids) if host is not None else None
+            lengths = (np.where(valid, (seg != 0).sum(1), 0).astype(np.int32) if seg is not None
+                       else _host(self._lengths(batch.segment_ids, batch.valid)))
+        with activate(self.mesh, self.rules):
+            out = self._zero_rows(batch.tokens)
+            for v in np.unique(versions[valid]):
+                rows = np.flatnonzero(valid & (versions == v))
+                # Padded to the data-parallel bucket with an index past the last row: gathered as a zero row,
+                # dropped when scattered back.
+                index = np.full(bucket_rows(len(rows), self.data_parallel), len(versions), np.int32)
+                index[:len(rows)] = rows
+                index = self._place_index(index)
+                tokens, seg_ids = self._gather_rows(batch.tokens, batch.segment_ids, index)
+                sub_lengths = None
+                if lengths is not None:
+                    sub_lengths = np.zeros(len(index), np.int32)
+                    sub_lengths[:len(rows)] = lengths[rows]
+                out = self._scatter_rows(out, self._forward(get(int(v)), tokens, seg_ids, sub_lengths), index)
+        return batch.replace(recomputed_logprobs=out * batch.loss_mask)
 
     def with_reference(self, state: TrainState, batch: TrainBatch) -> TrainBatch:
         """The batch with ``ref_logprobs`` from the reference policy (the initial weights; under LoRA, the
