@@ -138,6 +138,12 @@ def mode_result(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+# The balancer's figures a groups run reports: its counters, each group's version loads, and the requests moved
+# between groups with their KV bytes and the moves that waited for room.
+BALANCER_FIGURES = ("plans", "changes", "reassigned", "drains", "moved", "loads", "moved_requests", "moved_kv_bytes",
+                    "move_waits")
+
+
 def groups_result(summary: dict[str, Any]) -> dict[str, Any]:
     """A run's rollout groups from its summary: how many, the most versions one group held, the balancer's
     counters (None without one version per group), and the prompts prefilled again.
@@ -148,8 +154,7 @@ def groups_result(summary: dict[str, Any]) -> dict[str, Any]:
     b = summary.get("balancer")
     return {"rollout_groups": summary.get("rollout_groups"),
             "max_versions_per_group": summary.get("max_versions_per_group"),
-            "balancer": None if b is None else {k: b[k] for k in ("plans", "changes", "reassigned", "drains", "moved",
-                                                                   "loads")},
+            "balancer": None if b is None else {k: b.get(k) for k in BALANCER_FIGURES},
             "prefilled_again": None if summary.get("resumed", True) else 0}
 
 

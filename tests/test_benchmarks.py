@@ -312,4 +312,6 @@ def test_modes_on_rollout_groups_report_versions_per_group_and_the_balancer(tmp_
     one, every = r["modes"]["dora_k2_1vpg"], r["modes"]["dora_k2"]
     assert one["max_versions_per_group"] == 1 and 1 <= every["max_versions_per_group"] <= 3
     assert one["balancer"]["plans"] > 0 and set(one["balancer"]) >= {"plans", "reassigned", "drains", "moved"}
+    b = one["balancer"]  # the moves' figures come from the groups' own totals
+    assert b["moved_requests"] >= 0 and b["move_waits"] >= 0 and (b["moved_kv_bytes"] == 0 or b["moved_requests"] > 0)
     assert every["balancer"] is None
