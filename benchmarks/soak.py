@@ -23,7 +23,10 @@ Targets (:func:`check_targets`), with windows scaled to the run's length N (100 
   resumed process compiles and loads its programs again once, before its first sample, and is compared with its
   own first sample; live device arrays, open files, threads and child processes (each the least of a few
   readings in 0.2 s) are flat within each process: the median of the later half of its samples is within the
-  earlier half's range;
+  earlier half's range. TensorStore's worker pool (``/tensorstore/thread_pool/active``, its own count) is left out
+  of the threads: it starts threads on demand and lets them go after 20 s idle, so its size depends on how the
+  run's writes fall; it is held instead to never exceed the limit the run sets
+  (:data:`dora_jax.run.checkpoint.TENSORSTORE_THREADS`, tested in ``tests/test_tensorstore_threads.py``);
 * checkpoints and version snapshots take at most what retention allows
   (:meth:`dora_jax.run.resume.RunStore.disk_estimate`, with the largest checkpoint and snapshot written as its
   units); the logs (``metrics.jsonl``, ``samples.jsonl``, TensorBoard's events) grow with the run by design and
@@ -60,6 +63,7 @@ SETTINGS = ["dora.mode=dora", f"train.max_staleness={K}", "dora.train_batch=8", 
             "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", f"run.checkpoint_every={CHECKPOINT_EVERY}",
             "rollout.warmup=true"]
 FLAT = ("live_arrays", "compiles", "cache_loads", "open_files", "threads", "children")
+TS_POOL = "tensorstore_threads"  # TensorStore's pool workers, out of "threads"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -81,6 +85,17 @@ def process_counts(pid: str = "self") -> dict[str, int]:
     # The listing's own descriptor is open while /proc/self/fd is read: counted once, every time alike.
     return {"rss_bytes": rss, "open_files": len(os.listdir(f"{base}/fd")), "threads": len(tasks),
             "children": len(children)}
+
+
+def tensorstore_pool_threads() -> int:
+    """Worker threads of this process's TensorStore pool, by TensorStore's own count (the threads' names do not
+    tell: a thread TensorStore or riegeli starts without a name it can set takes its starter's, a worker's too)."""
+    if "tensorstore" not in sys.modules:
+        return 0
+    import tensorstore as ts
+
+    found = ts.experimental_collect_matching_metrics("/tensorstore/thread_pool/active")
+    return int(found[0]["values"][0]["value"]) if found and found[0]["values"] else 0
 
 
 class Sampler(threading.Thread):
@@ -153,6 +168,10 @@ class Sampler(threading.Thread):
             reads.append({**process_counts(), "live_arrays": len(jax.live_arrays())})
             time.sleep(0.04)
         counts = {k: min(r[k] for r in reads) for k in reads[0]}
+        # Read once a sample (each read leaks its result in tensorstore 0.1.86): the pool's workers, at a settled
+        # point, live 20 s past their last task.
+        counts[TS_POOL] = tensorstore_pool_threads()
+        counts["threads"] -= counts[TS_POOL]
         counts["rss_bytes"] = reads[-1]["rss_bytes"]
         # Where memory growth would be: Python's own heap (pymalloc's blocks) or outside it (XLA, the C heap).
         counts["python_blocks"] = sys.getallocatedblocks()
@@ -432,6 +451,12 @@ def check_targets(samples: list[dict[str, Any]], updates: int, disk_bound: int,
                     "growth": max((p["max"] - p["first"] for p in per.values()), default=0),
                     "met": bool(per) and all(p["max"] == p["first"] if exact else p["median_later"] <= p["max_earlier"]
                                              for p in per.values())}
+    from dora_jax.run.checkpoint import TENSORSTORE_THREADS
+
+    pool = [s[TS_POOL] for s in samples]
+    out["tensorstore_pool"] = {"max": max(pool, default=0), "first": pool[0] if pool else None,
+                               "last": pool[-1] if pool else None, "limit": sum(TENSORSTORE_THREADS.values()),
+                               "met": bool(pool) and max(pool) <= sum(TENSORSTORE_THREADS.values())}
     peak = max((s["store_bytes"] for s in samples), default=0)
     out["disk"] = {"peak_store_bytes": peak, "estimate_bytes": disk_bound, "met": bool(samples) and peak <= disk_bound}
     out["all_met"] = all(v["met"] for v in out.values())
@@ -457,6 +482,9 @@ def describe(targets: dict[str, Any]) -> str:
         per = "; ".join(f"process {a}: first {p['first']}, earlier half's max {p['max_earlier']}, later half's "
                         f"median {p['median_later']:g} and max {p['max_later']}" for a, p in t["per_attempt"].items())
         lines.append(f"{key.replace('_', ' ')} flat, {t['rule']} ({per}): {met(t)}")
+    t = targets["tensorstore_pool"]
+    lines.append(f"TensorStore's pool (not in threads) at most {t['max']} workers (first {t['first']}, last "
+                 f"{t['last']}), the run's limit {t['limit']}: {met(t)}")
     d = targets["disk"]
     lines.append(f"checkpoints + snapshots at most {d['peak_store_bytes'] / 2**20:.1f} MiB, retention estimate "
                  f"{d['estimate_bytes'] / 2**20:.1f} MiB: {met(d)}")

@@ -28,6 +28,7 @@ def flat_run():
         out.append({"update": u, "attempt": a, "rss_bytes": (1200 + 30 * (a - 1) + start_up + odd) * MIB,
                     "live_arrays": 200 - 10 * odd, "compiles": 40 + 3 * (a - 1), "cache_loads": 0,
                     "open_files": 18 + 4 * odd, "threads": 35, "children": 2, "store_bytes": 5 * MIB - odd,
+                    "tensorstore_threads": 4 + 2 * odd,  # moves with the writes, within the run's limit
                     "run_dir_bytes": 5 * MIB + 8000 * u})
     return out
 
@@ -56,6 +57,7 @@ def leak(key, per_sample, attempt=None):
     ("open_files", leak("open_files", 1)),
     ("threads", leak("threads", 1, attempt=1)),
     ("children", [dict(s, children=2 + (s["update"] > 250)) for s in flat_run()]),
+    ("tensorstore_pool", [dict(s, tensorstore_threads=7) if s["update"] == 150 else s for s in flat_run()]),
     ("disk", [dict(s, store_bytes=BOUND + 1 if s["update"] == 150 else s["store_bytes"]) for s in flat_run()]),
 ])
 def test_each_leak_misses_its_own_target_and_no_other(name, samples):
@@ -102,6 +104,7 @@ def test_the_sampler_reads_new_update_rows_and_records_what_the_targets_need(tmp
     got = s.sample(6, rows[0])
     assert set(soak.FLAT) | {"rss_bytes", "store_bytes", "run_dir_bytes", "update"} <= set(got)
     assert got["rss_bytes"] > 0 and got["threads"] >= 1 and got["resident_versions"] == 3
+    assert got[soak.TS_POOL] == soak.tensorstore_pool_threads() >= 0  # TensorStore's own count, out of threads
 
 
 def test_the_soak_options_are_checked_before_anything_runs(capsys):

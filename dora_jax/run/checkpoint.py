@@ -37,6 +37,48 @@ def stop_tensorstore_metrics_leak() -> None:
         tensorstore_utils.get_tensorstore_raw_bytes = lambda direction=None: 0
 
 
+# TensorStore's threads for the checkpoint and snapshot I/O of a process. TensorStore runs every context's tasks on
+# one process-wide pool, starting a thread whenever a task waits and no thread is idle; a context's
+# `data_copy_concurrency` and `file_io_concurrency` bound only its own tasks. Orbax (0.12.8) makes a new context for
+# every save and restore (file I/O limit 128), so back-to-back or overlapping writes (a checkpoint, a version
+# snapshot) grew the pool by a count that depended on their timing. Sharing one context for these two limits bounds
+# the pool by their sum (TensorStore may still start one more when a worker waits over 5 ms for a core between two
+# tasks: seen only with the cores saturated by other processes). 2 copy threads (chunk encoding and compression,
+# CPU-bound, beside training and rollouts) and 4 outstanding file writes (OCDBT packs a save into a few large files
+# on a local or mounted file system): tests/test_tensorstore_threads.py's writes take 2.6 s, 2.5 s with Orbax's own
+# limits (2 cores).
+TENSORSTORE_THREADS = {"data_copy_concurrency": 2, "file_io_concurrency": 4}
+
+
+def limit_tensorstore_threads() -> None:
+    """Makes every TensorStore context Orbax creates in this process take its data-copy and file-I/O limits from
+    one shared context with :data:`TENSORSTORE_THREADS`, so that TensorStore's pool holds at most their sum of
+    worker threads however the writes fall (but for the exception above). A process-wide change, idempotent: :class:`RunCheckpoints` makes it when created (the run's store creates one
+    before any snapshot is written)."""
+    try:
+        import tensorstore as ts
+        from orbax.checkpoint._src.serialization import tensorstore_utils
+    except ImportError:  # another Orbax layout: its contexts keep their own limits
+        return
+    make = tensorstore_utils.get_ts_context
+    if getattr(make, "shared", None) is not None:
+        return
+    shared = ts.Context({name: {"limit": n} for name, n in TENSORSTORE_THREADS.items()})
+
+    def get_ts_context(*, use_ocdbt: bool = True, file_io_concurrency_limit: int | None = None,
+                       data_copy_concurrency_limit: int | None = None):
+        spec = make(use_ocdbt=use_ocdbt, file_io_concurrency_limit=file_io_concurrency_limit,
+                    data_copy_concurrency_limit=data_copy_concurrency_limit).spec.to_json()
+        if file_io_concurrency_limit is None:  # a limit a caller asks for keeps its own (Orbax's saves ask none)
+            spec.pop("file_io_concurrency", None)
+        if data_copy_concurrency_limit is None:
+            spec.pop("data_copy_concurrency", None)
+        return ts.Context(spec, shared)  # what the spec leaves out comes from ``shared``
+
+    get_ts_context.shared = shared
+    tensorstore_utils.get_ts_context = get_ts_context
+
+
 FORMAT = 1
 MARKER = "COMPLETE"
 _NAME = re.compile(r"^step_(\d{8,})$")
@@ -167,6 +209,7 @@ class RunCheckpoints:
         self.directory = Path(directory).absolute()
         self.fingerprint = fingerprint
         self.keep_last = keep_last
+        limit_tensorstore_threads()
 
     def path(self, step: int) -> Path:
         return self.directory / f"step_{step:08d}"
