@@ -36,7 +36,8 @@ ALLOWED = {
     # uses (jax._src.distributed.global_state.client).
     ("dora_jax/distributed.py", "_src"),
     # Third-party: Orbax has no public switch for the TensorStore counter reads it makes around every array write
-    # (run/checkpoint.py, stop_tensorstore_metrics_leak: tensorstore leaks each read's objects).
+    # (run/checkpoint.py, stop_tensorstore_metrics_leak: tensorstore leaks each read's objects), nor for the
+    # TensorStore context it makes for every save (limit_tensorstore_threads: one shared thread limit).
     ("dora_jax/run/checkpoint.py", "_src"),
 }
 

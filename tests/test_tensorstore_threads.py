@@ -92,12 +92,16 @@ def test_checkpoint_and_snapshot_writes_start_no_more_tensorstore_threads_than_t
     # Workers TensorStore started in the whole process (its own count, names aside), and threads named as its
     # pool's: the workers, and at most two threads named after the worker that started them (TensorStore's
     # overseer, whose 16-character name Linux refuses, and riegeli's background cleaner, which names none).
-    assert got["workers_started"] <= limit, got
-    assert got["ts_pool_threads_peak"] <= limit + 2, got
+    # TensorStore starts a worker whenever a task has waited 5 ms with no idle worker, so on a machine whose cores
+    # are all busy (the suite's parallel workers) a worker waiting for a core can count as busy and one or two
+    # more start: 6 in quiet runs, up to 8 with two CPU-bound processes beside it, against 10-12 without limits.
+    busy_cores = 2
+    assert got["workers_started"] <= limit + busy_cores, got
+    assert got["ts_pool_threads_peak"] <= limit + busy_cores + 2, got
 
 
 def test_without_the_limit_the_same_writes_grow_the_pool_past_it(tmp_path):
     """What the test above would see if the run set no limit: it would fail."""
     got = writes(tmp_path, "unlimited")
     assert got["shared_parent"] == 0 and got["own_limits"] == got["contexts"], got
-    assert got["workers_started"] > sum(TENSORSTORE_THREADS.values()), got
+    assert got["workers_started"] > sum(TENSORSTORE_THREADS.values()) + 2, got  # past the bound above
