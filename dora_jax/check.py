@@ -350,6 +350,15 @@ def run_check(cfg: Any, *, do_compile: bool = True, log: Callable[[str], None] =
             + ("" if shared else f"; {groups} rollout groups of mesh {dict(rollout_mesh.shape)}"))
     train = trainer_memory(cfg, trainer_mesh, do_compile)
     roll = rollout_memory(cfg, rollout_mesh, do_compile)
+    if cfg.roles.elastic_group and not shared:
+        # The elastic group's page pool sits beside the optimizer state for the whole run. Its decode scratch, and
+        # its copy of the newest version where the rollout dtype casts one, exist only while it is lent, when no
+        # train step runs: the larger of the two scratches counts.
+        el = rollout_memory(cfg, trainer_mesh, do_compile)
+        lent = (el.temp or 0) + (el.version_bytes if rollout_dtype != m.param_dtype else 0)
+        train = RoleMemory("trainer + elastic group", train.devices,
+                           {**train.parts, "elastic group kv cache": el.parts["kv cache"]},
+                           None if train.temp is None else max(train.temp, lent), train.compiled_args, train.notes)
     if shared:
         both = RoleMemory("trainer + rollout (shared devices)", train.devices,
                           {**{f"train {k}": v for k, v in train.parts.items()},

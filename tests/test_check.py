@@ -217,3 +217,18 @@ def test_split_placement_compares_one_version_per_group_with_k_plus_1():
     assert _LAYOUTS.search(tight.stdout).group(7) == (
         "; K + 1 versions per group need 8 devices per group to fit 60 GiB (4 groups)"), tight.stdout
 
+
+
+def test_the_elastic_group_s_page_pool_is_counted_on_the_trainer_s_devices():
+    """``roles.elastic_group``: the trainer's table holds the elastic group's KV pool beside the optimizer state,
+    and its total grows by it."""
+    args = ["--config", "tiny_llama", "--no-compile", "target.num_devices=8", "mesh.data=1", "mesh.fsdp=2",
+            "mesh.tensor=1", "roles.placement=split", "roles.trainer_devices=2", "roles.rollout_groups=3",
+            "roles.versions_per_group=1"]
+    without, with_ = _check(*args), _check(*args, "roles.elastic_group=true")
+    assert without.returncode == with_.returncode == 0, with_.stdout + with_.stderr
+    assert "per device, trainer + elastic group (2 devices)" in with_.stdout
+    pool = _gib(with_.stdout, "elastic group kv cache")
+    assert pool > 0 and "elastic group" not in without.stdout
+    totals = [float(x) for x in re.findall(r"total\s+([0-9.]+) GiB", without.stdout + with_.stdout)]
+    assert totals[2] == pytest.approx(totals[0] + pool, abs=2e-3), totals  # the trainer's tables, in order

@@ -105,6 +105,50 @@ def test_version_groups_decode_each_request_with_the_version_of_its_group(models
         assert_same_trajectory(t, want[t.sample_id], (first + later)[t.sample_id], models[t.version])
 
 
+def test_the_elastic_group_serves_while_lent_and_hands_its_requests_over_with_their_kv_when_reclaimed(models):
+    """An elastic group beside one regular group: not lent, it takes nothing; lent, it takes its version's
+    requests once the regular group is full; reclaimed, it takes nothing more and its requests move to the regular
+    group as room appears there (a move that does not fit waits while it decodes on), and it drops its version
+    once empty. Every trajectory is the one a single driver gives: moved mid-way, nothing was prefilled again."""
+    m0, _ = models
+    engine = make_engine(m0, slots=4)
+    groups = VersionGroups([RolloutDriver(engine)], elastic=RolloutDriver(make_engine(m0, slots=4)))
+    assert (groups.regular, groups.elastic, len(groups.states())) == (1, 1, 1)
+    groups.apply(plan(0), lambda g, v: nnx.state(m0))
+    # The regular group's requests end at 10, 12, 30 and 30 tokens, the elastic group's later: room appears in
+    # the regular group while the elastic group still decodes.
+    budgets = [10, 12, 30, 30, 40, 40, 40, 40]
+    reqs = [dataclasses.replace(r, max_new_tokens=n) for n, r in
+            zip(budgets, make_requests(8, seed=21, sampling=RequestSampling(temperature=1.0, seed=4)))]
+    for r in reqs[:4]:
+        groups.submit(r)
+    assert groups.free_slots(0) == 0 and groups.admitting(0) == [0]  # the elastic group is not lent
+    loads = []
+    groups.lend(0, lambda g, v: loads.append((g, v)) or nnx.state(m0))
+    assert loads == [(1, 0)] and groups.admitting(0) == [0, 1] and groups.free_slots(0) == 4
+    for r in reqs[4:]:
+        groups.submit(r)
+    assert [groups.group_in_flight(i) for i in (0, 1)] == [4, 4]
+    out = groups.step()
+    assert not groups.reclaim() and groups.admitting(0) == [0]  # the regular group is full: the moves wait
+    assert groups.group_in_flight(1) == 4 and groups.elastic_moved == 0
+    prefilled = groups.drivers[0].stats.prefill_rows + groups.drivers[1].stats.prefill_rows
+    while not groups.reclaim():
+        out += groups.step()
+    assert groups.serving == [0, None] and groups.held() == [0] and groups.elastic_loads == 1
+    out += groups.run()
+    assert sorted(t.sample_id for t in out) == list(range(8))
+    assert groups.drivers[0].stats.prefill_rows + groups.drivers[1].stats.prefill_rows == prefilled
+    assert groups.elastic_moved == groups.moved_requests and groups.elastic_moved > 0, "no request moved"
+    single = RolloutDriver(engine)
+    single.add_version(0, nnx.state(m0))
+    want = {t.sample_id: t for t in single.run(reqs)}
+    for t in out:
+        assert_same_trajectory(t, want[t.sample_id], reqs[t.sample_id], m0)
+    with pytest.raises(EngineError, match="no elastic group"):
+        VersionGroups([RolloutDriver(engine)]).lend(0, lambda g, v: None)
+
+
 class Counting(RolloutDriver):
     """A driver that decodes nothing: it holds versions and counts the requests it was given until told they
     finished."""
@@ -268,3 +312,56 @@ def test_a_sync_run_gives_the_same_samples_at_one_version_per_group(tmp_path, pl
         assert summary["max_versions_per_group"] == 1 and isinstance(runner.driver, VersionGroups) == (vpg == "1")
         runs[vpg] = read_samples(tmp_path / vpg)
     assert len(runs["1"]) == 16 and runs["1"] == runs["all"]
+
+
+def test_a_dora_run_lends_the_trainers_devices_as_an_elastic_group_between_train_steps(tmp_path):
+    """dora, K = 2, three regular groups of 4 slots and 24 samples in flight: the trainer's devices decode the
+    newest version as one more group while the trainer waits. Every request the elastic group took was of the
+    version lent to it, while lent; every train step found it empty, handed back and without weights; the
+    ledger's audit holds; the metrics account for its work, which counts against the trainer devices' idle time."""
+    cfg = load_config("tiny_llama", BASE + ["dora.mode=dora", "dora.rollout_batch=24", "rollout.slots=4",
+                                            "roles.elastic_group=true"])
+    runner = Runner(cfg, str(tmp_path), progress=False)
+    groups, e = runner.driver, runner.driver.elastic
+    assert e == groups.regular == 3 and len(runner.engines) == 3
+    assert set(runner.placement.elastic_engine.mesh.devices.flat) == set(runner.trainer.mesh.devices.flat)
+    taken, steps = [], []
+
+    def submit(req, submit=groups.drivers[e].submit):
+        assert groups.lent and req.version == groups.serving[e], (req, groups.serving, groups.lent)
+        taken.append(req.sample_id)
+        return submit(req)
+
+    def train_step(*args, step=runner.trainer.train_step):
+        assert groups.group_in_flight(e) == 0 and groups.serving[e] is None and not groups.lent
+        steps.append(groups.drivers[e].held())
+        return step(*args)
+    groups.drivers[e].submit, runner.trainer.train_step = submit, train_step
+    summary = runner.run()
+
+    ledger = Ledger.from_dict(json.load(open(tmp_path / "ledger.json"))["ledger"])
+    ledger.check(2)
+    assert ledger.counts()["consumed"] == summary["samples"] == 32
+    check_trained_samples(read_samples(tmp_path), ledger, 2)
+    assert steps == [[]] * 4  # four train steps, each with the elastic group's weights dropped
+    elastic = summary["elastic"]
+    assert taken and elastic["lends"] >= 1 and elastic["rows"] > 0 and elastic["busy_s"] > 0
+    assert groups.drivers[e].stats.max_held == 1 and summary["max_versions_per_group"] == 1
+    assert summary["trainer_devices_idle_fraction"] < summary["trainer_idle_fraction"]
+    updates = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [m["step"] for m in updates] == [1, 2, 3, 4]
+    for k in ("lends", "moved_out", "rows"):
+        assert sum(m["elastic"][k] for m in updates) == elastic[k], k
+    assert elastic["moved_out"] <= summary["balancer"]["moved_requests"]
+
+
+def test_the_elastic_group_is_refused_where_it_cannot_work():
+    from dora_jax.config import ConfigError
+    from dora_jax.run.setup import RunError, check_placement
+
+    for bad in (["roles.versions_per_group=all"], ["roles.placement=shared", "roles.rollout_groups=1"]):
+        with pytest.raises(ConfigError, match="roles.elastic_group"):
+            load_config("tiny_llama", BASE + bad + ["roles.elastic_group=true"])
+    cfg = load_config("tiny_llama", BASE + ["roles.elastic_group=true"])
+    with pytest.raises(RunError, match="under several processes"):  # as one version per group is
+        check_placement(cfg, True, None)

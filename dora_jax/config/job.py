@@ -142,7 +142,11 @@ class RolesConfig:
     to ``train.max_staleness + 1``; ``1``: one, groups reassigned between versions by their work (DORA's load
     balancing, ``dora/balancer.py``), which needs ``rollout_groups >= train.max_staleness + 1``; the runner drives
     ``1`` in one process under ``split`` placement (busy groups drain) and refuses it otherwise; ``dora-jax check``
-    sizes memory for it (docs/design.md, "Load balancing")."""
+    sizes memory for it (docs/design.md, "Load balancing").
+
+    ``elastic_group``: under ``split`` placement with one version per group, in one process, the trainer's devices
+    decode the newest version as one more rollout group while the trainer waits for a batch; their requests move
+    away with their KV pages before the train step (docs/design.md, "The elastic group")."""
 
     placement: str = "shared"
     trainer_devices: int = 0
@@ -151,6 +155,7 @@ class RolesConfig:
     rollout_tensor: int = -1
     rollout_span: str = "process"
     versions_per_group: int | str = "all"
+    elastic_group: bool = False
 
     def validate(self, path: str = "roles") -> None:
         if self.placement not in _PLACEMENTS:
@@ -170,6 +175,12 @@ class RolesConfig:
         if self.versions_per_group not in VERSIONS_PER_GROUP or isinstance(self.versions_per_group, bool):
             _fail(f"{path}.versions_per_group", self.versions_per_group, "allowed: 'all' (every live version in every "
                   "group) or 1 (one version per group, groups reassigned by work)")
+        if not isinstance(self.elastic_group, bool):
+            _fail(f"{path}.elastic_group", self.elastic_group, "must be true or false")
+        if self.elastic_group and (self.placement != "split" or self.versions_per_group != 1):
+            _fail(f"{path}.elastic_group", True, "lends the trainer's devices to rollout as one more group of one "
+                  f"version: it needs {path}.placement=split and {path}.versions_per_group=1 (they are "
+                  f"{self.placement!r} and {self.versions_per_group!r})")
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ per group, reassigned by the balancer's plans (:class:`VersionGroups`, ``roles.v
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Iterable, Sequence
 
 from dora_jax.dora.balancer import GroupState, Move, Plan
@@ -123,13 +124,25 @@ class VersionGroups(DriverGroups):
     is evicted or dropped, and its group drains instead (:meth:`movable` tells the balancer beforehand).
     Trajectories that finished while the moving groups' programs in flight were read back come with the next
     :meth:`step`.
+
+    An ``elastic`` driver (on the trainer's devices, ``roles.elastic_group``) is the last group, :attr:`elastic`.
+    The balancer plans the :attr:`regular` groups only; the elastic group serves the version :meth:`lend` gives it
+    and admits while lent, and :meth:`reclaim` moves its requests to the regular groups of that version.
     """
 
-    def __init__(self, drivers: Sequence[RolloutDriver]):
-        super().__init__(drivers)
+    def __init__(self, drivers: Sequence[RolloutDriver], elastic: RolloutDriver | None = None):
+        super().__init__(list(drivers) + ([] if elastic is None else [elastic]))
+        self.regular = len(drivers)  # the groups the balancer plans
+        self.elastic = None if elastic is None else self.regular  # the elastic group's index
+        self.lent = False  # whether the elastic group admits requests now
         self.serving: list[int | None] = [None] * len(self.drivers)
         self.draining: set[int] = set()
-        self.loads = [0] * len(self.drivers)  # versions loaded into each group (its first one included)
+        self.loads = [0] * self.regular  # versions loaded into each regular group (its first one included)
+        # The elastic group over the run: versions lent to it, requests moved out at reclaims, and the wall time of
+        # the steps in which it had requests.
+        self.elastic_loads = 0
+        self.elastic_moved = 0
+        self.elastic_busy_s = 0.0
         self.max_versions = 0  # the most versions all groups together held at once
         # Totals over the run: requests moved between groups, the KV bytes their pages held, moves that waited.
         self.moved_requests = 0
@@ -167,8 +180,10 @@ class VersionGroups(DriverGroups):
         return self.drivers[group].engine.max_concurrent_decodes
 
     def admitting(self, version: int) -> list[int]:
-        """The groups that take new requests of ``version``: those serving it that do not drain."""
-        return [i for i, v in enumerate(self.serving) if v == version and i not in self.draining]
+        """The groups that take new requests of ``version``: those serving it that do not drain (the elastic
+        group while lent)."""
+        return [i for i, v in enumerate(self.serving)
+                if v == version and i not in self.draining and (i != self.elastic or self.lent)]
 
     def free_slots(self, version: int) -> int:
         """Free decode slots of the groups that take new requests of ``version`` (0 when none does)."""
@@ -201,9 +216,9 @@ class VersionGroups(DriverGroups):
         self.drivers[group].submit(request)
 
     def states(self) -> tuple[GroupState, ...]:
-        """Every group as the balancer sees it (:class:`~dora_jax.dora.balancer.GroupState`), in group order."""
+        """Every regular group as the balancer sees it (:class:`~dora_jax.dora.balancer.GroupState`), in order."""
         return tuple(GroupState(v, self.group_slots(i), self.group_in_flight(i), i in self.draining)
-                     for i, v in enumerate(self.serving))
+                     for i, v in enumerate(self.serving[:self.regular]))
 
     def movable(self) -> list[bool]:
         """Per group, whether its requests could all move now to the other groups of its version, split as the
@@ -211,13 +226,13 @@ class VersionGroups(DriverGroups):
         requests' written tokens, the pages (:meth:`RolloutDriver.fits`). An empty group's is True. What the run
         passes the balancer as ``can_move``; :meth:`apply` checks each move again when it performs it."""
         out = []
-        for i, v in enumerate(self.serving):
+        for i, v in enumerate(self.serving[:self.regular]):
             n = self.group_in_flight(i)
             if v is None or not n:
                 out.append(True)
                 continue
             sizes = self.drivers[i].take_sizes(v, n)
-            room = {j: self.group_slots(j) - self.group_in_flight(j) for j, w in enumerate(self.serving)
+            room = {j: self.group_slots(j) - self.group_in_flight(j) for j, w in enumerate(self.serving[:self.regular])
                     if w == v and j != i}
             ok = True
             for j in sorted(room, key=lambda j: (-room[j], j)):
@@ -238,8 +253,8 @@ class VersionGroups(DriverGroups):
           EngineError: the plan has another number of groups, moves requests from or to a group not serving
             their version, or changes the version of a group that still has requests.
         """
-        if len(plan.versions) != len(self.drivers):
-            raise EngineError(f"plan for {len(plan.versions)} groups applied to {len(self.drivers)}")
+        if len(plan.versions) != self.regular:
+            raise EngineError(f"plan for {len(plan.versions)} groups applied to {self.regular}")
         waited = self.move(plan.moves)
         versions = [self.serving[i] if i in waited else v for i, v in enumerate(plan.versions)]
         changed = [i for i, v in enumerate(versions) if v != self.serving[i]]
@@ -285,6 +300,60 @@ class VersionGroups(DriverGroups):
             self.moved_kv_bytes += departing.kv_bytes
         return waited
 
+    def lend(self, version: int, load: Callable[[int, int], Any]) -> None:
+        """Lends the elastic group to ``version``: it loads ``load(group, version)`` (dropping another version it
+        still holds, which must have no requests) and admits that version's requests until :meth:`reclaim`.
+
+        Raises:
+          EngineError: there is no elastic group, or it still has requests of another version.
+        """
+        e = self.elastic
+        if e is None:
+            raise EngineError("lend: these rollout groups have no elastic group (roles.elastic_group)")
+        old = self.serving[e]
+        if old != version:
+            if old is not None:
+                if self.group_in_flight(e):
+                    raise EngineError(f"lend: the elastic group still has {self.group_in_flight(e)} requests of "
+                                      f"version {old}")
+                self.drivers[e].remove_version(old)
+                self.serving[e] = None
+            self.drivers[e].add_version(version, load(e, version))
+            self.serving[e] = version
+            self.elastic_loads += 1
+        self.lent = True
+        self._count()
+
+    def reclaim(self) -> bool:
+        """Takes the elastic group back: it admits nothing more, and its requests move with their KV pages to the
+        regular groups taking its version's requests (most free slots first) as they fit; a move that does not
+        fit waits while the group decodes on. Returns True once the group is empty, its version's weights
+        dropped (True at once without an elastic group)."""
+        e = self.elastic
+        if e is None:
+            return True
+        self.lent = False
+        v = self.serving[e]
+        if v is None:
+            return True
+        n = self.group_in_flight(e)
+        if n:
+            room = {j: self.group_slots(j) - self.group_in_flight(j) for j in self.admitting(v)}
+            moves = []
+            for j in sorted(room, key=lambda j: (-room[j], j)):
+                k = min(n, room[j])
+                if k > 0:
+                    moves.append(Move(e, j, v, k))
+                    n -= k
+            before = self.moved_requests
+            self.move(moves)
+            self.elastic_moved += self.moved_requests - before
+        if self.group_in_flight(e):
+            return False
+        self.drivers[e].remove_version(v)
+        self.serving[e] = None
+        return True
+
     @property
     def idle(self) -> bool:
         return not self._finished and super().idle
@@ -293,7 +362,11 @@ class VersionGroups(DriverGroups):
         self.max_versions = max(self.max_versions, len(self.held()))
 
     def step(self) -> list[Trajectory]:
+        busy = self.elastic is not None and self.group_in_flight(self.elastic) > 0
+        start = time.perf_counter()
         out = super().step()
+        if busy:
+            self.elastic_busy_s += time.perf_counter() - start
         if self._finished:
             out, self._finished = sorted(self._finished + out, key=lambda t: t.sample_id), []
         self._count()

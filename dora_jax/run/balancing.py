@@ -17,6 +17,7 @@ not fit. A move that no longer fits when applied waits, and its group drains (no
 from __future__ import annotations
 
 import collections
+import time
 from typing import Any, Mapping
 
 from dora_jax.dora.balancer import Balancer, Plan
@@ -60,7 +61,7 @@ class GroupBalancing:
 
     def __init__(self, groups: VersionGroups, residency: Residency, max_live: int):
         self.groups, self.residency = groups, residency
-        self.balancer = Balancer(len(groups.drivers), max_live=max_live)
+        self.balancer = Balancer(groups.regular, max_live=max_live)
         self.recent: collections.deque[str] = collections.deque(maxlen=RECENT_DECISIONS)
         self.decided = 0  # decisions since the last report
         self._last: tuple[Any, ...] | None = None
@@ -69,7 +70,7 @@ class GroupBalancing:
     def trigger(self, waiting: Mapping[int, int]) -> str | None:
         """What calls for a plan now, in words (None: nothing)."""
         g = self.groups
-        idle = [i for i in range(len(g.drivers)) if not g.group_in_flight(i)]
+        idle = [i for i in range(g.regular) if not g.group_in_flight(i)]
         for i in idle:
             if g.serving[i] is None:
                 return f"group {i} holds no version"
@@ -156,3 +157,60 @@ class GroupBalancing:
         g = self.groups
         return {**self.balancer.counters, "loads": list(g.loads), "moved_requests": g.moved_requests,
                 "moved_kv_bytes": g.moved_kv_bytes, "move_waits": g.move_waits}
+
+
+class ElasticLending:
+    """The elastic group of a run (``roles.elastic_group``): lent to the newest version while the trainer waits for
+    a batch, handed back before each train step (docs/design.md, "The elastic group").
+
+    Args:
+      groups: the run's rollout groups, with an elastic group.
+      residency: the run's versions (the newest version's weights come from its store, on the trainer's devices).
+    """
+
+    FIGURES = ("lends", "moved_out", "wait_s", "busy_s", "rows")
+
+    def __init__(self, groups: VersionGroups, residency: Residency):
+        if groups.elastic is None:
+            raise ValueError("ElasticLending: the rollout groups have no elastic group")
+        self.groups, self.residency = groups, residency
+        self.wait_s = 0.0  # seconds ready batches waited for the group to empty
+        self._waiting_since: float | None = None
+        self._reported = dict.fromkeys(self.FIGURES, 0)
+
+    def lend(self) -> None:
+        """Lends the group to the newest resident version, unless it is lent or still has an older version's
+        requests."""
+        g, newest = self.groups, self.residency.store.newest
+        if g.lent or newest is None or newest not in self.residency:
+            return
+        if g.serving[g.elastic] not in (None, newest) and g.group_in_flight(g.elastic):
+            return
+        g.lend(newest, self.residency.load_group)
+
+    def hand_back(self) -> bool:
+        """Reclaims the group for a train step (:meth:`VersionGroups.reclaim`); True once it is empty and its
+        device work has finished, so the step has the devices to itself. The time until then is counted."""
+        now = time.perf_counter()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        if not self.groups.reclaim():
+            return False
+        self.groups.drivers[self.groups.elastic].block_until_ready()
+        self.wait_s += time.perf_counter() - self._waiting_since
+        self._waiting_since = None
+        return True
+
+    def totals(self) -> dict[str, Any]:
+        """The run's figures: versions lent, requests moved out at hand-backs, seconds ready batches waited, wall
+        seconds of the decode steps in which the group had requests, and rows it decoded."""
+        g = self.groups
+        return {"lends": g.elastic_loads, "moved_out": g.elastic_moved, "wait_s": self.wait_s,
+                "busy_s": g.elastic_busy_s, "rows": g.drivers[g.elastic].stats.rows_live}
+
+    def report(self) -> dict[str, Any]:
+        """The per-update metrics entry: the figures since the previous report, and whether the group is lent."""
+        now = self.totals()
+        out = {k: now[k] - self._reported[k] for k in self.FIGURES}
+        self._reported = now
+        return {"lent": self.groups.lent, **out}

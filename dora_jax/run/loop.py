@@ -33,7 +33,7 @@ from dora_jax.metrics import MetricsWriter
 from dora_jax.rollout.groups import DriverGroups, VersionGroups
 from dora_jax.rollout.stats import RESUMED
 from dora_jax.rollout.warmup import warmup
-from dora_jax.run.balancing import GroupBalancing
+from dora_jax.run.balancing import ElasticLending, GroupBalancing
 from dora_jax.run.evals import update_allowed
 from dora_jax.run.evaluation import RunError, evaluate
 from dora_jax.run.meter import Meter
@@ -107,6 +107,9 @@ class Runner:
         # One version per rollout group: the balancer decides which (None: every group holds every version).
         self.balancing = (GroupBalancing(self.driver, self.versions, self.policy.bound + 1)
                           if isinstance(self.driver, VersionGroups) else None)
+        # The trainer's devices as one more rollout group while the trainer waits (roles.elastic_group).
+        self.elastic = (ElasticLending(self.driver, self.versions)
+                        if isinstance(self.driver, VersionGroups) and self.driver.elastic is not None else None)
         # The newest updates (step, trained groups and samples, train metrics), for inspection: metrics.jsonl and
         # samples.jsonl hold every one, and a run of thousands of updates must not keep them all in memory.
         self.updates: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_UPDATES)
@@ -150,6 +153,12 @@ class Runner:
             got = warmup(engine, driver.params(version), versions=1 if one else self.policy.bound + 1,
                          filtered=filtered, prefix_tokens=len(self.shared_prefix),
                          progress=self.progress and self.writes)
+            out["programs"] += got["programs"]
+            out["seconds"] += got["seconds"]
+        if self.placement.elastic_engine is not None:  # lent the newest version while the trainer waits
+            e = self.placement.elastic_engine
+            got = warmup(e, e.prepare_params(self.versions.params(self.sched.version)), versions=1, filtered=filtered,
+                         prefix_tokens=len(self.shared_prefix), progress=self.progress and self.writes)
             out["programs"] += got["programs"]
             out["seconds"] += got["seconds"]
         log.info("warm-up: %d rollout programs compiled in %.1f s", out["programs"], out["seconds"])
@@ -336,8 +345,10 @@ class Runner:
                         and update_allowed(rollout.pinned(), self.sched.version + 1, self.policy.bound)):
                     batch = agree(self.multi, "the batch to train", self.sched.next_batch(),
                                   f"before update {self.sched.version + 1}")
-                    if batch is not None:
+                    if batch is not None and (self.elastic is None or self.elastic.hand_back()):
                         self._train(batch)
+                    elif batch is None and self.elastic is not None:
+                        self.elastic.lend()
                 # Shared placement completes the step now; split placement once it has finished or rollout is idle.
                 nothing_to_decode = self.driver.idle and not rollout.has_waiting(loaded)
                 finished = self._in_flight is not None and (not self.placement.disjoint or self._in_flight.ready())
@@ -402,6 +413,8 @@ class Runner:
                    **self.disk)  # as of the newest checkpoint
         if self.balancing is not None:
             row["balancer"] = self.balancing.report()
+        if self.elastic is not None:
+            row["elastic"] = self.elastic.report()
         if writer is not None:
             writer.write(row)
         self._lines["metrics.jsonl"] += 1

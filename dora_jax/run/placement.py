@@ -69,14 +69,17 @@ class Placement:
       multi: whether the run spans several processes.
       spans: whether the one rollout engine's mesh holds devices of several processes (``roles.rollout_span =
         all``): every process drives it with the same calls and generates every group.
+      elastic_engine: the engine of the elastic group on the trainer's devices (``roles.elastic_group``), or None.
     """
 
     def __init__(self, cfg: Config, trainer: Trainer, state: Any, engines: Sequence[Engine], *,
-                 local_meshes: Sequence[Any] | None = None, keep_initial: bool = False):
+                 local_meshes: Sequence[Any] | None = None, keep_initial: bool = False,
+                 elastic_engine: Engine | None = None):
         from dora_jax.models.build import abstract_model, state_shardings
         from dora_jax.sharding import ProcessLocalCopy
 
         self.cfg, self.trainer, self.engines = cfg, trainer, list(engines)
+        self.elastic_engine = elastic_engine
         self.tokenizer = None  # the weights' own tokenizer, when build loaded them
         self.multi = jax.process_count() > 1
         engine_devices = _device_set(self.engines[0].mesh)
@@ -128,8 +131,9 @@ class Placement:
             placement = cls(cfg, trainer, state, [make_engine(cfg, model, local[jax.process_index()])],
                             local_meshes=local, keep_initial=keep_initial)
         else:
+            elastic = make_engine(cfg, model, meshes.trainer) if cfg.roles.elastic_group else None
             placement = cls(cfg, trainer, state, [make_engine(cfg, model, m) for m in meshes.rollout],
-                            keep_initial=keep_initial)
+                            keep_initial=keep_initial, elastic_engine=elastic)
         placement.tokenizer = tokenizer
         return placement
 
@@ -151,11 +155,14 @@ class Placement:
     def drivers(self, eos_ids: Sequence[int], overlap: bool, shared_prefix: tuple[int, ...], *,
                 one_version: bool = False) -> RolloutDriver | DriverGroups:
         """A rollout driver per engine: one :class:`DriverGroups` over several, or with ``one_version``
-        (``roles.versions_per_group: 1``) a :class:`VersionGroups` over every engine, however many."""
+        (``roles.versions_per_group: 1``) a :class:`VersionGroups` over every engine, however many, the elastic
+        group's last."""
         drivers = [RolloutDriver(e, eos_ids=eos_ids, overlap=overlap, shared_prefix=shared_prefix)
                    for e in self.engines]
         if one_version:
-            return VersionGroups(drivers)
+            elastic = (None if self.elastic_engine is None else
+                       RolloutDriver(self.elastic_engine, eos_ids=eos_ids, overlap=overlap, shared_prefix=shared_prefix))
+            return VersionGroups(drivers, elastic=elastic)
         return drivers[0] if len(drivers) == 1 else DriverGroups(drivers)
 
     def to_rollout(self, params: Any) -> tuple[list[Any], float]:
@@ -175,6 +182,8 @@ class Placement:
         Raises:
           IndexError: there is no such group.
         """
+        if self.elastic_engine is not None and group == len(self.engines):  # on the trainer's devices already
+            return params, 0.0
         if not 0 <= group < len(self.engines):
             raise IndexError(f"rollout group {group}: the placement has {len(self.engines)} groups")
         if (self.disjoint and not self.multi) or self.spans:  # device to device, onto this group's mesh

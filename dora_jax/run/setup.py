@@ -186,6 +186,9 @@ def summarize(runner: Any, before: dict[str, Any], after: dict[str, Any], wall: 
         out["eval_curve"] = [list(x) for x in runner.eval_curve]
     if runner.balancing is not None:
         out["balancer"] = runner.balancing.summary()
+    if runner.elastic is not None:  # the trainer's devices were busy training, or decoding as the elastic group
+        out["elastic"] = runner.elastic.totals()
+        out["trainer_devices_idle_fraction"] = 1 - (meter.train_total + out["elastic"]["busy_s"]) / wall
     return out
 
 
