@@ -63,7 +63,8 @@ def build_parser(prog: str = "dora-jax bench") -> argparse.ArgumentParser:
                    "(the profile's sweeps run to the longest output: minutes at --preset reasoning)")
     b.add_argument("--groups", type=_positive_int, help="modes: run every mode under split placement on N rollout "
                    "groups of one device each after the trainer's (N + 1 devices; on CPU asked of XLA unless "
-                   "XLA_FLAGS sets a count), adding dora_k2_1vpg (dora K = 2 at roles.versions_per_group=1; N >= 3); "
+                   "XLA_FLAGS sets a count), adding dora_k2_1vpg (dora K = 2 at roles.versions_per_group=1; N >= 3) and "
+                   "dora_k2_1vpg_elastic (the same with roles.elastic_group); "
                    "no shared placement runs, nothing simulated")
     b.add_argument("--seeds", type=_positive_int, default=4, help="convergence: seeds per run name")
     b.add_argument("--runs", help="convergence: comma-separated run names to train (default: all: sync, "

@@ -22,7 +22,8 @@ cores).
 Rollout groups (``--groups N``): every mode runs under split placement alone, the trainer on device 0 and N
 rollout groups of one device each after it, with one more entry, ``dora_k2_1vpg``: dora at K = 2 with one
 policy version per group (``roles.versions_per_group=1``, DORA's load balancing), next to ``dora_k2`` (every
-live version in every group). Each mode reports the most versions a group held and the balancer's counters;
+live version in every group), and ``dora_k2_1vpg_elastic``, the same with the trainer's devices decoding as one
+more group while the trainer waits (``roles.elastic_group``). Each mode reports the most versions a group held and the balancer's counters;
 nothing is simulated (the simulator knows one pool of slots, not groups serving versions).
 
 The simulator check: each mode is also simulated (:func:`dora_jax.sim.local.simulate_run`) on the same
@@ -64,6 +65,8 @@ MODE_NAMES = tuple(mode if mode != "dora" else f"dora_k{k}" for mode, k in MODES
 # Under rollout groups: dora K = 2 with one version per group, run next to dora_k2 (it needs K + 1 = 3 groups).
 ONE_VERSION = ("dora_k2_1vpg", ["roles.versions_per_group=1"])
 ONE_VERSION_GROUPS = 3
+# And with the trainer's devices lent to rollout while the trainer waits (roles.elastic_group).
+ELASTIC = ("dora_k2_1vpg_elastic", ONE_VERSION[1] + ["roles.elastic_group=true"])
 
 
 def plan(split: bool, only: tuple[str, ...] | None = None, groups: int = 1) -> list[Variant]:
@@ -71,8 +74,8 @@ def plan(split: bool, only: tuple[str, ...] | None = None, groups: int = 1) -> l
     and again under shared placement (named ``<mode>_shared``); on one device, every mode runs shared.
     ``only`` keeps the modes of those names (of :data:`MODE_NAMES`; ``sync`` and ``dora_k2`` among them, the
     pair every comparison and the target are made of). With ``groups`` > 1 (split placement on that many rollout
-    groups) every mode runs split only, and :data:`ONE_VERSION` follows ``dora_k2`` when there are at least
-    :data:`ONE_VERSION_GROUPS` groups.
+    groups) every mode runs split only, and :data:`ONE_VERSION` and :data:`ELASTIC` follow ``dora_k2`` when there
+    are at least :data:`ONE_VERSION_GROUPS` groups.
 
     Shared placement is where decode batch-steps per trained sample count the schedule alone: the trainer and
     the rollout take turns, so no decode step is taken while the rollout waits on a slower trainer, and the
@@ -89,7 +92,8 @@ def plan(split: bool, only: tuple[str, ...] | None = None, groups: int = 1) -> l
         out = [Variant(name, o, True) for name, o in names]
         if groups >= ONE_VERSION_GROUPS:
             at = next(i for i, v in enumerate(out) if v.name == "dora_k2") + 1
-            out.insert(at, Variant(ONE_VERSION[0], out[at - 1].overrides + ONE_VERSION[1], True))
+            base = out[at - 1].overrides
+            out[at:at] = [Variant(ONE_VERSION[0], base + ONE_VERSION[1], True), Variant(ELASTIC[0], base + ELASTIC[1], True)]
         return out
     if not split:
         return [Variant(name, o, False) for name, o in names]
@@ -128,6 +132,9 @@ def mode_result(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "gen_tok_s": s["gen_tok_s"],
         "rollout_share": float(np.mean([row["rollout_share"] for row in rows])),
         "trainer_idle_fraction": s["trainer_idle_fraction"],
+        # With an elastic group: the trainer's devices' idle share, its decoding counted as busy, and its figures.
+        "trainer_devices_idle_fraction": s.get("trainer_devices_idle_fraction", s["trainer_idle_fraction"]),
+        "elastic": s.get("elastic"),
         "slot_occupancy": float(np.mean([row["slot_occupancy"] for row in rows])),
         "mean_staleness": float(np.mean(lags)), "max_staleness_seen": int(max(lags)),
         "max_resident_versions": s["max_resident_versions"], "weight_sync_s": s["sync_s"],

@@ -297,13 +297,13 @@ def test_the_step_profile_names_the_ops_of_a_traced_decode_step(tmp_path, capsys
 
 def test_modes_on_rollout_groups_report_versions_per_group_and_the_balancer(tmp_path):
     """``bench modes --groups 3``, tiny: every mode under split placement on 3 rollout groups of one device, with
-    ``dora_k2_1vpg`` next to ``dora_k2``; one version per group holds one version in each group (the balancer
+    ``dora_k2_1vpg`` and ``dora_k2_1vpg_elastic`` next to ``dora_k2``; one version per group holds one version in each group (the balancer
     planned), every version in every group holds up to K + 1; nothing was prefilled again."""
     from benchmarks.modes import bench_modes
 
     r = bench_modes(steps=2, repeats=1, noise_seeds=1, max_len=16, warm_rounds=0, modes=("sync", "dora_k2"),
                     groups=3, out_dir=str(tmp_path))
-    assert list(r["modes"]) == ["sync", "dora_k2", "dora_k2_1vpg"] and r["simulator"] is None
+    assert list(r["modes"]) == ["sync", "dora_k2", "dora_k2_1vpg", "dora_k2_1vpg_elastic"] and r["simulator"] is None
     assert r["rollout_groups"] == 3 and r["placement"].startswith("split")
     for name, m in r["modes"].items():
         assert m["placement"] == "split" and m["rollout_groups"] == 3, name
@@ -314,4 +314,7 @@ def test_modes_on_rollout_groups_report_versions_per_group_and_the_balancer(tmp_
     assert one["balancer"]["plans"] > 0 and set(one["balancer"]) >= {"plans", "reassigned", "drains", "moved"}
     b = one["balancer"]  # the moves' figures come from the groups' own totals
     assert b["moved_requests"] >= 0 and b["move_waits"] >= 0 and (b["moved_kv_bytes"] == 0 or b["moved_requests"] > 0)
-    assert every["balancer"] is None
+    assert every["balancer"] is None and every["elastic"] is None
+    elastic = r["modes"]["dora_k2_1vpg_elastic"]  # the trainer's device lent while the trainer waited
+    assert elastic["max_versions_per_group"] == 1 and elastic["elastic"]["lends"] >= 1
+    assert elastic["trainer_devices_idle_fraction"] <= elastic["trainer_idle_fraction"]
