@@ -1,9 +1,8 @@
 """Frozen-dataclass schemas read from plain data (YAML, JSON), with errors that name the field.
 
-The machinery under every config of the project: the run config (:mod:`dora_jax.config`) and the simulator's
-(:mod:`dora_jax.sim.config`) declare dataclasses with ``validate`` methods, and :func:`from_dict` builds them
-from nested mappings, checking every key and type on the way. A bad value is a :class:`ConfigError` naming
-the dotted field, the value and what is allowed.
+Under every config of the project (:mod:`dora_jax.config`, :mod:`dora_jax.sim.config`): :func:`from_dict` and
+:func:`build` construct dataclasses from nested mappings, checking every key and type; their ``validate``
+methods call :func:`fail`. A bad value is a :class:`ConfigError` naming the dotted field, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -20,10 +19,7 @@ from dora_jax.textfiles import parse_yaml_value
 
 
 class ConfigError(ValueError):
-    """A configuration value is missing, unknown, of the wrong type or out of range.
-
-    ``field`` is the dotted field the error is about, when there is one.
-    """
+    """A configuration value is missing, unknown, of the wrong type or out of range; ``field``: its dotted field, if any."""
 
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
@@ -31,18 +27,10 @@ class ConfigError(ValueError):
 
 
 def fail(path: str, value: Any, allowed: str) -> None:
-    """Stops on a bad config value with a :class:`ConfigError` naming the field, the value and what is allowed.
+    """Raises :class:`ConfigError` (``field`` = ``path``) reading ``config field 'PATH' = VALUE: ALLOWED``.
 
-    The check every config schema uses (``dora_jax.config``'s and ``dora_jax.sim.config``'s), so every error reads
-    ``config field 'workload.group_size' = 0: must be an integer > 0``.
-
-    Args:
-        path: the dotted field, e.g. ``train.clip_low`` (``paper.64.speedup`` for a key of a mapping).
-        value: the value found there.
-        allowed: what the field accepts, e.g. ``must be > 0`` or ``allowed: 'xla', 'pallas'``.
-
-    Raises:
-        ConfigError: always, with ``field`` set to ``path``.
+    ``path``: the dotted field, e.g. ``train.clip_low`` (``paper.64.speedup`` for a mapping's key); ``allowed``:
+    what the field accepts, e.g. ``must be > 0``.
     """
     raise ConfigError(f"config field '{path}' = {value!r}: {allowed}", field=path)
 
@@ -119,25 +107,14 @@ def _describe(tp: Any) -> str:
 
 
 def from_dict(cls: type, data: Any, path: str = "") -> Any:
-    """Builds dataclass ``cls`` from nested plain data, checking every key and type.
+    """Builds dataclass ``cls`` from nested plain ``data`` (``None``: empty), checking every key and type.
 
-    Field types: ``bool``, ``int``, ``float`` (finite; an integer is taken as a float), ``str``,
-    ``tuple[X, ...]`` (a list), ``dict[K, V]`` (a mapping), a nested dataclass, ``Optional[X]`` and unions
-    ``X | Y`` (the first type, in the order written, that takes the value). A missing key keeps the field's
-    default; range and cross-field checks are the dataclass's own (``validate`` methods calling :func:`fail`).
-
-    Two hooks let a schema keep its own conventions: a field whose metadata holds ``from_plain`` (and
-    ``to_plain``, for :func:`to_plain`) is read by that function of ``(value, path)`` instead; a class attribute
-    ``RETIRED_FIELDS`` maps names that no longer exist to the message they are refused with, in place of
-    "unknown field".
-
-    Args:
-        cls: the dataclass to build.
-        data: a mapping of its fields (``None`` is an empty one).
-        path: the dotted field ``data`` sits at, for error messages (``""`` at the top).
-
-    Returns:
-        The dataclass instance.
+    Field types: ``bool``, ``int``, ``float`` (finite; an integer is taken as a float), ``str``, ``tuple[X, ...]``
+    (a list), ``dict[K, V]``, a nested dataclass, ``Optional[X]`` and unions ``X | Y`` (the first type written that
+    takes the value). A missing key keeps the default; range and cross-field checks are the dataclass's
+    ``validate``. Hooks: field metadata ``from_plain`` (and ``to_plain``) reads a field by that function of
+    ``(value, path)``; a class attribute ``RETIRED_FIELDS`` maps removed names to the message they are refused with.
+    ``path`` is where ``data`` sits, for messages (``""`` at the top).
 
     Raises:
         ConfigError: naming the first unknown key, or the field whose value has the wrong type.
@@ -205,8 +182,8 @@ def build(cls: type, data: dict[str, Any], overrides: list[str] | tuple[str, ...
     """``cls`` from plain ``data`` with ``key=value`` overrides applied, type-checked and validated.
 
     Raises:
-      ConfigError: naming the field, the bad value and what is allowed, prefixed with where the value came
-        from: the override that set it, else ``source`` (the file ``data`` was read from).
+      ConfigError: naming the field, value and what is allowed, prefixed with the override that set it, else
+        ``source`` (the file ``data`` came from).
     """
     apply_overrides(data, overrides)
     try:

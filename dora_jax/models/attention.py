@@ -1,28 +1,12 @@
 """Causal self-attention for the training forward, with segment ids, in several implementations.
 
-Every implementation computes, for a query at index ``t`` of a row, the softmax over the keys at indices
-``s <= t`` whose segment id equals the query's (segment id 0 marks padding) of ``q . k / sqrt(d)``, in float32,
-and the probability-weighted values. They agree on every query of a non-zero segment; a padding query's
-output is unspecified (it never reaches a loss term: its position carries no response token).
-
-* ``xla`` — :func:`dora_jax.models.decoder.attention`: the scores materialized as [B, H, T, T]; the
-  reference. Its memory grows with T^2.
-* ``blockwise`` — :func:`blockwise_attention`: plain JAX, an online softmax over key blocks inside a map over
-  query blocks, with its own backward pass (FlashAttention-2's recomputation from the row log-sum-exp), so
-  neither direction holds more than one [B, H, block, block] tile of scores. Causally empty tiles are never
-  computed. Portable (any backend); what the CPU runs.
-* ``cudnn`` — ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU): causal with each row's valid
-  length (``key_value_seq_lengths``), so it covers right-padded rows of one segment, not packed rows.
-* ``pallas_gpu`` — ``jax.experimental.pallas.ops.gpu.attention.mha`` (GPU, Triton): causal with segment ids;
-  k and v are repeated to the query heads (the kernel has no grouped-query form).
-* ``splash`` — ``jax.experimental.pallas.ops.tpu.splash_attention`` (TPU): causal mask with segment ids,
-  grouped-query heads native.
-
-``auto`` (:func:`resolve_train_attention`) takes ``xla`` for sequences of one block and ``blockwise`` beyond;
-the kernels are chosen by name. Under an active mesh the kernels run per shard (``shard_map`` over the batch
-and head axes), since a Pallas or cuDNN call is not partitioned by XLA itself.
-
-Shapes: q [B, T, H, d]; k, v [B, T, K, d] with K dividing H (grouped-query); segment ids int [B, T].
+Each computes, for the query at index ``t``, the float32 softmax of ``q . k / sqrt(d)`` over keys ``s <= t``
+of the same segment (id 0: padding) and the weighted values; they agree on every query of a non-zero
+segment (a padding query's output is unspecified). :func:`train_attention` runs ``blockwise``
+(:func:`blockwise_attention`), ``cudnn``, ``pallas_gpu`` or ``splash``; ``xla`` is
+:func:`dora_jax.models.decoder.attention`; :func:`resolve_train_attention` resolves ``auto``. docs/trainer.md,
+"Long sequences", compares them. Shapes: q [B, T, H, d]; k, v [B, T, K, d] with K dividing H; segment ids
+int [B, T].
 """
 
 from __future__ import annotations
@@ -43,9 +27,8 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 def resolve_train_attention(impl: str, seq_len: int, block: int) -> str:
-    """``impl`` with ``"auto"`` resolved for rows of ``seq_len`` tokens: ``"xla"`` when the row fits one block
-    of ``block`` tokens (there is nothing to split), ``"blockwise"`` beyond. The platform kernels are taken
-    only when named: ``auto`` picks the portable path until a kernel's gain on its platform is measured."""
+    """``impl`` with ``"auto"`` resolved for rows of ``seq_len`` tokens: ``"xla"`` when a row fits one block of
+    ``block`` tokens, ``"blockwise"`` beyond; platform kernels only when named."""
     if impl != "auto":
         return impl
     return "xla" if seq_len <= block else "blockwise"
@@ -86,8 +69,8 @@ def _accumulation(x: jax.Array):
 
 def _forward(q, k, v, seg, block):
     """Online-softmax forward. q [B, K, G, T, d], k/v [B, K, T, d], seg [B, T]; T a multiple of ``block``.
-    Returns (out [B, K, G, T, d] in q's dtype, lse [B, K, G, T] in the accumulation dtype (float32, float64 for
-    float64 inputs); lse is 0 on rows that see no key)."""
+    Returns (out [B, K, G, T, d] in q's dtype, lse [B, K, G, T] in the accumulation dtype; lse is 0 on rows
+    that see no key)."""
     b, kv, g, t, d = q.shape
     n = t // block
     scale = 1.0 / math.sqrt(d)
@@ -120,8 +103,7 @@ def _forward(q, k, v, seg, block):
 
 
 def _backward(q, k, v, seg, out, lse, do, block):
-    """Gradients of :func:`_forward` from the row log-sum-exp (no stored probabilities): dq over key blocks,
-    then dk and dv over query blocks, one [B, K, G, block, block] tile at a time."""
+    """Gradients of :func:`_forward` recomputed from the row log-sum-exp, one [B, K, G, block, block] tile at a time."""
     b, kv, g, t, d = q.shape
     n = t // block
     scale = 1.0 / math.sqrt(d)
@@ -184,15 +166,9 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def blockwise_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array, segment_ids_bt: jax.Array,
                         block: int = 512) -> jax.Array:
-    """Causal attention within segments, ``block`` queries against ``block`` keys at a time, in plain JAX.
-
-    The forward keeps a running max and sum per query (online softmax) over the key blocks at or before the
-    query block; the backward recomputes each tile's probabilities from the saved row log-sum-exp, so
-    memory is O(T) in both directions: the saved residuals are q, k, v, the output and the log-sum-exp.
-    A row whose length is not a multiple of ``block`` is padded with segment id 0 (masked) and cut back.
-
-    Returns [B, T, H, d] in q's dtype.
-    """
+    """Causal attention within segments, ``block`` queries against ``block`` keys at a time, in plain JAX, with
+    a FlashAttention-2-style backward: memory is O(T) in both directions. A row length not a multiple of
+    ``block`` is padded with segment id 0 and cut back. Returns [B, T, H, d] in q's dtype."""
     b, t, h, d = q_bthd.shape
     kv = k_btkd.shape[2]
     block = min(block, t)
@@ -210,9 +186,8 @@ def blockwise_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array,
 
 def cudnn_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array, segment_ids_bt: jax.Array,
                     implementation: str | None = "cudnn") -> jax.Array:
-    """``jax.nn.dot_product_attention``: causal, each row's keys cut at its number of non-padding tokens.
-    Exact for right-padded rows of one segment (what the trainer builds); packed rows need segment masks
-    (``pallas_gpu``, ``splash``, ``blockwise``). ``implementation=None`` runs JAX's XLA form of the same call."""
+    """``jax.nn.dot_product_attention``: causal, each row's keys cut at its non-padding tokens; exact for
+    right-padded rows of one segment, not packed rows. ``implementation=None`` runs JAX's XLA form."""
     lengths = jnp.sum(segment_ids_bt != 0, axis=1).astype(jnp.int32)
     return jax.nn.dot_product_attention(q_bthd, k_btkd, v_btkd, is_causal=True, key_value_seq_lengths=lengths,
                                         implementation=implementation)
@@ -237,8 +212,8 @@ def pallas_gpu_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array
 def splash_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array, segment_ids_bt: jax.Array,
                      block: int = 512, interpret: bool = False) -> jax.Array:
     """``jax.experimental.pallas.ops.tpu.splash_attention``: causal mask and segment ids, grouped-query heads,
-    one kernel call per row (``vmap``). ``block`` is every tile's length (at most the row length; it must
-    divide it). ``interpret`` runs the kernel through Pallas's TPU interpreter (CPU tests)."""
+    one call per row (``vmap``). ``block``: every tile's length (at most the row length, dividing it);
+    ``interpret``: Pallas's TPU interpreter (CPU tests)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     t, h, d = q_bthd.shape[1], q_bthd.shape[2], q_bthd.shape[3]
@@ -255,8 +230,8 @@ def splash_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array, se
 
 
 def _per_shard(fn, q, k, v, seg):
-    """Runs ``fn`` per shard of the active mesh: rows over the batch axes, heads over the head axes (the
-    kernels are opaque to XLA's partitioner). Without an active mesh of several devices, calls ``fn``."""
+    """Runs ``fn`` per shard of the active mesh (rows over the batch axes, heads over the head axes); without a
+    multi-device mesh, calls ``fn``."""
     from dora_jax.sharding import active_mesh, logical_to_spec
 
     active = active_mesh()

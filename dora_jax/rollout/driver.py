@@ -1,13 +1,8 @@
 """The generation driver: continuous batching over several policy versions at once.
 
-Each policy version decodes in its own group (its own ``DecodeState`` and params), so a trajectory is sampled
-from first to last token by the version it was submitted with. Groups grow to the smallest power of two that
-holds their live rows and are compacted as trajectories finish; all groups step together in one program. New
-requests are admitted between programs into free capacity, oldest first, and prefilled together (each distinct
-prompt once, a ``shared_prefix`` once per version). With ``overlap`` the driver dispatches program t + 1 before
-it reads program t back; with ``decode_steps`` N > 1 a program runs up to N decode steps, each row stopped on the
-device, and ends early where the host must act on freed slots (:data:`ADMIT_SLOTS_FRACTION`). docs/rollout.md,
-"Several versions at once" and its subsections, gives the choices and their reasons.
+:class:`RolloutDriver` decodes each policy version in its own group (its own ``DecodeState`` and params), so a
+trajectory is sampled from first to last token by the version it was submitted with; :func:`run_all` steps a
+driver until its requests finish. docs/rollout.md, "Several versions at once", gives the design.
 """
 
 from __future__ import annotations
@@ -55,9 +50,9 @@ class _Live:
 
 @dataclasses.dataclass
 class Departing:
-    """Requests of one version taken out of a driver (:meth:`RolloutDriver.take`) for another driver holding the
-    same version (:meth:`RolloutDriver.put`): those not admitted yet (no pages: they are admitted there), and the
-    live ones with their tokens and log-probs so far, their decode rows and their KV pages (``rows``)."""
+    """Requests of one version taken out of a driver (:meth:`RolloutDriver.take`) for another holding the same
+    version (:meth:`RolloutDriver.put`): those not admitted yet, and the live ones with their tokens, log-probs,
+    decode rows and KV pages (``rows``)."""
 
     version: int
     pending: list[tuple[Request, float]]
@@ -171,8 +166,8 @@ class RolloutDriver:
         self._groups: dict[int, _Group] = {}
         self._pending: collections.deque[tuple[Request, float]] = collections.deque()
         # Requests wait for a slot outside the driver (a caller that submits only into free slots sets this
-        # before each step): as with requests pending here, a program of several steps ends at the first step
-        # that frees a slot, so the caller can fill it.
+        # before each step): as with requests pending here, a program of several steps ends once
+        # 1 / ADMIT_SLOTS_FRACTION of the slots (at least one) are freed, so the caller can fill them.
         self.waiting_outside = False
         self.stats = DriverStats()  # counters and the figures derived from them (rollout/stats.py)
 
@@ -186,10 +181,9 @@ class RolloutDriver:
         self._count_held()
 
     def remove_version(self, version: int) -> None:
-        """Unloads a policy version with no trajectory left. When it returns, nothing of the driver holds the
-        version's weights: a decode step dispatched with it and not yet read back (its rows belong to
-        trajectories that ended, with ``overlap``) is waited for, and the group's params, decode state and
-        shared prefix are dropped, so a version loaded next is never on the devices beside it."""
+        """Unloads a policy version with no trajectory left. On return nothing of the driver holds its weights: a
+        dispatched step still using them is waited for, and the group's params, decode state and shared prefix are
+        dropped."""
         g = self._groups.get(version)
         if g is None:
             raise EngineError(f"policy version {version} is not loaded")
@@ -217,8 +211,8 @@ class RolloutDriver:
         return [r.data for x in self._launched if any(g.version == version for g in x.active) for r in x.results]
 
     def held(self) -> list[int]:
-        """The policy versions whose weights this driver holds now: the loaded ones, and any other whose group a
-        dispatched step not yet read back still refers to with its weights (none: removal drops them)."""
+        """The versions whose weights this driver holds now: the loaded ones, plus any a dispatched step not yet read
+        back still refers to."""
         groups = list(self._groups.values()) + [g for x in self._launched for g in x.active]
         return sorted({g.version for g in groups if g.params is not None})
 
@@ -284,9 +278,8 @@ class RolloutDriver:
         return not self._pending and all(g.live == 0 for g in self._groups.values())
 
     def block_until_ready(self) -> None:
-        """Waits for every dispatched decode step and decode-state update (inserts, frees, resizes) to finish: a
-        caller that time-shares the devices with other work hands them over with nothing of the rollout still
-        running."""
+        """Waits for every dispatched decode step and decode-state update, so a caller can hand the devices over
+        with nothing of the rollout running."""
         jax.block_until_ready([g.state for g in self._groups.values() if g.state is not None]
                               + [r.data for x in self._launched for r in x.results]
                               + [first.data for x in self._launched for first, _ in x.admitted])
@@ -294,16 +287,14 @@ class RolloutDriver:
     # -- moving requests to another driver ------------------------------------------------------------------
 
     def read_in_flight(self) -> list[Trajectory]:
-        """Reads back every dispatched program (with ``overlap``, the one still running) and returns what
-        finished: afterwards no row has tokens in flight, so its requests can be taken (:meth:`take`)."""
+        """Reads back every dispatched program and returns what finished; afterwards requests can be :meth:`take`-n."""
         out: list[Trajectory] = []
         while self._launched:
             out += self.collect(self._launched.popleft())
         return out
 
     def _chosen(self, version: int, count: int) -> tuple[list[tuple[Request, float]], list[_Live]]:
-        """The ``count`` requests of ``version`` with the lowest sample ids (fewer when fewer are here), not
-        admitted yet and live (finished rows left out)."""
+        """The (at most) ``count`` requests of ``version`` with the lowest sample ids, pending or live."""
         if version not in self._groups:
             raise EngineError(f"policy version {version} is not loaded (loaded: {self.versions})")
         pending = [x for x in self._pending if x[0].version == version]
@@ -313,27 +304,23 @@ class RolloutDriver:
 
     def take_sizes(self, version: int, count: int) -> list[tuple[int, int]]:
         """(Tokens written to the KV cache, limit) of each live request :meth:`take` would take, for the
-        destination's :meth:`fits` (requests not admitted yet need no pages); exact once nothing is in flight
-        (:meth:`read_in_flight`), short of the tokens in flight before."""
+        destination's :meth:`fits`; exact once nothing is in flight (:meth:`read_in_flight`)."""
         _, live = self._chosen(version, count)
         return [(len(x.request.prompt_ids) + len(x.tokens) - 1, len(x.request.prompt_ids) + x.request.max_new_tokens)
                 for x in live]
 
     def fits(self, count: int, sizes: Sequence[tuple[int, int]]) -> bool:
-        """Whether ``count`` requests, the live ones of ``sizes`` (:meth:`take_sizes`), can be put here now: free
-        slots for all, and pages for the live ones' written tokens while every live request here could still
-        reach its limit (the admission's test: nothing is ever evicted for them)."""
+        """Whether ``count`` requests (live ones' ``sizes`` from :meth:`take_sizes`) can be put here now: free slots
+        for all, and pages for the live ones while every live request here could still reach its limit."""
         free = self.engine.max_concurrent_decodes - sum(self.in_flight().values())
         return count <= free and (not sizes or self.engine.admissible(list(sizes)) is not None)
 
     def take(self, version: int, count: int) -> Departing:
-        """Takes the ``count`` requests of ``version`` with the lowest sample ids out of this driver, for
-        :meth:`put` of another driver holding the same version: the live ones with their tokens, log-probs,
-        decode rows and KV pages (:meth:`Engine.take_rows`); their slots and pages are free here afterwards.
+        """Takes the ``count`` requests of ``version`` with the lowest sample ids out of this driver, for another's
+        :meth:`put`: live ones with their tokens, log-probs, decode rows and KV pages (:meth:`Engine.take_rows`).
 
         Raises:
-          EngineError: fewer requests of ``version`` here, or a program still in flight (:meth:`read_in_flight`
-            first).
+          EngineError: fewer requests of ``version`` here, or a program still in flight (:meth:`read_in_flight` first).
         """
         if self._launched:
             raise EngineError("take: a dispatched program is still in flight; read_in_flight first")
@@ -353,9 +340,8 @@ class RolloutDriver:
         return Departing(version, pending, live, rows)
 
     def put(self, departing: Departing) -> None:
-        """Puts requests taken from another driver (:meth:`take`) here: those not admitted yet wait to be admitted,
-        the live ones take free slots with their KV pages copied onto this engine (nothing is prefilled again)
-        and decode on from their next token. Check :meth:`fits` first.
+        """Puts requests from another driver's :meth:`take` here: pending ones wait for admission, live ones take
+        free slots with their KV pages copied over and decode on (no prefill again). Check :meth:`fits` first.
 
         Raises:
           EngineError: the version is not loaded here, or the engine has no room for them now.
@@ -411,11 +397,9 @@ class RolloutDriver:
         return None
 
     def _admit(self, done: list[Trajectory], admitted: list[tuple[Any, list[_Live]]]) -> None:
-        """Admits pending requests into free capacity, oldest first. The admitted requests of one version are
-        prefilled together (:meth:`Engine.prefill_batch`: equal prompts once, up to ``prefill_tokens`` prompt
-        tokens per program), their first tokens read with one transfer, and the live ones inserted with one
-        update of the version's decode state. With ``overlap`` every admitted request is inserted without
-        waiting for its first token, which is read with the next step's results (``admitted``)."""
+        """Admits pending requests into free capacity, oldest first: one version's are prefilled together
+        (:meth:`Engine.prefill_batch`), their first tokens read with one transfer and inserted with one update. With
+        ``overlap`` the first tokens are read with the next step's results (``admitted``)."""
         free = self.engine.max_concurrent_decodes - sum(g.live for g in self._groups.values())
         taken: dict[int, list[tuple[Request, float]]] = {}
         # The oldest requests wait until the pool can take them safely (nothing is evicted for them).
@@ -439,12 +423,8 @@ class RolloutDriver:
 
     def admissible_count(self, free: int) -> int:
         """How many of the oldest pending requests (at most ``free``) the pool takes now: the longest head of the
-        queue that :meth:`Engine.admissible` accepts together.
-
-        A request joining a set only makes the set harder to admit (it takes pages now and frees only as many
-        at its end; the requests before it keep their batch shards), so the heads it accepts are exactly those
-        shorter than the first it refuses: one test when it accepts them all, as it does while the pool has
-        room, and a bisection otherwise, not one test per request of a growing list."""
+        queue :meth:`Engine.admissible` accepts together. A request joining only makes a set harder to admit, so this
+        bisects rather than testing each head."""
         k = min(free, len(self._pending))
         if k <= 0:
             return 0
@@ -462,9 +442,8 @@ class RolloutDriver:
         return good
 
     def prefill_chunks(self, items: list[tuple[Request, float]], skip: int = 0) -> list[list[tuple[Request, float]]]:
-        """Splits admitted requests so that (distinct prompts x bucket of the tokens prefilled, which start
-        ``skip`` tokens in) stays within the budget; without ``batch_prefill``, one request per chunk (each
-        prompt prefilled on its own, as JetStream does)."""
+        """Splits admitted requests so that (distinct prompts x bucket of the tokens prefilled from ``skip``) stays
+        within the budget; without ``batch_prefill``, one request per chunk."""
         if not items:
             return []
         if not self.batch_prefill:
@@ -544,25 +523,21 @@ class RolloutDriver:
         return out
 
     def step(self) -> list[Trajectory]:
-        """Admits pending requests, runs one decode dispatch of every version group (``decode_steps`` steps at
-        most), returns what finished.
-
-        With ``fuse`` (the default) all groups step in one program (:meth:`Engine.generate_steps`) at one
-        shared capacity, so a step costs one dispatch and one result transfer however many versions are
-        resident. With ``overlap`` the step returns what the previous step finished, while this one runs."""
+        """Admits pending requests, runs one decode dispatch of every version group (at most ``decode_steps``
+        steps) and returns what finished. With ``fuse`` all groups step in one program (:meth:`Engine.generate_steps`);
+        with ``overlap`` it returns what the previous step finished while this one runs."""
         self.dispatch()
         return self.harvest()
 
     def dispatch(self) -> None:
-        """The first half of :meth:`step`: admits and dispatches a decode step (:meth:`launch`), queued for
-        :meth:`harvest`. Drivers on other devices can dispatch theirs before any result is read."""
+        """First half of :meth:`step`: admits and dispatches a decode step (:meth:`launch`) for :meth:`harvest`."""
         with self.stats.host_time():
             self._launched.append(self.launch())
             self._count_held()
 
     def harvest(self) -> list[Trajectory]:
-        """The second half of :meth:`step`: reads back the oldest dispatched step (without ``overlap``: the one
-        just dispatched; with it: the one before, while the newest runs) and returns what finished."""
+        """Second half of :meth:`step`: reads back the oldest dispatched step (with ``overlap``, the one before the
+        newest) and returns what finished."""
         with self.stats.host_time():
             out: list[Trajectory] = []
             if len(self._launched) > (1 if self.overlap else 0):
@@ -576,9 +551,8 @@ class RolloutDriver:
         return out
 
     def launch(self) -> "_Launched":
-        """Admits pending requests and dispatches one decode program (one step, or up to ``decode_steps``)
-        without waiting for it (JAX dispatch is asynchronous); :meth:`collect` reads it back. :meth:`dispatch`
-        and :meth:`harvest` queue these calls (one program in flight, two with ``overlap``)."""
+        """Admits pending requests and dispatches one decode program without waiting for it; :meth:`collect` reads
+        it back."""
         done: list[Trajectory] = []
         admitted: list[tuple[Any, list[_Live]]] = []
         self._admit(done, admitted)
@@ -593,12 +567,9 @@ class RolloutDriver:
     def _dispatch_decode(self, done: list[Trajectory], active: list[_Group], filtered: bool,
                          admitted: list[tuple[Any, list[_Live]]]) -> "_Launched":
         """The decode part of :meth:`launch` (:meth:`Engine.generate_steps`): each live row may produce up to
-        ``decode_steps`` tokens, fewer where its ``max_new_tokens`` ends sooner (counting the tokens of programs
-        still in flight), and stops on the device at an eos or stop id. The program ends
-        where the host would act on freed slots (a stop, or a row's last token): while requests wait for a slot,
-        at the step that frees :data:`ADMIT_SLOTS_FRACTION` of the slots (module docstring); otherwise, when a
-        group's freed rows would let it compact (at most half its rows live). The steps between run without the
-        host."""
+        ``decode_steps`` tokens (fewer where ``max_new_tokens`` ends sooner) and stops on the device at an eos or stop
+        id. The program ends where the host would act: while requests wait, at the step that frees
+        1/:data:`ADMIT_SLOTS_FRACTION` of the slots; otherwise where a group could compact."""
         n = self.decode_steps
         fused = self.fuse and len(active) > 1
         floor = max(len(g.slots) for g in active) if fused else 1
@@ -686,16 +657,15 @@ class RolloutDriver:
         return done
 
     def _append(self, live: _Live, token: int, logprob: float, now: float, done: list[Trajectory]) -> None:
-        """One token of a live trajectory; when it is the last, the trajectory is finished and its slot freed
-        where it is now (resizes since the dispatch may have moved it; rows compare by identity)."""
+        """One token of a live trajectory; at its last, the trajectory is finished and its slot freed where it is
+        now (rows compare by identity)."""
         live.tokens.append(token)
         live.logprobs.append(logprob)
         self._ended(self._groups[live.request.version], live, token, now, done)
 
     def _ended(self, g: _Group, live: _Live, token: int, now: float, done: list[Trajectory],
                slot: int | None = None) -> None:
-        """Finishes ``live`` if ``token``, its last, ends it, freeing its slot (``slot`` where it was at dispatch:
-        looked for only when a resize has moved it since)."""
+        """Finishes ``live`` if ``token``, its last, ends it, freeing its slot (``slot``: where it was at dispatch)."""
         reason = self._reason(live, token)
         if reason is None:
             return
@@ -714,9 +684,8 @@ class RolloutDriver:
 
     def _take_steps(self, g: _Group, rows: list[_Live | None], budgets: list[int], stops: np.ndarray,
                     cols: dict[str, np.ndarray], now: float, done: list[Trajectory], floor: int = 1) -> None:
-        """:meth:`_take` for several steps (``cols`` [steps, rows]; ``stops``: the rows' stop table at dispatch):
-        each row's valid tokens, in order, up to the one that ends its trajectory (the device stopped it there
-        too). The checks run over the whole block at once; the Python per row is a few list operations."""
+        """:meth:`_take` for several steps (``cols`` [steps, rows]; ``stops``: the stop table at dispatch): each
+        row's valid tokens, in order, up to the one that ends its trajectory."""
         valid, tokens = cols["valid"], cols["token"]
         counts = valid.sum(axis=0)
         step = np.arange(valid.shape[0])[:, None]
@@ -753,8 +722,8 @@ class RolloutDriver:
         self._compact(g, floor)
 
     def _compact(self, g: _Group, floor: int) -> None:
-        """Compaction: stop computing empty rows once at most half are live (and no request is waiting for
-        this version, which would only grow the group again); not below ``floor``, the fused groups' capacity."""
+        """Shrinks a group once at most half its rows are live and no request waits for its version; not below
+        ``floor``, the fused groups' capacity."""
         target = max(bucket(g.live, minimum=1), floor)
         if self.compact and g.live and target <= len(g.slots) // 2 and not any(r.version == g.version for r, _ in self._pending):
             self._resize(g, target)
@@ -765,8 +734,7 @@ class RolloutDriver:
 
 
 def run_all(driver, requests: Iterable[Request]) -> list[Trajectory]:
-    """Submits ``requests`` to a driver (or :class:`~dora_jax.rollout.groups.DriverGroups`) and steps it until
-    everything has finished."""
+    """Submits ``requests`` to a driver (or :class:`~dora_jax.rollout.groups.DriverGroups`) and steps it until all finish."""
     for r in requests:
         driver.submit(r)
     out: list[Trajectory] = []

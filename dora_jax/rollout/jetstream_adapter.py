@@ -1,31 +1,14 @@
 """Optional adapter: the rollout :class:`~dora_jax.rollout.engine.Engine` behind JetStream's engine API.
 
 :func:`as_jetstream_engine` wraps an engine in a subclass of ``jetstream.engine.engine_api.Engine``
-(google-jetstream 0.2.2) that keeps that class's contract:
-
-- ``prefill(*, params, existing_prefix=None, padded_tokens, true_length) -> Prefix``: the prompt's cache, a
-  pytree of arrays (``jax.device_put`` onto :meth:`get_prefix_destination_sharding` moves it). JetStream reads
-  generated tokens from ``generate`` only, so prefill samples none: the prefix holds the prompt's last token,
-  which the first ``generate`` after ``insert`` feeds to sample the first token, at the position and from the
-  random stream ``(seed, sample_id, position)`` that the engine's own prefill samples it from.
-- ``insert(prefix, decode_state, slot) -> DecodeState`` (the decode state is donated).
-- ``generate(params, decode_state) -> (DecodeState, ResultTokens)``: one decode step of every slot. The result
-  is ``engine_api.ResultTokens`` with ``data`` int32 [slots, 5]: the token (``tokens_idx`` (0, 1)), whether it
-  is valid (``valid_idx`` (1, 2)), the number of tokens the slot has generated (``length_idx`` (2, 3)), then
-  the token's log-prob as float32 bits and the slot's policy version (read them with :func:`logprobs` and
-  :func:`versions`); ``samples_per_slot`` 1. An empty slot is not valid, nor is a step past the end of the
-  slot's cache (``max_target_length``): JetStream ends a slot at its first invalid token.
-- ``load_params(params=None)`` prepares a version's weights (:meth:`Engine.prepare_params`; ``None``: the
-  engine's own); ``init_decode_state(capacity=None)``; ``max_concurrent_decodes``, ``max_prefill_length``;
-  ``samples_per_slot`` 1; ``mesh`` the engine's (a one-device mesh when it has none); ``colocated_cpus``
-  ``None``; ``get_tokenizer`` / ``build_tokenizer`` return what :func:`as_jetstream_engine` was given.
-
-RL extensions, keyword-only with defaults: ``prefill(..., sample_id=0, version=0, sampling=RequestSampling())``
-and ``generate(..., filtered=None)``; a wrapped engine stays reachable as ``.engine``.
-
-JetStream is never needed: the engine has the same calls natively, and google-jetstream pulls TensorFlow (its
-``engine_api`` imports ``token_utils``, which imports seqio). Without it, :func:`as_jetstream_engine` raises
-:class:`JetStreamUnavailable` naming the package.
+(google-jetstream 0.2.2) that keeps that class's contract (``prefill``, ``insert``, one-step ``generate``,
+``load_params``, ...). Prefill samples no token: the first ``generate`` after ``insert`` samples it, from the
+same ``(seed, sample_id, position)`` stream as the engine's own prefill. ``generate``'s ``ResultTokens.data``
+is int32 [slots, 5]: token, valid, tokens generated, then log-prob bits and version (read them with
+:func:`logprobs` and :func:`versions`); a slot is invalid when empty or past its cache's end. RL extensions,
+keyword-only: ``prefill(..., sample_id=0, version=0, sampling=RequestSampling())``, ``generate(...,
+filtered=None)``; the wrapped engine is ``.engine``. Without google-jetstream, :class:`JetStreamUnavailable`.
+docs/rollout.md, "JetStream adapter", has the full contract.
 """
 
 from __future__ import annotations
@@ -55,8 +38,7 @@ class JetStreamUnavailable(ImportError):
 
 
 class Prefix(NamedTuple):
-    """A prefilled request: its cache row and the token the first ``generate`` after ``insert`` feeds (at
-    position ``length``)."""
+    """A prefilled request: its cache row and the token the first ``generate`` after ``insert`` feeds (at ``length``)."""
 
     cache: KVCache  # k [L, 1, K, d, S], v [L, 1, K, S, d] (after an existing prefix: its n slots + the bucket)
     token: jax.Array  # [] int32
@@ -105,8 +87,8 @@ def _rewind(prefix: Prefix, last_token) -> Prefix:
 
 
 class _AdapterMethods:
-    """The adapter's methods. :func:`_make_class` puts them before JetStream's ``Engine`` in a subclass of it,
-    with ``_result_tokens`` that module's ``ResultTokens``: google-jetstream is imported only then."""
+    """The adapter's methods, put before JetStream's ``Engine`` in a subclass by :func:`_make_class` (which
+    imports google-jetstream)."""
 
     _result_tokens: type
 
@@ -139,8 +121,8 @@ class _AdapterMethods:
     def prefill(self, *, params: Any, existing_prefix: SharedPrefix | None = None, padded_tokens: Any,
                 true_length: int, sample_id: int = 0, version: int = 0,
                 sampling: RequestSampling = RequestSampling()) -> Prefix:
-        """The engine's ``prefill_batch`` of one request (after ``existing_prefix``, a
-        :meth:`Engine.prefill_shared_prefix` of this version, when given), rewound to feed its last prompt token."""
+        """The engine's ``prefill_batch`` of one request (after ``existing_prefix``, a shared prefix of this version,
+        when given), rewound to feed its last prompt token."""
         padded = np.asarray(padded_tokens, np.int32).reshape(-1)
         if not 0 < true_length <= padded.shape[0]:
             raise EngineError(f"true_length {true_length} must be in [1, {padded.shape[0]}] (the padded length)")
@@ -196,8 +178,8 @@ class _AdapterMethods:
         return JetStreamDecodeState(state, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32))
 
     def get_prefix_destination_sharding(self) -> Any:
-        """Where a prefix goes for :meth:`insert`: every leaf replicated over the engine's mesh (one device
-        without a mesh), in the structure of :class:`~dora_jax.rollout.engine.Prefix`."""
+        """Where a prefix goes for :meth:`insert`: every leaf replicated over the engine's mesh (one device without
+        one), in the structure of :class:`Prefix`."""
         s = NamedSharding(self.mesh, PartitionSpec())
         if self.engine.mesh is None:
             s = SingleDeviceSharding(self.mesh.devices.flat[0])
@@ -262,15 +244,10 @@ def jetstream_engine_class() -> type:
 
 
 def as_jetstream_engine(engine: Engine, *, tokenizer: Any = None, tokenizer_params: Any = None) -> Any:
-    """Wraps ``engine`` as a JetStream engine.
+    """Wraps ``engine`` as a JetStream engine (an instance of :func:`jetstream_engine_class`).
 
-    Args:
-      engine: the rollout engine to serve.
-      tokenizer: returned by ``build_tokenizer`` (JetStream's detokenizing loop uses it).
-      tokenizer_params: returned by ``get_tokenizer`` (a ``tokenizer_pb2.TokenizerParameters``).
-
-    Returns:
-      An instance of :func:`jetstream_engine_class`.
+    ``tokenizer`` is returned by ``build_tokenizer`` (JetStream's detokenizing loop uses it), ``tokenizer_params``
+    by ``get_tokenizer`` (a ``tokenizer_pb2.TokenizerParameters``).
 
     Raises:
       JetStreamUnavailable: google-jetstream is not importable.

@@ -1,26 +1,12 @@
 """The resident policy versions of a run: the one :class:`~dora_jax.run.versions.VersionStore`, and the rollout
-engines kept in step with it.
+engines kept in step with it (:class:`Residency`).
 
-A version's refcount is its samples not yet trained (the ledger's outstanding ones: pending, decoding, or
-finished and waiting for the trainer), and during an evaluation of it (``task.eval_every``) its held-out answers
-not yet decoded. A version that is not the newest and has none is drained: it leaves the store and the engines.
-The cap, K + 1 versions for staleness bound K, is a hard limit on both sides: a
-publish that would exceed it in the store, or a load into rollout engines that already hold K + 1 versions,
-raises instead of holding one more copy of the weights.
-
-The drained versions leave before the new one arrives: the store evicts them as it publishes, the driver
-unloads them (waiting for a decode step still computing with one), and only then is the new version moved
-to the rollout devices and loaded. The cap counts the new version. :attr:`Residency.max_resident` reports
-the most versions either side held, measured where the weights are: the store's after every publish, and
-the rollout driver's own count (:meth:`~dora_jax.rollout.driver.RolloutDriver.held`) after every load and
-every decode step it dispatches.
-
-At one version per rollout group (``roles.versions_per_group: 1``, :class:`~dora_jax.rollout.groups.VersionGroups`)
-a published version is not loaded into every group: the store holds it, and a group takes it when a balancer's
-plan gives it that version (:meth:`Residency.load_group`, a copy onto that group's devices only). The groups
-hold only versions the store holds (a drained version leaves the groups that served it), so the versions they
-hold together stay within the K + 1; :attr:`Residency.rollout_max_resident` is then the most they held
-together, and :attr:`Residency.max_versions_per_group` the most one group held (1).
+A version's refcount is its samples not yet trained plus, during an evaluation of it, its held-out answers not
+yet decoded; a version that is not the newest and has none is drained and leaves the store and the engines,
+before a new version is loaded. The cap, K + 1 versions, is hard on both sides: a publish or load past it
+raises :class:`~dora_jax.run.versions.VersionError`. At one version per rollout group
+(:class:`~dora_jax.rollout.groups.VersionGroups`) a version reaches a group only through :meth:`Residency.load_group`.
+docs/runner.md, "The loop" (Residency), gives the convention and how the figures are measured.
 """
 
 from __future__ import annotations
@@ -39,9 +25,8 @@ class Residency:
     Args:
       max_resident: the cap, K + 1.
       placement: where the engines are, and how a version reaches them.
-      driver: the rollout driver (or driver groups) the versions are loaded into; with
-        :class:`~dora_jax.rollout.groups.VersionGroups` (one version per group) a version is loaded into a group
-        by :meth:`load_group`, never by :meth:`load`.
+      driver: the rollout driver (or driver groups); with :class:`~dora_jax.rollout.groups.VersionGroups` a
+        version is loaded into a group by :meth:`load_group`, never by :meth:`load`.
     """
 
     def __init__(self, max_resident: int, placement: Placement, driver: Any):
@@ -55,14 +40,13 @@ class Residency:
 
     @property
     def rollout_max_resident(self) -> int:
-        """The most versions the rollout engines held at once (the driver's own count): one group's when every
-        group holds every version, every group's together at one version per group."""
+        """The most versions the rollout engines held at once (one group's, or every group's together at one version
+        per group)."""
         return self.driver.max_versions if self.per_group else self.driver.stats.max_held
 
     @property
     def max_versions_per_group(self) -> int:
-        """The most versions one rollout group held at once (the drivers' own counts; 1 at one version per
-        group), and at least the figure a resumed run had reached before its checkpoint."""
+        """The most versions one rollout group held at once, at least a resumed run's figure."""
         return max(self.driver.stats.max_held, self._restored_per_group)
 
     @max_versions_per_group.setter
@@ -71,8 +55,7 @@ class Residency:
 
     @property
     def max_resident(self) -> int:
-        """The most versions held at once on either side (the store; each rollout group), and at least the
-        figure a resumed run had reached before its checkpoint."""
+        """The most versions held at once on either side, at least a resumed run's figure."""
         return max(self.store_max_resident, self.rollout_max_resident, self._restored)
 
     @max_resident.setter
@@ -83,8 +66,8 @@ class Residency:
         return self.store.resident()
 
     def __contains__(self, version: int) -> bool:
-        """Whether ``version`` is resident (loaded into the engines, at one version per group into the store: its
-        requests can be admitted, at one version per group into the groups serving it)."""
+        """Whether ``version`` is in the store (so its requests can be admitted; except at one version per group,
+        it is then loaded into the engines too)."""
         return version in self.store.resident()
 
     def params(self, version: int) -> Any:
@@ -96,14 +79,12 @@ class Residency:
         return self.placement.to_rollout(self.store.params(version))[0]
 
     def group_params(self, version: int, group: int) -> Any:
-        """A resident version's params as rollout group ``group`` takes them (moved there again, to that group
-        only)."""
+        """A resident version's params moved to rollout group ``group`` only."""
         return self.placement.to_group(self.store.params(version), group)[0]
 
     def load(self, version: int, params: Any, *, newest: bool) -> None:
-        """Makes ``params`` (on the trainer's devices, handed over) resident: published as the newest version,
-        or brought back as an older one (resume); then loaded into the rollout engines (at one version per group:
-        into none, :meth:`load_group` loads it where a plan puts it)."""
+        """Makes ``params`` (on the trainer's devices, handed over) resident, as the newest version or (resume) an older
+        one, then loads it into the rollout engines (at one version per group: into none)."""
         if newest:
             for v in self.store.publish(version, params, step=version, copy=False):
                 self.driver.remove_version(v)
@@ -122,12 +103,11 @@ class Residency:
         self.driver.add_version(version, copies if len(self.placement.engines) > 1 else copies[0])
 
     def load_group(self, group: int, version: int) -> Any:
-        """A resident version's params moved onto rollout group ``group``'s devices (device to device, from the
-        store's copy), for a group a plan gives ``version`` (:meth:`VersionGroups.apply` loads them).
+        """A resident version's params copied from the store onto rollout group ``group``'s devices (for
+        :meth:`VersionGroups.apply`).
 
         Raises:
-          VersionError: ``version`` is not resident in the store, or the groups would hold a version the store does
-            not (the K + 1 would no longer bound them).
+          VersionError: the groups would then hold a version the store does not.
         """
         resident = self.store.resident()
         held = set(self.driver.held()) | {version}
@@ -140,8 +120,7 @@ class Residency:
         return copy
 
     def count(self, outstanding: dict[int, int]) -> None:
-        """Every resident version's refcount becomes what holds it: its outstanding samples
-        (``Ledger.outstanding()``) and held-out answers still decoding."""
+        """Sets every resident version's refcount to ``outstanding`` (samples not trained, answers decoding)."""
         for v in self.store.resident():
             want, have = outstanding.get(v, 0), self.store.refcount(v)
             if want > have:
@@ -150,8 +129,7 @@ class Residency:
                 self.store.release(v, have - want)
 
     def evict_drained(self, outstanding: dict[int, int]) -> list[int]:
-        """Refcounts brought up to date (:meth:`count`); the drained versions leave the store and the engines.
-        Returns them."""
+        """:meth:`count`, then evicts the drained versions from the store and the engines; returns them."""
         self.count(outstanding)
         gone = self.store.evict_drained()
         for v in gone:

@@ -1,26 +1,11 @@
-"""The training run on one machine, simulated with a measured cost profile: ``dora-jax train``'s loop with its
-devices replaced by a clock.
+"""The training run on one machine, simulated with a measured cost profile: ``dora-jax train``'s loop
+(:mod:`dora_jax.run.loop`) with its devices replaced by a clock.
 
-The cluster model (:mod:`dora_jax.sim.run`) models a large deployment; this module models the runner itself
-(:mod:`dora_jax.run.loop`), so that a profile measured on a machine can be checked against the wall time of real
-runs on that machine (``dora-jax bench modes``). Its decisions are the real code's: the
-:class:`~dora_jax.dora.scheduler.Scheduler` (dispatch, slot sharing, batches, the staleness window) and the
-:class:`~dora_jax.rollout.driver.RolloutDriver` (one decode group per version, admission, prefill chunks,
-capacities in powers of two, compaction, fused multi-version steps, several steps per dispatch) driving a
-:class:`TimedEngine`, an engine that does no arithmetic: it keeps each slot's position and charges the clock
-what the profile says each call costs. So the decode batch-steps, rows computed and versions held are those a
-real run with the same completion lengths would count, whatever the profile.
-
-Time: one clock. The rollout side (engine calls, the loop's own host work) advances it; a train step is
-dispatched and runs beside it under ``split`` placement (its seconds from the profile, by padded tokens), it
-and the engine's work slowing each other by the profile's overlap factors (by the rows the engine computes)
-while both work; under ``shared`` placement the loop
-waits for it. A finished train step is noticed at the end of the loop iteration it finished in, as the runner
-checks it; publishing costs ``publish_s``. Rewards come back ``rewards.latency_s`` after a sample finishes.
-
-Not modelled: compilation (the runs compared are warmed up), the first reward worker's start, the time of the
-evaluation before and after (not in a run's ``wall_s``), and checkpoints and version snapshots (off in the runs
-compared).
+:func:`simulate_run` drives the real :class:`~dora_jax.dora.scheduler.Scheduler` and
+:class:`~dora_jax.rollout.driver.RolloutDriver` on a :class:`TimedEngine`, which does no arithmetic and charges
+a :class:`Clock` what the profile says each call costs; so decode batch-steps, rows computed and versions held
+are a real run's, whatever the profile. docs/simulator.md, "The run on one machine", gives the timing model and
+what is not modelled.
 """
 
 from __future__ import annotations
@@ -44,11 +29,10 @@ from dora_jax.trainer.batch import bucket_length, bucket_rows
 class Clock:
     """Simulated seconds, with at most one train step in flight beside the rollout side.
 
-    ``work(dt, what, factors)``: the rollout side works ``dt`` seconds of its own. While a train step is in
-    flight, engine work given ``factors = (decode_factor, train_factor)`` takes ``dt x decode_factor`` and the
-    train step meanwhile gets through ``1 / train_factor`` of its own seconds per second; other work (the
-    host's) runs beside the train step without slowing it. ``wait_train()``: the rollout side waits for the
-    train step, which runs alone.
+    ``work(dt, what, factors)``: the rollout side works ``dt`` seconds. While a train step is in flight, engine
+    work with ``factors = (decode_factor, train_factor)`` takes ``dt x decode_factor`` and the train step gets
+    through ``1 / train_factor`` of its seconds per second; host work does not slow it. ``wait_train()``: wait
+    for the train step, which runs alone.
     """
 
     def __init__(self) -> None:
@@ -128,8 +112,8 @@ class _Prefix:
 
 class TimedEngine:
     """The rollout engine's interface as :class:`~dora_jax.rollout.driver.RolloutDriver` calls it, without the
-    model: slots, positions and versions only, every call charged to ``clock`` at the profile's cost. Every
-    token it samples is 0 (no end-of-sequence): a request runs to its ``max_new_tokens``."""
+    model: slots, positions and versions only, each call charged to ``clock``. Every sampled token is 0 (no eos):
+    a request runs to its ``max_new_tokens``."""
 
     def __init__(self, profile: Profile, clock: Clock, *, slots: int, max_prefill_length: int,
                  max_target_length: int, decode_steps: int = 1, beside_train: bool = True):
@@ -232,10 +216,8 @@ class TimedEngine:
                        budgets: Sequence[Any], stop_ids: Sequence[Any], final: Sequence[Any] | None = None,
                        end_after: Sequence[int] | None = None, limit: int | None = None,
                        filtered: bool | None = None, **_: Any) -> tuple[tuple[_State, ...], _Result]:
-        """Up to ``steps`` steps, as :meth:`dora_jax.rollout.engine.Engine.generate_steps` runs them: a slot is
-        live while active and short of its budget; the program ends after ``limit`` steps, when no slot is
-        live, or after the step at which a state ``g`` with ``end_after[g] > 0`` has had that many slots freed
-        (a slot is freed by its budget's last token where ``final`` says so; nothing samples a stop id here)."""
+        """Up to ``steps`` steps, as :meth:`dora_jax.rollout.engine.Engine.generate_steps` runs them (budgets,
+        ``final``, ``end_after``, ``limit``); nothing samples a stop id here."""
         limit = steps if limit is None else limit
         versions = self._versions_of(params_seq)
         produced = [np.zeros(len(s.active), np.int64) for s in states_seq]
@@ -264,12 +246,9 @@ class TimedEngine:
 
 @dataclasses.dataclass(frozen=True)
 class RunSetup:
-    """What a simulated run needs besides the schedule: the rollout engine's shape, the prompts and completion
-    lengths, and how the trainer pads its batches.
-
-    ``prompt(i)`` is the token ids of prompt ``i`` (the data position; a group's members share it) and
-    ``length(i, m)`` the completion length in tokens of its group's member ``m``.
-    """
+    """What a simulated run needs besides the schedule: the engine's shape, the prompts and completion lengths,
+    and the trainer's padding. ``prompt(i)``: token ids of prompt ``i`` (shared by its group);
+    ``length(i, m)``: completion length of its group's member ``m``."""
 
     slots: int
     max_prefill_length: int
@@ -293,10 +272,9 @@ def simulate_run(profile: Profile, setup: RunSetup, policy: SchedulePolicy) -> d
     """Simulates one run of ``policy`` (mode, K, RBS, TBS, group size, samples) with ``profile``'s costs.
 
     Returns:
-      ``wall_s`` (from the first dispatch to the last publish, as a run's ``wall_s``), ``samples_per_s``,
-      ``train_s`` (each step from dispatch to the loop noticing its end, as the runner reports it),
-      ``decode_batch_steps`` (and per trained sample), ``slot_utilization``, ``max_resident_versions``, the
-      engine calls made and one record per update.
+      ``wall_s`` (first dispatch to last publish), ``samples_per_s``, ``train_s`` (dispatch to the loop noticing
+      the end), ``decode_batch_steps`` (and per trained sample), ``slot_utilization``, ``max_resident_versions``,
+      the engine calls made and one record per update.
     """
     run = _LocalRun(profile, setup, policy)
     run.publish(0)
@@ -403,8 +381,8 @@ class _LocalRun:
             self.led.finish(rewards.popleft()[1])
 
     def drop_versions(self) -> None:
-        """Versions no sample needs leave the driver, except the newest published one (while a train step is in
-        flight, the version before the one it makes)."""
+        """Evicts versions no sample needs, except the newest published one (while a train step is in flight,
+        the one before the version it makes)."""
         out = self.led.outstanding()
         newest = self.sched.version if self.in_flight is None else self.in_flight["version"] - 1
         for v in sorted(self.resident):
@@ -440,7 +418,7 @@ class _LocalRun:
         self.publish(f["version"])
 
     def stall(self) -> None:
-        """Nothing to decode and no train step in flight: wait for the next reward, or fail if none can come.
+        """Nothing to decode and no train step in flight: waits for the next reward.
 
         Raises:
           RuntimeError: no progress is possible.
