@@ -1,21 +1,15 @@
-"""Run metrics: one JSON line per update (``metrics.jsonl``), the same scalars to TensorBoard when
-tensorboardX is installed (``metrics.tensorboard``), the same rows and the run's config to Weights & Biases with
-``metrics.wandb: true``, and ``plot_run`` for the PNGs a reader looks at first.
+"""Run metrics: :class:`MetricsWriter` writes one JSON line per update (``metrics.jsonl``) and mirrors it to
+TensorBoard (``metrics.tensorboard``) and Weights & Biases (``metrics.wandb``); :func:`read_metrics` reads it
+back; :func:`plot_run` draws the PNGs (docs/runner.md, "Metrics", defines the figures).
 
-Keys of a metrics line (all per update unless named cumulative):
-``step``, ``version`` (the trainer's version after the update), ``wall_s`` (since the run started),
-``step_s`` (since the previous update), ``train_s``, ``rollout_share`` (the part of ``step_s`` not spent in
-the train step), ``trainer_idle_fraction`` (cumulative: wall time not spent training), ``reward``,
-``accuracy``, ``len_mean/p50/p99/max`` (response tokens of the trained batch), ``staleness`` (lag -> samples
-in the batch), ``staleness_mean/max``, ``in_flight`` (version -> samples), ``resident_versions``,
-``gen_tok_s`` and ``train_tok_s`` (since the previous update), ``slot_occupancy`` (live rows / slots over the
-decode steps since the previous update), ``slot_utilization`` (cumulative: live rows / computed rows),
-``filtered`` (cumulative), and the train step's own metrics under ``train/``.
-
-With ``task.eval_every`` the file also holds one line per held-out evaluation (before training, during it, and
-after), told apart by its ``eval`` key: ``step`` and ``version`` (the version evaluated), ``eval`` (``accuracy``,
-``pass_at_k``, ``k``, ``reward``, ``n``, ``len_mean``, ``score_errors``), ``eval_s`` and ``wall_s``. An evaluation
-during training is written when its last answer is scored, so it may follow the lines of later updates.
+Keys of an update line (per update unless cumulative): ``step``, ``version`` (after the update), ``wall_s``,
+``step_s``, ``train_s``, ``rollout_share``, ``trainer_idle_fraction`` (cumulative), ``reward``, ``accuracy``,
+``len_mean/p50/p99/max`` (response tokens trained), ``staleness`` (lag -> samples), ``staleness_mean/max``,
+``in_flight`` (version -> samples), ``resident_versions``, ``gen_tok_s``, ``train_tok_s``, ``slot_occupancy``,
+``slot_utilization`` (cumulative), ``filtered`` (cumulative), and the train step's metrics under ``train/``.
+With ``task.eval_every``, an evaluation's line has an ``eval`` key (``accuracy``, ``pass_at_k``, ``k``,
+``reward``, ``n``, ``len_mean``, ``score_errors``) beside ``step``, ``version`` (evaluated), ``eval_s`` and
+``wall_s``; it is written when its last answer is scored, so it may follow later updates' lines.
 """
 
 from __future__ import annotations
@@ -30,18 +24,14 @@ log = logging.getLogger(__name__)
 
 
 class MetricsWriter:
-    """Appends metrics lines to ``RUN_DIR/metrics.jsonl`` and mirrors them to TensorBoard and W&B.
-
-    An evaluation's line (one with ``eval``) goes to TensorBoard as ``eval/*`` at its version's step, and to W&B as
-    ``eval/*`` with ``eval/version`` as their x axis, logged with the next update's step (W&B's steps only
-    increase, and the line may come after later updates').
+    """Appends metrics lines to ``RUN_DIR/metrics.jsonl`` and mirrors them to TensorBoard and W&B (an
+    evaluation's line as ``eval/*``: at its version's step, for W&B with ``eval/version`` as x axis).
 
     Args:
       run_dir: the run directory.
       tensorboard: False turns TensorBoard off whatever the config says.
-      config: the run's config as plain data (``Config.to_dict()``); its ``metrics`` section says where else the
-        rows go, and W&B records all of it as the run's config. Default: ``RUN_DIR/config.json``, which the run
-        writes when it starts, if it is there.
+      config: the run's config as plain data (``Config.to_dict()``; default ``RUN_DIR/config.json`` if there);
+        its ``metrics`` section says where else rows go, and W&B records it as the run's config.
       step: the last update's step already in the file (a resumed run's).
 
     Raises:
@@ -163,11 +153,8 @@ _PLOTTED = ("step", "wall_s", "reward", "accuracy", "staleness", "in_flight")
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:
-    """The metrics lines of a run directory, in order.
-
-    A last line cut short (the process was killed while writing it) is left out with a warning; any other
-    line that is not a JSON object is an error naming the line.
-    """
+    """The metrics lines of a run directory, in order. A last line cut short is left out with a warning; any
+    other line that is not a JSON object raises :class:`MetricsError` naming it."""
     from dora_jax.textfiles import TextFileError, read_text
 
     if not os.path.isdir(run_dir):
@@ -198,9 +185,9 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
 
 
 def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
-    """Writes ``reward.png`` (reward and accuracy per step, and held-out accuracy where the run evaluated during
-    training), ``staleness.png`` (histogram of trained samples' lag) and ``versions.png`` (in-flight samples per
-    version over time) into ``out_dir`` (default: the run directory). Returns the paths written."""
+    """Writes ``reward.png`` (reward and accuracy per version, held-out accuracy where evaluated), ``staleness.png``
+    (lag histogram) and ``versions.png`` (in-flight samples per version over time) into ``out_dir`` (default:
+    the run directory); returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -254,8 +241,7 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
 
 def _reward_figure(plt: Any, run: str, steps: list[int], rows: list[dict[str, Any]], evals: list[dict[str, Any]],
                    out_dir: str) -> str:
-    """``reward.png``: the trained batches' reward and accuracy per version; held-out accuracy of the evaluated
-    versions on a second axis, when the run has evaluation lines."""
+    """``reward.png``: reward and accuracy per version; held-out accuracy on a second axis, when evaluated."""
     fig, ax = plt.subplots(figsize=(6, 3.5))
     lines = ax.plot(steps, [r["reward"] for r in rows], label="reward (trained batch)")
     lines += ax.plot(steps, [r["accuracy"] for r in rows], label="accuracy (trained batch)")

@@ -17,19 +17,16 @@ _TASK_LEVELS = ("add1", "add2", "sub2", "mul1", "mul21", "add3")
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """What to train on: ``arithmetic`` (built in), ``gsm8k`` (questions checked by the final number), ``math``
-    (answers checked by math-verify) or ``code`` (programs run against tests in a sandbox), all three reading
-    ``path``, ``longtail`` (a synthetic task with long-tailed length budgets, for benchmarks and tests) or
-    ``package.module:factory``. ``reward`` optionally replaces the task's reward: ``math`` (math-verify) or
-    ``package.module:function``.
+    """What to train on: ``arithmetic`` (built in), ``gsm8k``, ``math`` or ``code`` (all three reading ``path``),
+    ``longtail`` (synthetic long-tailed budgets, for benchmarks and tests) or ``package.module:factory``.
+    ``reward`` optionally replaces the task's reward: ``math`` (math-verify) or ``package.module:function``.
 
-    ``path``: a ``.jsonl``, ``.json`` (a list of objects) or ``.parquet`` file, or a ``datasets`` name loaded with
-    ``split`` and ``subset`` (its config name); ``prompt_field`` / ``answer_field`` name the fields of a row (a
-    dotted path reaches into nested objects; empty: the task's usual names; ``answer_field`` names the tests of
-    ``code``). ``code_*``: each program's wall-clock limit, address space, output kept per stream, and interpreter
-    (an absolute path; empty: this one, or ``python3`` where the sandbox's user cannot run this one). ``eval_*``:
-    the held-out evaluation, before and after training and, with ``eval_every`` N > 0, of every N-th version
-    during training (docs/runner.md, "Evaluation")."""
+    ``path``: a ``.jsonl``, ``.json`` (a list of objects) or ``.parquet`` file, or a ``datasets`` name with ``split``
+    and ``subset``; ``prompt_field`` / ``answer_field``: a row's fields (dotted paths reach into objects; empty:
+    the task's usual names; for ``code`` the tests). ``code_*``: each program's time limit, address space, output
+    kept per stream, and interpreter (absolute path; empty: this one, or ``python3`` where the sandbox's user
+    cannot run it). ``eval_*``: held-out evaluation before and after training and, with ``eval_every`` N > 0, of
+    every N-th version (docs/runner.md, "Evaluation")."""
 
     name: str = "arithmetic"
     path: str = ""
@@ -129,24 +126,15 @@ class TargetConfig:
 class RolesConfig:
     """Where trainer and rollout run. ``shared``: both time-share every device on ``mesh``. ``split``: the
     trainer's ``mesh`` covers the first ``trainer_devices`` devices and the rest form ``rollout_groups`` equal
-    rollout groups, each a ``(data, fsdp=1, tensor)`` mesh of ``rollout_data`` x ``rollout_tensor`` devices
-    (one of them may be -1) holding its own copy of the policy.
+    groups, each a ``(data, fsdp=1, tensor)`` mesh of ``rollout_data`` x ``rollout_tensor`` devices (one may be
+    -1) holding its own copy of the policy.
 
-    ``rollout_span`` matters under several processes (``jax.distributed``): ``process`` (default) gives each
-    process its own rollout engine on its own devices, generating every P-th group; ``all`` builds one engine
-    on a ``(rollout_data, 1, rollout_tensor)`` mesh over the rollout devices of every process, which every
-    process drives with the same calls, so a policy larger than one host's devices can be served (shared
-    placement only; docs/scale.md).
-
-    ``versions_per_group``: the policy versions one rollout group holds. ``all`` (default): every live version, up
-    to ``train.max_staleness + 1``; ``1``: one, groups reassigned between versions by their work (DORA's load
-    balancing, ``dora/balancer.py``), which needs ``rollout_groups >= train.max_staleness + 1``; the runner drives
-    ``1`` in one process under ``split`` placement (busy groups drain) and refuses it otherwise; ``dora-jax check``
-    sizes memory for it (docs/design.md, "Load balancing").
-
-    ``elastic_group``: under ``split`` placement with one version per group, in one process, the trainer's devices
-    decode the newest version as one more rollout group while the trainer waits for a batch; their requests move
-    away with their KV pages before the train step (docs/design.md, "The elastic group")."""
+    ``rollout_span`` (several processes): ``process`` gives each process its own engine, generating every P-th
+    group; ``all`` builds one engine over every process's rollout devices, driven alike by all (shared placement
+    only; docs/scale.md). ``versions_per_group``: ``all`` (every live version in every group) or ``1`` (groups
+    reassigned between versions by their work; needs ``rollout_groups >= train.max_staleness + 1``, run in one
+    process under ``split``). ``elastic_group``: under ``split`` with one version per group, the trainer's devices
+    decode the newest version while the trainer waits. docs/design.md, "Load balancing", for both."""
 
     placement: str = "shared"
     trainer_devices: int = 0
@@ -185,13 +173,10 @@ class RolesConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Where a run lives and how it survives a restart.
-
-    ``checkpoint_every`` is the number of updates between run checkpoints in ``RUN_DIR/checkpoints`` (0: only
-    when the run is preempted, and no version snapshots between); ``keep_checkpoints`` how many of the newest are
-    kept; ``resume`` continues from the newest good checkpoint there when one exists (false refuses to start in
-    a directory that holds an unfinished run, rather than overwrite it).
-    """
+    """Where a run lives and how it survives a restart. ``checkpoint_every``: updates between run checkpoints in
+    ``RUN_DIR/checkpoints`` (0: only on preemption, and no version snapshots); ``keep_checkpoints``: how many of
+    the newest are kept; ``resume``: continue from the newest good checkpoint there (false refuses a directory
+    holding an unfinished run)."""
 
     name: str = "run"
     out_dir: str = "runs"
@@ -213,13 +198,10 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    """Where a run's metrics go besides ``RUN_DIR/metrics.jsonl``, which is always written.
-
-    ``tensorboard``: the same scalars to ``RUN_DIR/tb`` (when tensorboardX is installed, the ``plot`` extra).
-    ``wandb``: the same rows, and the run's whole config, to Weights & Biases project ``wandb_project`` (entity
-    ``wandb_entity``, empty: the account's default), the run resumed there when the run resumes; needs the
-    ``wandb`` extra. ``WANDB_MODE=offline`` keeps it under ``RUN_DIR/wandb`` for a later ``wandb sync``.
-    """
+    """Where a run's metrics go besides ``RUN_DIR/metrics.jsonl`` (always written). ``tensorboard``: to
+    ``RUN_DIR/tb`` (with tensorboardX). ``wandb``: the rows and whole config to Weights & Biases project
+    ``wandb_project`` (entity ``wandb_entity``, empty: the default), resumed with the run; needs the ``wandb``
+    extra (``WANDB_MODE=offline``: under ``RUN_DIR/wandb``)."""
 
     tensorboard: bool = True
     wandb: bool = False

@@ -1,18 +1,11 @@
 """Where a run's work lives: the trainer's mesh, the rollout engines' meshes, and how a version moves between.
 
-``roles.placement`` decides it. Under ``shared`` the trainer and the one rollout engine time-share one device
-set, and a version's weights are used where the trainer left them. Under ``split`` the trainer has its own
-devices and each of ``roles.rollout_groups`` engines its own; a new version's weights move to every group
-device to device (:func:`~dora_jax.sharding.reshard`), never through the host. Under several processes
-(``jax.distributed``) the trainer spans every process's devices (under ``split``, the first
-``roles.trainer_devices / process_count`` of each) and each process decodes on its own (the others): a
-version reaches each process's engine through :class:`~dora_jax.sharding.ProcessLocalCopy`, one program over
-the devices of both roles. With ``roles.rollout_span = all`` (shared placement) one engine spans the devices
-of every process instead, driven by every process alike, and a version reaches it by
-:func:`~dora_jax.sharding.reshard` onto that engine's mesh.
-
-The learner side (:mod:`dora_jax.run.loop`) never looks at meshes: it asks the placement for the trainer,
-the drivers and :meth:`Placement.to_rollout`.
+:class:`Placement` (built by :meth:`Placement.build` from ``roles.placement``: ``shared`` time-shares one
+device set, ``split`` gives the trainer and each rollout group their own) holds the trainer, the engines and
+:meth:`Placement.to_rollout`, which moves a version's weights device to device
+(:func:`~dora_jax.sharding.reshard`, or :class:`~dora_jax.sharding.ProcessLocalCopy` under several
+processes). :func:`make_engine` builds one engine. The loop never looks at meshes. docs/runner.md,
+"Placement", and docs/scale.md give the layouts.
 """
 
 from __future__ import annotations
@@ -31,7 +24,7 @@ from dora_jax.trainer import Trainer
 
 def make_engine(cfg: Config, model: Any, mesh: Any = None) -> Engine:
     """The rollout engine a run of ``cfg`` uses: ``rollout.slots`` slots, room for the longest prompt plus
-    ``rollout.max_new_tokens``, decoding in ``rollout.dtype`` with the rollout section's decode settings."""
+    ``rollout.max_new_tokens``, and the rollout section's decode settings."""
     from dora_jax.models.decoder import DecodeSettings
 
     r = cfg.rollout
@@ -53,23 +46,19 @@ def _device_set(mesh: Any) -> frozenset[Any] | None:
 
 
 class Placement:
-    """The trainer, its initial state and the rollout engines of a run, on the devices ``cfg.roles`` gives
-    each, with the transfer of a version from the trainer to the engines.
-
-    Build one with :meth:`build`. A placement can serve several runs of configs with the same model and
-    trainer settings (their compiled programs are shared): with ``keep_initial`` every run starts from a
-    copy of the same initial state.
+    """The trainer, its initial state and the rollout engines of a run, on the devices ``cfg.roles`` gives each,
+    with the transfer of a version from the trainer to the engines. Build one with :meth:`build`; with
+    ``keep_initial`` it serves several runs of the same model and trainer settings, each from a copy of the
+    initial state.
 
     Attributes:
       trainer: the :class:`~dora_jax.trainer.Trainer` (its mesh spans every process's devices).
-      engines: one rollout engine per rollout group (under several processes: this process's own, or with
-        ``roles.rollout_span = all`` the one engine over every process's devices).
-      disjoint: whether the engines' devices are not the trainer's (``roles.placement = split``: a version is
-        copied to them, and decoding goes on while the trainer trains).
+      engines: one rollout engine per rollout group (this process's own; with ``roles.rollout_span = all``
+        the one engine over every process's devices).
+      disjoint: whether the engines' devices are not the trainer's (``split``).
       multi: whether the run spans several processes.
-      spans: whether the one rollout engine's mesh holds devices of several processes (``roles.rollout_span =
-        all``): every process drives it with the same calls and generates every group.
-      elastic_engine: the engine of the elastic group on the trainer's devices (``roles.elastic_group``), or None.
+      spans: whether the one rollout engine's mesh spans several processes (every process drives it alike).
+      elastic_engine: the elastic group's engine on the trainer's devices (``roles.elastic_group``), or None.
     """
 
     def __init__(self, cfg: Config, trainer: Trainer, state: Any, engines: Sequence[Engine], *,
@@ -96,13 +85,9 @@ class Placement:
     @classmethod
     def build(cls, cfg: Config, model: Any = None, devices: list[jax.Device] | None = None, *,
               keep_initial: bool = False, progress: bool = True) -> "Placement":
-        """Lays ``cfg.mesh`` and ``cfg.roles`` over ``devices`` (default: all), creates the trainer and one
-        engine per rollout group.
-
-        Args:
-          model: the policy (default: ``cfg.model``'s weights, or a random init, loaded onto the trainer's
-            mesh; their tokenizer is then :attr:`tokenizer`).
-        """
+        """Lays ``cfg.mesh`` and ``cfg.roles`` over ``devices`` (default: all) and creates the trainer and one engine
+        per rollout group. ``model``: the policy (default: ``cfg.model``'s weights or a random init; their
+        tokenizer is then :attr:`tokenizer`)."""
         from dora_jax.models.weights import load_model
         from dora_jax.config import ConfigError
         from dora_jax.sharding import RoleMeshes, create_mesh, process_role_meshes, role_meshes, rollout_mesh_config
@@ -154,9 +139,9 @@ class Placement:
 
     def drivers(self, eos_ids: Sequence[int], overlap: bool, shared_prefix: tuple[int, ...], *,
                 one_version: bool = False) -> RolloutDriver | DriverGroups:
-        """A rollout driver per engine: one :class:`DriverGroups` over several, or with ``one_version``
-        (``roles.versions_per_group: 1``) a :class:`VersionGroups` over every engine, however many, the elastic
-        group's last."""
+        """A rollout driver over the engines: the one engine's :class:`RolloutDriver`, a :class:`DriverGroups` over
+        several, or with ``one_version`` (``roles.versions_per_group: 1``) a :class:`VersionGroups` (the elastic
+        group last)."""
         drivers = [RolloutDriver(e, eos_ids=eos_ids, overlap=overlap, shared_prefix=shared_prefix)
                    for e in self.engines]
         if one_version:
@@ -166,8 +151,8 @@ class Placement:
         return drivers[0] if len(drivers) == 1 else DriverGroups(drivers)
 
     def to_rollout(self, params: Any) -> tuple[list[Any], float]:
-        """A version's params (on the trainer's mesh) as each rollout group takes them, and the seconds spent
-        moving them (0 when the engines share the trainer's devices)."""
+        """A version's params (on the trainer's mesh) as each rollout group takes them, and the seconds spent moving
+        them (0 when nothing moves)."""
         copies, secs = [], 0.0
         for group in range(len(self.engines)):
             copy, s = self.to_group(params, group)
@@ -176,8 +161,8 @@ class Placement:
         return copies, secs
 
     def to_group(self, params: Any, group: int) -> tuple[Any, float]:
-        """A version's params (on the trainer's mesh) as rollout group ``group`` takes them, moved to that group's
-        devices only, and the seconds spent (0 when the engines share the trainer's devices).
+        """As :meth:`to_rollout`, for rollout group ``group`` only (``len(engines)``: the elastic group, which takes
+        the trainer's params as they are).
 
         Raises:
           IndexError: there is no such group.

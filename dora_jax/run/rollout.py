@@ -1,17 +1,11 @@
 """The rollout side of a run: the scheduler's groups become requests, decode steps, and scored samples.
 
-:class:`RolloutSide` takes what the scheduler dispatched, tokenizes it into a waiting queue per version,
-admits waiting requests to free decode slots as the scheduler shares them between versions, runs one decode
-step at a time, and hands finished trajectories to the reward pool; scored samples are recorded in the
-scheduler's ledger. Under several processes each process generates every ``nproc``-th group and the
-started and finished samples are shared after every decode step, so every process's ledger stays the same;
-with one engine spanning every process (``roles.rollout_span = all``) every process submits every group to its
-copy of the same driver, which returns the same samples everywhere, and nothing is exchanged. With
-``task.eval_every`` the held-out requests of an evaluation during training (:class:`~dora_jax.run.evals.HeldOutEvals`)
-are admitted first, within their share of the first rollout group's slots; their answers go to the evaluation,
-never to the ledger. At one version per rollout group (:class:`~dora_jax.rollout.groups.VersionGroups`) a version's
-requests, held-out ones too, are admitted only into the free slots of the groups serving it; a version with no
-group keeps them waiting until the balancer gives it one (:mod:`dora_jax.run.balancing`).
+:class:`RolloutSide` tokenizes what the scheduler dispatched into a waiting queue per version, admits waiting
+requests to free decode slots as the scheduler shares them, runs one decode step at a time, and hands finished
+trajectories to the reward pool; the scheduler's ledger records scored samples. Held-out requests of an
+evaluation during training (:class:`~dora_jax.run.evals.HeldOutEvals`) go first and never reach the ledger.
+Multi-process generation is in docs/scale.md ("A training run under several processes"); one version per
+rollout group in docs/design.md ("Load balancing").
 """
 
 from __future__ import annotations
@@ -43,13 +37,10 @@ class RolloutSide:
     Args:
       cfg: the run's config (``rollout`` and ``task`` sections).
       sched: the run's scheduler; its ledger records every sample's state.
-      task: the task the prompts come from and answers are scored by.
-      tokenizer: the policy's tokenizer.
-      driver: the rollout driver (or driver groups; at one version per group, :class:`VersionGroups`) that
-        decodes.
+      task: the task the prompts come from and answers are scored by; tokenizer: the policy's.
+      driver: the rollout driver (or driver groups; at one version per group, :class:`VersionGroups`).
       slots: decode slots of every rollout group together.
-      spans: whether the engine spans every process (each process then generates every group with the same
-        calls, and its driver returns every finished sample).
+      spans: whether the engine spans every process (each then generates every group with the same calls).
     """
 
     def __init__(self, cfg: Config, sched: Scheduler, task: Task, tokenizer: Any,
@@ -72,8 +63,8 @@ class RolloutSide:
                       if cfg.task.eval_every > 0 else None)
 
     def generates(self, group_id: int) -> bool:
-        """Whether this process generates the group: each generates every ``nproc``-th group (strided, so
-        long-tailed prompts spread evenly); every group under a spanning engine."""
+        """Whether this process generates the group: every ``nproc``-th group (strided); every group under a
+        spanning engine."""
         return not self.shares or group_id % self.nproc == self.rank
 
     def enqueue(self, sample_id: int, group_id: int, version: int, item: Item, ids: list[int]) -> None:
@@ -106,8 +97,7 @@ class RolloutSide:
         return len(groups)
 
     def resume(self, sched: Scheduler, finished: list[Sample]) -> None:
-        """Continues a checkpoint's ledger: its finished samples as they were, every pending one queued again on
-        its own version (the generation in flight was lost with the process)."""
+        """Continues a checkpoint's ledger: finished samples as they were, every pending one queued again on its version."""
         self.sched, led, prompts = sched, sched.ledger, {}
         for f in finished:
             self.done[f.sample_id] = f
@@ -139,15 +129,14 @@ class RolloutSide:
         return out
 
     def _eval_group(self, version: int) -> RolloutDriver | None:
-        """The driver a held-out request of ``version`` decodes in: the first group's, or at one version per group
-        one serving that version (None while none does)."""
+        """The driver a held-out request of ``version`` decodes in: the first group's, or at one version per group one
+        serving it (None while none does)."""
         return self.driver.driver_for(version) if isinstance(self.driver, VersionGroups) else self.first
 
     def admit(self, loaded: Callable[[int], bool]) -> list[int]:
-        """Submits waiting requests of loaded versions to free slots, shared between versions by the scheduler (at
-        one version per group: each version's into its own groups' free slots); returns their sample ids (the
-        ledger records them as started in :meth:`step`). Held-out requests go first, within their share of the
-        slots."""
+        """Submits waiting requests of loaded versions to free slots as the scheduler shares them (at one version per
+        group: into their own groups' slots), held-out ones first; returns their sample ids (:meth:`step` records
+        them as started)."""
         if self.evals is not None:
             self.evals.admit(self._eval_group)
         waiting = {v: len(q) for v, q in self.waiting.items() if q and loaded(v)}
@@ -164,10 +153,9 @@ class RolloutSide:
         return started
 
     def step(self, started: list[int]) -> tuple[float, int, int]:
-        """One decode step of this process's engine (if it has work); then the ledger and the reward pool take
-        the started and finished samples: this process's, or under several processes every process's, shared
-        with one all-gather and applied in sample-id order. Returns the seconds this process decoded, the rows it
-        decoded and the decode batch-steps it issued (all 0 when it had nothing to decode)."""
+        """One decode step of this process's engine (if it has work); then the ledger and reward pool take the
+        started and finished samples (every process's, under several, in sample-id order). Returns (seconds
+        decoded, rows decoded, decode batch-steps issued), all 0 with nothing to decode."""
         finished: list[Trajectory] = []
         secs = rows = batch_steps = 0
         if not self.driver.idle:

@@ -1,23 +1,10 @@
 """Several samples per training row: a deterministic host plan, and the device gathers around it.
 
-Shape letters: ``n`` samples of an update in the batch layout (one sample per row, right-padded to ``t``),
-``m`` packed micro-batches of ``r`` rows of ``s`` positions.
-
-The batch keeps its one-sample-per-row layout: every per-token array the loss reads (masks, behaviour,
-proximal and reference log-probs) stays where it is. Only the model's forward runs on packed rows: the
-tokens are gathered into them, each sample with its own segment id (1, 2, ... along a row, 0 on padding) and
-its rotary positions restarting at 0, and the log-probs come back to the batch layout, where the loss is the
-unpacked loss to the letter. Attention is kept within a segment by every training attention path that takes
-segment ids. The log-prob of a sample's first token, which the row computes from the sample before it, is set
-to 0, as an unpacked row's column 0 is (a prompt token: it carries no loss).
-
-An update is packed per data-parallel device (its rows of the batch, first-fit decreasing into rows of ``s``
-positions), and its micro-batches are made of packed rows: never more rows per device than an unpacked
-micro-batch holds, so the peak memory is at most the unpacked one's, in as few micro-batches as the fullest
-device's packed rows need (a power of two or 1.5 times one, at most ``train.micro_batches``), and as few rows
-per micro-batch as those need: short samples cost fewer micro-batches and fewer rows. A micro-batch's loss is
-taken on the whole update's batch layout with the samples of the other micro-batches masked out (elementwise
-work, no vocabulary), so it is an exact share of the unpacked loss.
+Shape letters: ``n`` samples of an update in the batch layout (one per row, right-padded to ``t``), ``m``
+packed micro-batches of ``r`` rows of ``s`` positions. Only the forward runs on packed rows (:func:`pack_tokens`,
+each sample its own segment id, 0 on padding, and positions from 0); log-probs come back to the batch layout
+(:func:`unpack`), where the loss is the unpacked one. :func:`iteration_plan` and :func:`plan` make the
+:class:`Packing`. docs/trainer.md, "Packing", gives the plan's rules and why the loss is exact.
 """
 
 from __future__ import annotations
@@ -45,8 +32,8 @@ class Packing:
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Bins of sample indices whose lengths sum to at most ``capacity``: longest first (ties by index), each
-    into the first bin with room. Deterministic; zero lengths are left out."""
+    """Bins of sample indices whose lengths sum to at most ``capacity``: longest first (ties by index), each into
+    the first bin with room. Deterministic; zero lengths are left out."""
     order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = []
     room: list[int] = []
@@ -66,8 +53,7 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
 
 
 def grid(n: int) -> int:
-    """The next power of two or 1.5 times one, at least ``n``: two sizes an octave, so programs stay few and at
-    most a third of what is sized is left empty (a power of two alone would leave up to half)."""
+    """The smallest power of two or 1.5 times one that is at least ``n``."""
     p = bucket_rows(max(n, 1), 1)
     return 3 * p // 4 if p >= 4 and n <= 3 * p // 4 else p
 
@@ -84,12 +70,11 @@ def device_bins(lengths: np.ndarray, devices: int, capacity: int) -> list[list[l
 
 def make_packing(lengths: np.ndarray, t: int, bins: Sequence[Sequence[Sequence[int]]], rows: int,
                  micro_batches: int) -> Packing:
-    """The host arrays of a plan: each device's ``bins`` (from :func:`device_bins` of ``lengths``, the samples'
-    token counts in a batch layout of rows of ``t``) dealt ``rows`` at a time into ``micro_batches`` packed
-    micro-batches of ``rows`` rows of ``t`` positions per device.
+    """The host arrays of a plan: each device's ``bins`` (:func:`device_bins` of ``lengths``, token counts in a
+    layout of rows of ``t``) dealt into ``micro_batches`` micro-batches of ``rows`` rows of ``t`` per device.
 
     Raises:
-      BatchError: when a device's bins need more than ``micro_batches x rows`` rows.
+      BatchError: a device's bins need more than ``micro_batches x rows`` rows.
     """
     devices, n = len(bins), len(lengths)
     shape = (micro_batches, devices * rows, t)
@@ -114,12 +99,10 @@ def make_packing(lengths: np.ndarray, t: int, bins: Sequence[Sequence[Sequence[i
 
 def iteration_plan(lengths: Sequence[np.ndarray], t: int, devices: int, rows: int, micro_batches: int
                    ) -> list[Packing]:
-    """The packings of an iteration's updates (``lengths``: each update's samples' token counts in its batch
-    layout, 0 for a row left out) into micro-batches of at most ``rows`` rows of ``t`` positions per device
-    (an unpacked micro-batch's). The fullest device of any update sets the shape, so an iteration runs one
-    program: as few micro-batches as hold its packed rows (on :func:`grid`, at most ``micro_batches``, the
-    unpacked count, which always suffices), then as few rows per micro-batch as hold them (on :func:`grid`,
-    so at most ``rows``: ``rows`` is on it)."""
+    """The packings of an iteration's updates (``lengths``: each update's token counts in its batch layout, 0 for
+    a row left out) into micro-batches of at most ``rows`` rows of ``t`` per device. One shape for the
+    iteration, set by its fullest device: as few micro-batches (on :func:`grid`, at most ``micro_batches``), then
+    as few rows each (on :func:`grid`, at most ``rows``), as hold its packed rows."""
     bins = [device_bins(np.asarray(n), devices, t) for n in lengths]
     most = max([len(b) for update in bins for b in update] + [1])
     m = min(grid(-(-most // rows)), micro_batches)
@@ -128,21 +111,20 @@ def iteration_plan(lengths: Sequence[np.ndarray], t: int, devices: int, rows: in
 
 
 def plan(lengths: np.ndarray, t: int, devices: int) -> Packing:
-    """One pass over all rows at once (one micro-batch, as the unpacked forward of a whole batch runs): each
-    device's rows packed, as many packed rows per device as the fullest needs, on :func:`grid`."""
+    """All rows in one micro-batch (as the unpacked forward of a whole batch): each device's rows packed, as many
+    packed rows per device as the fullest needs, on :func:`grid`."""
     return iteration_plan([lengths], t, devices, len(lengths) // devices, 1)[0]
 
 
 def pack_tokens(tokens_nt: jax.Array, packing: Packing) -> jax.Array:
     """One micro-batch's packed tokens [R, S] (0 on padding) from the batch layout's [N, T] (``packing``: that
-    micro-batch's, without the leading M axis)."""
+    micro-batch's, without the M axis)."""
     return jnp.where(packing.segment_ids != 0, tokens_nt.reshape(-1)[packing.source], 0)
 
 
 def unpack(x_rs: jax.Array, packing: Packing, t: int) -> jax.Array:
-    """Per-token values of one micro-batch's packed rows [R, S] back in the batch layout [N, t]. Position 0 of
-    each sample (predicted from the sample before it, if any), positions past its length and the samples of
-    other micro-batches are 0, as an unpacked row's log-probs are at position 0."""
+    """Per-token values of one micro-batch's packed rows [R, S] back in the batch layout [N, t]; 0 at each
+    sample's position 0, past its length, and for other micro-batches' samples."""
     r, s = x_rs.shape
     pos = jnp.arange(t, dtype=jnp.int32)[None, :]
     idx = packing.row[:, None] * s + jnp.minimum(packing.offset[:, None] + pos, s - 1)
@@ -151,9 +133,8 @@ def unpack(x_rs: jax.Array, packing: Packing, t: int) -> jax.Array:
 
 
 def padding_fraction(segment_ids: jax.Array, valid_rows: jax.Array | None = None) -> jax.Array:
-    """Padding slots / all token slots of the rows a forward runs on: a slot counts as a token when its
-    segment id is non-zero (and, with ``valid_rows``, its row is a real sample; the batch's padding rows carry
-    a copy of a sample that weighs nothing)."""
+    """Padding slots / all token slots of the rows a forward runs on: a slot is a token where its segment id is
+    non-zero (and, with ``valid_rows``, its row a real sample)."""
     real = segment_ids != 0
     if valid_rows is not None:
         real = real & valid_rows[:, None]
