@@ -1,9 +1,6 @@
 """Multi-host runtime: one process per host (or per GPU) under ``jax.distributed``, every process running the
-same program.
-
-:func:`initialize` connects the processes (JAX's own cluster detection, plus the ``DORA_COORDINATOR``,
-``DORA_NUM_PROCESSES``, ``DORA_PROCESS_ID``, ``DORA_LOCAL_DEVICE_IDS`` and ``DORA_CLUSTER`` variables; see
-docs/scale.md, 'The multi-host model'). :func:`broadcast_decision` and :func:`gather_decisions` keep control
+same program. :func:`initialize` connects the processes (JAX's detection plus the ``DORA_*`` variables:
+docs/scale.md, 'The multi-host model'); :func:`broadcast_decision` and :func:`gather_decisions` keep control
 decisions identical on every process; :func:`process_shard` splits data.
 """
 
@@ -29,12 +26,9 @@ class DistributedError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class ClusterSpec:
-    """How this process joins the cluster. ``None`` fields are left to JAX's own detection.
-
-    ``kind``: ``single`` (one process, nothing to connect), ``env`` (every ``DORA_*`` setting given: no
-    detection), ``auto`` (JAX detects what is not given; ``method`` names the one detection method to use,
-    ``None`` for all). After :func:`initialize`, ``num_processes`` and ``process_id`` are JAX's.
-    """
+    """How this process joins the cluster; ``None`` fields are left to JAX's detection. ``kind``: ``single`` (one
+    process), ``env`` (every ``DORA_*`` setting given) or ``auto`` (JAX detects the rest; ``method``: the one
+    detection method, ``None`` for all). After :func:`initialize`, ``num_processes`` and ``process_id`` are JAX's."""
 
     kind: str
     coordinator: str | None = None
@@ -65,12 +59,10 @@ def _address(value: str, name: str) -> str:
 
 
 def detect(env: Mapping[str, str] | None = None) -> ClusterSpec:
-    """The explicit settings of ``env`` (default ``os.environ``), checked, without side effects; what they
-    leave out is JAX's to detect when :func:`initialize` connects.
+    """The explicit settings of ``env`` (default ``os.environ``), checked, without side effects.
 
     Raises:
-      DistributedError: naming the malformed or inconsistent variable, e.g.
-        ``DORA_PROCESS_ID=2 must be < DORA_NUM_PROCESSES=2``.
+      DistributedError: naming the malformed or inconsistent variable.
     """
     env = os.environ if env is None else env
     method = env.get("DORA_CLUSTER", "auto") or "auto"
@@ -121,21 +113,16 @@ def _connect(jax: Any, spec: ClusterSpec) -> None:
 
 
 def initialize(env: Mapping[str, str] | None = None) -> ClusterSpec:
-    """Connects this process to the others (``jax.distributed.initialize``); call before any JAX work.
-
-    Returns at once for a single process: when ``DORA_CLUSTER=single`` or ``DORA_NUM_PROCESSES=1``, when
-    nothing is set and JAX finds no cluster, and when nothing is set and JAX's backend is already running.
-    Calling it again returns the first call's result.
-
-    Args:
-      env: the environment to read (default ``os.environ``).
+    """Connects this process to the others (``jax.distributed.initialize``); call before any JAX work. Returns
+    at once as a single process for ``DORA_CLUSTER=single`` or ``DORA_NUM_PROCESSES=1``, or when nothing is set and
+    JAX finds no cluster or its backend already runs; takes a connection the caller made as it is. Later calls
+    return the first call's result.
 
     Returns:
-      The :class:`ClusterSpec` that was used, with JAX's process count and index.
+      The :class:`ClusterSpec` used, with JAX's process count and index.
 
     Raises:
-      DistributedError: a malformed variable, or a cluster that cannot be joined as set, naming what is
-        wrong, before anything is connected.
+      DistributedError: a malformed variable, or a cluster that cannot be joined as set, before connecting.
     """
     global _INITIALIZED
     if _INITIALIZED is not None:
@@ -177,11 +164,8 @@ def initialize(env: Mapping[str, str] | None = None) -> ClusterSpec:
 
 
 def broadcast_decision(obj: Any) -> Any:
-    """Process 0's ``obj`` on every process: for control decisions all hosts must take identically.
-
-    ``obj`` must be JSON-serializable; every process receives ``json.loads(json.dumps(obj_of_process_0))``
-    (also with one process: tuples come back as lists). Every process must call it at the same point.
-    """
+    """Process 0's ``obj`` (JSON-serializable) on every process, as ``json.loads(json.dumps(obj))`` even with one
+    process (tuples come back as lists). Every process must call it at the same point."""
     import jax
 
     payload = json.dumps(obj, sort_keys=True).encode()
@@ -201,13 +185,9 @@ GATHER_TIMEOUT_S = 3600  # a process that never comes (a crash) stops the others
 
 
 def gather_decisions(obj: Any) -> list[Any]:
-    """Every process's ``obj``, in process order, on every process: to check that a decision each process
-    took on its own is the same everywhere.
-
-    ``obj`` must be JSON-serializable; entries are ``json.loads(json.dumps(obj))`` (also with one process).
-    Every process must call it at the same point. The values go through the coordinator's key-value store, not
-    the devices, so a decision never waits behind device work.
-    """
+    """Every process's ``obj`` (JSON-serializable, round-tripped through JSON), in process order, on every
+    process. Every process must call it at the same point; it goes through the coordinator's key-value store, so
+    it never waits behind device work."""
     import jax
 
     payload = json.dumps(obj, sort_keys=True)
@@ -228,15 +208,12 @@ def gather_decisions(obj: Any) -> list[Any]:
 
 def process_shard(items: Sequence[T], *, index: int | None = None, count: int | None = None,
                   even: bool = True) -> list[T]:
-    """This process's share of ``items``: every ``count``-th item from ``index`` (defaults: this process).
-
-    Args:
-      items: the whole, identically ordered sequence every process holds.
-      index, count: override ``jax.process_index()`` / ``jax.process_count()``.
-      even: require ``len(items)`` to be a multiple of ``count`` (an uneven split would hang a collective step).
+    """This process's share of ``items`` (identically ordered everywhere): every ``count``-th item from ``index``
+    (defaults: ``jax.process_index()`` / ``jax.process_count()``). ``even`` requires ``len(items)`` to be a
+    multiple of ``count``.
 
     Raises:
-      ValueError: if ``even`` and the items do not split evenly, or the index is out of range.
+      ValueError: ``even`` and the items do not split evenly, or the index is out of range.
     """
     if index is None or count is None:
         import jax

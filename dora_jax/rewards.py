@@ -1,29 +1,12 @@
 """Rewards computed off the decode loop, in a pool of worker processes, with a time limit per call.
 
-The runner submits each trajectory as it finishes and polls for results between decode steps, so a slow
-reward function never stalls decoding. A reward function that raises, returns something that is not a finite
-number, runs past ``timeout_s``, or takes its worker process down (a crash, ``os._exit``, running out of memory)
-yields a :class:`RewardResult` with ``error`` set: the runner marks that sample filtered with the reason and the
-run goes on. A call past its time limit is ended by killing its worker process, which is replaced; nothing else
-is lost (calls waiting for a worker stay queued).
-
-Why processes: a hung call in a thread can only be abandoned, never stopped, so it keeps a core busy for the rest
-of the run; and math verifiers (``math-verify``) bound their own parsing time with ``signal.alarm``, which works
-only in a process's main thread. Workers come from a ``forkserver``: JAX runs threads of its own, and
-``os.fork()`` of a process that has them can deadlock the child (JAX warns on every fork). The fork server is
-started once per process, with this module and :mod:`dora_jax.tasks` already imported; each worker is then a
-fork of that small single-threaded server (measured on a 2-core machine: the first worker of a process 0.17-0.19 s
-with the server's start, each later one 6-12 ms, against 12-20 ms for ``os.fork()`` of a process holding JAX).
-As with any ``spawn`` or ``forkserver`` process, a worker imports the main script (as ``__mp_main__``, so reward
-functions defined there can be sent), which must keep its work under ``if __name__ == "__main__":``; a script
-that imports JAX at the top makes each worker pay that import (~1.5 s on 2 cores; ``dora-jax`` and ``python -m``
-entry points import nothing heavy).
-
-What a call needs travels by pickle: the function by reference (a module-level function), each argument by
-value. A top-level argument that is not plain data (not a str, bytes, number, bool, None, tuple, list, dict or
-dataclass instance), such as the task every call shares, is sent to each worker once and reused by identity
-for later calls, so a task holding a whole data set is not copied per call; such objects must not change
-while the pool uses them.
+:class:`RewardPool` runs each call in a ``forkserver`` worker; a call that raises, returns a non-finite number,
+runs past ``timeout_s`` (its worker is killed and replaced) or takes its worker down yields a
+:class:`RewardResult` with ``error`` set, and the run goes on. What callers must know: the function travels by
+reference (module-level) and each argument by value; a top-level argument that is not plain data (such as the
+task) is sent to each worker once and reused by identity, so it must not change while the pool uses it; each
+worker imports the main script, which must keep its work under ``if __name__ == "__main__":``. Why processes
+and the start-up costs: docs/runner.md, "Rewards".
 """
 
 from __future__ import annotations
@@ -148,12 +131,8 @@ def _exit_reason(process: Any) -> str:
 
 class RewardPool:
     """``submit(key, fn, *args)`` runs ``fn(*args) -> (reward, correct)`` (or ``(reward, correct, reason)``) in a
-    worker process; ``poll()`` returns what has finished, failed or timed out since the last call.
-
-    Workers start on demand (at most ``workers``), are replaced when one is killed or dies, and end at
-    :meth:`close`. A background thread hands calls to idle workers, reads their answers and enforces
-    ``timeout_s``.
-    """
+    worker process; ``poll()`` returns what has finished, failed or timed out since the last call. Workers start
+    on demand (at most ``workers``), are replaced when one dies or is killed, and end at :meth:`close`."""
 
     def __init__(self, workers: int = 2, timeout_s: float = 10.0):
         if workers < 1 or not timeout_s > 0:
@@ -194,8 +173,7 @@ class RewardPool:
         return self._sent_bytes
 
     def poll(self, wait_s: float = 0.0) -> list[RewardResult]:
-        """Finished results (failures and timeouts included). Waits up to ``wait_s`` for the first one when none
-        is ready."""
+        """Finished results (failures and timeouts included); waits up to ``wait_s`` when none is ready."""
         out: list[RewardResult] = []
         try:
             out.append(self._done.get(timeout=wait_s) if wait_s > 0 else self._done.get_nowait())

@@ -1,13 +1,7 @@
-"""Held-out evaluation during training (``task.eval_every``): the held-out requests of a policy version decoded by
-the run's own rollout driver beside training rollout, scored by the run's reward pool, one result per version.
-
-An evaluation of version v starts when v is published (v a multiple of ``task.eval_every``, after the first
-update and before the last, which the final evaluation measures). Its requests are
-:func:`~dora_jax.run.evaluation.heldout_requests`, the ones :func:`~dora_jax.run.evaluation.evaluate` decodes, so
-both give the same answers. They go to the first rollout group only and hold at most half of its slots
-(:func:`eval_admits`); their sample ids are not the ledger's, so they are never trained. Version v stays
-resident until its last answer is decoded (:meth:`HeldOutEvals.pins`), and an update that would push it out of
-the K + 1 resident versions waits for it (:func:`update_allowed`). docs/runner.md, "Evaluation during training".
+"""Held-out evaluation during training (``task.eval_every``): :class:`HeldOutEvals` decodes a published
+version's held-out requests (:func:`~dora_jax.run.evaluation.heldout_requests`) in the run's own rollout driver
+within :func:`eval_admits`'s share, scores them in its reward pool, and keeps the version resident until its
+last answer (:func:`update_allowed`). docs/runner.md, "Evaluation during training".
 """
 
 from __future__ import annotations
@@ -26,15 +20,14 @@ from dora_jax.tasks import Item, Task
 
 
 def eval_admits(free: int, slots: int, live: int, waiting: int) -> int:
-    """How many held-out requests to submit now to a rollout group of ``slots`` slots, ``free`` of them free,
-    ``live`` held by held-out requests already and ``waiting`` more to go: they never hold more than half of the
-    group's slots (one on a one-slot group), so training rollout always keeps the rest."""
+    """How many held-out requests to submit now to a group of ``slots`` slots (``free`` free, ``live`` held by
+    held-out requests, ``waiting`` to go): held-out requests never hold more than half the slots (one of one)."""
     return max(0, min(waiting, free, max(1, slots // 2) - live))
 
 
 def update_allowed(pinned: Iterable[int], version: int, bound: int) -> bool:
-    """Whether the update that publishes ``version`` may start while evaluations still decode the ``pinned``
-    versions: each must stay within the K + 1 versions (``bound`` K) that may be resident after it."""
+    """Whether the update publishing ``version`` may start while evaluations decode the ``pinned`` versions: each
+    must stay within the K + 1 (``bound`` K) resident after it."""
     return all(v >= version - bound for v in pinned)
 
 
@@ -53,13 +46,10 @@ class HeldOutEvals:
     """The evaluations of a run in flight.
 
     Args:
-      cfg: the run's config (``task.eval_*``, ``dora.steps``).
-      task, tokenizer: the run's.
-      engine: the first rollout group's engine (the held-out prompts are checked against its limits; every
-        group's engine has the same).
-      rewards: the run's reward pool (held-out answers are keyed by negative numbers there).
-      generates: whether this process decodes a request, by its index (under several processes each decodes its
-        share and the answers are exchanged with the training samples).
+      cfg: the run's config (``task.eval_*``, ``dora.steps``); task, tokenizer: the run's.
+      engine: the first rollout group's engine (held-out prompts are checked against its limits).
+      rewards: the run's reward pool (held-out answers keyed by negative numbers).
+      generates: whether this process decodes a request, by its index.
     """
 
     def __init__(self, cfg: Config, task: Task, tokenizer: Any, engine: Any, rewards: RewardPool,
@@ -98,9 +88,8 @@ class HeldOutEvals:
         return {v: len(e.waiting) for v, e in self._evals.items() if e.waiting}
 
     def admit(self, group_for: Callable[[int], RolloutDriver | None]) -> None:
-        """Submits waiting requests (oldest version first), each version's to ``group_for(version)``'s driver (the
-        first rollout group's; at one version per group, one serving that version: None, none does, and they
-        wait), within :func:`eval_admits`'s share of that group's slots."""
+        """Submits waiting requests (oldest version first) to ``group_for(version)``'s driver (None: none serves the
+        version yet, so they wait), within :func:`eval_admits`'s share of its slots."""
         for e in sorted(self._evals.values(), key=lambda e: e.version):
             driver = group_for(e.version) if e.waiting else None
             if driver is None:
@@ -138,8 +127,8 @@ class HeldOutEvals:
         self._evals[version].scores[EVAL_IDS + sample_id] = result
 
     def finished(self) -> list[tuple[int, dict[str, float], float]]:
-        """The evaluations whose every answer is scored, each once: ``(version, result, seconds since it
-        started)``, the result as :func:`~dora_jax.run.evaluation.evaluate` gives it."""
+        """The evaluations whose every answer is scored, each once: ``(version, result, seconds since start)``, the
+        result as :func:`~dora_jax.run.evaluation.evaluate` gives it."""
         out = []
         total = len(self._requests)
         for v in sorted(self._evals):

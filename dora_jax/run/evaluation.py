@@ -1,8 +1,6 @@
-"""Accuracy of one policy version on a task's held-out questions, decoded by the run's own rollout engine.
-
-:func:`evaluate` decodes them with a driver of its own; a run evaluating during training
-(:mod:`dora_jax.run.evals`) submits the same requests (:func:`heldout_requests`) to its rollout driver, and both
-turn the scored answers into one result (:func:`heldout_result`).
+"""Accuracy of one policy version on a task's held-out questions: :func:`evaluate` decodes them with a driver
+of its own; an evaluation during training (:mod:`dora_jax.run.evals`) submits the same :func:`heldout_requests`
+to the run's driver; both score into one :func:`heldout_result`.
 """
 
 from __future__ import annotations
@@ -44,10 +42,8 @@ score = score_answer
 
 def heldout_requests(cfg: Config, task: Task, tokenizer: Any, engine: Engine, version: int
                      ) -> tuple[list[Item], list[Request]]:
-    """The held-out questions and their ``task.eval_samples`` answers each as requests on ``version``.
-
-    The sampling stream of an answer is a function of its question's position only (its sample id, from
-    :data:`EVAL_IDS`, and ``rollout.seed``), so evaluations of two versions see the same random numbers.
+    """The held-out questions and their ``task.eval_samples`` answers each as requests on ``version``. An answer's
+    sampling stream depends only on its question's position (sample id from :data:`EVAL_IDS`, ``rollout.seed``).
 
     Raises:
       RunError: a held-out question does not fit the engine (named with the settings that bound it).
@@ -70,13 +66,13 @@ def heldout_requests(cfg: Config, task: Task, tokenizer: Any, engine: Engine, ve
 
 def heldout_result(cfg: Config, task: Task, version: int, items: Sequence[Item],
                    answers: Sequence[tuple[Trajectory, RewardResult]]) -> dict[str, float]:
-    """The result of an evaluation from its scored answers (each trajectory with its score); a score that failed
-    counts as wrong with reward 0 and is named in a warning.
+    """The result of an evaluation from its scored answers; a failed score counts as wrong with reward 0, named
+    in a warning.
 
     Returns:
-      ``accuracy`` (the fraction of all answers that are correct: pass@1), ``pass_at_k`` (the fraction of
-      questions with a correct answer among their ``k`` = ``task.eval_samples``), ``k``, ``reward`` (mean),
-      ``n`` (answers), ``len_mean`` (answer tokens) and ``score_errors``; NaN figures without questions.
+      ``accuracy`` (pass@1 over all answers), ``pass_at_k`` (questions with a correct answer among their ``k`` =
+      ``task.eval_samples``), ``k``, ``reward`` (mean), ``n`` (answers), ``len_mean`` (answer tokens) and
+      ``score_errors``; NaN figures without questions.
 
     Raises:
       RunError: every answer failed to score.
@@ -105,14 +101,9 @@ def heldout_result(cfg: Config, task: Task, version: int, items: Sequence[Item],
 
 def evaluate(cfg: Config, task: Task, engine: Engine, tokenizer: Any, params: Any, version: int,
              shared_prefix: tuple[int, ...] = ()) -> dict[str, float]:
-    """Accuracy on ``task``'s held-out set with ``params`` (version ``version``, on ``engine``'s devices).
-
-    ``task.eval_samples`` answers per question at ``task.eval_temperature`` (0: greedy), sampled as
-    :func:`heldout_requests` says. Answers are scored as in training: in worker processes under
-    ``task.reward_timeout_s``, a failure named and counted as wrong.
-
-    Returns:
-      :func:`heldout_result`'s figures.
+    """Accuracy on ``task``'s held-out set with ``params`` (version ``version``, on ``engine``'s devices):
+    ``task.eval_samples`` answers per question at ``task.eval_temperature`` (0: greedy), scored as in training.
+    Returns :func:`heldout_result`'s figures.
 
     Raises:
       RunError: a held-out question does not fit the engine, or every answer failed to score.

@@ -1,7 +1,7 @@
-"""Simulator configuration (``configs/sim_*.yaml``): the file's sections as dataclasses read with
-:func:`dora_jax.schema.from_dict`, and the cost model's fields (given, derived with :func:`derive_costs`, or
-measured with :func:`costs_from_bench`). :func:`load_sim_config` / :func:`parse_config` build a
-:class:`SimConfig`. The cost model: docs/simulator.md, 'Model'; the fields: 'Writing a config'.
+"""Simulator configuration (``configs/sim_*.yaml``): the file's sections as dataclasses, and the cost model's
+fields (given, derived with :func:`derive_costs`, or measured with :func:`costs_from_bench`).
+:func:`load_sim_config` / :func:`parse_config` build a :class:`SimConfig`. docs/simulator.md, 'Model' and
+'Writing a config', describe the costs and fields.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ VERSIONS_PER_INSTANCE = (1, "all")
 
 @dataclass(frozen=True)
 class Costs:
-    """Per-operation costs in seconds (see the module docstring for how they combine)."""
+    """Per-operation costs in seconds (how they combine: docs/simulator.md, 'Model')."""
 
     decode_step_s: float
     decode_weights_s: float = 0.0
@@ -51,8 +51,8 @@ class Costs:
         return self.decode_step_s + max(self.decode_weights_s, n * self.decode_row_s) + ctx * self.decode_ctx_s
 
     def mixed_decode_time(self, counts: tuple[int, ...], ctx: float) -> float:
-        """One decode step of rows of several versions (``counts[j]`` rows of the j-th): the weight term paid
-        per version, the overhead and attention once."""
+        """One decode step of ``counts[j]`` rows of the j-th version: the weight term paid per version, the overhead
+        and attention once."""
         w, r = self.decode_weights_s, self.decode_row_s
         return self.decode_step_s + sum(max(w, c * r) for c in counts) + ctx * self.decode_ctx_s
 
@@ -111,17 +111,11 @@ class SimConfig:
 
 
 def derive_costs(model: dict[str, float], hw: dict[str, float], tp: int) -> tuple[dict[str, float], dict[str, str]]:
-    """Costs from model shape and hardware figures (roofline terms with stated efficiencies).
-
-    Args:
-        model: ``params`` (count), ``layers``, ``heads``, ``kv_heads``, ``head_dim``, ``bytes_per_param``.
-        hw: per-GPU ``peak_flops``, ``hbm_bytes_s``, ``hbm_efficiency``, model-FLOPs utilizations for decode,
-            prefill and training, a fixed per-decode-step overhead, the per-GPU link rate for weight transfer,
-            a fixed cost per weight sync, and ``logprob_forwards`` (extra forward passes per update).
-        tp: GPUs per rollout instance (tensor parallel).
+    """Costs from model shape and hardware figures (roofline terms with stated efficiencies), for ``tp`` GPUs per
+    rollout instance. ``model``, ``hw``: the :class:`ModelShape` and :class:`Hardware` sections as dicts.
 
     Returns:
-        ``(costs, formulas)``: the cost fields and, for each, the formula with numbers, for the docs.
+        ``(costs, formulas)``: the cost fields and, for each, its formula with numbers.
     """
     n, by = model["params"], model["bytes_per_param"]
     d_attn = model["heads"] * model["head_dim"]
@@ -162,9 +156,8 @@ def derive_costs(model: dict[str, float], hw: dict[str, float], tp: int) -> tupl
 
 def costs_from_bench(path: str) -> dict[str, float]:
     """Decode costs from a ``bench decode`` JSON (``batch``, ``cache_length``, ``layers_and_head_ms``,
-    ``kv_cache_part_ms``) or a ``bench engine`` JSON (``batch``, ``engine_tok_s``); ConfigError naming
-    ``costs.from_bench`` otherwise. How they are read: docs/simulator.md, 'Writing a config'.
-    """
+    ``kv_cache_part_ms``) or a ``bench engine`` JSON (``batch``, ``engine_tok_s``); else a ConfigError naming
+    ``costs.from_bench``."""
     try:
         data = json.loads(read_text(path))
     except (TextFileError, json.JSONDecodeError) as e:
@@ -218,8 +211,8 @@ class Workload:
 
 @dataclass(frozen=True)
 class Cluster:
-    """``cluster``: the cluster sizes to run (``gpus``: one count or a list), GPUs and decode slots per rollout
-    instance, the trainer's share of the GPUs and where the synchronous baseline syncs weights."""
+    """``cluster``: the sizes to run (``gpus``: one count or a list), GPUs and decode slots per rollout instance,
+    the trainer's share of the GPUs and where the synchronous baseline syncs weights."""
 
     gpus: Union[int, tuple[int, ...], None] = None
     gpus_per_instance: Optional[int] = None
@@ -259,8 +252,7 @@ CostsSection = dataclasses.make_dataclass(
 
 @dataclass(frozen=True)
 class ModelShape:
-    """``model``: the figures :func:`derive_costs` reads (parameter count, layers, attention shape, bytes per
-    parameter)."""
+    """``model``: the figures :func:`derive_costs` reads (parameters, layers, attention shape, bytes per parameter)."""
 
     params: Optional[float] = None
     layers: Optional[int] = None
@@ -309,10 +301,9 @@ POLICY_OPTIONS = {"sync": (), "one_step_off": (), "partial": ("rollout_batches",
 
 @dataclass(frozen=True)
 class PolicyOptions:
-    """One entry of ``policies``: ``dora`` takes ``max_staleness`` (K), ``rollout_batches`` (RBS / TBS) and
-    ``versions_per_instance`` (``1``, ``all``, or a list of both: the first is the policy's, the others are run
-    beside it for comparison), ``partial`` takes ``rollout_batches``, ``sync`` and ``one_step_off`` take nothing
-    (:data:`POLICY_OPTIONS`)."""
+    """One entry of ``policies`` (:data:`POLICY_OPTIONS`): ``dora`` takes ``max_staleness``, ``rollout_batches`` and
+    ``versions_per_instance`` (``1``, ``all``, or a list: the first is the policy's, the rest run for comparison);
+    ``partial`` takes ``rollout_batches``; ``sync`` and ``one_step_off`` nothing."""
 
     max_staleness: Optional[int] = None
     rollout_batches: Optional[float] = None
@@ -378,8 +369,7 @@ class Projections:
 
 @dataclass(frozen=True)
 class SimFile:
-    """A simulator config file as written (``configs/sim_*.yaml``); :func:`parse_config` checks it and builds the
-    :class:`SimConfig` the simulator runs."""
+    """A simulator config file as written; :func:`parse_config` checks it and builds a :class:`SimConfig`."""
 
     name: str = "sim"
     seed: int = 0
@@ -441,12 +431,8 @@ class SimFile:
 
 
 def _costs(f: SimFile, base_dir: str) -> tuple[Costs, dict[str, str]]:
-    """The costs: derived from model + hardware, then measured decode costs, then given values, later wins.
-
-    Returns:
-        ``(costs, derivation)``: the costs and, for each one set, how it was obtained (a formula, ``measured:
-        PATH`` or ``given``).
-    """
+    """The costs (derived, then measured, then given: later wins) and, for each one set, how it was obtained (a
+    formula, ``measured: PATH`` or ``given``)."""
     costs: dict[str, float] = {}
     derivation: dict[str, str] = {}
     if f.model is not None:
@@ -476,12 +462,8 @@ def _costs(f: SimFile, base_dir: str) -> tuple[Costs, dict[str, str]]:
 
 
 def parse_config(raw: Any, base_dir: str = ".") -> SimConfig:
-    """Validates a simulator config mapping and builds a :class:`SimConfig` (see ``configs/sim_*.yaml``).
-
-    Args:
-        raw: the file's top-level mapping.
-        base_dir: directory relative paths in it (``costs.from_bench``, a ``jsonl`` length file) are resolved
-            against: the config file's.
+    """Validates a simulator config mapping ``raw`` and builds a :class:`SimConfig`; relative paths in it
+    (``costs.from_bench``, a ``jsonl`` length file) are resolved against ``base_dir``.
 
     Raises:
         ConfigError: naming the dotted field, the bad value and what is allowed.

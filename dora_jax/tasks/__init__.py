@@ -1,16 +1,11 @@
 """Verifiable tasks: prompts with known answers and the reward functions that check responses.
 
-A task is plain Python (no JAX): it hands out training items by index (so the data position is one integer
-that checkpoints can save), a fixed held-out evaluation set, and a ``score`` that turns a response into a
-reward. Built in: ``arithmetic`` (mixed difficulty), ``gsm8k`` (final-number answers), ``math`` (answers
-checked by math-verify) and ``code`` (programs run against tests in :mod:`dora_jax.sandbox`), all three reading
-``task.path`` (a JSONL, JSON or parquet file, or a ``datasets`` name: :mod:`dora_jax.tasks.data`), and
-``longtail`` (synthetic, with long-tailed length budgets: the workload of the schedule benchmarks). Anything
-else by import path: ``task.name: "my_pkg.my_mod:make_task"`` (a callable taking the :class:`TaskConfig` and
-returning a :class:`Task`); ``task.reward: "my_pkg.my_mod:reward"`` replaces a task's reward with
-``reward(prompt, response, answer) -> float``, and ``task.reward: math`` with math-verify's check
-(:func:`dora_jax.tasks.math.math_reward`). Rewards run in worker processes (:mod:`dora_jax.rewards`), so a task and
-a reward function must be picklable: defined at module level in an importable module.
+A :class:`Task` is plain Python (no JAX): training items by index (the data position is one integer), a fixed
+held-out set, and a ``score``. :func:`load_task` builds ``task.name`` (``arithmetic``, ``gsm8k``, ``math``,
+``code``, ``longtail``, or ``"pkg.mod:make_task"``: a callable taking the :class:`TaskConfig`), with
+``task.reward`` (``math``, or ``"pkg.mod:reward"``: ``reward(prompt, response, answer) -> float``) replacing
+its reward. Rewards run in worker processes (:mod:`dora_jax.rewards`), so tasks and reward functions must be
+picklable (module level, importable). docs/runner.md, "Tasks".
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The built-in task: arithmetic questions of mixed difficulty, answered with the number only.
-
-Levels run from one-digit sums to two-digit products and three-term sums. A response is correct, and earns reward 1, when the
-last number it writes is the answer (the usual numeric-answer check; the prompt asks for the number only, but
-``17 + 25 = 42`` counts). Because the base model sometimes answers in a word and sometimes works through the
-sum at length, response lengths are long-tailed by nature, which is the workload multi-version streaming
-rollout is for.
+"""The built-in task: arithmetic questions of mixed difficulty (one-digit sums to two-digit products and
+three-term sums), answered with the number only. A response earns reward 1 when the last number it writes is
+the answer (``17 + 25 = 42`` counts).
 """
 
 from __future__ import annotations
@@ -41,8 +37,8 @@ def _question(rng: random.Random, level: str) -> tuple[str, int]:
 
 
 class ArithmeticTask(Task):
-    """Arithmetic questions; item ``i`` is a pure function of ``(seed, i)``; the evaluation set is drawn from
-    its own stream and no training item repeats an evaluation question."""
+    """Arithmetic questions; item ``i`` is a pure function of ``(seed, i)``; no training item repeats a held-out
+    question."""
 
     name = "arithmetic"
 

@@ -22,16 +22,16 @@ class Item:
     budgets: tuple[int, ...] = ()
 
     def budget(self, member: int, cap: int) -> int:
-        """Group member ``member``'s length budget in tokens, at most ``cap`` (the run's
-        ``rollout.max_new_tokens``, which an item without a budget takes)."""
+        """Group member ``member``'s length budget in tokens, at most ``cap`` (``rollout.max_new_tokens``, also the
+        budget of an item without one)."""
         own = self.budgets[member % len(self.budgets)] if self.budgets else self.max_new_tokens
         return min(own or cap, cap)
 
 
 @dataclasses.dataclass(frozen=True)
 class Score:
-    """What a response earned: the reward the trainer sees, whether it counts as correct for accuracy, and
-    optionally why (recorded with the sample in ``samples.jsonl``)."""
+    """What a response earned: the reward, whether it is correct (for accuracy), and optionally why (recorded in
+    ``samples.jsonl``)."""
 
     reward: float
     correct: bool
@@ -63,8 +63,7 @@ def score_answer(task: Task, item: Item, text: str) -> tuple[float, bool, str]:
 
 
 def last_number(text: str) -> str | None:
-    """The last number written in ``text`` (thousands separators dropped, a trailing ``.0`` kept as written),
-    or None."""
+    """The last number in ``text``, as written (a trailing ``.0`` kept, thousands separators dropped), or None."""
     found = _NUMBER.findall(text)
     return found[-1].replace(",", "") if found else None
 

@@ -1,12 +1,9 @@
 """Programming problems checked by running the model's program against reference tests in a sandbox.
 
-Rows (:mod:`dora_jax.tasks.data`): the prompt from ``prompt``, ``question``, ``problem`` or ``text``; the tests from
-``test`` (HumanEval), ``tests`` or ``test_list`` (MBPP: a list of assert lines), unless ``task.prompt_field`` /
-``task.answer_field`` say otherwise. Tests are Python source run after the program: top-level asserts, a
-``check(candidate)`` called with the row's ``entry_point`` (HumanEval), or ``test_*`` functions, each called. A
-row's ``test_imports`` / ``test_setup_code`` (MBPP) run before them. The program is the response's last
-```python fenced block (else its last plain fenced block, else the whole response). Reward 1.0 (correct) when
-program and tests run to their end in :mod:`dora_jax.sandbox`, else 0.0 with the reason in the score.
+Rows (:mod:`dora_jax.tasks.data`): a prompt and Python tests (HumanEval's ``test`` with ``entry_point``, MBPP's
+``test_list`` with ``test_imports`` / ``test_setup_code``, or ``test_*`` functions), run after the program
+(:func:`extract_program`). Reward 1.0 when program and tests run to their end in :mod:`dora_jax.sandbox`, else
+0.0 with the reason. Fields and settings: docs/sandbox.md.
 """
 
 from __future__ import annotations
@@ -79,9 +76,8 @@ def tests_script(where: str, row: dict, tests_field: str = "") -> str:
 
 
 class CodeTask(Task):
-    """Rows of ``path``; answers scored by running them in the sandbox with ``limits`` and interpreter ``python``
-    (empty: :func:`dora_jax.sandbox.probe`'s choice). Construction probes the sandbox once and logs its
-    protections."""
+    """Rows of ``path``, scored in the sandbox with ``limits`` and interpreter ``python`` (empty:
+    :func:`dora_jax.sandbox.probe`'s choice). Construction probes the sandbox once and logs its protections."""
 
     name = "code"
 

@@ -1,19 +1,9 @@
-"""Question/answer data sets for the data-driven tasks (``gsm8k``, ``math``, ``code``): rows from a local file or a
-Hugging Face ``datasets`` name, and the two fields each task needs from a row.
-
-``task.path`` is one of:
-
-* a ``.jsonl`` file (one JSON object a line), read here;
-* a ``.json`` file holding a list of objects, read here;
-* a ``.parquet`` file, or a directory of data files, read through ``datasets.load_dataset``;
-* anything else is a ``datasets`` name (``openai/gsm8k``, ``DigitalLearningGmbH/MATH-lighteval``) given to
-  ``datasets.load_dataset(path, name=task.subset or None, split=task.split)``; with ``HF_DATASETS_OFFLINE=1``
-  (or ``HF_HUB_OFFLINE=1``) it comes from the local cache only.
-
-``task.prompt_field`` and ``task.answer_field`` name the fields (a dotted path reaches into nested objects:
-``reward_model.ground_truth``, the verl/DAPO layout); empty means the task's usual names, tried in order. A
-prompt may be a string or a chat (a list of ``{"role", "content"}`` messages, whose last user message is the
-prompt). A row without a usable prompt or answer stops loading with the file (or data set) and row named.
+"""Question/answer data for the data-driven tasks (``gsm8k``, ``math``, ``code``): :func:`load_rows` reads
+``task.path`` (a ``.jsonl`` or ``.json`` file, read here; a ``.parquet`` file, a directory of data files or a
+``datasets`` name, through ``datasets.load_dataset`` with ``task.split`` and ``task.subset``) and picks each
+row's prompt and answer: ``task.prompt_field`` / ``task.answer_field`` (dotted paths reach nested objects;
+empty: the task's usual names, in order). A prompt is a string or a chat (its last user message). A row without
+both raises :class:`TaskDataError` naming the file (or data set) and row.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Question/answer data checked by the final number: GSM8K and anything shaped like it.
 
-Rows come from ``task.path`` (a JSONL, JSON or parquet file, or a ``datasets`` name: :mod:`dora_jax.tasks.data`).
-The prompt is field ``question`` (GSM8K's own) or ``prompt``, the answer field ``answer`` (GSM8K's ends in
-``#### 42``), unless ``task.prompt_field`` / ``task.answer_field`` say otherwise. The reference is the number
-after ``####`` when present, otherwise the answer's last number; a response is correct when its last number
-equals it. The last ``eval_size`` rows (after a seeded shuffle) are held out for evaluation; training items
-cycle over the rest.
+Rows (:mod:`dora_jax.tasks.data`): prompt ``question`` or ``prompt``, answer ``answer``. The reference is the
+number after ``####``, else the answer's last number; a response is correct when its last number equals it.
+The last ``eval_size`` rows after a seeded shuffle are held out; training items cycle over the rest.
 """
 
 from __future__ import annotations

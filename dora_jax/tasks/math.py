@@ -1,14 +1,10 @@
 """Competition math (MATH, DAPO-Math, NuminaMath and the like), graded by ``math-verify``.
 
-``math-verify`` extracts the final answer of a response (``\\boxed{...}`` first, then LaTeX and plain
-expressions), parses it with SymPy and compares it with the reference: equal values in other forms count
-(``\\frac{1}{2}`` and ``0.5``, ``2\\sqrt{2}`` and ``\\sqrt{8}``, ``x^2+1`` and ``1+x^2``). The same check is the
-``math`` reward (``task.reward: math``) for any task.
-
-Rows (:mod:`dora_jax.tasks.data`): the prompt from ``problem``, ``question`` or ``prompt`` (DAPO-Math's chat
-included), the reference from ``answer``, ``solution`` (MATH's worked solution, whose ``\\boxed{}`` is the
-answer), ``reward_model.ground_truth`` (the verl/DAPO layout) or ``ground_truth``, unless ``task.prompt_field``
-/ ``task.answer_field`` say otherwise.
+``math-verify`` extracts a response's final answer (``\\boxed{...}`` first), parses it with SymPy and compares
+values, so equal answers in other forms count (``\\frac{1}{2}`` and ``0.5``). The same check is the
+``task.reward: math`` reward (:func:`math_reward`). Rows (:mod:`dora_jax.tasks.data`): prompt ``problem``,
+``question`` or ``prompt``; reference ``answer``, ``solution`` (its ``\\boxed{}``), ``reward_model.ground_truth``
+or ``ground_truth``.
 """
 
 from __future__ import annotations

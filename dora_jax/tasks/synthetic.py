@@ -1,14 +1,9 @@
 """``longtail``: a synthetic task whose length budgets are long-tailed by construction.
 
-Every sample carries its own length budget, drawn independently for each member of a prompt's group (samples
-of one prompt differ in length, as reasoning rollouts do): 85% from a lognormal with median ``max_len / 32``
-(clipped to ``[1, max_len]``), 15% uniform in ``[max_len / 2, max_len]``. Most trajectories are short and a few
-run far longer (p99 / p50 ~ 30), the shape of reasoning-model rollouts that stalls synchronous batches; the long
-share is large enough that a batch of 16 samples holds one 93% of the time (1 - 0.85^16), as a batch of
-thousands always does in large-scale RL. The reward is the fraction of response characters that are decimal
-digits, a verifiable signal that a small model learns within a few updates, so schedules can be compared on
-the same learning curve. Runs on any tokenizer, including :class:`~dora_jax.tokenizer.ByteTokenizer` for
-test-sized models.
+Each member of a prompt's group has its own length budget: 85% lognormal with median ``max_len / 32`` (clipped
+to ``[1, max_len]``), 15% uniform in ``[max_len / 2, max_len]``. The reward is the fraction of response
+characters that are decimal digits (correct at half or more). Runs on any tokenizer, including
+:class:`~dora_jax.tokenizer.ByteTokenizer`. Why this shape: docs/runner.md, "Tasks".
 """
 
 from __future__ import annotations
