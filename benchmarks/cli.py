@@ -14,7 +14,7 @@ from typing import Any
 DEFAULT_CONFIG = "smollm2_135m"
 WHAT = ("load", "engine", "prefill", "decode", "train", "snapshot", "modes", "profile", "convergence", "kernel",
         "kernel-sweep", "soak")
-NO_OVERRIDES = ("modes", "kernel", "kernel-sweep")  # built from fixed workloads, not from a config
+NO_OVERRIDES = ("kernel", "kernel-sweep")  # built from fixed workloads, not from a config
 TWO_HOST_DEVICES = ("modes", "profile")  # trainer and rollout each on a device of their own
 
 
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                      simulate=not args.no_simulate, groups=args.groups or 1)
         return modes.bench_modes("tiny_llama" if args.config == DEFAULT_CONFIG else args.config,
                                  steps=args.steps or 8, repeats=args.repeats or 3, profile=args.profile,
-                                 warm_rounds=args.warm_rounds, modes=chosen,
+                                 overrides=ov, warm_rounds=args.warm_rounds, modes=chosen,
                                  simulate=not args.no_simulate, groups=args.groups or 1)
     if args.what == "profile":
         from benchmarks import profile

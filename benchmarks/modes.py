@@ -292,7 +292,7 @@ def bench_modes(config: str = "tiny_llama", steps: int = 8, repeats: int = 3, no
             "placement": (f"split (trainer device 0, {groups} rollout groups: devices 1-{groups})" if groups > 1
                           else "split (trainer device 0, rollout device 1)" if h.split else "shared (one device)"),
             "rollout_groups": groups,
-            "slots": 32, "max_len": max_len, "overrides": list(overrides),
+            "slots": h.cfg().rollout.slots, "max_len": max_len, "overrides": list(overrides),
             "workload": f"longtail: per-sample budgets, 85% lognormal p50 {max_len // 32}, 15% uniform "
                         f"{max_len // 2}..{max_len} tokens",
             "modes": results, "programs_compiled_per_untimed_round": compiled_per_round,
