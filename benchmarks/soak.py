@@ -524,6 +524,8 @@ def plot_soak(result: dict[str, Any], path: str) -> str:
         cx2.plot(*series(a, "compiles"), marker="x", linestyle="--", color=color, label=f"compiled programs, {tag}")
         for key, m, ls in (("open_files", ".", "-"), ("threads", "x", "--"), ("children", "^", ":")):
             cx.plot(*series(a, key), marker=m, linestyle=ls, color=color, label=f"{key.replace('_', ' ')}, {tag}")
+        if any(TS_POOL in s for s in samples):  # results from before the pool was counted apart have none
+            cx.plot(*series(a, TS_POOL), marker="+", linestyle="-.", color=color, label=f"TensorStore pool, {tag}")
         dx.plot(*series(a, "run_dir_bytes", 2**20), marker=".", color=color, label=f"run directory, {tag}")
         dx.plot(*series(a, "store_bytes", 2**20), marker="x", linestyle="--", color=color,
                 label=f"checkpoints + snapshots, {tag}")
@@ -546,7 +548,7 @@ def plot_soak(result: dict[str, Any], path: str) -> str:
     ax.set_ylabel("RSS, MiB")
     bx.set_title("live device arrays and compiled programs (flat within a process)", fontsize=10)
     bx.set_ylabel("live device arrays (solid)")
-    cx.set_title("open files, threads, child processes (flat within a process)", fontsize=10)
+    cx.set_title("open files, threads, child processes (flat within a process); TensorStore's pool", fontsize=10)
     cx.set_ylabel("count")
     dx.set_title("disk", fontsize=10)
     dx.set_ylabel("MiB")
