@@ -226,6 +226,17 @@ def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
                       token_bytes=parts["kv cache"] / pool_tokens, version_bytes=per_device_bytes(params))
 
 
+def with_elastic_group(cfg: Any, train: RoleMemory, mesh: Any, casts: bool, do_compile: bool) -> RoleMemory:
+    """The trainer's memory with the elastic group's (``roles.elastic_group``) on its devices: the group's page pool
+    beside the optimizer state for the whole run; its decode scratch, and its copy of the newest version where the
+    rollout dtype ``casts`` one, only while it is lent, when no train step runs (the larger scratch counts)."""
+    el = rollout_memory(cfg, mesh, do_compile)
+    lent = (el.temp or 0) + (el.version_bytes if casts else 0)
+    return RoleMemory("trainer + elastic group", train.devices,
+                      {**train.parts, "elastic group kv cache": el.parts["kv cache"]},
+                      None if train.temp is None else max(train.temp, lent), train.compiled_args, train.notes)
+
+
 def group_layouts(cfg: Any, roll: RoleMemory, groups: int, rollout_devices: int) -> str:
     """The line comparing one policy version per rollout group with K + 1 (``train.max_staleness + 1``) versions per
     group, for a split placement: devices per group, groups, and a group device's weights under each, from the
@@ -345,20 +356,12 @@ def run_check(cfg: Any, *, do_compile: bool = True, log: Callable[[str], None] =
         log(f"roles: {cfg.roles.placement}, {processes} processes; trainer mesh {dict(trainer_mesh.shape)}; rollout "
             f"mesh {dict(rollout_mesh.shape)} {where}")
     else:
-        groups = cfg.roles.rollout_groups
-        log(f"roles: {cfg.roles.placement}; trainer mesh {dict(trainer_mesh.shape)}"
-            + ("" if shared else f"; {groups} rollout groups of mesh {dict(rollout_mesh.shape)}"))
+        log(f"roles: {cfg.roles.placement}; trainer mesh {dict(trainer_mesh.shape)}" + ("" if shared else
+            f"; {cfg.roles.rollout_groups} rollout groups of mesh {dict(rollout_mesh.shape)}"))
     train = trainer_memory(cfg, trainer_mesh, do_compile)
     roll = rollout_memory(cfg, rollout_mesh, do_compile)
     if cfg.roles.elastic_group and not shared:
-        # The elastic group's page pool sits beside the optimizer state for the whole run. Its decode scratch, and
-        # its copy of the newest version where the rollout dtype casts one, exist only while it is lent, when no
-        # train step runs: the larger of the two scratches counts.
-        el = rollout_memory(cfg, trainer_mesh, do_compile)
-        lent = (el.temp or 0) + (el.version_bytes if rollout_dtype != m.param_dtype else 0)
-        train = RoleMemory("trainer + elastic group", train.devices,
-                           {**train.parts, "elastic group kv cache": el.parts["kv cache"]},
-                           None if train.temp is None else max(train.temp, lent), train.compiled_args, train.notes)
+        train = with_elastic_group(cfg, train, trainer_mesh, rollout_dtype != m.param_dtype, do_compile)
     if shared:
         both = RoleMemory("trainer + rollout (shared devices)", train.devices,
                           {**{f"train {k}": v for k, v in train.parts.items()},
