@@ -6,6 +6,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 import json  # noqa: E402
+import types  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -285,6 +286,9 @@ def test_modes_without_simulation_measures_no_profile(monkeypatch):
         def warm(self, phase, max_rounds):
             self.warmed.append([v.name for v in phase])
             return [0]
+
+        def cfg(self, extra=(), split=False):
+            return types.SimpleNamespace(rollout=types.SimpleNamespace(slots=32))
 
         def rounds(self, phase, repeats, on_run=None):
             return {v.name: [_mode_run(4.0, 0.0, 8.0) if v.name == "sync" else _mode_run(2.0, 0.0, 2.0)]
