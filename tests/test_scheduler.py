@@ -5,6 +5,7 @@ sample's length is drawn at dispatch; a few samples are filtered (a reward funct
 invariants of promises 2-4 are checked after every event, and the run must finish (no deadlock).
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -59,6 +60,7 @@ def simulate(policy: SchedulePolicy, slots: int, seed: int, filter_p: float = 0.
                     trained_lags.append(version - led.entries[s].version)
             sched.trained(batch)
         led.check(policy.bound)
+        assert led.holds(policy.bound), "the fast verdict refused a valid ledger"
     else:
         raise AssertionError(f"no progress: {led.counts()}, version {sched.version}")
     return sched, max_live_versions, trained_lags
@@ -269,6 +271,9 @@ BROKEN_LEDGERS = {
                                      "group 1 was trained in more than one update"),
     "consumed without its version": (lambda led: _entry(trained_at=-1)(led, 0),
                                      "sample 0 is consumed without the version it was trained at"),
+    # A field of another type (a hand-edited saved ledger): the fast verdict cannot compare it, the walk names it.
+    "trained at no version": (lambda led: _entry(trained_at=None)(led, 0),
+                              "sample 0 is consumed without the version it was trained at"),
     "filtered without a reason": (lambda led: _entry(reason="")(led, 4), "sample 4 is filtered without a reason"),
     # A state changed behind the ledger's back: its counts no longer match the entries.
     "counts off": (lambda led: _entry(state="finished")(led, 0), "state counts .* do not match the entries"),
@@ -279,6 +284,9 @@ BROKEN_LEDGERS = {
                                           r"groups list samples that are not in the ledger: \[99\]"),
     "a sample no group lists": (lambda led: led.groups[2].sample_ids.remove(5),
                                 r"sample 5 names group 2 but is listed by groups \[\]"),
+    "an empty group": (lambda led: led.groups.__setitem__(9, dataclasses.replace(led.groups[2], group_id=9,
+                                                                                  sample_ids=[])),
+                       "group 9 has no samples"),
 }
 
 
@@ -286,9 +294,11 @@ BROKEN_LEDGERS = {
 def test_ledger_check_rejects_broken_ledgers(defect):
     led = _valid_ledger()
     led.check(1)
+    assert led.holds(1) and Ledger.from_dict(led.to_dict()).holds(1)
     assert Ledger.from_dict(led.to_dict()).counts() == led.counts()
     brk, message = BROKEN_LEDGERS[defect]
     brk(led)
+    assert not led.holds(1)  # the fast verdict sees it too
     with pytest.raises(LedgerError, match=message):
         led.check(1)
 
@@ -314,10 +324,21 @@ def test_ledger_check_rejects_broken_ledgers_all_consumed(defect):
     led.consume([0], 1)
     led.consume([1], 2)
     led.check(1)
+    assert led.holds(1)
     brk, message = ALL_CONSUMED_DEFECTS[defect]
     brk(led)
+    assert not led.holds(1)
     with pytest.raises(LedgerError, match=message):
         led.check(1)
+
+
+def test_set_state_names_an_unknown_sample_or_state():
+    led = _valid_ledger()
+    with pytest.raises(LedgerError, match="sample 99 is not in the ledger"):
+        led.set_state(99, "finished")
+    with pytest.raises(LedgerError, match="sample 0: unknown state 'lost'"):
+        led.set_state(0, "lost")
+    led.check(1)  # refused before anything changed
 
 
 def test_a_sample_is_consumed_once_and_saved_once():

@@ -217,18 +217,20 @@ class Ledger:
         every sample in exactly one group (the one it names), groups whole (all members consumed together or
         the group filtered), filtered samples with a reason, consumed samples with the version they were
         trained at, and (given ``max_staleness``) every consumed sample trained within the bound."""
-        try:
-            holds = self._holds(max_staleness)
-        except TypeError:  # a field of an unexpected type: the full walk below says what
-            holds = False
-        if not holds:
+        if not self.holds(max_staleness):
             self._raise_first_fault(max_staleness)
 
+    def holds(self, max_staleness: int | None = None) -> bool:
+        """The fast verdict :meth:`check` starts with, in whole-column passes (a run's ledger holds hundreds of
+        thousands of samples): True only when every invariant holds. False when one fails, and for a ledger
+        whose samples are not in the order its groups list them (as :meth:`add_group` makes them) or hold a
+        field of an unexpected type, where :meth:`check` walks the entries to name the fault, if any."""
+        try:
+            return self._holds(max_staleness)
+        except TypeError:
+            return False
+
     def _holds(self, max_staleness: int | None) -> bool:
-        """Whether every invariant of :meth:`check` holds, answered with whole-column passes (a run's ledger holds
-        hundreds of thousands of samples); :meth:`_raise_first_fault` names what fails. True only where that
-        method would find nothing; a ledger whose samples are not in the order its groups list them (as
-        :meth:`add_group` makes them) answers False and leaves the verdict to it."""
         entries, groups = self.entries, list(self.groups.values())
         ids = list(map(_SAMPLE_IDS, groups))
         sizes = list(map(len, ids))
@@ -290,7 +292,7 @@ class Ledger:
                                   f"{members.get(e.sample_id, [])}")
             if e.state == "filtered" and not e.reason:
                 raise LedgerError(f"sample {e.sample_id} is filtered without a reason")
-            if e.state == "consumed" and e.trained_at < 0:
+            if e.state == "consumed" and not (isinstance(e.trained_at, int) and e.trained_at >= 0):
                 raise LedgerError(f"sample {e.sample_id} is consumed without the version it was trained at")
             if e.state == "consumed" and max_staleness is not None:
                 lag = e.trained_at - e.version
@@ -303,6 +305,8 @@ class Ledger:
         if unknown:
             raise LedgerError(f"groups list samples that are not in the ledger: {unknown}")
         for g in self.groups.values():
+            if not g.sample_ids:
+                raise LedgerError(f"group {g.group_id} has no samples")
             states = {self.entries[s].state for s in g.sample_ids}
             versions = {self.entries[s].version for s in g.sample_ids}
             if versions != {g.version}:
