@@ -104,4 +104,6 @@ def test_without_the_limit_the_same_writes_grow_the_pool_past_it(tmp_path):
     """What the test above would see if the run set no limit: it would fail."""
     got = writes(tmp_path, "unlimited")
     assert got["shared_parent"] == 0 and got["own_limits"] == got["contexts"], got
-    assert got["workers_started"] > sum(TENSORSTORE_THREADS.values()) + 2, got  # past the bound above
+    # The limited test's first assertion fails here whatever the timing; the pool, left to Orbax's per-save
+    # contexts, passes the run's limit too (10-12 workers on a quiet machine, 8 with the suite's workers beside it).
+    assert got["workers_started"] > sum(TENSORSTORE_THREADS.values()), got
