@@ -25,11 +25,11 @@ def test_dispatches_and_their_figures():
 
 def test_kv_counts_restart_at_the_steady_state_and_keep_only_it():
     s = DriverStats()
-    s.count_kv(64, 32, steady=False)  # before the steady state: counted until it begins
+    s.count_kv(False, lambda: (64, 32))  # before the steady state: counted until it begins
     assert s.kv_bytes_ratio == 2.0
-    s.count_kv(48, 40, steady=True)  # the first steady dispatch drops what came before
-    s.count_kv(100, 10, steady=False)  # the drain: left out
-    s.count_kv(52, 40, steady=True)
+    s.count_kv(True, lambda: (48, 40))  # the first steady dispatch drops what came before
+    s.count_kv(False, lambda: pytest.fail("a drain dispatch was counted"))  # the drain: left out
+    s.count_kv(True, lambda: (52, 40))
     assert (s.kv_page_tokens, s.kv_live_tokens) == (100, 80) and s.kv_bytes_ratio == 1.25
 
 

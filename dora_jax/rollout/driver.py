@@ -263,10 +263,12 @@ class RolloutDriver:
         held = self.engine.pages_held
         if held is None:
             return
-        lives = [s for g in self._groups.values() for s in g.slots if s is not None]
-        self.stats.count_kv(held * self.engine.page_tokens,
-                            sum(len(s.request.prompt_ids) + len(s.tokens) + s.in_flight for s in lives),
-                            steady=self.live_rows == self.engine.max_concurrent_decodes)
+
+        def tokens() -> tuple[int, int]:
+            lives = [s for g in self._groups.values() for s in g.slots if s is not None]
+            return held * self.engine.page_tokens, sum(len(s.request.prompt_ids) + len(s.tokens) + s.in_flight
+                                                       for s in lives)
+        self.stats.count_kv(self.live_rows == self.engine.max_concurrent_decodes, tokens)
 
     @property
     def live_rows(self) -> int:

@@ -11,7 +11,7 @@ import collections
 import contextlib
 import dataclasses
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
 
@@ -60,12 +60,13 @@ class DriverStats:
         self.wait_cpu_s += time.thread_time() - cpu
         self.wait_s += time.perf_counter() - start
 
-    def count_kv(self, page_tokens: int, live_tokens: int, steady: bool) -> None:
-        """One dispatch's KV pages (as tokens) against its live tokens. The first steady dispatch drops what came
-        before; after it, only steady dispatches count."""
+    def count_kv(self, steady: bool, tokens: Callable[[], tuple[int, int]]) -> None:
+        """One dispatch's KV pages (as tokens) against its live tokens, ``tokens()``, called only when the dispatch
+        counts: the first steady dispatch drops what came before; after it, only steady dispatches count."""
         if steady and not self.kv_steady:
             self.kv_steady, self.kv_page_tokens, self.kv_live_tokens = True, 0, 0
         if steady or not self.kv_steady:
+            page_tokens, live_tokens = tokens()
             self.kv_page_tokens += page_tokens
             self.kv_live_tokens += live_tokens
 

@@ -37,24 +37,15 @@ def stop_tensorstore_metrics_leak() -> None:
         tensorstore_utils.get_tensorstore_raw_bytes = lambda direction=None: 0
 
 
-# TensorStore's threads for the checkpoint and snapshot I/O of a process. TensorStore runs every context's tasks on
-# one process-wide pool, starting a thread whenever a task waits and no thread is idle; a context's
-# `data_copy_concurrency` and `file_io_concurrency` bound only its own tasks. Orbax (0.12.8) makes a new context for
-# every save and restore (file I/O limit 128), so back-to-back or overlapping writes (a checkpoint, a version
-# snapshot) grew the pool by a count that depended on their timing. Sharing one context for these two limits bounds
-# the pool by their sum (TensorStore may still start one more when a worker waits over 5 ms for a core between two
-# tasks: seen only with the cores saturated by other processes). 2 copy threads (chunk encoding and compression,
-# CPU-bound, beside training and rollouts) and 4 outstanding file writes (OCDBT packs a save into a few large files
-# on a local or mounted file system): tests/test_tensorstore_threads.py's writes take 2.6 s, 2.5 s with Orbax's own
-# limits (2 cores).
+# The data-copy (CPU-bound encoding beside training) and file-I/O limits every TensorStore context of the process
+# shares: TensorStore's one worker pool then holds at most their sum (docs/runner.md, "Checkpoints and resume").
 TENSORSTORE_THREADS = {"data_copy_concurrency": 2, "file_io_concurrency": 4}
 
 
 def limit_tensorstore_threads() -> None:
     """Makes every TensorStore context Orbax creates in this process take its data-copy and file-I/O limits from
-    one shared context with :data:`TENSORSTORE_THREADS`, so that TensorStore's pool holds at most their sum of
-    worker threads however the writes fall (but for the exception above). A process-wide change, idempotent: :class:`RunCheckpoints` makes it when created (the run's store creates one
-    before any snapshot is written)."""
+    one shared context with :data:`TENSORSTORE_THREADS`. Process-wide and idempotent; :class:`RunCheckpoints`
+    calls it when created. A limit a caller asks for explicitly keeps its own."""
     try:
         import tensorstore as ts
         from orbax.checkpoint._src.serialization import tensorstore_utils

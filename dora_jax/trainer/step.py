@@ -517,10 +517,9 @@ class Trainer:
         src = batch if host is None else host
         versions, valid = _host(src.versions), _host(src.valid).astype(bool)
         lengths = None
-        if self.packed:
-            seg = np.asarray(host.segment_ids) if host is not None else None
-            lengths = (np.where(valid, (seg != 0).sum(1), 0).astype(np.int32) if seg is not None
-                       else _host(self._lengths(batch.segment_ids, batch.valid)))
+        if self.packed:  # each row's tokens, 0 for a row left out: what the packing plans
+            lengths = (np.where(valid, (np.asarray(host.segment_ids) != 0).sum(1), 0).astype(np.int32)
+                       if host is not None else _host(self._lengths(batch.segment_ids, batch.valid)))
         with activate(self.mesh, self.rules):
             out = self._zero_rows(batch.tokens)
             for v in np.unique(versions[valid]):
