@@ -2,12 +2,13 @@
 pool; and ``dora-jax bench kernel-sweep``, the GPU kernel's ``pages_per_compute_block`` against XLA.
 
 Both sides are :func:`~dora_jax.kernels.paged_attention.paged_attention` under ``jit``: the kernel is
-``pallas_tpu`` on a TPU and ``pallas_gpu`` elsewhere, the XLA side ``impl="xla"`` (a gather of every entry of
-each slot's table, then a masked softmax, which is what the decoder's ``xla`` attention does). The pool is laid
-out as the engine's: page 0 scratch, each slot's pages scattered over the pool, table entries past a slot's
-pages pointing at scratch. Achieved bandwidth counts the bytes each side must read (the kernel: each slot's
-pages up to its length; XLA: every table entry's page, ``W * P`` tokens per slot whatever its length), plus the
-queries read and the output written, and is compared with a measured device-to-device copy bandwidth.
+``pallas_tpu`` on a TPU and ``pallas_gpu`` elsewhere, the XLA side ``impl="xla"`` (the engine's live-reading
+attention for one layer: slots sorted by length into classes, each class's pages read in blocks up to its
+longest slot). The pool is laid out as the engine's: page 0 scratch, each slot's pages scattered over the pool,
+table entries past a slot's pages pointing at scratch. Achieved bandwidth counts the bytes each side must read
+(the kernel: each slot's pages up to its length; XLA: the blocks its classes read,
+:func:`~dora_jax.kernels.paged_attention.live_read_tokens`), plus the queries read and the output written, and
+is compared with a measured device-to-device copy bandwidth.
 
 On CPU no compiled kernel exists: the kernel side runs in the Pallas interpreter, whose times measure the
 interpreter, not the kernel; the output says so.
@@ -24,7 +25,7 @@ import numpy as np
 
 from benchmarks.record import device
 from benchmarks.timing import median_of
-from dora_jax.kernels.paged_attention import gpu_blocks, paged_attention
+from dora_jax.kernels.paged_attention import gpu_blocks, live_read_tokens, paged_attention
 from dora_jax.models.paged import SCRATCH_PAGE
 
 # The sweep's pages per compute block, on 16-token pages: 16 to 256 tokens per block (the Triton lowering needs
@@ -122,7 +123,7 @@ def bench_kernel(*, batches: tuple[int, ...] = (8, 32), fills: tuple[float, ...]
             got = np.asarray(kernel(q, k, v, tables, lengths_j), np.float32)
             qo_bytes = 2 * q.size * item
             kernel_bytes = 2 * int((-(-lengths // page_tokens)).sum()) * page_bytes + qo_bytes
-            xla_bytes = 2 * b * table_pages * page_bytes + qo_bytes
+            xla_bytes = 2 * live_read_tokens(lengths, table_pages, page_tokens) * (page_bytes // page_tokens) + qo_bytes
             points.append({
                 "batch": b, "fill": fill, "lengths": lengths.tolist(), "mean_length": float(lengths.mean()),
                 "kernel_ms": 1e3 * t_kernel, "xla_ms": 1e3 * t_xla, "speedup": t_xla / t_kernel,

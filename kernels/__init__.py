@@ -1,5 +1,6 @@
 """Pallas kernels, importable as ``dora_jax.kernels``.
 
-Each kernel file holds the public wrapper (with an ``interpret`` flag for CPU) and a ``reference_*`` oracle
-beside it, which is also the XLA implementation the wrapper falls back to.
+Each kernel file holds the public wrapper (with an ``interpret`` flag for CPU) and beside it the XLA
+implementation of the same contract, the one the engine runs where no kernel is chosen. Their oracle is not
+here: the tests check every implementation against float64 NumPy references of their own.
 """

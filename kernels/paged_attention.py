@@ -1,4 +1,5 @@
-"""One-token decode attention over a paged KV cache, through JAX's shipped Pallas paged-attention kernels.
+"""One-token decode attention over a paged KV cache: one XLA implementation, and JAX's shipped Pallas
+paged-attention kernels.
 
 Pool layout (one layer): ``k_pages``, ``v_pages`` are ``[K, N, P, d]`` (kv heads, pages, tokens per page, head
 dim). ``tables`` is int32 ``[B, W]``: token ``i`` of slot ``b`` sits at page ``tables[b, i // P]``, row
@@ -9,9 +10,11 @@ Logits are scaled by ``1 / sqrt(d)``, the softmax is float32, the output has ``q
 
 Implementations (``impl``):
 
-  * ``"xla"``: :func:`reference_paged_attention`, a gather of each slot's pages and a masked softmax. It runs
-    anywhere and is the oracle for the others; on the CPU it is the only fast choice. It reads all ``W * P``
-    positions of every slot whatever its length, so on an accelerator it wastes bandwidth on short slots.
+  * ``"xla"``: :func:`live_paged_attention`, the engine's own decode attention. It sorts the slots by length into
+    classes (:func:`live_plan`) and reads each class's pages in blocks only up to its longest slot, with an
+    online softmax across blocks. It runs anywhere; on the CPU it is the only fast choice. Inside the decode step
+    it also takes each row's new key and value and the stacked pool of every layer (docs/rollout.md, 'How a
+    decode step runs').
   * ``"pallas_gpu"``: ``jax.experimental.pallas.ops.gpu.paged_attention`` (Triton lowering), flash-decoding:
     the ``W`` pages are cut into ``k_splits`` partitions run in parallel and merged exactly, and each partition
     stops at the slot's length. Query heads of one kv head are processed together in a block of 16 rows
@@ -31,7 +34,8 @@ Implementations (``impl``):
 Neither kernel takes a softmax scale, so ``q`` is multiplied by ``1 / sqrt(d)`` before the call (in float32
 for the TPU kernel, which computes in float32; in the pool's dtype for the GPU kernel, which for bf16 adds one
 rounding unless ``d`` is a power of four). Lengths are clipped to ``[0, W * P]``: the TPU kernel walks
-``cdiv(length, block)`` blocks and would read past the slot's table otherwise. Both kernels already return
+``cdiv(length, block)`` blocks and would read past the slot's table otherwise (and the XLA path's
+classes would count blocks past it). Both kernels already return
 zeros for a row of length 0; the wrapper zeroes those rows anyway, as the contract callers rely on, rather than
 depend on an undocumented convention of the kernels.
 
@@ -43,6 +47,7 @@ building that array from ``k_pages`` and ``v_pages`` (a copy of the whole pool) 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -88,33 +93,140 @@ def _shapes(q, k_pages, v_pages, tables, lengths):
     return B, H, d, K, N, P, W, H // K
 
 
-def reference_paged_attention(q, k_pages, v_pages, tables, lengths, k_new=None, v_new=None):
-    """Decode attention by gathering each slot's pages to the table's width and a masked float32 softmax: the
-    oracle of the kernels and of the rollout's live-reading XLA path. With ``k_new``, ``v_new`` (``[B, K, d]``)
-    each row also attends to its own new key and value, in the same softmax (what a decode step computes before
-    it writes them). ``[B, H, d]`` in ``q``'s dtype."""
-    B, H, d, K, N, P, W, G = _shapes(q, k_pages, v_pages, tables, lengths)
-    tables = tables.astype(jnp.int32)
-    lengths = jnp.clip(lengths.astype(jnp.int32), 0, W * P)
-    # [K, B, W, P, d] -> [K, B, S, d]: the slot's tokens in order, S = W * P.
-    k = k_pages[:, tables].reshape(K, B, W * P, d)
-    v = v_pages[:, tables].reshape(K, B, W * P, d)
-    qg = q.reshape(B, K, G, d)
+# The live-reading XLA path sorts a state's slots by length into classes of equal size (each reads to its own
+# longest slot, in blocks of whole pages; each class costs a loop trip per block it reads). A full state reads
+# classes of 8 rows in blocks of 128 tokens; the small states a long tail compacts into hold few, long rows, so
+# they take classes of fewer rows (less padding next to a long row) and longer blocks (fewer trips for the same
+# rounding). At most LIVE_ROW_CLASSES classes.
+LIVE_ROW_CLASSES = 32
+
+
+def live_block_tokens(slots: int) -> int:
+    """Tokens per block of the live-reading path for a state (or batch shard) of ``slots`` slots."""
+    return 128 if slots >= 128 else 256 if slots >= 32 else 512
+
+
+def live_class_rows(slots: int) -> int:
+    """Rows per length class of the live-reading path for ``slots`` slots: 8 from 128 slots, down to 2."""
+    return min(8, max(2, slots // 16))
+
+
+class LivePlan(NamedTuple):
+    """What every layer's live-reading attention shares in one decode step (slots sorted by length, in classes).
+
+    ``order`` [C * R]: slot ids longest first (padding rows point at slot 0 with length 0); ``tables`` [C, R,
+    nblk * bp]; ``lengths`` [C, R]; ``blocks`` [C]: the blocks each class reads; ``starts`` [C]: its first tile;
+    ``tiles``: the tiles of the step (sum of ``blocks``)."""
+
+    order: jax.Array
+    tables: jax.Array
+    lengths: jax.Array
+    blocks: jax.Array
+    starts: jax.Array
+    tiles: jax.Array
+
+
+def live_block_pages(table_width: int, page_tokens: int, slots: int) -> int:
+    """Pages per block of the live-reading path for ``slots`` slots: :func:`live_block_tokens` in whole pages,
+    at most the table width."""
+    return max(1, min(table_width, live_block_tokens(slots) // page_tokens))
+
+
+def live_classes(slots: int, row_classes: int = LIVE_ROW_CLASSES) -> int:
+    """Length classes for ``slots`` slots: at most ``row_classes``, of :func:`live_class_rows` rows each."""
+    return max(1, min(row_classes, slots // live_class_rows(slots)))
+
+
+def live_plan(tables_bw: jax.Array, lengths_b: jax.Array, page_tokens: int, *,
+              row_classes: int = LIVE_ROW_CLASSES) -> LivePlan:
+    """Sorts the slots by cached length into classes and counts the page blocks each class must read."""
+    b, w = tables_bw.shape
+    bp = live_block_pages(w, page_tokens, b)
+    nblk = -(-w // bp)
+    c = live_classes(b, row_classes)
+    r = -(-b // c)
+    order = jnp.argsort(-lengths_b, stable=True).astype(jnp.int32)
+    order = jnp.pad(order, (0, c * r - b))
+    lengths = jnp.pad(lengths_b[order[:b]], (0, c * r - b)).reshape(c, r)
+    tables = jnp.pad(tables_bw, ((0, 0), (0, nblk * bp - w)))[order].reshape(c, r, nblk * bp)
+    blocks = -(-jnp.max(lengths, axis=1) // (bp * page_tokens))
+    ends = jnp.cumsum(blocks)
+    return LivePlan(order, tables, lengths, blocks.astype(jnp.int32), (ends - blocks).astype(jnp.int32),
+                    ends[-1].astype(jnp.int32))
+
+
+def live_read_tokens(lengths, table_width: int, page_tokens: int, *, row_classes: int = LIVE_ROW_CLASSES) -> int:
+    """Cached tokens one layer of :func:`live_paged_attention` reads for slots of ``lengths`` (numpy, host):
+    what ``kv_read_ratio`` counts for the XLA path."""
+    lengths = np.sort(np.asarray(lengths, np.int64))[::-1]
+    b = lengths.shape[0]
+    bp = live_block_pages(table_width, page_tokens, b)
+    c = live_classes(b, row_classes)
+    r = -(-b // c)
+    padded = np.zeros((c * r,), np.int64)
+    padded[:b] = lengths
+    blocks = -(-padded.reshape(c, r).max(axis=1) // (bp * page_tokens))
+    return int(blocks.sum() * r * bp * page_tokens)
+
+
+def live_paged_attention(q_bhd: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array,
+                         plan: LivePlan, k_new_bkd: jax.Array | None = None, v_new_bkd: jax.Array | None = None,
+                         *, block_pages: int) -> jax.Array:
+    """The ``"xla"`` implementation: decode attention over the paged pool that reads only each slot class's
+    live page blocks, with an online float32 softmax across blocks. [B, H, d] in ``q``'s dtype.
+
+    ``k_pool``, ``v_pool`` are the stacked pool [L, K, N, P, d], read at ``layer`` by the gather itself (no
+    copy of the layer). ``plan``: :func:`live_plan` of the tables and lengths (lengths at most ``W * P``);
+    ``block_pages``: :func:`live_block_pages`. With ``k_new``, ``v_new`` [B, K, d] each row also attends to
+    its own new key and value in the same softmax (what a decode step computes before it writes them); without
+    them a row of length 0 gets zeros."""
+    b, h, d = q_bhd.shape
+    kv, p = k_pool.shape[1], k_pool.shape[3]
+    c, r, _ = plan.tables.shape
+    bp = block_pages
+    g = h // kv
+    f32 = jnp.float32
     scale = 1.0 / math.sqrt(d)
-    # The products accumulate in float32 without upcasting the gathered cache, which is the large operand.
-    logits = jnp.einsum("bkgd,kbsd->bkgs", qg, k, preferred_element_type=jnp.float32) * scale
-    valid = jnp.arange(W * P, dtype=jnp.int32)[None, :] < lengths[:, None]  # [B, S]
-    logits = jnp.where(valid[:, None, None, :], logits, _MASK_VALUE)
-    if k_new is not None:
-        own = jnp.einsum("bkgd,bkd->bkg", qg, k_new, preferred_element_type=jnp.float32) * scale
-        probs = jax.nn.softmax(jnp.concatenate([logits, own[..., None]], axis=-1), axis=-1)
-        out = jnp.einsum("bkgs,kbsd->bkgd", probs[..., :-1], v, preferred_element_type=jnp.float32)
-        out = out + probs[..., -1:] * v_new[:, :, None].astype(jnp.float32)
-    else:
-        probs = jax.nn.softmax(logits, axis=-1)
-        out = jnp.einsum("bkgs,kbsd->bkgd", probs, v, preferred_element_type=jnp.float32)
-        out = jnp.where((lengths > 0)[:, None, None, None], out, 0.0)
-    return out.reshape(B, H, d).astype(q.dtype)
+    q = q_bhd.reshape(b, kv, g, d)
+
+    def by_class(x):  # [B, ...] -> [C, R, ...] in the plan's order (padding rows repeat slot 0, length 0)
+        return x[plan.order].reshape((c, r) + x.shape[1:])
+
+    q_c = by_class(q)
+    if k_new_bkd is None:
+        m0 = jnp.full((c, r, kv, g), _MASK_VALUE, f32)
+        l0, acc0 = jnp.zeros_like(m0), jnp.zeros((c, r, kv, g, d), f32)
+    else:  # the row's own token opens the softmax, so l > 0 for every row
+        sn = jnp.sum(q.astype(f32) * k_new_bkd[:, :, None].astype(f32), axis=-1) * scale  # [B, K, G]
+        m0 = by_class(sn)
+        l0 = jnp.ones_like(m0)
+        acc0 = by_class(jnp.broadcast_to(v_new_bkd[:, :, None].astype(f32), (b, kv, g, d)))
+
+    def body(carry):
+        t, m, l, acc = carry
+        cls = jnp.sum(t >= plan.starts + plan.blocks).astype(jnp.int32)  # the class whose tiles hold t
+        blk = t - plan.starts[cls]
+        tab = jax.lax.dynamic_slice_in_dim(plan.tables[cls], blk * bp, bp, axis=1)  # [R, bp]
+        k_b = k_pool[layer, :, tab]  # [R, bp, K, P, d]
+        v_b = v_pool[layer, :, tab]
+        s = jnp.einsum("rkgd,rjkpd->rkgjp", q_c[cls], k_b, preferred_element_type=f32) * scale
+        pos = blk * bp * p + jnp.arange(bp * p, dtype=jnp.int32).reshape(bp, p)
+        valid = (pos[None] < plan.lengths[cls][:, None, None])[:, None, None]  # [R, 1, 1, bp, P]
+        m_old, l_old, acc_old = m[cls], l[cls], acc[cls]
+        m_new = jnp.maximum(m_old, jnp.max(jnp.where(valid, s, _MASK_VALUE), axis=(-2, -1)))
+        e = jnp.where(valid, jnp.exp(s - m_new[..., None, None]), 0.0)
+        alpha = jnp.exp(m_old - m_new)
+        l_new = l_old * alpha + jnp.sum(e, axis=(-2, -1))
+        pv = jnp.einsum("rkgjp,rjkpd->rkgd", e.astype(v_b.dtype), v_b, preferred_element_type=f32)
+        acc_new = acc_old * alpha[..., None] + pv
+        return t + 1, m.at[cls].set(m_new), l.at[cls].set(l_new), acc.at[cls].set(acc_new)
+
+    _, _, l, acc = jax.lax.while_loop(lambda carry: carry[0] < plan.tiles, body, (jnp.int32(0), m0, l0, acc0))
+    # l is 0 only for a row with no token at all (no new one, length 0): it gets zeros.
+    out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(c * r, kv, g, d)
+    # Back to slot order: padding rows (past B) are dropped by the scatter.
+    out = jnp.zeros((b, kv, g, d), f32).at[plan.order[:b]].set(out[:b])
+    return out.astype(q_bhd.dtype).reshape(b, h, d)
 
 
 def _divisors(n):
@@ -193,7 +305,9 @@ def paged_attention(q, k_pages, v_pages, tables, lengths, *, impl, interpret=Fal
         raise ValueError(f"impl must be one of {IMPLEMENTATIONS}; got {impl!r}")
     B, H, d, K, N, P, W, G = _shapes(q, k_pages, v_pages, tables, lengths)
     if impl == "xla":
-        return reference_paged_attention(q, k_pages, v_pages, tables, lengths)
+        plan = live_plan(tables.astype(jnp.int32), jnp.clip(lengths.astype(jnp.int32), 0, W * P), P)
+        return live_paged_attention(q, k_pages[None], v_pages[None], jnp.int32(0), plan,
+                                    block_pages=live_block_pages(W, P, B))
 
     described = (
         f"q {tuple(q.shape)}, k_pages {tuple(k_pages.shape)}, tables {tuple(tables.shape)}, "

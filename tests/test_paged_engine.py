@@ -10,8 +10,8 @@ import pytest
 from conftest import rel_err
 from dora_jax.config import ConfigError, ModelConfig, RolloutConfig
 from dora_jax.models.build import init_model
-from dora_jax.kernels.paged_attention import reference_paged_attention
-from dora_jax.models.paged import live_block_pages, sharded_live_attention, sharded_live_plan, write_pages
+from dora_jax.kernels.paged_attention import live_block_pages
+from dora_jax.models.paged import sharded_live_attention, sharded_live_plan, write_pages
 from dora_jax.rollout.driver import RolloutDriver
 from dora_jax.rollout.engine import Engine, EngineError, RequestSampling
 from dora_jax.rollout.pages import pages_for
@@ -158,7 +158,7 @@ def test_per_shard_paging_is_one_pool_split():
     lengths = jnp.asarray([13, 5, 20, 1], jnp.int32)
     q = jnp.asarray(rng.normal(size=(b, k_heads * g, d)), jnp.float32)
     k_new, v_new = (jnp.asarray(rng.normal(size=(b, k_heads, d)), jnp.float32) for _ in range(2))
-    want = reference_paged_attention(q, pool[0][0], pool[1][0], jnp.asarray(glob), lengths, k_new, v_new)
+    want = _float64_attention(q, np.asarray(pool[0]), np.asarray(pool[1]), 0, glob, lengths, k_new, v_new)
 
     def sharded(shards):  # the decode step's attention: each shard's slots planned and read apart
         plan = sharded_live_plan(jnp.asarray(local), lengths, P, shards)
@@ -321,7 +321,7 @@ def test_live_attention_reads_live_blocks_and_equals_float64(slots, width, page,
     """The XLA decode path that reads only each length class's live page blocks equals a float64 softmax over
     each row's tokens (rows of length 0, rows longer than one block, slots not a multiple of the classes), and
     its host count of tokens read is the blocks its loop ran."""
-    from dora_jax.models.paged import live_block_pages, live_paged_attention, live_plan, live_read_tokens
+    from dora_jax.kernels.paged_attention import live_paged_attention, live_plan, live_read_tokens
 
     rng = np.random.default_rng(slots)
     d, layers, n = 8, 3, slots * width + 1

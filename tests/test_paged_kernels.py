@@ -16,7 +16,7 @@ import pytest
 from conftest import rel_err
 from jax.experimental.pallas import tpu as pltpu
 
-from dora_jax.kernels.paged_attention import IMPLEMENTATIONS, paged_attention, reference_paged_attention
+from dora_jax.kernels.paged_attention import IMPLEMENTATIONS, paged_attention
 
 # float32: the oracle is float64, and every implementation sums at most W * P = 16 products of length d = 16 in
 # float32 (eps 1.2e-7) before a softmax of magnitude-one weights; they reach ~2e-7, so 2e-6 leaves 10x headroom.
@@ -202,13 +202,13 @@ def test_oracle_catches_broken_inputs():
     """The comparison above would notice a kernel reading the wrong page, kv head or token count."""
     q, k_pages, v_pages, tables, lengths = make_case(8, [P + 2, W * P, 2 * P, 3])
     expected = oracle(q, k_pages, v_pages, tables, lengths)
-    good = reference_paged_attention(*map(jnp.asarray, (q, k_pages, v_pages, tables, lengths)))
-    assert rel_err(good, expected) < F32_TOL
+
+    def xla(q, k_pages, v_pages, tables, lengths):
+        return paged_attention(*map(jnp.asarray, (q, k_pages, v_pages, tables, lengths)), impl="xla")
+
+    assert rel_err(xla(q, k_pages, v_pages, tables, lengths), expected) < F32_TOL
     wrong_table = tables.copy()
     wrong_table[:, 0] = (wrong_table[:, 0] + 1) % N
-    broken = reference_paged_attention(*map(jnp.asarray, (q, k_pages, v_pages, wrong_table, lengths)))
-    assert rel_err(broken, expected) > 0.1
-    off_by_one = reference_paged_attention(*map(jnp.asarray, (q, k_pages, v_pages, tables, lengths - 1)))
-    assert rel_err(off_by_one, expected) > 100 * F32_TOL
-    swapped_heads = reference_paged_attention(*map(jnp.asarray, (q, k_pages[::-1], v_pages[::-1], tables, lengths)))
-    assert rel_err(swapped_heads, expected) > 0.1
+    assert rel_err(xla(q, k_pages, v_pages, wrong_table, lengths), expected) > 0.1
+    assert rel_err(xla(q, k_pages, v_pages, tables, lengths - 1), expected) > 100 * F32_TOL
+    assert rel_err(xla(q, k_pages[::-1], v_pages[::-1], tables, lengths), expected) > 0.1

@@ -1,8 +1,9 @@
 """The decoder family (Llama 2/3/3.1, Qwen2, Qwen3, SmolLM2) in Flax NNX, with stacked, scanned layers.
 
 Entry points: :meth:`Decoder.__call__` (training forward) and :func:`decode_forward` / :meth:`Decoder.decode`
-(new tokens against an explicit :class:`KVCache`; prefill included). Parameters carry logical axis names for
-:mod:`dora_jax.sharding`. See docs/models.md.
+(new tokens against an explicit :class:`KVCache`; prefill included). Both, and the paged decode step of
+:mod:`dora_jax.models.paged`, run one layer stack, :func:`decoder_layers`, and differ only in their attention.
+Parameters carry logical axis names for :mod:`dora_jax.sharding`. See docs/models.md.
 
 Shapes: B batch, T new tokens, S cache length, D hidden, H query heads, K kv heads, G = H // K, d head dim,
 F mlp hidden, V vocab, L layers.
@@ -219,28 +220,55 @@ def decode_forward(cfg: ModelConfig, p: dict, tokens_bt: jax.Array, positions_bt
       ``(logits or hidden states, new cache)``.
     """
     del settings  # one path: the cache here is a prompt's own, read whole
-    s_len = cache.v.shape[3]
-
-    def attend(q, k_c, v_c, k, v):
-        return attention_with_cache(q, k_c, v_c, k, v, mask_cache_bts, mask_new_btt)
-    slots = jnp.arange(s_len)
+    slots = jnp.arange(cache.v.shape[3])
     written_bs = jnp.any(slots[None, None, :] == positions_bt[:, :, None], axis=1)
     mask_cache_bts = (slots[None, None, :] <= positions_bt[:, :, None]) & ~written_bs[:, None, :]
     mask_new_btt = positions_bt[:, None, :] <= positions_bt[:, :, None]
 
-    def block(x, layer):
-        lp, i = layer
+    def attend(q, k, v, i, state):
         # The cache is closed over, not carried: layers only read it, and write_cache writes all layers once.
         k_c = jax.lax.dynamic_index_in_dim(cache.k, i, keepdims=False)
         v_c = jax.lax.dynamic_index_in_dim(cache.v, i, keepdims=False)
-        q, k, v = qkv_projection(cfg, lp, x, positions_bt)
-        x = finish_block(cfg, lp, x, attend(q, k_c, v_c, k, v))
-        return x, (k, v)
+        return attention_with_cache(q, k_c, v_c, k, v, mask_cache_bts, mask_new_btt), state
 
-    layers = jnp.arange(cache.k.shape[0], dtype=jnp.int32)
-    x, (k_new, v_new) = jax.lax.scan(block, embed_tokens(cfg, p["embed"], tokens_bt), (p["layers"], layers))
+    x0 = embed_tokens(cfg, p["embed"], tokens_bt)
+    x, _, (k_new, v_new) = decoder_layers(cfg, p["layers"], x0, positions_bt, attend, collect_kv=True)
     cache = write_cache(cache, k_new, v_new, positions_bt)
     return (head_logits(cfg, p, x) if logits else x), cache
+
+
+def decoder_layers(cfg: ModelConfig, layers: dict[str, jax.Array], x_btd: jax.Array, positions_bt: jax.Array,
+                   attend, *, state=None, collect_kv: bool = False, remat: str = "none"):
+    """The layer stack of every forward (training, prefill, paged decode): one ``jax.lax.scan`` over the stacked
+    layer params of :func:`qkv_projection`, ``attend``, :func:`finish_block`.
+
+    Args:
+      cfg: the architecture.
+      layers: stacked per-layer params [L, ...] (fused or not; LoRA factors ride along as extra entries).
+      x_btd: the embedded tokens; positions_bt: their rotary positions.
+      attend: ``attend(q, k, v, layer, state) -> (attention [B, T, H, d], state)`` with q [B, T, H, d], this
+        layer's rotated k and v [B, T, K, d] and ``layer`` the int32 layer index.
+      state: what ``attend`` threads from layer to layer (a pool it writes into); a cache that layers only read
+        is better closed over, so that it is not a loop carry.
+      collect_kv: also return every layer's new k and v [L, B, T, K, d], for one cache write after the scan.
+        Off, they are not kept past their layer (training memory).
+      remat: a ``train.remat`` policy wrapped around each layer (:func:`remat_policy`), or ``"none"``.
+
+    Returns:
+      ``(x [B, T, D] before the final norm, final state, (k, v) or None)``.
+    """
+    def block(carry, layer):
+        x, st = carry
+        lp, i = layer
+        q, k, v = qkv_projection(cfg, lp, x, positions_bt)
+        att, st = attend(q, k, v, i, st)
+        return (finish_block(cfg, lp, x, att), st), ((k, v) if collect_kv else None)
+
+    if remat != "none":
+        block = jax.checkpoint(block, policy=remat_policy(remat), prevent_cse=False)
+    indices = jnp.arange(jax.tree.leaves(layers)[0].shape[0], dtype=jnp.int32)
+    (x, state), kv = jax.lax.scan(block, (x_btd, state), (layers, indices))
+    return x, state, kv
 
 
 def _proj(p: dict[str, jax.Array], name: str, eq: str, x: jax.Array) -> jax.Array:
@@ -401,12 +429,6 @@ class Decoder(nnx.Module):
     def _logits(self, x_btd: jax.Array) -> jax.Array:
         return head_logits(self.cfg, self.head_params(), x_btd)
 
-    def _qkv(self, p: dict[str, jax.Array], x_btd: jax.Array, positions_bt: jax.Array):
-        return qkv_projection(self.cfg, p, x_btd, positions_bt)
-
-    def _finish_block(self, p: dict[str, jax.Array], x_btd: jax.Array, attn_bthd: jax.Array) -> jax.Array:
-        return finish_block(self.cfg, p, x_btd, attn_bthd)
-
     def head_params(self) -> dict[str, jax.Array]:
         """The final norm and the output head (the embedding when tied)."""
         out = {"final_norm": self.final_norm[...], "embed": self.embed[...]}
@@ -454,25 +476,19 @@ class Decoder(nnx.Module):
             same = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
             mask_bts = causal[None] & same & (segment_ids_bt[:, :, None] != 0)
 
-        def attend(q, k, v):
+        def attend(q, k, v, layer, state):
             if impl == "xla":
-                return attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask_bts)
+                return attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask_bts), state
             return train_attention(q, k, v, segment_ids_bt, impl=impl, block=settings.attention_block,
-                                   interpret=settings.interpret)
-
-        def block(x, p):
-            q, k, v = self._qkv(p, x, positions_bt)
-            return self._finish_block(p, x, attend(q, k, v)), None
-
-        if settings.remat != "none":
-            block = jax.checkpoint(block, policy=remat_policy(settings.remat), prevent_cse=False)
+                                   interpret=settings.interpret), state
 
         layer_params = self._layer_params()
         for name, ab in (lora or {}).items():
             layer_params[f"lora_a:{name}"], layer_params[f"lora_b:{name}"] = ab["a"], ab["b"]
         if lora:
             layer_params["lora_scale"] = jnp.full((self.cfg.num_layers,), lora_scale, jnp.float32)
-        x, _ = jax.lax.scan(block, self._embed(tokens_bt), layer_params)
+        x, _, _ = decoder_layers(self.cfg, layer_params, self._embed(tokens_bt), positions_bt, attend,
+                                 remat=settings.remat)
         return x if hidden else self._logits(x)
 
     def decode(self, tokens_bt: jax.Array, positions_bt: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
