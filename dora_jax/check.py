@@ -298,9 +298,6 @@ def role_meshes_of_run(cfg: Any, processes: int = 1) -> tuple[Any, Any, bool]:
         raise ConfigError(f"--processes {processes} does not divide target.num_devices = {len(devices)}")
     per = len(devices) // processes
     hosts = [devices[p * per:(p + 1) * per] for p in range(processes)]
-    if roles.rollout_groups > 1:
-        raise ConfigError(f"roles.rollout_groups = {roles.rollout_groups}: under several processes each process "
-                          "has one rollout engine; use roles.rollout_groups=1")
     if roles.placement == "split":
         if roles.rollout_span == "all":
             raise ConfigError("roles.rollout_span=all with roles.placement='split': one engine over every "
@@ -311,7 +308,11 @@ def role_meshes_of_run(cfg: Any, processes: int = 1) -> tuple[Any, Any, bool]:
                               f"{per} devices: each process gives the trainer the same number of its devices "
                               "and keeps some to decode")
         trainer = create_mesh(cfg.mesh, [d for h in hosts for d in h[:mine]])
-        rollout_devices = hosts[0][mine:]
+        rest = hosts[0][mine:]
+        if len(rest) % roles.rollout_groups:
+            raise ConfigError(f"roles.rollout_groups = {roles.rollout_groups} does not divide a process's "
+                              f"{len(rest)} rollout devices")
+        rollout_devices = rest[:len(rest) // roles.rollout_groups]  # each process's first group
     else:
         trainer = create_mesh(cfg.mesh, devices)
         rollout_devices = list(trainer.devices.flat) if roles.rollout_span == "all" else hosts[0]
@@ -389,7 +390,7 @@ def run_check(cfg: Any, *, do_compile: bool = True, log: Callable[[str], None] =
                             f"= {tgt.memory_gib:g} GiB of {tgt.device_kind}")
     if not shared:
         # What one version per group saves against every live version in every group, in this cluster's layout.
-        groups = processes if processes > 1 else cfg.roles.rollout_groups
+        groups = processes * cfg.roles.rollout_groups
         log("\n" + group_layouts(cfg, roll, groups, tgt.num_devices - trainer_mesh.size))
     # The pool the rollout holds, against a dense cache of every slot at the engine's length and the pool a
     # run would need if each prompt's pages were shared by its group (dora_jax/rollout/pages.py).

@@ -332,33 +332,40 @@ def process_meshes(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = 
 
 
 def process_role_meshes(mesh_cfg: MeshConfig, roles: RolesConfig, devices: Sequence[jax.Device] | None = None
-                        ) -> tuple[Mesh, tuple[Mesh, ...]]:
-    """Under several processes: the trainer's mesh and one rollout mesh per process (indexed by process index).
+                        ) -> tuple[Mesh, tuple[tuple[Mesh, ...], ...]]:
+    """Under several processes: the trainer's mesh and each process's rollout group meshes, ``local[p][g]`` for
+    group ``g`` of process ``p``.
 
-    ``shared``: the trainer's ``mesh_cfg`` mesh spans every device and each process decodes on all of its own.
-    ``split``: each process gives its first ``roles.trainer_devices / process_count`` devices to the trainer,
-    whose mesh spans those of every process, and decodes on the rest (a :func:`rollout_mesh_config` mesh).
+    ``shared``: the trainer's ``mesh_cfg`` mesh spans every device and each process decodes on all of its own (one
+    group). ``split``: each process gives its first ``roles.trainer_devices / process_count`` devices to the
+    trainer, whose mesh spans those of every process, and cuts the rest into ``roles.rollout_groups`` equal
+    consecutive groups (:func:`rollout_mesh_config` meshes), as :func:`role_meshes` does in one process.
     Raises ConfigError, naming the roles field, when the devices do not split that way.
     """
     devices = list(jax.devices() if devices is None else devices)
     rollout_cfg = rollout_mesh_config(roles)
     if roles.placement == "shared":
-        return create_mesh(mesh_cfg, devices), process_meshes(rollout_cfg, devices)
-    n, total = jax.process_count(), roles.trainer_devices
+        return create_mesh(mesh_cfg, devices), tuple((m,) for m in process_meshes(rollout_cfg, devices))
+    n, total, groups = jax.process_count(), roles.trainer_devices, roles.rollout_groups
     if total % n:
         raise ConfigError(f"roles.trainer_devices = {total} is not a multiple of the {n} processes: each process "
                           "gives the trainer the same number of its devices")
     trainer, local = [], []
     for p in range(n):
         mine = [d for d in devices if d.process_index == p]
-        if len(mine) <= total // n:
+        rest = mine[total // n:]
+        if not rest:
             raise ConfigError(f"roles.trainer_devices = {total}: process {p} has {len(mine)} devices, "
                               f"{total // n} of which would train, leaving none to decode")
+        if len(rest) % groups:
+            raise ConfigError(f"roles.rollout_groups = {groups} does not divide process {p}'s {len(rest)} rollout "
+                              f"devices ({len(mine)} devices - roles.trainer_devices / processes {total // n})")
         trainer += mine[:total // n]
+        per = len(rest) // groups
         try:
-            local.append(create_mesh(rollout_cfg, mine[total // n:]))
+            local.append(tuple(create_mesh(rollout_cfg, rest[g * per:(g + 1) * per]) for g in range(groups)))
         except ConfigError as e:
-            raise ConfigError(f"roles.rollout_data/rollout_tensor: process {p}'s {len(mine) - total // n} rollout "
+            raise ConfigError(f"roles.rollout_data/rollout_tensor: process {p}'s rollout groups of {per} "
                               f"devices: {e}") from None
     return create_mesh(mesh_cfg, trainer), tuple(local)
 

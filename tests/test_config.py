@@ -198,9 +198,9 @@ def test_to_dict_reads_back_to_the_same_config():
 
 
 def test_one_version_per_group_is_checked_and_refused_where_the_runner_cannot_drive_it():
-    """``roles.versions_per_group: 1`` loads with enough groups for the live versions; the runner drives it in one
-    process under split placement and refuses it under shared placement and under several processes, saying why;
-    the default leaves a run's fingerprint as it was."""
+    """``roles.versions_per_group: 1`` loads with enough groups for the live versions; the runner drives it under
+    split placement and refuses it under shared placement, saying why; the default leaves a run's fingerprint as
+    it was."""
     from dora_jax.run.resume import run_fingerprint
     from dora_jax.run.evaluation import RunError
     from dora_jax.run.setup import check_placement
@@ -212,15 +212,12 @@ def test_one_version_per_group_is_checked_and_refused_where_the_runner_cannot_dr
     assert cfg.roles.versions_per_group == 1
     with pytest.raises(RunError, match="roles.versions_per_group = 1 with roles.placement='shared': shared placement "
                                        "has one rollout group, on the trainer's own devices"):
-        check_placement(cfg, False, None)
+        check_placement(cfg, None)
     split = load_config("tiny_llama", ["roles.versions_per_group=1", "roles.rollout_groups=2", "roles.placement=split",
                                        "roles.trainer_devices=4", "target.num_devices=8", "mesh.data=1"])
-    check_placement(split, False, None)
-    with pytest.raises(RunError, match=r"roles.versions_per_group = 1 under several processes .* would have to be "
-                                       "agreed by every process at the same step"):
-        check_placement(split, True, None)
+    check_placement(split, None)
     default = load_config("tiny_llama")
     assert default.roles.versions_per_group == "all"
-    check_placement(default, False, None)
+    check_placement(default, None)
     assert run_fingerprint(load_config("tiny_llama", ["roles.versions_per_group=all"])) == run_fingerprint(default)
     assert run_fingerprint(cfg) != run_fingerprint(load_config("tiny_llama", ["roles.rollout_groups=2"]))

@@ -87,14 +87,22 @@ _WORKER = textwrap.dedent("""
 """)
 
 
-# Split placement: each process gives one of its two devices to the trainer (whose mesh spans both processes)
-# and decodes on the other while the trainer trains; decoupled PPO on recomputed behaviour log-probs, two
+# Split placement: each process gives one of its four devices to the trainer (whose mesh spans both processes)
+# and decodes on the other three, three rollout groups of one device, each holding one policy version (group g of
+# both processes the same one) while the trainer trains; decoupled PPO on recomputed behaviour log-probs, two
 # minibatches per iteration (so the proximal policy is not the current one), a reward that differs within groups.
 SPLIT_STEPS = 5
-SPLIT = [o for o in OVERRIDES if not o.startswith(("mesh.", "roles.", "dora.steps", "task.eval_size"))] + [
+SPLIT = [o for o in OVERRIDES if not o.startswith(("mesh.", "roles.", "dora.steps", "task.eval_size", "rollout.slots",
+                                                   "dora.rollout_batch", "rollout.max_new_tokens", "task.longtail_max_len",
+                                                   "train.max_response_tokens", "train.length_buckets"))] + [
     f"dora.steps={SPLIT_STEPS}", "task.eval_size=0",  # the held-out evaluation is the other test's
+    # Two slots per group and answers of up to 48 tokens: groups are still busy when versions are published, so
+    # groups drain and requests move between the groups of a process.
+    "rollout.slots=2", "dora.rollout_batch=16", "rollout.max_new_tokens=48", "task.longtail_max_len=48",
+    "train.max_response_tokens=48", "train.length_buckets=[128]",
     "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=1", "roles.placement=split", "roles.trainer_devices=2",
-    "roles.rollout_data=1", "roles.rollout_tensor=1", "target.num_devices=4", "train.correction=decoupled",
+    "roles.rollout_data=1", "roles.rollout_tensor=1", "roles.rollout_groups=3", "roles.versions_per_group=1",
+    "target.num_devices=8", "train.correction=decoupled",
     "train.behaviour_logprobs=recompute", "train.minibatches=2", "task.reward=toy_rewards:spread_reward",
     # Every checkpoint kept, and with them a snapshot of every version that had samples in flight: the worker
     # recomputes trained samples' log-probs from their own versions.
@@ -122,8 +130,8 @@ _SPLIT_WORKER = textwrap.dedent("""
         sys.exit(0)
     gather = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
     v, trainer = runner.sched.version, runner.trainer
-    local = jax.tree.leaves(runner.versions.rollout_params(v)[0])
-    full = [gather(x) for x in jax.tree.leaves(runner.versions.params(v))]
+    local = [x for copy in runner.versions.rollout_params(v) for x in jax.tree.leaves(copy)]  # each group's
+    full = [gather(x) for x in jax.tree.leaves(runner.versions.params(v))] * len(runner.engines)
     # Every trained token's behaviour log-prob recomputed on the trainer's devices from its own version's
     # snapshot, against the log-prob the engine recorded when it sampled the token; and from another version.
     with open(f"{run_dir}/samples.jsonl") as f:
@@ -138,7 +146,7 @@ _SPLIT_WORKER = textwrap.dedent("""
     rows = [r for r in rows if r["version"] in snaps]
     samples = [Sample(r["sample_id"], r["group_id"], r["version"], r["prompt_ids"], r["tokens"], r["logprobs"],
                       r["reward"]) for r in rows]
-    host = make_batch(samples, group_size=4, length_buckets=(64,), row_multiple=trainer.row_multiple)
+    host = make_batch(samples, group_size=4, length_buckets=(128,), row_multiple=trainer.row_multiple)
     batch = trainer.put(host)
     own = gather(trainer.with_recomputed_behaviour(batch, snaps.__getitem__, host).recomputed_logprobs)
     newest = max(snaps)
@@ -148,7 +156,7 @@ _SPLIT_WORKER = textwrap.dedent("""
     err = lambda a: float(np.max(np.abs(a[mask] - recorded[mask])) / np.max(np.abs(recorded[mask])))
     rec = {"pid": jax.process_index(), "resumed_at": resumed_at, "generated": runner.rollout.generated,
            "trainer_devices": sorted(d.id for d in runner.trainer.mesh.devices.flat),
-           "rollout_devices": sorted(d.id for d in runner.placement.engine.mesh.devices.flat),
+           "rollout_devices": [sorted(d.id for d in e.mesh.devices.flat) for e in runner.engines],
            "local_devices": sorted(d.id for d in jax.local_devices()),
            "updates": list(runner.updates), "ledger": runner.sched.state_dict(),
            "copy_max_diff": max(float(np.max(np.abs(np.asarray(a) - b))) for a, b in zip(local, full)),
@@ -322,13 +330,14 @@ def _newest_checkpoint(run_dir) -> int:
     return max(steps, default=0)
 
 
-def test_split_placement_across_processes_survives_a_preemption_and_kills(tmp_path):
-    """Each process trains on one device and decodes on the other. One process gets SIGTERM past the first
+def test_split_placement_with_one_version_per_group_across_processes_survives_a_preemption_and_kills(tmp_path):
+    """Each process trains on one device and decodes on the other three, three rollout groups of one version
+    each, which the balancer plans from both processes' groups together. One process gets SIGTERM past the first
     checkpoint: JAX's preemption service tells the other, and both stop at the same update, write one checkpoint
     and exit 0. Resumed, one process is killed at a random moment past the next checkpoint, then the other (as a
     cluster manager ends a job that lost a member); two processes resume to the end. The run keeps every
-    promise, the processes agree, every process's rollout copy is the trainer's newest version on its own
-    devices, decoupled PPO runs on behaviour log-probs recomputed on the trainer's devices from each sample's own
+    promise, the processes agree (on the groups' versions and moves too), no group held two versions, every
+    group's rollout copy is the trainer's newest version on the process's own devices, decoupled PPO runs on behaviour log-probs recomputed on the trainer's devices from each sample's own
     version, and its ratio statistics are in the metrics. (Repeated kills of resumed runs: tests/test_resume.py,
     in one process.)"""
     run_dir, rng = tmp_path / "run", random.Random(20261125)
@@ -338,7 +347,7 @@ def test_split_placement_across_processes_survives_a_preemption_and_kills(tmp_pa
         while all(p.poll() is None for p in procs) and time.monotonic() < deadline and _newest_checkpoint(run_dir) <= step:
             time.sleep(0.01)
 
-    procs = _start(tmp_path, lambda pid: SPLIT, _SPLIT_WORKER, devices=2)
+    procs = _start(tmp_path, lambda pid: SPLIT, _SPLIT_WORKER)
     wait_for_checkpoint_past(0, procs)
     noticed = rng.randrange(2)
     procs[noticed].send_signal(signal.SIGTERM)
@@ -353,7 +362,7 @@ def test_split_placement_across_processes_survives_a_preemption_and_kills(tmp_pa
     assert stops[0]["signal"] == "SIGTERM" and 1 <= stop <= SPLIT_STEPS - 3, stops
     assert _newest_checkpoint(run_dir) == stop and stops[0]["checkpoint"].endswith(f"step_{stop:08d}"), stops
 
-    procs = _start(tmp_path, lambda pid: SPLIT + ["run.resume=true"], _SPLIT_WORKER, devices=2)
+    procs = _start(tmp_path, lambda pid: SPLIT + ["run.resume=true"], _SPLIT_WORKER)
     wait_for_checkpoint_past(stop, procs)
     delay, first = rng.uniform(0.0, 0.5), rng.randrange(2)
     time.sleep(delay)
@@ -366,21 +375,25 @@ def test_split_placement_across_processes_survives_a_preemption_and_kills(tmp_pa
     # The first one killed died of it; the other of its kill, or it stopped on its own when the lost process's
     # heartbeats ended; none had finished.
     assert codes[first] == -signal.SIGKILL and codes[1 - first] != 0, (kills, outs[1 - first][-3000:])
-    codes, outs = _launch(tmp_path, lambda pid: SPLIT + ["run.resume=true"], worker=_SPLIT_WORKER, devices=2)
+    codes, outs = _launch(tmp_path, lambda pid: SPLIT + ["run.resume=true"], worker=_SPLIT_WORKER)
     for pid, (code, out) in enumerate(zip(codes, outs)):
         assert code == 0, f"resumed process {pid} failed after {kills}:\n{out[-6000:]}"
     recs = [json.loads((tmp_path / f"rec{pid}.json").read_text()) for pid in range(2)]
     assert recs[0]["updates"] == recs[1]["updates"] and recs[0]["ledger"] == recs[1]["ledger"], kills
     for pid, r in enumerate(recs):
-        # The trainer's mesh: the first device of each process; this process decodes on its second.
+        # The trainer's mesh: the first device of each process; this process decodes on each of the other three.
         assert len(r["trainer_devices"]) == 2 and r["trainer_devices"][pid] == r["local_devices"][0]
-        assert r["rollout_devices"] == r["local_devices"][1:] and r["generated"] > 0, kills
+        assert r["rollout_devices"] == [[d] for d in r["local_devices"][1:]] and r["generated"] > 0, kills
         assert stop < r["resumed_at"] < SPLIT_STEPS, kills
         assert [u["step"] for u in r["updates"]] == list(range(r["resumed_at"] + 1, SPLIT_STEPS + 1))
         s = r["summary"]
         assert (s["placement"], s["processes"], s["steps"]) == ("split", 2, SPLIT_STEPS)
         assert s["samples"] == SPLIT_STEPS * TBS
         assert s["max_resident_versions"] <= K + 1 and s["sync_s"] > 0 and s["resumed"]
+        # One version per group, measured by each process's drivers; both processes gave group g the same versions
+        # and counted the same moves (each moves its own requests, within the process).
+        assert s["max_versions_per_group"] == 1 and s["rollout_groups"] == 3
+        assert s["balancer"] == recs[0]["summary"]["balancer"] and s["balancer"]["changes"] >= 1
         assert r["copy_max_diff"] == 0.0 and r["copy_on_own_devices"]
         # Recomputed from each sample's own version: the engine's log-probs up to float32 rounding (the
         # single-process runner test's bound); another version's are detectably different.

@@ -27,8 +27,8 @@ from dora_jax.rollout.engine import EngineError, RequestSampling
 from dora_jax.rollout.groups import VersionGroups
 from dora_jax.rollout.samples import Request
 from dora_jax.run import Placement, Runner
-from dora_jax.run.balancing import GroupBalancing
-from dora_jax.run.evaluation import EVAL_IDS
+from dora_jax.run.balancing import GroupBalancing, GroupsView
+from dora_jax.run.evaluation import EVAL_IDS, RunError
 from dora_jax.run.residency import Residency
 
 BASE = ["dora.steps=4", "dora.train_batch=8", "dora.rollout_batch=16", "train.max_staleness=2",
@@ -357,11 +357,100 @@ def test_a_dora_run_lends_the_trainers_devices_as_an_elastic_group_between_train
 
 def test_the_elastic_group_is_refused_where_it_cannot_work():
     from dora_jax.config import ConfigError
-    from dora_jax.run.setup import RunError, check_placement
+    from dora_jax.run.setup import RunError, check_multiprocess
 
     for bad in (["roles.versions_per_group=all"], ["roles.placement=shared", "roles.rollout_groups=1"]):
         with pytest.raises(ConfigError, match="roles.elastic_group"):
             load_config("tiny_llama", BASE + bad + ["roles.elastic_group=true"])
     cfg = load_config("tiny_llama", BASE + ["roles.elastic_group=true"])
-    with pytest.raises(RunError, match="under several processes"):  # as one version per group is
-        check_placement(cfg, True, None)
+    with pytest.raises(RunError, match="roles.elastic_group under several processes .* agreed by every process"):
+        check_multiprocess(cfg, None)
+
+
+class Moving(Counting):
+    """A counting driver whose requests can be taken and put (no pages: each counts 100 KV bytes)."""
+
+    def read_in_flight(self):
+        return []
+
+    def take_sizes(self, version, count):
+        return []
+
+    def fits(self, count, sizes):
+        return count <= self.engine.max_concurrent_decodes - len(self.requests)
+
+    def take(self, version, count):
+        mine = sorted((r for r in self.requests if r.version == version), key=lambda r: r.sample_id)[:count]
+        self.requests = [r for r in self.requests if r not in mine]
+        return types.SimpleNamespace(count=len(mine), kv_bytes=100 * len(mine), requests=mine)
+
+    def put(self, departing):
+        self.requests += departing.requests
+
+
+@pytest.mark.parametrize("other_waited", [False, True])
+def test_balancing_under_several_processes_plans_from_every_processs_groups_and_agrees_on_waits(
+        monkeypatch, other_waited):
+    """Two processes, simulated: this one's exchanges return its own values and another process's. Both hold
+    requests [2, 2, 1] of version 0 in three groups of 4 slots when version 1 is published with 8 requests
+    waiting: the plan sees the groups together ([4, 4, 2] in 8 slots each) and gives group 2 to version 1, its
+    requests moving to groups of version 0, each process its own. When the other process's move waited, group 2
+    keeps version 0 and drains here too, though its request here has moved; the move totals are both processes'.
+    A process whose groups serve other versions stops the run, naming both."""
+    import dora_jax.run.balancing as balancing
+
+    groups = VersionGroups([Moving(), Moving(), Moving()])
+    res = Residency(3, GroupPlacement(groups, []), groups)
+    bal = GroupBalancing(groups, res, max_live=3, multi=True)
+    exchanged, other_moves = [], {"waited": [], "moved": [0, 0, 0]}
+
+    def gather(obj):  # the other process's groups hold what this one's do
+        exchanged.append(obj)
+        return [obj, json.loads(json.dumps(other_moves if "waited" in obj else obj))]
+
+    monkeypatch.setattr(balancing, "gather_decisions", gather)
+    res.load(0, weights(0), newest=True)
+    bal.rebalance({}, "version 0 published")
+    assert groups.serving == [0, 0, 0]
+    for i, g in enumerate([0, 0, 1, 1, 2]):
+        groups.drivers[g].requests.append(Request(i, (1, 2), version=0))
+    res.count({0: 10})
+    res.load(1, weights(1), newest=True)
+    assert GroupsView.of(groups, {1: 8}).in_flight == (2, 2, 1)
+    assert bal.view({1: 8}, "").in_flight == (4, 4, 2) and bal.view({1: 8}, "").slots == (8, 8, 8)
+    # The other process moves its request out of group 2, or its move waits.
+    other_moves.update({"waited": [2], "moved": [0, 0, 1]} if other_waited else {"waited": [], "moved": [1, 100, 0]})
+    plan = bal.rebalance({1: 8}, "version 1 published")
+    assert plan.versions == (0, 0, 1) and sum(m.count for m in plan.moves) == 2
+    assert groups.group_in_flight(2) == 0 and groups.group_in_flight(0) + groups.group_in_flight(1) == 5
+    if other_waited:
+        assert groups.serving == [0, 0, 0] and groups.draining == {2} and groups.free_slots(1) == 0
+        assert (groups.moved_requests, groups.moved_kv_bytes, groups.move_waits) == (1, 100, 1)
+    else:
+        assert groups.serving == [0, 0, 1] and groups.draining == set() and groups.admitting(1) == [2]
+        assert (groups.moved_requests, groups.moved_kv_bytes, groups.move_waits) == (2, 200, 0)
+    assert sum("waited" in e for e in exchanged) == 2  # once per plan applied
+
+    def disagree(obj):
+        return [obj, dict(obj, serving=[1, 1, 1])] if "serving" in obj else [obj, obj]
+    monkeypatch.setattr(balancing, "gather_decisions", disagree)
+    with pytest.raises(RunError, match=r"processes disagree on the rollout groups at an admission: process 0's "
+                                       r"serve \[0, 0, .\] .* process 1's serve \[1, 1, 1\]"):
+        bal.rebalance({1: 8})
+
+
+def test_a_plans_moves_are_split_by_each_processs_own_free_slots():
+    """Under several processes a plan's moves count every process's requests: a process moves all of a source
+    group's requests it holds, over the plan's destinations for that source, most free slots here first, the
+    last destination taking what does not fit elsewhere (and waiting). Taken as they are, the moves would send
+    a request to a group that is full here."""
+    groups = VersionGroups([Moving(), Moving(), Moving()])
+    groups.serving = [0, 0, 0]
+    for i, g in enumerate([0, 0, 1, 1, 1, 1, 2, 2]):  # room 2, 0 and 2
+        groups.drivers[g].requests.append(Request(i, (1, 2), version=0))
+    plan_moves = [Move(2, 1, 0, 2), Move(2, 0, 0, 2)]  # as planned from both processes' groups
+    assert groups.local_moves(plan_moves) == [Move(2, 0, 0, 2)]
+    assert groups.local_moves([Move(2, 1, 0, 4)]) == [Move(2, 1, 0, 2)]  # no room here: it will wait
+    assert groups.move(plan_moves) == {2} and groups.move_waits == 1  # as planned: group 1 is full here
+    assert groups.move(groups.local_moves(plan_moves)) == set()
+    assert [groups.group_in_flight(i) for i in range(3)] == [4, 4, 0] and groups.moved_requests == 2

@@ -243,11 +243,16 @@ class VersionGroups(DriverGroups):
             out.append(ok and n == 0)
         return out
 
-    def apply(self, plan: Plan, load: Callable[[int, int], Any]) -> list[int]:
+    def apply(self, plan: Plan, load: Callable[[int, int], Any],
+              settle: Callable[[set[int]], set[int]] | None = None) -> list[int]:
         """Applies ``plan``: first its moves (:meth:`move`), then the groups in ``plan.drain`` admit nothing new,
         and each group whose version changes, which must be empty, drops its old version's weights and then takes
         ``load(group, version)``, the new version's params placed on that group's devices. A group a move of
         which waited keeps its version and drains. Returns the groups that changed version.
+
+        ``settle`` (several processes, each applying the same plan to its own groups): the moves are this
+        process's (:meth:`local_moves`), and ``settle`` turns the groups whose moves waited here into those that
+        waited on any process, so that every process keeps the same groups' versions.
 
         Raises:
           EngineError: the plan has another number of groups, moves requests from or to a group not serving
@@ -255,7 +260,9 @@ class VersionGroups(DriverGroups):
         """
         if len(plan.versions) != self.regular:
             raise EngineError(f"plan for {len(plan.versions)} groups applied to {self.regular}")
-        waited = self.move(plan.moves)
+        waited = self.move(plan.moves if settle is None else self.local_moves(plan.moves))
+        if settle is not None:
+            waited = settle(waited)
         versions = [self.serving[i] if i in waited else v for i, v in enumerate(plan.versions)]
         changed = [i for i, v in enumerate(versions) if v != self.serving[i]]
         busy = [i for i in changed if self.group_in_flight(i)]
@@ -274,6 +281,25 @@ class VersionGroups(DriverGroups):
                 self.loads[i] += 1
         self._count()
         return changed
+
+    def local_moves(self, moves: Sequence[Move]) -> list[Move]:
+        """A plan's moves (counted over every process's groups) as this process performs them: all of each source
+        group's requests here, split over that source's destinations in the plan by their free slots here (most
+        first, ties to the lower group); the last destination takes what the others have no room for (a move
+        that does not fit waits)."""
+        dsts: dict[int, list[int]] = {}
+        for m in moves:
+            dsts.setdefault(m.src_group, []).append(m.dst_group)
+        out = []
+        for src, to in dsts.items():
+            n, v = self.group_in_flight(src), self.serving[src]
+            order = sorted(to, key=lambda j: (self.group_in_flight(j) - self.group_slots(j), j))
+            for j in order:
+                k = n if j == order[-1] else min(n, max(0, self.group_slots(j) - self.group_in_flight(j)))
+                if k:
+                    out.append(Move(src, j, v, k))
+                n -= k
+        return out
 
     def move(self, moves: Sequence[Move]) -> set[int]:
         """Performs ``moves`` in order: each takes the requests of its version with the lowest sample ids out of

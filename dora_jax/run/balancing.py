@@ -17,11 +17,15 @@ not fit. A move that no longer fits when applied waits, and its group drains (no
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
 import time
 from typing import Any, Mapping
 
-from dora_jax.dora.balancer import Balancer, Plan
+from dora_jax.distributed import gather_decisions
+from dora_jax.dora.balancer import Balancer, GroupState, Plan
 from dora_jax.rollout.groups import VersionGroups
+from dora_jax.run.evaluation import RunError
 from dora_jax.run.residency import Residency
 
 RECENT_DECISIONS = 8  # the newest decisions each metrics row names
@@ -46,6 +50,86 @@ def check_saved(saved: Any, groups: int) -> str | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupsView:
+    """The regular rollout groups and the waiting work as a plan is made from them: this process's, or under several
+    processes every process's, group ``g`` of each taken together (slots, requests in flight and waiting summed;
+    ``movable`` where every process's requests can move). ``lent``: the elastic group's version and free slots
+    while it is lent (it admits that version's requests beside the regular groups)."""
+
+    serving: tuple[int | None, ...]
+    draining: frozenset[int]
+    slots: tuple[int, ...]
+    in_flight: tuple[int, ...]
+    waiting: tuple[tuple[int, int], ...]  # (version, requests) with requests waiting, by version
+    movable: tuple[bool, ...]
+    lent: tuple[int, int] | None = None
+
+    @classmethod
+    def of(cls, groups: VersionGroups, waiting: Mapping[int, int]) -> "GroupsView":
+        """This process's groups and waiting requests."""
+        r, e = range(groups.regular), groups.elastic
+        lent = ((groups.serving[e], max(0, groups.group_slots(e) - groups.group_in_flight(e)))
+                if e is not None and groups.lent and groups.serving[e] is not None else None)
+        return cls(tuple(groups.serving[:groups.regular]), frozenset(groups.draining),
+                   tuple(groups.group_slots(i) for i in r), tuple(groups.group_in_flight(i) for i in r),
+                   tuple(sorted((int(v), n) for v, n in waiting.items() if n)), tuple(groups.movable()), lent)
+
+    @classmethod
+    def across(cls, views: list["GroupsView"], where: str) -> "GroupsView":
+        """Every process's view taken together (they must agree on each group's version and draining).
+
+        Raises:
+          RunError: the processes' groups serve or drain differently, naming both.
+        """
+        first = views[0]
+        for p, v in enumerate(views):
+            if (v.serving, v.draining) != (first.serving, first.draining):
+                raise RunError(f"the processes disagree on the rollout groups {where}: process 0's serve "
+                               f"{list(first.serving)} draining {sorted(first.draining)}, process {p}'s serve "
+                               f"{list(v.serving)} draining {sorted(v.draining)}")
+        waiting: dict[int, int] = {}
+        for v in views:
+            for version, n in v.waiting:
+                waiting[version] = waiting.get(version, 0) + n
+        return cls(first.serving, first.draining, tuple(map(sum, zip(*(v.slots for v in views)))),
+                   tuple(map(sum, zip(*(v.in_flight for v in views)))), tuple(sorted(waiting.items())),
+                   tuple(map(all, zip(*(v.movable for v in views)))))
+
+    def states(self) -> tuple[GroupState, ...]:
+        """The groups as the balancer sees them (:class:`~dora_jax.dora.balancer.GroupState`), in order."""
+        return tuple(GroupState(v, n, k, i in self.draining)
+                     for i, (v, n, k) in enumerate(zip(self.serving, self.slots, self.in_flight)))
+
+    def admitting(self, version: int) -> list[int]:
+        """The regular groups that take new requests of ``version``: serving it and not draining."""
+        return [i for i, v in enumerate(self.serving) if v == version and i not in self.draining]
+
+    def free_slots(self, version: int) -> int:
+        """Free decode slots for new requests of ``version`` (the lent elastic group's included)."""
+        free = sum(max(0, self.slots[i] - self.in_flight[i]) for i in self.admitting(version))
+        return free + (self.lent[1] if self.lent is not None and self.lent[0] == version else 0)
+
+    def trigger(self) -> str | None:
+        """What calls for a plan now, in words (None: nothing): a group idle with no version, or drained; a version
+        waiting with no group; a group idle while another version has more waiting than free slots."""
+        idle = [i for i, n in enumerate(self.in_flight) if not n]
+        for i in idle:
+            if self.serving[i] is None:
+                return f"group {i} holds no version"
+            if i in self.draining:
+                return f"group {i} drained"
+        for v, n in self.waiting:
+            if not self.admitting(v) and not (self.lent is not None and self.lent[0] == v):
+                return f"version {v} waits with no group"
+        for v, n in self.waiting:
+            if n > self.free_slots(v):
+                for i in idle:
+                    if self.serving[i] != v and i not in self.draining:
+                        return f"group {i} idle while version {v} waits"
+        return None
+
+
 class GroupBalancing:
     """Drives a run's balancer over its rollout groups.
 
@@ -59,53 +143,47 @@ class GroupBalancing:
     drain; :meth:`report` is the per-update metrics entry.
     """
 
-    def __init__(self, groups: VersionGroups, residency: Residency, max_live: int):
-        self.groups, self.residency = groups, residency
+    def __init__(self, groups: VersionGroups, residency: Residency, max_live: int, multi: bool = False):
+        self.groups, self.residency, self.multi = groups, residency, multi
         self.balancer = Balancer(groups.regular, max_live=max_live)
         self.recent: collections.deque[str] = collections.deque(maxlen=RECENT_DECISIONS)
         self.decided = 0  # decisions since the last report
         self._last: tuple[Any, ...] | None = None
         self._moved = (0, 0, 0)  # the groups' move totals at the last report
 
-    def trigger(self, waiting: Mapping[int, int]) -> str | None:
-        """What calls for a plan now, in words (None: nothing)."""
-        g = self.groups
-        idle = [i for i in range(g.regular) if not g.group_in_flight(i)]
-        for i in idle:
-            if g.serving[i] is None:
-                return f"group {i} holds no version"
-            if i in g.draining:
-                return f"group {i} drained"
-        for v in sorted(waiting):
-            if waiting[v] and not g.admitting(v):
-                return f"version {v} waits with no group"
-        for v in sorted(waiting):
-            if waiting[v] > g.free_slots(v):
-                for i in idle:
-                    if g.serving[i] != v and i not in g.draining:
-                        return f"group {i} idle while version {v} waits"
-        return None
+    def view(self, waiting: Mapping[int, int], where: str) -> GroupsView:
+        """The groups and ``waiting`` as the next plan sees them: under several processes every process's together
+        (one exchange; every process must call it at the same point)."""
+        mine = GroupsView.of(self.groups, waiting)
+        if not self.multi:
+            return mine
+        views = [GroupsView(tuple(d["serving"]), frozenset(d["draining"]), tuple(d["slots"]), tuple(d["in_flight"]),
+                            tuple(map(tuple, d["waiting"])), tuple(d["movable"]))
+                 for d in gather_decisions({**dataclasses.asdict(mine), "draining": sorted(mine.draining)})]
+        return GroupsView.across(views, where)
 
     def rebalance(self, waiting: Mapping[int, int], trigger: str | None = None) -> Plan | None:
-        """Plans when ``trigger`` is given or :meth:`trigger` finds a reason, and applies the plan; returns it
-        (None when nothing called for one, or the inputs are those of the last plan: it would be the same).
+        """Plans when ``trigger`` is given or the groups call for one (:meth:`GroupsView.trigger`), and applies the
+        plan; returns it (None when nothing called for one, or the inputs are those of the last plan: it would be
+        the same). Under several processes every process calls it at the same point, plans from every process's
+        groups taken together, and applies the same plan to its own.
 
         Args:
-          waiting: requests waiting to be admitted per published version (held-out ones included).
+          waiting: requests waiting to be admitted per published version (held-out ones included), this process's.
           trigger: why the caller asks (a version published or drained), in words.
         """
-        why = trigger or self.trigger(waiting)
+        view = self.view(waiting, f"at {trigger or 'an admission'}")
+        why = trigger or view.trigger()
         newest = self.residency.store.newest
         if why is None or newest is None:
             return None
-        work = tuple(sorted((v, n) for v, n in waiting.items() if n))
-        movable = tuple(self.groups.movable())
-        if (self.groups.states(), work, newest, movable) == self._last:
+        if (view.states(), view.waiting, newest, view.movable) == self._last:
             return None
-        plan = self.balancer.plan(self.groups.states(), dict(work), newest, can_move=movable)
+        plan = self.balancer.plan(view.states(), dict(view.waiting), newest, can_move=view.movable)
         if plan.reason:
-            waits = self.groups.move_waits
-            changed = self.groups.apply(plan, self.residency.load_group)
+            waits, before = self.groups.move_waits, [getattr(self.groups, k) for k in MOVE_TOTALS]
+            settle = functools.partial(self._settle, before) if self.multi else None
+            changed = self.groups.apply(plan, self.residency.load_group, settle)
             self.decided += 1
             loads = ", ".join(f"group {i} -> version {plan.versions[i]}" for i in changed)
             moves = ", ".join(f"{m.count} group {m.src_group} -> {m.dst_group}" for m in plan.moves)
@@ -113,10 +191,25 @@ class GroupBalancing:
                                + (f"; moving {moves}" if moves else "")
                                + ("; a move waited" if self.groups.move_waits > waits else "")
                                + (f"; draining {sorted(self.groups.draining)}" if self.groups.draining else ""))
+            view = self.view(waiting, f"after {why}")
         # The groups as the plan left them: planning them again with the same work would change nothing (a plan's
         # result planned again is the same plan: tests/test_balancer.py checks it on random schedules).
-        self._last = (self.groups.states(), work, newest, tuple(self.groups.movable()))
+        self._last = (view.states(), view.waiting, newest, view.movable)
         return plan
+
+    def _settle(self, before: list[int], waited: set[int]) -> set[int]:
+        """Under several processes, after this process's moves: the groups whose moves waited on any process, and
+        the move totals (``before`` the plan) made every process's (each process moved its own requests)."""
+        g = self.groups
+        moved = [getattr(g, k) - b for k, b in zip(MOVE_TOTALS, before)]
+        everyone = gather_decisions({"waited": sorted(waited), "moved": moved})
+        for k, b, *deltas in zip(MOVE_TOTALS, before, *(e["moved"] for e in everyone)):
+            setattr(g, k, b + sum(deltas))
+        return {i for e in everyone for i in e["waited"]}
+
+    def trigger(self, waiting: Mapping[int, int]) -> str | None:
+        """What calls for a plan now in this process's groups, in words (None: nothing; :meth:`GroupsView.trigger`)."""
+        return GroupsView.of(self.groups, waiting).trigger()
 
     def report(self) -> dict[str, Any]:
         """The per-update metrics entry: the balancer's counters (totals over the run), group version loads, each

@@ -90,7 +90,7 @@ class Runner:
             check_multiprocess(cfg, placement)
             # Also a barrier: no process writes to the run directory before every process has checked it.
             agree(self.multi, "config fingerprint", cfg.fingerprint(), "at startup")
-        check_placement(cfg, self.multi, placement)
+        check_placement(cfg, placement)
         self.task = task if task is not None else load_task(cfg.task)
         self.placement = placement or Placement.build(cfg, model, devices, progress=progress)
         tokenizer = tokenizer or self.placement.tokenizer or byte_tokenizer(cfg)
@@ -105,7 +105,7 @@ class Runner:
                                    cfg.rollout.slots * len(self.engines), spans=self.placement.spans)
         self.versions = Residency(self.policy.bound + 1, self.placement, self.driver)
         # One version per rollout group: the balancer decides which (None: every group holds every version).
-        self.balancing = (GroupBalancing(self.driver, self.versions, self.policy.bound + 1)
+        self.balancing = (GroupBalancing(self.driver, self.versions, self.policy.bound + 1, multi=self.multi)
                           if isinstance(self.driver, VersionGroups) else None)
         # The trainer's devices as one more rollout group while the trainer waits (roles.elastic_group).
         self.elastic = (ElasticLending(self.driver, self.versions)

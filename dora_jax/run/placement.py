@@ -79,8 +79,10 @@ class Placement:
         self._initial = jax.tree.map(lambda x: x.copy(), state) if keep_initial else None
         self._shardings = ([state_shardings(abstract_model(cfg.model)[1], e.mesh, cfg.mesh.logical_axis_rules)
                             for e in self.engines] if self.disjoint or self.multi else None)
-        # Several processes: each process's copy, from the trainer's devices or those it shares with them.
-        self._to_local = ProcessLocalCopy(self._shardings[0], local_meshes) if self.multi and not self.spans else None
+        # Several processes: each process's copy into its group g, from the trainer's devices or those it shares
+        # with them; every process copies into its own group g at once (local_meshes[p][g]).
+        self._to_local = ([ProcessLocalCopy(self._shardings[g], [m[g] for m in local_meshes])
+                           for g in range(len(self.engines))] if self.multi and not self.spans else None)
 
     @classmethod
     def build(cls, cfg: Config, model: Any = None, devices: list[jax.Device] | None = None, *,
@@ -104,7 +106,7 @@ class Placement:
             meshes = RoleMeshes(trainer_mesh, (rollout_mesh,))
         elif jax.process_count() > 1:  # each process decodes on its own devices (no decode program spans processes)
             trainer_mesh, local = process_role_meshes(cfg.mesh, cfg.roles, devices)
-            meshes = RoleMeshes(trainer_mesh, (local[jax.process_index()],))
+            meshes = RoleMeshes(trainer_mesh, local[jax.process_index()])
         else:
             meshes = role_meshes(cfg.mesh, cfg.roles, devices)
         tokenizer = None
@@ -113,7 +115,7 @@ class Placement:
                                           progress=progress)
         trainer, state = Trainer.create(cfg, model=model, mesh=meshes.trainer)
         if local is not None:
-            placement = cls(cfg, trainer, state, [make_engine(cfg, model, local[jax.process_index()])],
+            placement = cls(cfg, trainer, state, [make_engine(cfg, model, m) for m in meshes.rollout],
                             local_meshes=local, keep_initial=keep_initial)
         else:
             elastic = make_engine(cfg, model, meshes.trainer) if cfg.roles.elastic_group else None
@@ -174,5 +176,5 @@ class Placement:
         if (self.disjoint and not self.multi) or self.spans:  # device to device, onto this group's mesh
             return reshard(params, self._shardings[group])
         if self._to_local is not None:  # several processes: this process's copy, device to device
-            return self._to_local(params)
+            return self._to_local[group](params)
         return params, 0.0

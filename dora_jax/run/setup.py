@@ -114,16 +114,21 @@ def check_multiprocess(cfg: Config, placement: Any) -> None:
                        "process's devices is built on the trainer's devices (shared placement) only; a version "
                        "would have to cross from the trainer's devices to other processes' rollout devices. Use "
                        "roles.placement=shared, or roles.rollout_span=process")
+    if roles.elastic_group:
+        raise RunError(f"roles.elastic_group under several processes (jax.process_count() = {jax.process_count()}): "
+                       "the trainer's mesh spans every process, and no decode program does; lending it would also "
+                       "have to be agreed by every process at the same step. Use roles.elastic_group=false")
     if roles.rollout_span == "all" and impl.startswith("pallas"):
         raise RunError(f"rollout.attention_impl={impl!r} with roles.rollout_span=all: the Pallas paged kernels read "
                        "one pool, not one split over a mesh that spans processes; set rollout.attention_impl=xla")
 
 
-def check_placement(cfg: Config, multi: bool, placement: Any) -> None:
+def check_placement(cfg: Config, placement: Any) -> None:
     """A placement given to a run was built for the same model and initial weights (its trainer, engines and
     initial state are what the run uses, whatever ``cfg`` says; ``roles.versions_per_group`` aside, which does not
-    change where anything runs); rollout groups are disjoint device sets of a split placement, in one process; one
-    version per group (``roles.versions_per_group: 1``) needs such groups.
+    change where anything runs); rollout groups are disjoint device sets of a split placement (under several
+    processes, ``roles.rollout_groups`` per process); one version per group (``roles.versions_per_group: 1``) needs
+    such groups.
 
     Raises:
       RunError: naming the setting that differs or cannot work.
@@ -137,24 +142,16 @@ def check_placement(cfg: Config, multi: bool, placement: Any) -> None:
                 raise RunError(f"Runner(placement=...): the placement was built for another {name} ({there!r}) "
                                f"than this run's ({here!r}); its model, initial weights and devices are the "
                                "placement's: build one for this config")
-    if cfg.roles.versions_per_group == 1 and multi:
-        raise RunError(f"roles.versions_per_group = 1 under several processes (jax.process_count() = "
-                       f"{jax.process_count()}): "
-                       "each process decodes its share on its own devices, and giving a group another version "
-                       "would have to be agreed by every process at the same step, which is not built; use "
-                       "roles.versions_per_group=all")
     if cfg.roles.versions_per_group == 1 and cfg.roles.placement != "split":
         raise RunError(f"roles.versions_per_group = 1 with roles.placement={cfg.roles.placement!r}: shared placement "
                        "has one rollout group, on the trainer's own devices, which decodes from the trainer's copy "
                        "of every live version; one version per group needs rollout groups of their own: use "
                        "roles.placement=split with roles.rollout_groups >= train.max_staleness + 1, or "
                        "roles.versions_per_group=all")
-    if cfg.roles.rollout_groups > 1 and (cfg.roles.placement != "split" or multi):
-        why = ("several processes (each decodes its own share on its own devices)" if multi else
-               f"roles.placement={cfg.roles.placement!r} (every group would be the same devices)")
+    if cfg.roles.rollout_groups > 1 and cfg.roles.placement != "split":
         raise RunError(f"roles.rollout_groups = {cfg.roles.rollout_groups}: rollout groups are disjoint device "
-                       f"sets of a split placement, not with {why}; use roles.placement=split, or "
-                       "roles.rollout_groups=1")
+                       f"sets of a split placement, not with roles.placement={cfg.roles.placement!r} (every group "
+                       "would be the same devices); use roles.placement=split, or roles.rollout_groups=1")
 
 
 def summarize(runner: Any, before: dict[str, Any], after: dict[str, Any], wall: float, eval_s: float,
