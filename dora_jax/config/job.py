@@ -132,9 +132,10 @@ class RolesConfig:
     ``rollout_span`` (several processes): ``process`` gives each process its own engine, generating every P-th
     group; ``all`` builds one engine over every process's rollout devices, driven alike by all (shared placement
     only; docs/scale.md). ``versions_per_group``: ``all`` (every live version in every group) or ``1`` (groups
-    reassigned between versions by their work; needs ``rollout_groups >= train.max_staleness + 1``, run in one
-    process under ``split``). ``elastic_group``: under ``split`` with one version per group, the trainer's devices
-    decode the newest version while the trainer waits. docs/design.md, "Load balancing", for both."""
+    reassigned between versions by their work; needs ``rollout_groups >= train.max_staleness + 1`` and
+    ``split``). Under several processes ``rollout_groups`` counts each process's groups. ``elastic_group``: under
+    ``split`` with one version per group, the trainer's devices decode the newest version while the trainer waits.
+    docs/design.md, "Load balancing", for both."""
 
     placement: str = "shared"
     trainer_devices: int = 0
