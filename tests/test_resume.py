@@ -277,9 +277,13 @@ def test_resume_regenerates_old_version_samples_from_snapshots(child_env, tmp_pa
     held, the balancer's totals) continue from the checkpoint's instead of restarting."""
     # One decode step per program: a sample then takes up to 24 trips of the loop, far longer than its group's
     # rewards take to come back, so samples are still decoding at checkpoint 2 however loaded the machine (at 8
-    # steps a program a loaded machine's slow rewards let every dispatched sample finish first).
+    # steps a program a loaded machine's slow rewards let every dispatched sample finish first). Split placement
+    # completes update 2 as soon as the groups fall idle: often in the very trip in which the one long older
+    # sample decodes its last token, with its reward just sent to a worker. A reward back within that trip would
+    # leave nothing older outstanding at the checkpoint, so the longest responses' rewards come back late there.
+    late = ["task.reward=toy_rewards:late_long_reward"] if groups else []
     overrides = BASE + [f"dora.mode={mode}", f"train.max_staleness={k}", f"dora.rollout_batch={rbs}",
-                        "run.checkpoint_every=2", "rollout.decode_steps=1"] + groups
+                        "run.checkpoint_every=2", "rollout.decode_steps=1"] + groups + late
     if groups:
         child_env = dict(child_env, XLA_FLAGS=cpu_test_flags(devices=4))
     run_child(child_env, tmp_path, overrides, kill_after=3)

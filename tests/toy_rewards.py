@@ -91,6 +91,15 @@ def varied_reward(prompt, response, answer):
     return sum(response.encode()) % 10 / 10
 
 
+def late_long_reward(prompt, response, answer):
+    """:func:`varied_reward`, answered half a second late for a response of 32 bytes or more (the long tail's
+    longest): a run that checkpoints in the loop trip in which such a sample decoded its last token does so with
+    its reward still out, however quickly the workers would have answered."""
+    if len(response.encode()) >= 32:
+        time.sleep(0.5)
+    return varied_reward(prompt, response, answer)
+
+
 def spread_reward(prompt, response, answer):
     """A reward that differs between a group's responses, however short (the tiny model's are often one
     token), so that every update moves the policy."""
