@@ -276,11 +276,11 @@ def test_resume_regenerates_old_version_samples_from_snapshots(child_env, tmp_pa
     groups take their versions again from the balancer's plans; the run's figures (the most versions a group
     held, the balancer's totals) continue from the checkpoint's instead of restarting."""
     # One decode step per program: a sample then takes up to 24 trips of the loop, far longer than its group's
-    # rewards take to come back, so samples are still decoding at checkpoint 2 however loaded the machine (at 8
-    # steps a program a loaded machine's slow rewards let every dispatched sample finish first). Split placement
-    # completes update 2 as soon as the groups fall idle: often in the very trip in which the one long older
-    # sample decodes its last token, with its reward just sent to a worker. A reward back within that trip would
-    # leave nothing older outstanding at the checkpoint, so the longest responses' rewards come back late there.
+    # rewards take to come back, so under shared placement samples are still decoding at checkpoint 2 however
+    # loaded the machine (at 8 steps a program a loaded machine's slow rewards let every dispatched sample finish
+    # first). Split placement (the per-group case) completes update 2 as soon as the groups fall idle, often in the
+    # trip in which the one long older sample decodes its last token: its reward, answered half a second late
+    # there, keeps it outstanding at the checkpoint.
     late = ["task.reward=toy_rewards:late_long_reward"] if groups else []
     overrides = BASE + [f"dora.mode={mode}", f"train.max_staleness={k}", f"dora.rollout_batch={rbs}",
                         "run.checkpoint_every=2", "rollout.decode_steps=1"] + groups + late
