@@ -53,16 +53,15 @@ def check_saved(saved: Any, groups: int) -> str | None:
 @dataclasses.dataclass(frozen=True)
 class GroupsView:
     """The regular rollout groups and the waiting work as a plan is made from them: this process's, or under several
-    processes every process's, group ``g`` of each taken together (slots, requests in flight and waiting summed;
-    ``movable`` where every process's requests can move). ``lent``: the elastic group's version and free slots
-    while it is lent (it admits that version's requests beside the regular groups)."""
+    processes every process's, group ``g`` of each taken together (slots, requests in flight and waiting summed).
+    ``lent``: the elastic group's version and free slots while it is lent (it admits that version's requests
+    beside the regular groups)."""
 
     serving: tuple[int | None, ...]
     draining: frozenset[int]
     slots: tuple[int, ...]
     in_flight: tuple[int, ...]
     waiting: tuple[tuple[int, int], ...]  # (version, requests) with requests waiting, by version
-    movable: tuple[bool, ...]
     lent: tuple[int, int] | None = None
 
     @classmethod
@@ -73,7 +72,7 @@ class GroupsView:
                 if e is not None and groups.lent and groups.serving[e] is not None else None)
         return cls(tuple(groups.serving[:groups.regular]), frozenset(groups.draining),
                    tuple(groups.group_slots(i) for i in r), tuple(groups.group_in_flight(i) for i in r),
-                   tuple(sorted((int(v), n) for v, n in waiting.items() if n)), tuple(groups.movable()), lent)
+                   tuple(sorted((int(v), n) for v, n in waiting.items() if n)), lent)
 
     @classmethod
     def across(cls, views: list["GroupsView"], where: str) -> "GroupsView":
@@ -93,8 +92,7 @@ class GroupsView:
             for version, n in v.waiting:
                 waiting[version] = waiting.get(version, 0) + n
         return cls(first.serving, first.draining, tuple(map(sum, zip(*(v.slots for v in views)))),
-                   tuple(map(sum, zip(*(v.in_flight for v in views)))), tuple(sorted(waiting.items())),
-                   tuple(map(all, zip(*(v.movable for v in views)))))
+                   tuple(map(sum, zip(*(v.in_flight for v in views)))), tuple(sorted(waiting.items())))
 
     def states(self) -> tuple[GroupState, ...]:
         """The groups as the balancer sees them (:class:`~dora_jax.dora.balancer.GroupState`), in order."""
@@ -158,9 +156,18 @@ class GroupBalancing:
         if not self.multi:
             return mine
         views = [GroupsView(tuple(d["serving"]), frozenset(d["draining"]), tuple(d["slots"]), tuple(d["in_flight"]),
-                            tuple(map(tuple, d["waiting"])), tuple(d["movable"]))
+                            tuple(map(tuple, d["waiting"])))
                  for d in gather_decisions({**dataclasses.asdict(mine), "draining": sorted(mine.draining)})]
         return GroupsView.across(views, where)
+
+    def movable(self) -> tuple[bool, ...]:
+        """Per group, whether its requests can move now (:meth:`VersionGroups.movable`): under several processes,
+        on every process (one exchange; every process must call it at the same point). Asked only when a plan is
+        due: it sizes every busy group's requests against the others' pages."""
+        mine = self.groups.movable()
+        if not self.multi:
+            return tuple(mine)
+        return tuple(map(all, zip(*gather_decisions(mine))))
 
     def rebalance(self, waiting: Mapping[int, int], trigger: str | None = None) -> Plan | None:
         """Plans when ``trigger`` is given or the groups call for one (:meth:`GroupsView.trigger`), and applies the
@@ -177,9 +184,10 @@ class GroupBalancing:
         newest = self.residency.store.newest
         if why is None or newest is None:
             return None
-        if (view.states(), view.waiting, newest, view.movable) == self._last:
+        movable = self.movable()
+        if (view.states(), view.waiting, newest, movable) == self._last:
             return None
-        plan = self.balancer.plan(view.states(), dict(view.waiting), newest, can_move=view.movable)
+        plan = self.balancer.plan(view.states(), dict(view.waiting), newest, can_move=movable)
         if plan.reason:
             waits, before = self.groups.move_waits, [getattr(self.groups, k) for k in MOVE_TOTALS]
             settle = functools.partial(self._settle, before) if self.multi else None
@@ -191,10 +199,10 @@ class GroupBalancing:
                                + (f"; moving {moves}" if moves else "")
                                + ("; a move waited" if self.groups.move_waits > waits else "")
                                + (f"; draining {sorted(self.groups.draining)}" if self.groups.draining else ""))
-            view = self.view(waiting, f"after {why}")
+            view, movable = self.view(waiting, f"after {why}"), self.movable()
         # The groups as the plan left them: planning them again with the same work would change nothing (a plan's
         # result planned again is the same plan: tests/test_balancer.py checks it on random schedules).
-        self._last = (view.states(), view.waiting, newest, view.movable)
+        self._last = (view.states(), view.waiting, newest, movable)
         return plan
 
     def _settle(self, before: list[int], waited: set[int]) -> set[int]:
