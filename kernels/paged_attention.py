@@ -175,13 +175,13 @@ def live_paged_attention(q_bhd: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     """The ``"xla"`` implementation: decode attention over the paged pool that reads only each slot class's
     live page blocks, with an online float32 softmax across blocks. [B, H, d] in ``q``'s dtype.
 
-    ``k_pool``, ``v_pool`` are the stacked pool [L, K, N, P, d], read at ``layer`` by the gather itself (no
+    ``k_pool``, ``v_pool`` are the stacked pool [K, L, N, P, d], read at ``layer`` by the gather itself (no
     copy of the layer). ``plan``: :func:`live_plan` of the tables and lengths (lengths at most ``W * P``);
     ``block_pages``: :func:`live_block_pages`. With ``k_new``, ``v_new`` [B, K, d] each row also attends to
     its own new key and value in the same softmax (what a decode step computes before it writes them); without
     them a row of length 0 gets zeros."""
     b, h, d = q_bhd.shape
-    kv, p = k_pool.shape[1], k_pool.shape[3]
+    kv, p = k_pool.shape[0], k_pool.shape[3]
     c, r, _ = plan.tables.shape
     bp = block_pages
     g = h // kv
@@ -207,9 +207,9 @@ def live_paged_attention(q_bhd: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         cls = jnp.sum(t >= plan.starts + plan.blocks).astype(jnp.int32)  # the class whose tiles hold t
         blk = t - plan.starts[cls]
         tab = jax.lax.dynamic_slice_in_dim(plan.tables[cls], blk * bp, bp, axis=1)  # [R, bp]
-        k_b = k_pool[layer, :, tab]  # [R, bp, K, P, d]
-        v_b = v_pool[layer, :, tab]
-        s = jnp.einsum("rkgd,rjkpd->rkgjp", q_c[cls], k_b, preferred_element_type=f32) * scale
+        k_b = k_pool[:, layer, tab]  # [K, R, bp, P, d]
+        v_b = v_pool[:, layer, tab]
+        s = jnp.einsum("rkgd,krjpd->rkgjp", q_c[cls], k_b, preferred_element_type=f32) * scale
         pos = blk * bp * p + jnp.arange(bp * p, dtype=jnp.int32).reshape(bp, p)
         valid = (pos[None] < plan.lengths[cls][:, None, None])[:, None, None]  # [R, 1, 1, bp, P]
         m_old, l_old, acc_old = m[cls], l[cls], acc[cls]
@@ -217,7 +217,7 @@ def live_paged_attention(q_bhd: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         e = jnp.where(valid, jnp.exp(s - m_new[..., None, None]), 0.0)
         alpha = jnp.exp(m_old - m_new)
         l_new = l_old * alpha + jnp.sum(e, axis=(-2, -1))
-        pv = jnp.einsum("rkgjp,rjkpd->rkgd", e.astype(v_b.dtype), v_b, preferred_element_type=f32)
+        pv = jnp.einsum("rkgjp,krjpd->rkgd", e.astype(v_b.dtype), v_b, preferred_element_type=f32)
         acc_new = acc_old * alpha[..., None] + pv
         return t + 1, m.at[cls].set(m_new), l.at[cls].set(l_new), acc.at[cls].set(acc_new)
 
@@ -306,7 +306,7 @@ def paged_attention(q, k_pages, v_pages, tables, lengths, *, impl, interpret=Fal
     B, H, d, K, N, P, W, G = _shapes(q, k_pages, v_pages, tables, lengths)
     if impl == "xla":
         plan = live_plan(tables.astype(jnp.int32), jnp.clip(lengths.astype(jnp.int32), 0, W * P), P)
-        return live_paged_attention(q, k_pages[None], v_pages[None], jnp.int32(0), plan,
+        return live_paged_attention(q, k_pages[:, None], v_pages[:, None], jnp.int32(0), plan,
                                     block_pages=live_block_pages(W, P, B))
 
     described = (

@@ -83,7 +83,7 @@ def step_case(seed=0):
     rng = np.random.default_rng(seed)
     b = len(POSITIONS)
     n_pages = 1 + b * W
-    shape = (CFG.num_layers, CFG.num_kv_heads, n_pages, P, CFG.head_dim)
+    shape = (CFG.num_kv_heads, CFG.num_layers, n_pages, P, CFG.head_dim)
     k, v = (rng.normal(size=shape).astype(ml_dtypes.bfloat16).astype(np.float32) for _ in range(2))
     tables = (1 + rng.permutation(b * W)).reshape(b, W).astype(np.int32)
     for row, pos in enumerate(POSITIONS):
@@ -100,7 +100,7 @@ def run_step(params, pool, tables, tokens, settings, positions=POSITIONS):
 
 
 def written(tables, positions, shape):
-    """Mask [L, K, N, P, d] of the entries a step writes: every layer and head at each row's (page, row)."""
+    """Mask [K, L, N, P, d] of the entries a step writes: every layer and head at each row's (page, row)."""
     mask = np.zeros(shape, bool)
     tables = np.asarray(tables)
     for row, pos in enumerate(positions):
@@ -135,8 +135,8 @@ def test_decode_step_matches_xla(xla_step, impl):
     check_pool_step(pool, got_pool, tables, POSITIONS)
     new = written(tables, POSITIONS, pool.k.shape)
     # Layer 0's new entries come before any attention: only the fused projection's rounding may differ.
-    assert rel_err(got_pool.k[0][new[0]], want_pool.k[0][new[0]]) <= 1e-6
-    assert rel_err(got_pool.v[0][new[0]], want_pool.v[0][new[0]]) <= 1e-6
+    assert rel_err(got_pool.k[:, 0][new[:, 0]], want_pool.k[:, 0][new[:, 0]]) <= 1e-6
+    assert rel_err(got_pool.v[:, 0][new[:, 0]], want_pool.v[:, 0][new[:, 0]]) <= 1e-6
     # Layer 1's follow layer 0's attention output.
     assert rel_err(got_pool.k[new], want_pool.k[new]) <= TOL[impl]
     assert rel_err(got_pool.v[new], want_pool.v[new]) <= TOL[impl]
@@ -154,11 +154,57 @@ def test_checkers_catch_broken_steps(xla_step):
     with pytest.raises(AssertionError):
         check_pool_step(pool, got_pool, tables, POSITIONS)
     stray = PagedKV(want_pool.k.copy(), want_pool.v)
-    stray.k[1, 0, SCRATCH_PAGE, 2, 3] += 1.0
+    stray.k[0, 1, SCRATCH_PAGE, 2, 3] += 1.0
     with pytest.raises(AssertionError, match="an entry no row writes changed"):
         check_pool_step(pool, stray, tables, POSITIONS)
     with pytest.raises(AssertionError, match="kept their old value"):
         check_pool_step(pool, pool, tables, POSITIONS)
+
+
+def _eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in its equations (scan bodies, pallas kernels)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    yield from _eqns(inner)
+
+
+def _kernel_pool_operands(settings, pool, tables, tokens, params):
+    """Element counts of the largest operand of each Pallas call in the traced decode step."""
+    traced = jax.make_jaxpr(functools.partial(decode_forward_paged, CFG, settings=settings))(
+        params, tokens, jnp.asarray(POSITIONS), pool, tables, jnp.ones(len(POSITIONS), bool))
+    return [max(int(np.prod(v.aval.shape)) for v in e.invars) for e in _eqns(traced.jaxpr)
+            if e.primitive.name == "pallas_call"]
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+def test_kernels_read_the_stacked_pool_in_place(model, impl):
+    """Each layer's kernel call is handed the whole pool (a view of every layer's pages, with the layer's page
+    ids offset), not a slice of its layer: on an accelerator a slice would be copied before every call."""
+    pool, tables, tokens = step_case()
+    params = model.decode_params(fuse=True)
+    sizes = _kernel_pool_operands(KERNELS[impl], pool, tables, tokens, params)
+    assert sizes and set(sizes) == {pool.k.size}, (sizes, pool.k.size)
+    # The check fails on a step that hands the kernel one layer's pages.
+    import dora_jax.models.paged as paged
+
+    def sliced(q, k, v, tables_bw, lengths, **kw):
+        n = pool.num_pages
+        layer = tables_bw[0, 0] // n  # the offset this layer's tables carry
+        layer_k = jax.lax.dynamic_slice_in_dim(k, layer * n, n, axis=1)
+        layer_v = jax.lax.dynamic_slice_in_dim(v, layer * n, n, axis=1)
+        return real(q, layer_k, layer_v, tables_bw % n, lengths, **kw)
+
+    real = paged.paged_attention
+    try:
+        paged.paged_attention = sliced
+        sizes = _kernel_pool_operands(KERNELS[impl], pool, tables, tokens, params)
+    finally:
+        paged.paged_attention = real
+    assert set(sizes) == {pool.k.size // CFG.num_layers}
 
 
 # ----------------------------------------------------------------------------------------------------------

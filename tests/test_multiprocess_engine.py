@@ -204,10 +204,10 @@ def test_an_engine_spanning_two_processes_decodes_like_one_process(records):
     for r in recs:
         assert r["spans"] and r["moved"] and r["cache_processes"] == [0, 1]
         assert r["tensor_pairs"] == [[0, 1], [0, 1]]  # each tensor pair spans both processes
-        layers, heads, pages, page, head_dim = r["cache_shape"]
+        heads, layers, pages, page, head_dim = r["cache_shape"]
         # The slots split over the 2 batch shards, and with them the pool: each device holds half the pages
         # (its shard's) and half the heads, not the whole of it.
-        assert r["shards"] == 2 and r["cache_shard"] == [layers, heads // 2, pages // 2, page, head_dim]
+        assert r["shards"] == 2 and r["cache_shard"] == [heads // 2, layers, pages // 2, page, head_dim]
         assert r["refused"].startswith(f"the engine's mesh holds devices of processes [{1 - r['pid']}] only"), r
     # Both processes read the same results, bit for bit (replicated copies of one result).
     assert recs[0]["trajectories"] == recs[1]["trajectories"]

@@ -151,7 +151,7 @@ def test_per_shard_paging_is_one_pool_split():
     page ids does: attention, and the write of each slot's token; rows of a shard never touch the other's."""
     rng = np.random.default_rng(0)
     k_heads, g, d, n_shard, b, w = 2, 3, 8, 6, 4, 3
-    pool = [jnp.asarray(rng.normal(size=(1, k_heads, 2 * n_shard, P, d)), jnp.float32) for _ in range(2)]
+    pool = [jnp.asarray(rng.normal(size=(k_heads, 1, 2 * n_shard, P, d)), jnp.float32) for _ in range(2)]
     local = np.array([[1, 2, 0], [3, 0, 0], [2, 4, 5], [1, 0, 0]], np.int32)  # rows 0, 1: shard 0; 2, 3: shard 1
     shard_of = np.array([0, 0, 1, 1])
     glob = local + (shard_of * n_shard)[:, None]
@@ -300,15 +300,15 @@ def _float64_attention(q, k_pool, v_pool, layer, tables, lengths, k_new, v_new):
     numpy: the oracle of the live-reading path."""
     q, k_pool, v_pool, k_new, v_new = (np.asarray(x, np.float64) for x in (q, k_pool, v_pool, k_new, v_new))
     b, h, d = q.shape
-    kv, p = k_pool.shape[1], k_pool.shape[3]
+    kv, p = k_pool.shape[0], k_pool.shape[3]
     out = np.zeros((b, h, d))
     for r in range(b):
         n = int(lengths[r])
         pages = [tables[r][i // p] for i in range(n)]
         for head in range(h):
             kh = head // (h // kv)
-            keys = [k_pool[layer, kh, pages[i], i % p] for i in range(n)] + [k_new[r, kh]]
-            values = [v_pool[layer, kh, pages[i], i % p] for i in range(n)] + [v_new[r, kh]]
+            keys = [k_pool[kh, layer, pages[i], i % p] for i in range(n)] + [k_new[r, kh]]
+            values = [v_pool[kh, layer, pages[i], i % p] for i in range(n)] + [v_new[r, kh]]
             s = np.array([q[r, head] @ key for key in keys]) / np.sqrt(d)
             e = np.exp(s - s.max())
             out[r, head] = (e / e.sum()) @ np.array(values)
@@ -325,7 +325,7 @@ def test_live_attention_reads_live_blocks_and_equals_float64(slots, width, page,
 
     rng = np.random.default_rng(slots)
     d, layers, n = 8, 3, slots * width + 1
-    k_pool, v_pool = (rng.normal(size=(layers, kv, n, page, d)).astype(np.float32) for _ in range(2))
+    k_pool, v_pool = (rng.normal(size=(kv, layers, n, page, d)).astype(np.float32) for _ in range(2))
     lengths = rng.integers(0, width * page + 1, slots)
     lengths[0] = 0
     tables = np.zeros((slots, width), np.int32)

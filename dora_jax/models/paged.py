@@ -1,7 +1,10 @@
 """Decode against a paged KV cache: one pool of fixed-size pages shared by every slot, a page table per slot.
 
-The pool is ``[L, K, N, P, d]`` for keys and for values; token ``i`` of a slot sits in page ``tables[b, i // P]``
-at row ``i % P``. Page 0 (of each shard) is scratch: it belongs to no slot, takes the writes that must land
+The pool is ``[K, L, N, P, d]`` for keys and for values; token ``i`` of a slot sits in page ``tables[b, i // P]``
+at row ``i % P`` (of every layer). Layers sit next to the pages so that ``[K, L * N, P, d]`` is a view of the
+same buffer: a paged kernel, which reads ``[K, N, P, d]`` and page ids, reads layer ``l`` in place through page
+ids offset by ``l * N``; handing it a layer slice of an ``[L, ...]`` pool would make XLA copy that layer's
+pages before every call (a custom call takes whole buffers). Page 0 (of each shard) is scratch: it belongs to no slot, takes the writes that must land
 nowhere, and table entries past a slot's pages point there. On a mesh that splits the slots over S batch shards,
 the pages split the same way, tables hold page ids within the slot's shard, and slot ``b`` of B is in shard
 ``b // (B / S)``. Entry point: :func:`decode_forward_paged`. See docs/rollout.md, 'How a decode step runs' and
@@ -30,7 +33,7 @@ SCRATCH_PAGE = 0
 
 
 class PagedKV(NamedTuple):
-    """Every layer's pages: ``k`` and ``v`` [L, K, N, P, d]."""
+    """Every layer's pages: ``k`` and ``v`` [K, L, N, P, d]."""
 
     k: jax.Array
     v: jax.Array
@@ -39,7 +42,7 @@ class PagedKV(NamedTuple):
     def axes() -> tuple[str | None, ...]:
         # Pages split over the batch axes as the slots do (memory per device falls with the batch shards; a
         # slot holds pages of its own shard only), heads over the tensor axes.
-        return ("layers", "act_kv_heads", "batch", None, None)
+        return ("act_kv_heads", "layers", "batch", None, None)
 
     @property
     def num_pages(self) -> int:
@@ -52,7 +55,7 @@ class PagedKV(NamedTuple):
 
 def init_pages(cfg: ModelConfig, num_pages: int, page_tokens: int, dtype: str | None = None) -> PagedKV:
     """A zero pool of ``num_pages`` pages (page 0, scratch, included)."""
-    shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_tokens, cfg.head_dim)
+    shape = (cfg.num_kv_heads, cfg.num_layers, num_pages, page_tokens, cfg.head_dim)
     dt = jnp.dtype(dtype or cfg.compute_dtype)
     return PagedKV(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
 
@@ -79,8 +82,8 @@ def write_pages(pool: PagedKV, k_lbkd: jax.Array, v_lbkd: jax.Array, page_b: jax
     """Writes one token per row, every layer, with one scatter per tensor (in place when the pool is donated).
     ``page_b`` are page ids within each row's shard."""
     def write(pages, new, page, row):
-        # Advanced indices on adjacent axes 2, 3 keep their place: updates are [L, K, B, d].
-        return pages.at[:, :, page, row].set(new.transpose(0, 2, 1, 3).astype(pages.dtype))
+        # Advanced indices on adjacent axes 2, 3 keep their place: updates are [K, L, B, d].
+        return pages.at[:, :, page, row].set(new.transpose(2, 0, 1, 3).astype(pages.dtype))
 
     if shards == 1:
         k, v = write(pool.k, k_lbkd, page_b, row_b), write(pool.v, v_lbkd, page_b, row_b)
@@ -95,8 +98,8 @@ def write_pages(pool: PagedKV, k_lbkd: jax.Array, v_lbkd: jax.Array, page_b: jax
 def write_prompt_pages(pool: PagedKV, k_lrktd: jax.Array, v_lrktd: jax.Array, page_rt: jax.Array,
                        row_rt: jax.Array) -> PagedKV:
     """Writes prompts' entries (``k``, ``v`` [L, R, K, T, d]) at (page, row) per token [R, T]."""
-    k = pool.k.at[:, :, page_rt, row_rt].set(k_lrktd.transpose(0, 2, 1, 3, 4).astype(pool.k.dtype))
-    v = pool.v.at[:, :, page_rt, row_rt].set(v_lrktd.transpose(0, 2, 1, 3, 4).astype(pool.v.dtype))
+    k = pool.k.at[:, :, page_rt, row_rt].set(k_lrktd.transpose(2, 0, 1, 3, 4).astype(pool.k.dtype))
+    v = pool.v.at[:, :, page_rt, row_rt].set(v_lrktd.transpose(2, 0, 1, 3, 4).astype(pool.v.dtype))
     return PagedKV(constrain(k, PagedKV.axes()), constrain(v, PagedKV.axes()))
 
 
@@ -202,16 +205,21 @@ def decode_forward_paged(cfg: ModelConfig, p: dict, tokens_b: jax.Array, positio
             raise ValueError(f"attention_impl {impl!r} reads one pool: slots split over {shards} batch shards "
                              "need attention_impl='xla'")
 
+        n = pool.num_pages
+        # Every layer's pages as one page axis (a view): layer i's page t is page i * N + t.
+        flat = tuple(a.reshape(a.shape[0], -1, *a.shape[3:]) for a in pool)
+
         def attend(q, k, v, i, pages):
             pk, pv = pages
+            page_i = page_b + i * n
             # The kernels read the current token from the pool: write this layer's entry first, so the pool is
-            # the layers' carry.
-            pk = pk.at[i, :, page_b, row_b].set(k[:, 0].astype(pk.dtype))  # indices apart: updates [B, K, d]
-            pv = pv.at[i, :, page_b, row_b].set(v[:, 0].astype(pv.dtype))
-            att = paged_attention(q[:, 0], pk[i], pv[i], tables_bw, positions_b + 1, impl=impl,
+            # the layers' carry. Indices on adjacent axes 1, 2: updates [K, B, d].
+            pk = pk.at[:, page_i, row_b].set(k[:, 0].swapaxes(0, 1).astype(pk.dtype))
+            pv = pv.at[:, page_i, row_b].set(v[:, 0].swapaxes(0, 1).astype(pv.dtype))
+            att = paged_attention(q[:, 0], pk, pv, tables_bw + i * n, positions_b + 1, impl=impl,
                                   interpret=settings.pallas_interpret)
             return att[:, None], (pk, pv)
 
-        x, (pk, pv), _ = decoder_layers(cfg, p["layers"], x0, positions_bt, attend, state=(pool.k, pool.v))
-        pool = PagedKV(constrain(pk, PagedKV.axes()), constrain(pv, PagedKV.axes()))
+        x, flat, _ = decoder_layers(cfg, p["layers"], x0, positions_bt, attend, state=flat)
+        pool = PagedKV(*(constrain(a.reshape(pool.k.shape), PagedKV.axes()) for a in flat))
     return head_logits(cfg, p, x)[:, 0], pool

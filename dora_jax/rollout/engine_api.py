@@ -103,7 +103,7 @@ class KVRows:
     :meth:`Engine.put_rows` of an engine of the same architecture and version, on the same devices or others.
 
     Row ``i`` has written ``written[i]`` tokens to its cache (the position of its next token to feed, ``token[i]``)
-    over ``pages[i]`` whole pages, which are its pages in ``k`` and ``v`` [L, K, M, P, d] after those of the rows
+    over ``pages[i]`` whole pages, which are its pages in ``k`` and ``v`` [K, L, M, P, d] after those of the rows
     before it (M a power of two; the rest is padding). ``sample_id``, ``seed`` and ``sampling`` are its
     sampling state."""
 

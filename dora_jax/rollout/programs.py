@@ -264,7 +264,7 @@ def jitted_programs(progs: DecodePrograms, dtype: str, jit: Callable[..., Any]) 
 
 
 def gather_pages(progs: DecodePrograms, pool: PagedKV, pages_m) -> tuple[jax.Array, jax.Array]:
-    """The keys and values of pool pages ``pages_m`` (pool-wide ids), each [L, K, M, P, d], in order."""
+    """The keys and values of pool pages ``pages_m`` (pool-wide ids), each [K, L, M, P, d], in order."""
     del progs
     return pool.k[:, :, pages_m], pool.v[:, :, pages_m]
 
