@@ -88,8 +88,9 @@ def build_parser(prog: str = "dora-jax bench") -> argparse.ArgumentParser:
                    "1k-8k. engine: 'cpu' = SmolLM2-135M float32, the default workload with its summary on top; "
                    "'accel' = a Qwen2.5-1.5B-shaped model (random weights, bf16) at 64 and 256 sequences, "
                    "long-tailed outputs up to 4,096 tokens")
-    b.add_argument("--attention-impl", choices=("auto", "xla", "pallas_gpu", "pallas_tpu"), help="engine --preset "
-                   "accel: the decode attention over the page pool (default: rollout.attention_impl's default)")
+    b.add_argument("--attention-impl", choices=("auto", "xla", "pallas_gpu", "pallas_tpu", "pallas_tpu_ragged"),
+                   help="engine --preset accel: the decode attention over the page pool (default: "
+                   "rollout.attention_impl's default)")
     b.add_argument("--quick", action="store_true", help="engine --preset cpu: a small form that runs in minutes; "
                    "engine --preset accel: the accelerator's requests, slots and lengths on a two-layer model, a "
                    "replay of its schedule on a CPU (its counts are the accelerator run's)")

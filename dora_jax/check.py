@@ -172,7 +172,6 @@ def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
 
     from dora_jax.models.build import state_shardings
     from dora_jax.models.decoder import Decoder, DecodeSettings
-    from dora_jax.models.paged import PagedKV
     from dora_jax.rollout.engine import Engine, bucket
     from dora_jax.run.placement import kv_pages
     from dora_jax.sharding import named_sharding
@@ -190,10 +189,10 @@ def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
     decode = jax.eval_shape(lambda: engine.programs.zeros(r.slots))
     replicated = NamedSharding(mesh, P())
     decode = _with_shardings(decode, jax.tree.map(lambda _: replicated, decode))  # per-slot vectors are tiny
-    # The page pool: pages over the batch axes, KV heads over the tensor axes (PagedKV.axes).
+    # The page pool: pages over the batch axes, KV heads over the tensor axes (its layout's axes()).
     pool = engine.pool_shape()
     pool = _with_shardings(pool, jax.tree.map(
-        lambda x: named_sharding(mesh, PagedKV.axes(), rules, x.shape, where="rollout KV pages"), pool))
+        lambda x: named_sharding(mesh, pool.axes(), rules, x.shape, where="rollout KV pages"), pool))
     # Every slot's table at its longest: the step that reads the most.
     tables = jax.ShapeDtypeStruct((r.slots, engine.table_width), jnp.int32, sharding=replicated)
 
@@ -209,7 +208,7 @@ def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
     versions = 1 if cfg.roles.versions_per_group == 1 else cfg.train.max_staleness + 1
     parts = {f"params x{versions} versions": versions * per_device_bytes(params),
              "kv cache": per_device_bytes(pool)}
-    pool_tokens = pool.k.shape[2] * pool.k.shape[3]
+    pool_tokens = pool.num_pages * pool.page_tokens
     # What the engine compiles at warm-up, before the first update (a run's shared prefix is the tokenizer's
     # chat-template head, unknown here: counted as one, its own program per length).
     from dora_jax.rollout.sampling import run_filters

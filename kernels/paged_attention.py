@@ -39,9 +39,10 @@ classes would count blocks past it). Both kernels already return
 zeros for a row of length 0; the wrapper zeroes those rows anyway, as the contract callers rely on, rather than
 depend on an undocumented convention of the kernels.
 
-``jax.experimental.pallas.ops.tpu.ragged_paged_attention`` is not offered: it reads one pool
-``[N, P, 2 * K, d]`` with K and V interleaved along the head axis, so using it on this layout would mean
-building that array from ``k_pages`` and ``v_pages`` (a copy of the whole pool) on every call.
+``"pallas_tpu_ragged"`` (:func:`ragged_paged_attention`) is ``jax.experimental.pallas.ops.tpu.ragged_paged_attention``,
+the kernel vLLM and SGLang run on TPU. It reads one pool ``[N, P, 2 * K, d]`` with each kv head's key and value
+side by side (the engine lays its pool out that way for it, ``models.paged.InterleavedKV``), takes the softmax
+scale itself, and has no interpreter: it runs on a TPU only.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas_tpu")
+# The kernel that reads the interleaved pool (models.paged.InterleavedKV); the others read keys and values apart.
+RAGGED_IMPL = "pallas_tpu_ragged"
+IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas_tpu", RAGGED_IMPL)
 
 # Finite, so that an all-masked row softmaxes to a uniform row instead of NaN; it is zeroed afterwards.
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -289,6 +292,8 @@ def compute_block_pages(impl, table_width, page_tokens, head_dim, interpret=Fals
         return gpu_blocks(table_width, page_tokens, head_dim, None, interpret, described)[0]
     if impl == "pallas_tpu":
         return _tpu_block(table_width, page_tokens, None, described)
+    if impl == RAGGED_IMPL:
+        return ragged_block_pages(table_width)
     return 0
 
 
@@ -301,8 +306,9 @@ def paged_attention(q, k_pages, v_pages, tables, lengths, *, impl, interpret=Fal
     pages a kernel loads per step; it must divide ``W``; ``None`` picks one. Raises ``ValueError`` naming the
     shapes when they do not fit the chosen kernel.
     """
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"impl must be one of {IMPLEMENTATIONS}; got {impl!r}")
+    if impl not in IMPLEMENTATIONS or impl == RAGGED_IMPL:
+        raise ValueError(f"impl must be one of {IMPLEMENTATIONS[:-1]} (the interleaved pool of {RAGGED_IMPL!r} "
+                         f"goes to ragged_paged_attention); got {impl!r}")
     B, H, d, K, N, P, W, G = _shapes(q, k_pages, v_pages, tables, lengths)
     if impl == "xla":
         plan = live_plan(tables.astype(jnp.int32), jnp.clip(lengths.astype(jnp.int32), 0, W * P), P)
@@ -352,5 +358,52 @@ def paged_attention(q, k_pages, v_pages, tables, lengths, *, impl, interpret=Fal
         else:
             out = call()
 
+    out = jnp.where((lengths > 0)[:, None, None], out.astype(jnp.float32), 0.0)
+    return out.astype(q.dtype)
+
+
+# The ragged kernel's pages per block where its tuned table has no entry (its own untuned default on TPU v5+):
+# pages past a slot's length are loaded in whole blocks, so kv_read_ratio counts in these.
+_RAGGED_DEFAULT_BLOCK_PAGES, _RAGGED_DEFAULT_QUERIES = 128, 32
+
+
+def ragged_block_pages(table_width: int) -> int:
+    """Pages the ragged kernel loads per block at its default block sizes (what it reads past a slot's length
+    is the rest of its last block); its tuned table is consulted on a TPU only, so counts made elsewhere use the
+    untuned default."""
+    return min(table_width, _RAGGED_DEFAULT_BLOCK_PAGES)
+
+
+def _shipped_ragged_kernel():
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention as kernel
+
+    return kernel
+
+
+def ragged_paged_attention(q, kv_pages, tables, lengths, *, kernel=None):
+    """Decode attention of ``q`` ``[B, H, d]`` (one query per slot) over the interleaved pool ``kv_pages``
+    ``[N, P, 2K, d]``, through ``jax.experimental.pallas.ops.tpu.ragged_paged_attention``; ``[B, H, d]`` in
+    ``q``'s dtype.
+
+    Slot ``b`` is the kernel's sequence ``b`` with one query token (``cu_q_lens`` = 0, 1, .., B) at the last of
+    its ``lengths[b]`` tokens; the kernel's causal mask then lets it see all of them. ``kernel`` replaces the
+    shipped kernel with one of the same arguments (its reference ``ref_ragged_paged_attention``, which runs
+    anywhere but only outside ``jit``). Rows of length 0 get zeros."""
+    if q.ndim != 3 or kv_pages.ndim != 4 or tables.ndim != 2 or lengths.ndim != 1:
+        raise ValueError(f"expected q [B, H, d], kv_pages [N, P, 2K, d], tables [B, W], lengths [B]; got "
+                         f"q {tuple(q.shape)}, kv_pages {tuple(kv_pages.shape)}, tables {tuple(tables.shape)}, "
+                         f"lengths {tuple(lengths.shape)}")
+    b, h, d = q.shape
+    _, p, kv2, dk = kv_pages.shape
+    if kv2 % 2 or h % (kv2 // 2) or dk != d or tables.shape[0] != b or lengths.shape[0] != b:
+        raise ValueError(f"q {tuple(q.shape)} and kv_pages {tuple(kv_pages.shape)} (2K heads, keys and values "
+                         f"interleaved) do not fit, or tables {tuple(tables.shape)} and lengths "
+                         f"{tuple(lengths.shape)} are not one per slot")
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, tables.shape[1] * p)
+    kernel = kernel or _shipped_ragged_kernel()
+    # The kernel wants each sequence's query within its tokens (q_len <= kv_len): an empty row reads its first
+    # table entry (a valid page) and is zeroed below.
+    out = kernel(q, kv_pages, jnp.maximum(lengths, 1), tables.astype(jnp.int32), jnp.arange(b + 1, dtype=jnp.int32),
+                 jnp.array([b], jnp.int32), sm_scale=1.0 / math.sqrt(d), mask_value=_MASK_VALUE)
     out = jnp.where((lengths > 0)[:, None, None], out.astype(jnp.float32), 0.0)
     return out.astype(q.dtype)

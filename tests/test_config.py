@@ -41,7 +41,7 @@ def test_overrides_and_types():
     ("model.family=gpt2", "'model.family' = 'gpt2': allowed: 'llama', 'qwen2', 'qwen3'"),
     ("model.compute_dtype=int8", "'model.compute_dtype' = 'int8': allowed: float32, bfloat16, float16"),
     ("model.head_dim=7", "'model.head_dim' = 7: must be even"),
-    ("rollout.attention_impl=triton", "'rollout.attention_impl' = 'triton': allowed: 'xla', 'pallas_gpu', 'pallas_tpu', 'auto'"),
+    ("rollout.attention_impl=triton", "'rollout.attention_impl' = 'triton': allowed: 'xla', 'pallas_gpu', 'pallas_tpu', 'pallas_tpu_ragged', 'auto'"),
     ("rollout.attention_impl=pallas", "'pallas' was the dense cache's kernel; the paged cache uses JAX's shipped kernels"),
     ("rollout.kv_pages=3", "'rollout.kv_pages' = 3: a pool of 3 pages cannot hold one page per slot"),
     ("rollout.pallas_interpret=1", "'rollout.pallas_interpret' = 1: must be true or false"),

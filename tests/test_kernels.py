@@ -19,7 +19,9 @@ from conftest import rel_err
 from dora_jax.config import ConfigError, ModelConfig, RolloutConfig
 from dora_jax.models.build import init_model
 from dora_jax.models.decoder import Decoder, DecodeSettings, resolve_attention_impl
-from dora_jax.models.paged import SCRATCH_PAGE, PagedKV, decode_forward_paged
+from dora_jax.kernels.paged_attention import RAGGED_IMPL
+from dora_jax.models.paged import (SCRATCH_PAGE, InterleavedKV, PagedKV, decode_forward_paged, init_pages,
+                                   write_pages, write_prompt_pages)
 from dora_jax.rollout.engine import Engine, EngineError, RequestSampling
 from engine_helpers import prefill_one, step_rows
 
@@ -27,6 +29,8 @@ CFG = ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layer
                   head_dim=8, init_std=0.3, qkv_bias=True)
 XLA = DecodeSettings(attention_impl="xla")
 KERNELS = {impl: DecodeSettings(attention_impl=impl, pallas_interpret=True) for impl in ("pallas_gpu", "pallas_tpu")}
+RAGGED = DecodeSettings(attention_impl=RAGGED_IMPL)
+ON_TPU = jax.default_backend() == "tpu"
 
 # float32 paths that differ only in summation order (the GPU kernel in interpret mode computes in float32).
 F32_TOL = 1e-5
@@ -96,7 +100,7 @@ def run_step(params, pool, tables, tokens, settings, positions=POSITIONS):
     step = jax.jit(functools.partial(decode_forward_paged, CFG, settings=settings))
     write = jnp.ones(len(positions), bool)
     logits, out = step(params, tokens, jnp.asarray(positions), pool, tables, write)
-    return np.asarray(logits), PagedKV(np.asarray(out.k), np.asarray(out.v))
+    return np.asarray(logits), type(out)(*(np.asarray(x) for x in out))
 
 
 def written(tables, positions, shape):
@@ -208,41 +212,151 @@ def test_kernels_read_the_stacked_pool_in_place(model, impl):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# The interleaved pool of the ragged TPU kernel.
+
+
+def as_interleaved(pool: PagedKV) -> InterleavedKV:
+    """A [K, L, N, P, d] pool's contents as [L, N, P, 2K, d] (head h's key at 2h, value at 2h + 1), in numpy."""
+    k, v = np.asarray(pool.k), np.asarray(pool.v)
+    out = np.empty((k.shape[1], k.shape[2], k.shape[3], 2 * k.shape[0], k.shape[4]), k.dtype)
+    out[..., 0::2, :] = k.transpose(1, 2, 3, 0, 4)
+    out[..., 1::2, :] = v.transpose(1, 2, 3, 0, 4)
+    return InterleavedKV(jnp.asarray(out))
+
+
+def ragged_stand_in(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, mask_value):
+    """``ragged_paged_attention``'s contract for one query per sequence at its last token, traceable (the shipped
+    reference is eager only): every table page gathered, positions past ``kv_lens`` masked."""
+    del cu_q_lens, num_seqs
+    b, h, d = q.shape
+    kv = kv_pages.shape[2] // 2
+    k, v = (kv_pages[:, :, j::2][page_indices].reshape(b, -1, kv, d) for j in (0, 1))  # [B, W * P, K, d]
+    s = jnp.einsum("bkgd,btkd->bkgt", q.reshape(b, kv, h // kv, d), k, preferred_element_type=jnp.float32)
+    s = jnp.where((jnp.arange(k.shape[1]) < kv_lens[:, None])[:, None, None], s * sm_scale, mask_value)
+    out = jnp.einsum("bkgt,btkd->bkgd", jax.nn.softmax(s, axis=-1), v.astype(jnp.float32))
+    return out.reshape(b, h, d).astype(q.dtype)
+
+
+def test_ragged_stand_in_is_the_shipped_reference():
+    """The stand-in the decode-step test below runs in the kernel's place computes what the kernel's shipped
+    reference does on the same arguments (the wrapper's, eagerly)."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+
+    from dora_jax.kernels.paged_attention import ragged_paged_attention
+
+    pool, tables, _ = step_case(1)
+    kv = as_interleaved(pool).kv[1]  # layer 1: [N, P, 2K, d]
+    q = jnp.asarray(np.random.default_rng(1).normal(size=(len(POSITIONS), CFG.num_heads, CFG.head_dim)), jnp.float32)
+    lengths = jnp.asarray(POSITIONS + 1)
+    want = ragged_paged_attention(q, kv, tables, lengths, kernel=ref_ragged_paged_attention)
+    got = ragged_paged_attention(q, kv, tables, lengths, kernel=ragged_stand_in)
+    assert rel_err(got, want) <= 1e-6
+    short = ragged_paged_attention(q, kv, tables, lengths - 1, kernel=ragged_stand_in)
+    assert rel_err(short, want) > 1e-2  # one token fewer is seen by the comparison
+
+
+def test_interleaved_pool_holds_what_the_split_pool_holds():
+    """Writes of decode tokens and prompts, and the page copies of request moves, leave the interleaved pool
+    holding exactly the split pool's contents, interleaved."""
+    rng = np.random.default_rng(3)
+    split = PagedKV(*(jnp.asarray(rng.normal(size=(2, 3, 9, P, 8)), jnp.float32) for _ in range(2)))
+    inter = as_interleaved(split)
+    k_new, v_new = (jnp.asarray(rng.normal(size=(3, 4, 2, 8)), jnp.float32) for _ in range(2))  # [L, B, K, d]
+    page, row = jnp.asarray([1, 4, 4, 0]), jnp.asarray([0, 1, 3, 2])
+    split, inter = (write_pages(x, k_new, v_new, page, row) for x in (split, inter))
+    np.testing.assert_array_equal(as_interleaved(split).kv, inter.kv)
+    k_p, v_p = (jnp.asarray(rng.normal(size=(3, 2, 2, 5, 8)), jnp.float32) for _ in range(2))  # [L, R, K, T, d]
+    # Two prompts of 5 tokens: a full page and the first row of the next.
+    page_rt, row_rt = jnp.asarray([[2, 2, 2, 2, 3], [5, 5, 5, 5, 6]]), jnp.asarray([[0, 1, 2, 3, 0]] * 2)
+    split, inter = (write_prompt_pages(x, k_p, v_p, page_rt, row_rt) for x in (split, inter))
+    np.testing.assert_array_equal(as_interleaved(split).kv, inter.kv)
+    moved = jnp.asarray([2, 7, 0])
+    np.testing.assert_array_equal(as_interleaved(split.take(moved)).kv, inter.take(moved).kv)
+    dst = jnp.asarray([8, 1, 4])
+    np.testing.assert_array_equal(as_interleaved(split.put(dst, split.take(moved))).kv,
+                                  inter.put(dst, inter.take(moved)).kv)
+    assert inter.num_pages == split.num_pages == 9 and inter.page_tokens == split.page_tokens == P
+    assert isinstance(init_pages(CFG, 5, P, impl=RAGGED_IMPL), InterleavedKV)
+    assert init_pages(CFG, 5, P, impl=RAGGED_IMPL).kv.shape == (CFG.num_layers, 5, P, 2 * CFG.num_kv_heads,
+                                                                 CFG.head_dim)
+
+
+def test_ragged_decode_step_matches_xla(xla_step, monkeypatch):
+    """One decode step over the interleaved pool, with the stand-in in the kernel's place: the logits of the XLA
+    path on the split pool, the same entries written, and the kernel handed every layer's pages at once."""
+    import dora_jax.kernels.paged_attention as kernels
+
+    params, pool, tables, tokens, (want, want_pool) = xla_step
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append(args[1].shape)
+        return ragged_stand_in(*args, **kw)
+
+    monkeypatch.setattr(kernels, "_shipped_ragged_kernel", lambda: spy)
+    got, got_pool = run_step(params, as_interleaved(pool), tables, tokens, RAGGED)
+    assert rel_err(got, want) <= F32_TOL, rel_err(got, want)
+    assert rel_err(got_pool.kv, as_interleaved(want_pool).kv) <= F32_TOL
+    unwritten = ~as_interleaved(PagedKV(*(written(tables, POSITIONS, pool.k.shape),) * 2)).kv
+    np.testing.assert_array_equal(np.asarray(got_pool.kv)[unwritten], np.asarray(as_interleaved(pool).kv)[unwritten])
+    n = pool.num_pages
+    assert set(seen) == {(CFG.num_layers * n, P, 2 * CFG.num_kv_heads, CFG.head_dim)}
+    with pytest.raises(ValueError, match="cannot read a PagedKV pool"):
+        run_step(params, pool, tables, tokens, RAGGED)
+    if not ON_TPU:
+        with pytest.raises(EngineError, match="runs on TPU only"):
+            Engine(init_model(CFG, seed=0), settings=RAGGED)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Greedy decoding through the engine.
 
 
-def test_engine_greedy_identical(model):
+def _greedy_steps(model, settings):
     """Prefill, insert and 12 greedy steps of 4 rows with ragged prompts on 4-token pages (every row crosses a
-    page boundary, most two) with ``pallas_gpu`` (interpret) and ``xla``: the same tokens and positions,
-    log-probs within float32 rounding."""
+    page boundary, most two): ``[steps, B, 5]`` (token, valid, position, log-prob bits, version)."""
     state = nnx.state(model)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, CFG.vocab_size, n) for n in (2, 5, 9, 14)]
     shell = nnx.eval_shape(lambda: Decoder(CFG, rngs=nnx.Rngs(0)))  # the engine reads only its config
-    results = []
-    for settings in (XLA, KERNELS["pallas_gpu"]):
-        engine = Engine(shell, max_concurrent_decodes=4, max_prefill_length=16, max_target_length=32,
-                        settings=settings, page_tokens=4)
-        params = engine.prepare_params(state)  # the same weights for both
-        decode_state = engine.init_decode_state()
-        for slot, prompt in enumerate(prompts):
-            batch, _ = prefill_one(engine, prompt, params=params, sample_id=slot,
-                                   sampling=RequestSampling(temperature=0.0))
-            decode_state = engine.insert_batch(batch, decode_state, [slot])
-        steps = []
-        for _ in range(12):
-            decode_state, rows = step_rows(engine, params, decode_state, filtered=False)
-            steps.append(rows)
-        results.append(np.stack(steps))  # [steps, B, 5]: token, valid, position, log-prob bits, version
-    xla, pallas = results
-    assert (xla[:, :, 1] == 1).all()
-    positions = xla[:, :, 2]
+    engine = Engine(shell, max_concurrent_decodes=4, max_prefill_length=16, max_target_length=32,
+                    settings=settings, page_tokens=4)
+    params = engine.prepare_params(state)  # the same weights for every setting
+    decode_state = engine.init_decode_state()
+    for slot, prompt in enumerate(prompts):
+        batch, _ = prefill_one(engine, prompt, params=params, sample_id=slot,
+                               sampling=RequestSampling(temperature=0.0))
+        decode_state = engine.insert_batch(batch, decode_state, [slot])
+    steps = []
+    for _ in range(12):
+        decode_state, rows = step_rows(engine, params, decode_state, filtered=False)
+        steps.append(rows)
+    return np.stack(steps)
+
+
+def _same_greedy(got, want, tol):
+    assert (want[:, :, 1] == 1).all()
+    positions = want[:, :, 2]
     crossed = positions[-1] // 4 - positions[0] // 4
     assert (crossed >= 1).all() and (crossed >= 2).sum() >= 2, positions
-    np.testing.assert_array_equal(pallas[:, :, [0, 1, 2]], xla[:, :, [0, 1, 2]])
-    assert len(np.unique(xla[:, :, 0])) > 4  # not a degenerate constant output
-    logp = [np.ascontiguousarray(r[:, :, 3]).view(np.float32) for r in results]
-    assert rel_err(logp[1], logp[0]) <= F32_TOL
+    np.testing.assert_array_equal(got[:, :, [0, 1, 2]], want[:, :, [0, 1, 2]])
+    assert len(np.unique(want[:, :, 0])) > 4  # not a degenerate constant output
+    logp = [np.ascontiguousarray(r[:, :, 3]).view(np.float32) for r in (got, want)]
+    assert rel_err(logp[0], logp[1]) <= tol
+
+
+def test_engine_greedy_identical(model):
+    """``pallas_gpu`` (interpret) and ``xla`` through the engine: the same tokens and positions, log-probs within
+    float32 rounding."""
+    _same_greedy(_greedy_steps(model, KERNELS["pallas_gpu"]), _greedy_steps(model, XLA), F32_TOL)
+
+
+@pytest.mark.skipif(not ON_TPU, reason="JAX's ragged paged attention runs on a TPU only")
+def test_engine_greedy_identical_ragged_on_tpu(model):
+    """The ragged TPU kernel through the engine (its interleaved pool, prompts written into it, the kernel
+    itself): the XLA path's greedy tokens. Log-probs within the TPU bound: a TPU's default matmul precision
+    takes float32 operands through bf16 passes."""
+    _same_greedy(_greedy_steps(model, RAGGED), _greedy_steps(model, XLA), TPU_TOL)
 
 
 # ----------------------------------------------------------------------------------------------------------

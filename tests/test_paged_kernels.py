@@ -3,7 +3,9 @@ oracle written here, one slot and one head at a time from the slot's own table.
 
 The Pallas kernels run in interpret mode on the CPU (the GPU kernel through its ``interpret`` flag, the TPU
 kernel under ``pltpu.force_tpu_interpret_mode``), so sizes are tiny: interpret mode executes every grid step
-as separate XLA ops.
+as separate XLA ops. JAX's ragged TPU kernel has no interpreter: off a TPU its wrapper is checked through the
+kernel's shipped reference (``ref_ragged_paged_attention``, same arguments, eager only), on a TPU through the
+kernel itself.
 """
 
 import math
@@ -16,7 +18,9 @@ import pytest
 from conftest import rel_err
 from jax.experimental.pallas import tpu as pltpu
 
-from dora_jax.kernels.paged_attention import IMPLEMENTATIONS, paged_attention
+from dora_jax.kernels.paged_attention import IMPLEMENTATIONS, RAGGED_IMPL, paged_attention, ragged_paged_attention
+
+ON_TPU = jax.default_backend() == "tpu"
 
 # float32: the oracle is float64, and every implementation sums at most W * P = 16 products of length d = 16 in
 # float32 (eps 1.2e-7) before a softmax of magnitude-one weights; they reach ~2e-7, so 2e-6 leaves 10x headroom.
@@ -52,7 +56,31 @@ def oracle(q, k_pages, v_pages, tables, lengths):
     return out
 
 
+def interleaved(k_pages, v_pages):
+    """``[K, N, P, d]`` keys and values as the ragged kernel's ``[N, P, 2K, d]``: head h's key at 2h, value at
+    2h + 1 (built here with numpy, apart from the library's ``interleave_heads``)."""
+    k, v = np.asarray(k_pages), np.asarray(v_pages)
+    n_kv, n, page, d = k.shape
+    out = np.empty((n, page, 2 * n_kv, d), k.dtype)
+    out[:, :, 0::2] = k.transpose(1, 2, 0, 3)
+    out[:, :, 1::2] = v.transpose(1, 2, 0, 3)
+    return out
+
+
+def ragged_kernel():
+    """The ragged kernel on a TPU; elsewhere its shipped reference, which takes the same arguments."""
+    if ON_TPU:
+        return None
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+
+    return ref_ragged_paged_attention
+
+
 def run(impl, q, k_pages, v_pages, tables, lengths, **kwargs):
+    if impl == RAGGED_IMPL:
+        assert not kwargs
+        return ragged_paged_attention(q, jnp.asarray(interleaved(k_pages, v_pages)), tables, lengths,
+                                      kernel=ragged_kernel())
     if impl == "pallas_tpu":
         with pltpu.force_tpu_interpret_mode():
             return paged_attention(q, k_pages, v_pages, tables, lengths, impl=impl, **kwargs)
@@ -158,11 +186,16 @@ def test_edge_lengths(impl):
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_under_jit(impl):
+    if impl == RAGGED_IMPL and not ON_TPU:
+        pytest.skip("the ragged kernel runs on a TPU only, and its reference does not trace (eager slicing)")
     q, k_pages, v_pages, tables, lengths = make_case(5, [2, W * P, 0])
 
     @jax.jit
-    def step(*args):
-        return paged_attention(*args, impl=impl, interpret=impl != "xla")
+    def step(q, k, v, tables, lengths):
+        if impl == RAGGED_IMPL:
+            kv = jnp.stack([k, v], axis=1).transpose(2, 3, 0, 1, 4).reshape(N, P, 2 * K, D)
+            return ragged_paged_attention(q, kv, tables, lengths)
+        return paged_attention(q, k, v, tables, lengths, impl=impl, interpret=impl != "xla")
 
     out = step(*map(jnp.asarray, (q, k_pages, v_pages, tables, lengths)))
     expected = oracle(q, kv_as_seen_by(impl, k_pages), kv_as_seen_by(impl, v_pages), tables, lengths)
@@ -173,6 +206,13 @@ def test_errors_name_the_shapes():
     q, k_pages, v_pages, tables, lengths = map(jnp.asarray, make_case(6, [1, 2]))
     with pytest.raises(ValueError, match="impl must be one of"):
         paged_attention(q, k_pages, v_pages, tables, lengths, impl="triton")
+    with pytest.raises(ValueError, match="goes to ragged_paged_attention"):
+        paged_attention(q, k_pages, v_pages, tables, lengths, impl=RAGGED_IMPL)
+    kv = jnp.asarray(interleaved(k_pages, v_pages))
+    with pytest.raises(ValueError, match=r"q \(2, 4, 16\) and kv_pages \(7, 4, 3, 16\)"):
+        ragged_paged_attention(q, kv[:, :, :3], tables, lengths)
+    with pytest.raises(ValueError, match=r"expected q \[B, H, d\], kv_pages \[N, P, 2K, d\]"):
+        ragged_paged_attention(q, kv[0], tables, lengths)
     for impl in ("pallas_gpu", "pallas_tpu"):
         with pytest.raises(ValueError, match=r"pages_per_compute_block=3 must divide the table width W=4"):
             paged_attention(q, k_pages, v_pages, tables, lengths, impl=impl, interpret=True,

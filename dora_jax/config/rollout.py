@@ -12,7 +12,7 @@ from dora_jax.schema import fail
 _fail = fail  # the name this module's checks call
 
 
-ATTENTION_IMPLS = ("xla", "pallas_gpu", "pallas_tpu", "auto")
+ATTENTION_IMPLS = ("xla", "pallas_gpu", "pallas_tpu", "pallas_tpu_ragged", "auto")
 MAX_DECODE_STEPS = 256  # rollout.decode_steps: results hold [steps, slots] tokens, compiled in
 ROLLOUT_DTYPES = ("auto",) + _DTYPES
 
@@ -66,7 +66,8 @@ class RolloutConfig:
 
     ``attention_impl`` picks how a one-token decode step attends over a slot's pages: ``"xla"`` (gather the
     slot's pages, masked attention; the reference), ``"pallas_gpu"`` / ``"pallas_tpu"`` (JAX's shipped paged
-    attention kernels, :mod:`dora_jax.kernels.paged_attention`) or ``"auto"`` (xla on every platform until a
+    attention kernels, :mod:`dora_jax.kernels.paged_attention`), ``"pallas_tpu_ragged"`` (JAX's ragged paged
+    attention, TPU only, over a pool with keys and values interleaved) or ``"auto"`` (xla on every platform until a
     measurement there shows a kernel ahead; a kernel is also refused where the slots split over batch shards).
     ``pallas_interpret`` runs a kernel in the Pallas interpreter (CPU tests). These two change no result beyond
     float rounding.

@@ -1,14 +1,15 @@
 """Decode against a paged KV cache: one pool of fixed-size pages shared by every slot, a page table per slot.
 
-The pool is ``[K, L, N, P, d]`` for keys and for values; token ``i`` of a slot sits in page ``tables[b, i // P]``
-at row ``i % P`` (of every layer). Layers sit next to the pages so that ``[K, L * N, P, d]`` is a view of the
-same buffer: a paged kernel, which reads ``[K, N, P, d]`` and page ids, reads layer ``l`` in place through page
-ids offset by ``l * N``; handing it a layer slice of an ``[L, ...]`` pool would make XLA copy that layer's
-pages before every call (a custom call takes whole buffers). Page 0 (of each shard) is scratch: it belongs to no slot, takes the writes that must land
-nowhere, and table entries past a slot's pages point there. On a mesh that splits the slots over S batch shards,
-the pages split the same way, tables hold page ids within the slot's shard, and slot ``b`` of B is in shard
-``b // (B / S)``. Entry point: :func:`decode_forward_paged`. See docs/rollout.md, 'How a decode step runs' and
-'Paged KV cache'.
+The pool is ``[K, L, N, P, d]`` for keys and for values (:class:`PagedKV`); token ``i`` of a slot sits in page
+``tables[b, i // P]`` at row ``i % P`` (of every layer). Layers sit next to the pages so that ``[K, L * N, P, d]``
+is a view of the same buffer: a paged kernel, which reads ``[K, N, P, d]`` and page ids, reads layer ``l`` in place
+through page ids offset by ``l * N``; handing it a layer slice of an ``[L, ...]`` pool would make XLA copy that
+layer's pages before every call (a custom call takes whole buffers). For the ragged TPU kernel the pool is
+:class:`InterleavedKV` ``[L, N, P, 2K, d]``, read the same way. Page 0 (of each shard) is scratch: it belongs to no
+slot, takes the writes that must land nowhere, and table entries past a slot's pages point there. On a mesh that
+splits the slots over S batch shards, the pages split the same way, tables hold page ids within the slot's shard,
+and slot ``b`` of B is in shard ``b // (B / S)``. Entry point: :func:`decode_forward_paged`. See docs/rollout.md,
+'How a decode step runs' and 'Paged KV cache'.
 
 Shapes: B slots, H query heads, K kv heads, G = H // K, d head dim, N pages, P tokens per page, W pages per
 table, L layers.
@@ -23,8 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from dora_jax.config import ModelConfig
-from dora_jax.kernels.paged_attention import (LivePlan, compute_block_pages, live_block_pages, live_paged_attention,
-                                              live_plan, live_read_tokens, paged_attention)
+from dora_jax.kernels.paged_attention import (RAGGED_IMPL, LivePlan, compute_block_pages, live_block_pages,
+                                              live_paged_attention, live_plan, live_read_tokens, paged_attention,
+                                              ragged_paged_attention)
 from dora_jax.models.decoder import (DecodeSettings, decoder_layers, embed_tokens, head_logits,
                                      resolve_attention_impl)
 from dora_jax.sharding import constrain
@@ -33,7 +35,8 @@ SCRATCH_PAGE = 0
 
 
 class PagedKV(NamedTuple):
-    """Every layer's pages: ``k`` and ``v`` [K, L, N, P, d]."""
+    """Every layer's pages, keys and values apart: ``k`` and ``v`` [K, L, N, P, d] (every attention choice but
+    ``pallas_tpu_ragged``). A pool of M pages is also how pages travel between engines (:meth:`take`)."""
 
     k: jax.Array
     v: jax.Array
@@ -52,11 +55,109 @@ class PagedKV(NamedTuple):
     def page_tokens(self) -> int:
         return self.k.shape[3]
 
+    def take(self, pages_m: jax.Array) -> PagedKV:
+        """Pages ``pages_m`` of every layer, in order: a pool of M pages."""
+        return PagedKV(self.k[:, :, pages_m], self.v[:, :, pages_m])
 
-def init_pages(cfg: ModelConfig, num_pages: int, page_tokens: int, dtype: str | None = None) -> PagedKV:
-    """A zero pool of ``num_pages`` pages (page 0, scratch, included)."""
-    shape = (cfg.num_kv_heads, cfg.num_layers, num_pages, page_tokens, cfg.head_dim)
+    def put(self, pages_m: jax.Array, rows: PagedKV) -> PagedKV:
+        """This pool with pages ``pages_m`` set to the M pages of ``rows`` (:meth:`take` of a pool like it)."""
+        return PagedKV(*(x.at[:, :, pages_m].set(r.astype(x.dtype)) for x, r in zip(self, rows)))
+
+    def write_tokens(self, k_lbkd, v_lbkd, page_b, row_b, shards: int = 1) -> PagedKV:
+        def write(pages, new, page, row):
+            # Advanced indices on adjacent axes 2, 3 keep their place: updates are [K, L, B, d].
+            return pages.at[:, :, page, row].set(new.transpose(2, 0, 1, 3).astype(pages.dtype))
+
+        if shards == 1:
+            return PagedKV(write(self.k, k_lbkd, page_b, row_b), write(self.v, v_lbkd, page_b, row_b))
+        per_shard = jax.vmap(write, in_axes=(2, 1, 0, 0), out_axes=2)
+        page_s, row_s = _shards(page_b, shards), _shards(row_b, shards)
+        return PagedKV(*(per_shard(_shards(x, shards, 2), _shards(new, shards, 1), page_s, row_s).reshape(x.shape)
+                         for x, new in ((self.k, k_lbkd), (self.v, v_lbkd))))
+
+    def write_prompts(self, k_lrktd, v_lrktd, page_rt, row_rt) -> PagedKV:
+        return PagedKV(*(x.at[:, :, page_rt, row_rt].set(new.transpose(2, 0, 1, 3, 4).astype(x.dtype))
+                         for x, new in ((self.k, k_lrktd), (self.v, v_lrktd))))
+
+    def layer_view(self) -> PagedKV:
+        """Every layer's pages on one page axis, ``[K, L * N, P, d]`` (a view of the same buffers): layer ``l``'s
+        page ``t`` is page ``l * N + t``, in the layout the ``[K, N, P, d]`` kernels read."""
+        return PagedKV(*(x.reshape(x.shape[0], -1, *x.shape[3:]) for x in self))
+
+    @staticmethod
+    def write_view_token(view: PagedKV, k_bkd, v_bkd, page_b, row_b) -> PagedKV:
+        """One token per row into :meth:`layer_view` at (page, row) [B]; indices on adjacent axes 1, 2: updates
+        [K, B, d]."""
+        return PagedKV(*(x.at[:, page_b, row_b].set(new.swapaxes(0, 1).astype(x.dtype))
+                         for x, new in ((view.k, k_bkd), (view.v, v_bkd))))
+
+
+def interleave_heads(k: jax.Array, v: jax.Array) -> jax.Array:
+    """``[..., K, d]`` keys and values as ``[..., 2K, d]``: kv head ``h``'s key at ``2h``, its value at
+    ``2h + 1``."""
+    return jnp.stack([k, v], axis=-2).reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
+
+
+class InterleavedKV(NamedTuple):
+    """Every layer's pages with each kv head's key and value side by side: ``kv`` [L, N, P, 2K, d]
+    (:func:`interleave_heads`), the layout ``ragged_paged_attention`` (``pallas_tpu_ragged``) reads. Layers sit
+    next to the pages for the same reason as in :class:`PagedKV`: ``[L * N, P, 2K, d]`` is a view."""
+
+    kv: jax.Array
+
+    @staticmethod
+    def axes() -> tuple[str | None, ...]:
+        # A tensor shard of the 2K axis holds whole (key, value) pairs of its heads.
+        return ("layers", "batch", None, "act_kv_heads", None)
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv.shape[1]
+
+    @property
+    def page_tokens(self) -> int:
+        return self.kv.shape[2]
+
+    def take(self, pages_m: jax.Array) -> InterleavedKV:
+        return InterleavedKV(self.kv[:, pages_m])
+
+    def put(self, pages_m: jax.Array, rows: InterleavedKV) -> InterleavedKV:
+        return InterleavedKV(self.kv.at[:, pages_m].set(rows.kv.astype(self.kv.dtype)))
+
+    def write_tokens(self, k_lbkd, v_lbkd, page_b, row_b, shards: int = 1) -> InterleavedKV:
+        if shards != 1:
+            raise ValueError(f"an interleaved pool is one pool: it cannot split slots over {shards} batch shards")
+        # Advanced indices on adjacent axes 1, 2: updates [L, B, 2K, d].
+        return InterleavedKV(self.kv.at[:, page_b, row_b].set(interleave_heads(k_lbkd, v_lbkd).astype(self.kv.dtype)))
+
+    def write_prompts(self, k_lrktd, v_lrktd, page_rt, row_rt) -> InterleavedKV:
+        new = interleave_heads(k_lrktd.swapaxes(2, 3), v_lrktd.swapaxes(2, 3))  # [L, R, T, 2K, d]
+        return InterleavedKV(self.kv.at[:, page_rt, row_rt].set(new.astype(self.kv.dtype)))
+
+    def layer_view(self) -> InterleavedKV:
+        return InterleavedKV(self.kv.reshape(-1, *self.kv.shape[2:]))
+
+    @staticmethod
+    def write_view_token(view: InterleavedKV, k_bkd, v_bkd, page_b, row_b) -> InterleavedKV:
+        return InterleavedKV(view.kv.at[page_b, row_b].set(interleave_heads(k_bkd, v_bkd).astype(view.kv.dtype)))
+
+
+Pool = PagedKV | InterleavedKV
+
+
+def pinned(pool: Pool) -> Pool:
+    """``pool`` constrained to its layout's logical axes."""
+    return type(pool)(*(constrain(x, pool.axes()) for x in pool))
+
+
+def init_pages(cfg: ModelConfig, num_pages: int, page_tokens: int, dtype: str | None = None,
+               impl: str = "xla") -> Pool:
+    """A zero pool of ``num_pages`` pages (page 0, scratch, included), laid out for the attention ``impl``."""
     dt = jnp.dtype(dtype or cfg.compute_dtype)
+    kv, layers, d = cfg.num_kv_heads, cfg.num_layers, cfg.head_dim
+    if impl == RAGGED_IMPL:
+        return InterleavedKV(jnp.zeros((layers, num_pages, page_tokens, 2 * kv, d), dt))
+    shape = (kv, layers, num_pages, page_tokens, d)
     return PagedKV(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
 
 
@@ -77,30 +178,17 @@ def _shards(x: jax.Array, shards: int, axis: int = 0) -> jax.Array:
     return x.reshape(x.shape[:axis] + (shards, x.shape[axis] // shards) + x.shape[axis + 1:])
 
 
-def write_pages(pool: PagedKV, k_lbkd: jax.Array, v_lbkd: jax.Array, page_b: jax.Array, row_b: jax.Array,
-                shards: int = 1) -> PagedKV:
-    """Writes one token per row, every layer, with one scatter per tensor (in place when the pool is donated).
-    ``page_b`` are page ids within each row's shard."""
-    def write(pages, new, page, row):
-        # Advanced indices on adjacent axes 2, 3 keep their place: updates are [K, L, B, d].
-        return pages.at[:, :, page, row].set(new.transpose(2, 0, 1, 3).astype(pages.dtype))
-
-    if shards == 1:
-        k, v = write(pool.k, k_lbkd, page_b, row_b), write(pool.v, v_lbkd, page_b, row_b)
-    else:
-        per_shard = jax.vmap(write, in_axes=(2, 1, 0, 0), out_axes=2)
-        page_s, row_s = _shards(page_b, shards), _shards(row_b, shards)
-        k, v = (per_shard(_shards(x, shards, 2), _shards(new, shards, 1), page_s, row_s).reshape(x.shape)
-                for x, new in ((pool.k, k_lbkd), (pool.v, v_lbkd)))
-    return PagedKV(constrain(k, PagedKV.axes()), constrain(v, PagedKV.axes()))
+def write_pages(pool: Pool, k_lbkd: jax.Array, v_lbkd: jax.Array, page_b: jax.Array, row_b: jax.Array,
+                shards: int = 1) -> Pool:
+    """Writes one token per row (``k``, ``v`` [L, B, K, d]), every layer, with one scatter per tensor (in place
+    when the pool is donated). ``page_b`` are page ids within each row's shard."""
+    return pinned(pool.write_tokens(k_lbkd, v_lbkd, page_b, row_b, shards))
 
 
-def write_prompt_pages(pool: PagedKV, k_lrktd: jax.Array, v_lrktd: jax.Array, page_rt: jax.Array,
-                       row_rt: jax.Array) -> PagedKV:
+def write_prompt_pages(pool: Pool, k_lrktd: jax.Array, v_lrktd: jax.Array, page_rt: jax.Array,
+                       row_rt: jax.Array) -> Pool:
     """Writes prompts' entries (``k``, ``v`` [L, R, K, T, d]) at (page, row) per token [R, T]."""
-    k = pool.k.at[:, :, page_rt, row_rt].set(k_lrktd.transpose(2, 0, 1, 3, 4).astype(pool.k.dtype))
-    v = pool.v.at[:, :, page_rt, row_rt].set(v_lrktd.transpose(2, 0, 1, 3, 4).astype(pool.v.dtype))
-    return PagedKV(constrain(k, PagedKV.axes()), constrain(v, PagedKV.axes()))
+    return pinned(pool.write_prompts(k_lrktd, v_lrktd, page_rt, row_rt))
 
 
 def attention_read_tokens(impl: str, lengths, table_width: int, page_tokens: int, head_dim: int,
@@ -173,9 +261,9 @@ def sharded_live_attention(q_bhd, k_pool, v_pool, layer, plan, k_new_bkd, v_new_
     return out.reshape(q_bhd.shape)
 
 
-def decode_forward_paged(cfg: ModelConfig, p: dict, tokens_b: jax.Array, positions_b: jax.Array, pool: PagedKV,
+def decode_forward_paged(cfg: ModelConfig, p: dict, tokens_b: jax.Array, positions_b: jax.Array, pool: Pool,
                          tables_bw: jax.Array, write_b: jax.Array, *, settings: DecodeSettings = DecodeSettings(),
-                         shards: int = 1) -> tuple[jax.Array, PagedKV]:
+                         shards: int = 1) -> tuple[jax.Array, Pool]:
     """One new token per row against the pool: float32 logits [B, V] and the pool with the tokens' entries.
 
     Row ``b``'s token sits at ``positions_b[b]`` and attends to the row's tokens ``0 .. position``; its entries
@@ -183,6 +271,9 @@ def decode_forward_paged(cfg: ModelConfig, p: dict, tokens_b: jax.Array, positio
     position ``positions_b[b]`` for every written row (the host appends pages before it dispatches). With
     ``shards`` > 1 (the xla path), page ids are within each row's shard."""
     impl = resolve_attention_impl(settings)
+    if isinstance(pool, InterleavedKV) != (impl == RAGGED_IMPL):
+        raise ValueError(f"attention_impl {impl!r} cannot read a {type(pool).__name__} pool: "
+                         "init_pages(..., impl=) lays the pool out for its attention")
     page_b, row_b = slot_pages(tables_bw, positions_b, pool.page_tokens, write_b)
     x0, positions_bt = embed_tokens(cfg, p["embed"], tokens_b[:, None]), positions_b[:, None]
     if impl == "xla":
@@ -204,22 +295,20 @@ def decode_forward_paged(cfg: ModelConfig, p: dict, tokens_b: jax.Array, positio
         if shards != 1:
             raise ValueError(f"attention_impl {impl!r} reads one pool: slots split over {shards} batch shards "
                              "need attention_impl='xla'")
+        n, view = pool.num_pages, pool.layer_view()
 
-        n = pool.num_pages
-        # Every layer's pages as one page axis (a view): layer i's page t is page i * N + t.
-        flat = tuple(a.reshape(a.shape[0], -1, *a.shape[3:]) for a in pool)
-
-        def attend(q, k, v, i, pages):
-            pk, pv = pages
-            page_i = page_b + i * n
+        def attend(q, k, v, i, view):
+            page_i, tables_i = page_b + i * n, tables_bw + i * n  # layer i's pages in the view
             # The kernels read the current token from the pool: write this layer's entry first, so the pool is
-            # the layers' carry. Indices on adjacent axes 1, 2: updates [K, B, d].
-            pk = pk.at[:, page_i, row_b].set(k[:, 0].swapaxes(0, 1).astype(pk.dtype))
-            pv = pv.at[:, page_i, row_b].set(v[:, 0].swapaxes(0, 1).astype(pv.dtype))
-            att = paged_attention(q[:, 0], pk, pv, tables_bw + i * n, positions_b + 1, impl=impl,
-                                  interpret=settings.pallas_interpret)
-            return att[:, None], (pk, pv)
+            # the layers' carry.
+            view = view.write_view_token(view, k[:, 0], v[:, 0], page_i, row_b)
+            if impl == RAGGED_IMPL:
+                att = ragged_paged_attention(q[:, 0], view.kv, tables_i, positions_b + 1)
+            else:
+                att = paged_attention(q[:, 0], view.k, view.v, tables_i, positions_b + 1, impl=impl,
+                                      interpret=settings.pallas_interpret)
+            return att[:, None], view
 
-        x, flat, _ = decoder_layers(cfg, p["layers"], x0, positions_bt, attend, state=flat)
-        pool = PagedKV(*(constrain(a.reshape(pool.k.shape), PagedKV.axes()) for a in flat))
+        x, view, _ = decoder_layers(cfg, p["layers"], x0, positions_bt, attend, state=view)
+        pool = pinned(type(pool)(*(a.reshape(b.shape) for a, b in zip(view, pool))))
     return head_logits(cfg, p, x)[:, 0], pool

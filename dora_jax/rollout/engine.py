@@ -19,8 +19,9 @@ from jax.sharding import Mesh
 
 from dora_jax.compiles import Programs
 from dora_jax.config import ATTENTION_IMPLS, DEFAULT_RULES, MAX_DECODE_STEPS, ROLLOUT_DTYPES
+from dora_jax.kernels.paged_attention import RAGGED_IMPL
 from dora_jax.models.decoder import FUSED_INPUTS, Decoder, DecodeSettings, resolve_attention_impl
-from dora_jax.models.paged import PagedKV, ReadCounter, token_bytes
+from dora_jax.models.paged import Pool, ReadCounter, token_bytes
 from dora_jax.rollout.engine_api import (DecodeState, EngineError, KVRows, PreparedParams, PrefixBatch,
                                          RequestSampling, ResultSteps, ResultTokens, SharedPrefix, stop_table)
 from dora_jax.rollout import kv_transfer
@@ -38,7 +39,10 @@ def _check_settings(dtype: str, settings: DecodeSettings) -> None:
         if value not in allowed:
             raise EngineError(f"{name} {value!r}: allowed {', '.join(map(repr, allowed))}")
     impl = settings.attention_impl
-    platform = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}.get(impl)
+    platform = {"pallas_gpu": "gpu", "pallas_tpu": "tpu", RAGGED_IMPL: "tpu"}.get(impl)
+    if impl == RAGGED_IMPL and jax.default_backend() != platform:
+        raise EngineError(f"attention_impl {impl!r} runs on TPU only (JAX's ragged kernel has no interpreter), and "
+                          f"this backend is {jax.default_backend()!r}: use 'xla'")
     if platform and not settings.pallas_interpret and jax.default_backend() != platform:
         raise EngineError(f"attention_impl {impl!r} runs on {platform.upper()} only, and this backend is "
                           f"{jax.default_backend()!r}: use 'xla' (or pallas_interpret=True to run the kernel in "
@@ -283,7 +287,7 @@ class Engine:
         self.book = PageBook(self.num_pages, self.page_tokens, self.shards, self.table_width)
         self.shard_pages = self.book.shard_pages  # device pages per shard, scratch included
         self.records = StateRecords(self.book)
-        self._pool: PagedKV | None = None
+        self._pool: Pool | None = None
         self.token_bytes = token_bytes(self.cfg)  # one token's keys and values, every layer
         self.programs = DecodePrograms(self.cfg, settings, max_target_length=max_target_length, shards=self.shards,
                                        page_tokens=self.page_tokens, pool_pages=self.shards * self.shard_pages,
@@ -486,17 +490,17 @@ class Engine:
     # -- the page pool --------------------------------------------------------------------------------------
 
     @property
-    def pool(self) -> PagedKV:
+    def pool(self) -> Pool:
         """The KV cache of every decode state: ``num_pages`` pages and the scratch page (made at first use)."""
         if self._pool is None:
             self._pool = self._pool_jit() if self.mesh is not None else self.programs.new_pool()
         return self._pool
 
     @pool.setter
-    def pool(self, pool: PagedKV) -> None:
+    def pool(self, pool: Pool) -> None:
         self._pool = pool
 
-    def pool_shape(self) -> PagedKV:
+    def pool_shape(self) -> Pool:
         """The pool's shapes and dtypes, without making it."""
         return jax.eval_shape(self.programs.new_pool)
 

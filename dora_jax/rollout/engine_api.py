@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from dora_jax.models.decoder import KVCache
+from dora_jax.models.paged import Pool
 from dora_jax.rollout.pages import bucket
 from dora_jax.rollout.sampling import SamplingParams
 
@@ -103,8 +104,8 @@ class KVRows:
     :meth:`Engine.put_rows` of an engine of the same architecture and version, on the same devices or others.
 
     Row ``i`` has written ``written[i]`` tokens to its cache (the position of its next token to feed, ``token[i]``)
-    over ``pages[i]`` whole pages, which are its pages in ``k`` and ``v`` [K, L, M, P, d] after those of the rows
-    before it (M a power of two; the rest is padding). ``sample_id``, ``seed`` and ``sampling`` are its
+    over ``pages[i]`` whole pages, which are its pages in ``kv`` (a pool of M pages in the engine's layout)
+    after those of the rows before it (M a power of two; the rest is padding). ``sample_id``, ``seed`` and ``sampling`` are its
     sampling state."""
 
     written: np.ndarray  # [n] int32
@@ -114,14 +115,13 @@ class KVRows:
     version: np.ndarray  # [n] int32
     seed: np.ndarray  # [n] int32
     sampling: SamplingParams  # [n] each, on the host
-    k: jax.Array
-    v: jax.Array
+    kv: Pool
     token_bytes: int  # one token's keys and values over every layer
 
     @property
     def kv_bytes(self) -> int:
         """Bytes of the rows' own pages (padding left out)."""
-        return int(self.pages.sum()) * int(self.k.shape[3]) * self.token_bytes
+        return int(self.pages.sum()) * self.kv.page_tokens * self.token_bytes
 
 
 class SlotResult(NamedTuple):

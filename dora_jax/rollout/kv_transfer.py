@@ -14,10 +14,9 @@ from typing import TYPE_CHECKING, Sequence
 import jax
 import numpy as np
 
-from dora_jax.models.paged import PagedKV
 from dora_jax.rollout.engine_api import DecodeState, EngineError, KVRows, PrefixBatch
 from dora_jax.rollout.pages import PageError, bucket, pages_for
-from dora_jax.rollout.programs import fitting_sharding, page_copy_programs
+from dora_jax.rollout.programs import page_copy_programs, pool_shardings
 from dora_jax.rollout.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -46,9 +45,9 @@ def take_rows(engine: Engine, decode_state: DecodeState, slots: Sequence[int]) -
     src = [_pool_ids(engine, engine.row_shard(b, s), engine.book.table(ref)[:n])
            for s, ref, n in zip(slots, refs, pages)]
     gather, _ = page_copy_programs(engine.programs)
-    k, v = gather(engine.pool, _padded(src))
+    kv = gather(engine.pool, _padded(src))
     engine.free_slots(decode_state, slots)
-    return KVRows(written, pages, host.tokens, host.sample_ids, host.versions, host.seeds, host.sampling, k, v,
+    return KVRows(written, pages, host.tokens, host.sample_ids, host.versions, host.seeds, host.sampling, kv,
                   engine.token_bytes)
 
 
@@ -82,11 +81,10 @@ def put_rows(engine: Engine, decode_state: DecodeState, rows: KVRows, slots: Seq
             engine.records.release(rec, slot)
         raise EngineError(f"put_rows: {e}") from None
     dst = [_pool_ids(engine, engine.row_shard(b, s), engine.book.table(int(rec.ids[s]))) for s in slots]
-    sharding = engine.pool.k.sharding if engine.mesh is None else fitting_sharding(
-        engine.mesh, PagedKV.axes(), engine.rules, rows.k.shape)
+    shardings = (type(rows.kv)(*(x.sharding for x in engine.pool)) if engine.mesh is None
+                 else pool_shardings(engine.mesh, engine.rules, rows.kv))
     _, scatter = page_copy_programs(engine.programs)
-    engine.pool = scatter(engine.pool, _padded(dst, rows.k.shape[2]), jax.device_put(rows.k, sharding),
-                          jax.device_put(rows.v, sharding))
+    engine.pool = scatter(engine.pool, _padded(dst, rows.kv.num_pages), jax.device_put(rows.kv, shardings))
     return _set_rows(engine, decode_state, rows, slots)
 
 

@@ -18,8 +18,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dora_jax.config import ModelConfig
 from dora_jax.models.decoder import (DecodeSettings, KVCache, decode_forward, fuse_layer_params, head_logits,
-                                     init_cache)
-from dora_jax.models.paged import PagedKV, decode_forward_paged, init_pages, write_prompt_pages
+                                     init_cache, resolve_attention_impl)
+from dora_jax.models.paged import Pool, decode_forward_paged, init_pages, write_prompt_pages
 from dora_jax.rollout.engine_api import DecodeState, PreparedParams, PrefixBatch
 from dora_jax.rollout.sampling import SamplingParams, row_keys, sample
 from dora_jax.sharding import Rules, logical_to_spec, serial_jit
@@ -41,6 +41,11 @@ def fitting_sharding(mesh: Mesh, axes: Sequence[str | None], rules: Rules, shape
         out.append((names if len(names) > 1 else names[0]) if names and size % int(
             np.prod([mesh.shape[a] for a in names])) == 0 else None)
     return NamedSharding(mesh, PartitionSpec(*out))
+
+
+def pool_shardings(mesh: Mesh, rules: Rules, pool: Pool) -> Pool:
+    """The page pool's layout on ``mesh`` (:meth:`PagedKV.axes` of its kind), one sharding per array."""
+    return type(pool)(*(fitting_sharding(mesh, pool.axes(), rules, x.shape) for x in pool))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +75,8 @@ class DecodePrograms:
     rules: Rules
     spans_processes: bool
 
-    def new_pool(self) -> PagedKV:
-        return init_pages(self.cfg, self.pool_pages, self.page_tokens)
+    def new_pool(self) -> Pool:
+        return init_pages(self.cfg, self.pool_pages, self.page_tokens, impl=resolve_attention_impl(self.settings))
 
     def zeros(self, b: int) -> DecodeState:
         def z():  # distinct buffers: the state is donated
@@ -91,12 +96,11 @@ class DecodePrograms:
         shardings = DecodeState(*(rows(x) for x in state[:6]), SamplingParams(*(rows(x) for x in state.sampling)))
         return jax.lax.with_sharding_constraint(state, shardings)
 
-    def pin_pool(self, pool: PagedKV) -> PagedKV:
+    def pin_pool(self, pool: Pool) -> Pool:
         """The page pool in one layout on the mesh: KV heads over the tensor axes."""
         if self.mesh is None:
             return pool
-        sharding = fitting_sharding(self.mesh, PagedKV.axes(), self.rules, pool.k.shape)
-        return jax.lax.with_sharding_constraint(pool, PagedKV(sharding, sharding))
+        return jax.lax.with_sharding_constraint(pool, pool_shardings(self.mesh, self.rules, pool))
 
     def readable(self, packed: jax.Array) -> jax.Array:
         """Results the host reads, replicated on a mesh spanning processes (each process reads its own copy)."""
@@ -149,7 +153,7 @@ class DecodePrograms:
         rest = (rows_n, tok, lp, lengths_n, sample_ids_n, versions_n, sampling_n, seeds_n)  # PrefixBatch order
         return rest, self.readable(_pack(tok, valid_n, lengths_n, lp, versions_n))
 
-    def write_prompts(self, cache: KVCache, rows_n, pool: PagedKV, page_nt, row_nt) -> PagedKV:
+    def write_prompts(self, cache: KVCache, rows_n, pool: Pool, page_nt, row_nt) -> Pool:
         """Writes each inserted request's prompt entries (its cache row ``rows_n[i]``) at (page, row) per token
         (scratch for what it does not write: padding, pages it shares with a request before it). Compiled per
         (distinct prompts, prompt bucket): the request count is fixed per engine."""
@@ -168,7 +172,7 @@ class DecodePrograms:
             seeds=put(state.seeds, batch.seed), active=put(state.active, jnp.ones(slots_n.shape, bool)),
             sampling=SamplingParams(*(put(a, b) for a, b in zip(state.sampling, batch.sampling)))))
 
-    def decode_step(self, params: PreparedParams, state: DecodeState, pool: PagedKV, tables, write,
+    def decode_step(self, params: PreparedParams, state: DecodeState, pool: Pool, tables, write,
                      filtered: bool | None):
         """One step's model and sampling for every slot: (new pool, sampled tokens, their log-probs, the
         position of each sampled token, held below the cache length). Rows where ``write`` is off write their
@@ -263,16 +267,15 @@ def jitted_programs(progs: DecodePrograms, dtype: str, jit: Callable[..., Any]) 
         return _jitted.__wrapped__(progs, dtype, jit, methods)
 
 
-def gather_pages(progs: DecodePrograms, pool: PagedKV, pages_m) -> tuple[jax.Array, jax.Array]:
-    """The keys and values of pool pages ``pages_m`` (pool-wide ids), each [K, L, M, P, d], in order."""
+def gather_pages(progs: DecodePrograms, pool: Pool, pages_m) -> Pool:
+    """Pool pages ``pages_m`` (pool-wide ids) of every layer, in order: a pool of M pages in ``pool``'s layout."""
     del progs
-    return pool.k[:, :, pages_m], pool.v[:, :, pages_m]
+    return pool.take(pages_m)
 
 
-def scatter_pages(progs: DecodePrograms, pool: PagedKV, pages_m, k_m, v_m) -> PagedKV:
-    """``pool`` with pages ``pages_m`` (pool-wide ids; scratch for padding) set to ``k_m``, ``v_m``."""
-    return progs.pin_pool(PagedKV(pool.k.at[:, :, pages_m].set(k_m.astype(pool.k.dtype)),
-                                  pool.v.at[:, :, pages_m].set(v_m.astype(pool.v.dtype))))
+def scatter_pages(progs: DecodePrograms, pool: Pool, pages_m, rows: Pool) -> Pool:
+    """``pool`` with pages ``pages_m`` (pool-wide ids; scratch for padding) set to the M pages of ``rows``."""
+    return progs.pin_pool(pool.put(pages_m, rows))
 
 
 @functools.lru_cache(maxsize=16)
