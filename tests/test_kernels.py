@@ -211,6 +211,32 @@ def test_kernels_read_the_stacked_pool_in_place(model, impl):
     assert set(sizes) == {pool.k.size // CFG.num_layers}
 
 
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+def test_kernels_run_per_head_shard_on_a_tensor_mesh(xla_step, impl):
+    """With kv heads split over a tensor axis of 2, each device runs the kernel on its own heads' pages: the
+    logits of the single-device XLA step, and no all-gather in the compiled step. Without the mesh handed to the
+    step, XLA gathers the pool for the kernel (the check can fail)."""
+    import re
+
+    from dora_jax.config import DEFAULT_RULES, MeshConfig
+    from dora_jax.rollout.programs import pool_shardings
+    from dora_jax.sharding import create_mesh
+
+    params, pool, tables, tokens, (want, _) = xla_step
+    mesh = create_mesh(MeshConfig(data=1, fsdp=1, tensor=2), devices=jax.devices()[:2])
+    pool = jax.device_put(pool, pool_shardings(mesh, DEFAULT_RULES, pool))
+    assert pool.k.sharding.shard_shape(pool.k.shape)[0] == CFG.num_kv_heads // 2
+    args = (params, tokens, jnp.asarray(POSITIONS), pool, tables, jnp.ones(len(POSITIONS), bool))
+    gathers = []
+    for mesh_rules in ((mesh, DEFAULT_RULES), None):
+        step = jax.jit(functools.partial(decode_forward_paged, CFG, settings=KERNELS[impl], mesh_rules=mesh_rules))
+        gathers.append(len(re.findall(r"= \S+ all-gather\(", step.lower(*args).compile().as_text())))
+        if mesh_rules is not None:
+            got = np.asarray(step(*args)[0])
+            assert rel_err(got, want) <= TOL[impl], rel_err(got, want)
+    assert gathers[0] == 0 < gathers[1], gathers
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The interleaved pool of the ragged TPU kernel.
 
@@ -301,6 +327,19 @@ def test_ragged_decode_step_matches_xla(xla_step, monkeypatch):
     np.testing.assert_array_equal(np.asarray(got_pool.kv)[unwritten], np.asarray(as_interleaved(pool).kv)[unwritten])
     n = pool.num_pages
     assert set(seen) == {(CFG.num_layers * n, P, 2 * CFG.num_kv_heads, CFG.head_dim)}
+    # kv heads over a tensor axis of 2: each device's kernel sees its heads' (key, value) pairs.
+    from dora_jax.config import DEFAULT_RULES, MeshConfig
+    from dora_jax.rollout.programs import pool_shardings
+    from dora_jax.sharding import create_mesh
+
+    mesh = create_mesh(MeshConfig(data=1, fsdp=1, tensor=2), devices=jax.devices()[:2])
+    inter = as_interleaved(pool)
+    inter = jax.device_put(inter, pool_shardings(mesh, DEFAULT_RULES, inter))
+    seen.clear()
+    step = jax.jit(functools.partial(decode_forward_paged, CFG, settings=RAGGED, mesh_rules=(mesh, DEFAULT_RULES)))
+    sharded, _ = step(params, tokens, jnp.asarray(POSITIONS), inter, tables, jnp.ones(len(POSITIONS), bool))
+    assert rel_err(np.asarray(sharded), want) <= F32_TOL
+    assert set(seen) == {(CFG.num_layers * n, P, CFG.num_kv_heads, CFG.head_dim)}
     with pytest.raises(ValueError, match="cannot read a PagedKV pool"):
         run_step(params, pool, tables, tokens, RAGGED)
     if not ON_TPU:

@@ -18,10 +18,12 @@ table, L layers.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 
 from dora_jax.config import ModelConfig
 from dora_jax.kernels.paged_attention import (RAGGED_IMPL, LivePlan, compute_block_pages, live_block_pages,
@@ -29,7 +31,7 @@ from dora_jax.kernels.paged_attention import (RAGGED_IMPL, LivePlan, compute_blo
                                               ragged_paged_attention)
 from dora_jax.models.decoder import (DecodeSettings, decoder_layers, embed_tokens, head_logits,
                                      resolve_attention_impl)
-from dora_jax.sharding import constrain
+from dora_jax.sharding import Rules, constrain, logical_to_spec
 
 SCRATCH_PAGE = 0
 
@@ -261,15 +263,37 @@ def sharded_live_attention(q_bhd, k_pool, v_pool, layer, plan, k_new_bkd, v_new_
     return out.reshape(q_bhd.shape)
 
 
+def _per_head_shard(call, mesh_rules, head_axis: int, q_bhd, pages: tuple, tables_bw, lengths_b):
+    """``call(q, *pages, tables, lengths)`` once per shard of the kv heads over the mesh's tensor axes (query
+    heads split alike), through ``shard_map``: attention never mixes heads, and a kernel (a custom call) cannot
+    be partitioned by XLA, which would gather every head's pages onto each device before every call. As is
+    where heads are not split (no mesh, one shard, or heads the axes do not divide: the pool is kept whole)."""
+    if mesh_rules is None:
+        return call(q_bhd, *pages, tables_bw, lengths_b)
+    mesh, rules = mesh_rules
+    heads = logical_to_spec(("act_kv_heads",), rules)[0]
+    names = tuple(a for a in ((heads,) if isinstance(heads, str) else heads or ()) if a in mesh.shape)
+    n = math.prod(mesh.shape[a] for a in names)
+    if n == 1 or pages[0].shape[head_axis] % n or q_bhd.shape[1] % n:
+        return call(q_bhd, *pages, tables_bw, lengths_b)
+    axis = names if len(names) > 1 else names[0]
+    page_spec = PartitionSpec(*(axis if i == head_axis else None for i in range(pages[0].ndim)))
+    q_spec = PartitionSpec(None, axis, None)
+    return jax.shard_map(call, mesh=mesh, in_specs=(q_spec, *(page_spec,) * len(pages), PartitionSpec(),
+                                                     PartitionSpec()),
+                         out_specs=q_spec, check_vma=False)(q_bhd, *pages, tables_bw, lengths_b)
+
+
 def decode_forward_paged(cfg: ModelConfig, p: dict, tokens_b: jax.Array, positions_b: jax.Array, pool: Pool,
                          tables_bw: jax.Array, write_b: jax.Array, *, settings: DecodeSettings = DecodeSettings(),
-                         shards: int = 1) -> tuple[jax.Array, Pool]:
+                         shards: int = 1, mesh_rules: tuple[Mesh, Rules] | None = None) -> tuple[jax.Array, Pool]:
     """One new token per row against the pool: float32 logits [B, V] and the pool with the tokens' entries.
 
     Row ``b``'s token sits at ``positions_b[b]`` and attends to the row's tokens ``0 .. position``; its entries
     are written at that position's page where ``write_b`` is on, else to scratch. ``tables_bw`` must cover
     position ``positions_b[b]`` for every written row (the host appends pages before it dispatches). With
-    ``shards`` > 1 (the xla path), page ids are within each row's shard."""
+    ``shards`` > 1 (the xla path), page ids are within each row's shard. ``mesh_rules``: the mesh the engine
+    runs on and its rules, with which a kernel runs per shard of the kv heads."""
     impl = resolve_attention_impl(settings)
     if isinstance(pool, InterleavedKV) != (impl == RAGGED_IMPL):
         raise ValueError(f"attention_impl {impl!r} cannot read a {type(pool).__name__} pool: "
@@ -303,10 +327,11 @@ def decode_forward_paged(cfg: ModelConfig, p: dict, tokens_b: jax.Array, positio
             # the layers' carry.
             view = view.write_view_token(view, k[:, 0], v[:, 0], page_i, row_b)
             if impl == RAGGED_IMPL:
-                att = ragged_paged_attention(q[:, 0], view.kv, tables_i, positions_b + 1)
+                att = _per_head_shard(ragged_paged_attention, mesh_rules, 2, q[:, 0], tuple(view), tables_i,
+                                      positions_b + 1)
             else:
-                att = paged_attention(q[:, 0], view.k, view.v, tables_i, positions_b + 1, impl=impl,
-                                      interpret=settings.pallas_interpret)
+                call = functools.partial(paged_attention, impl=impl, interpret=settings.pallas_interpret)
+                att = _per_head_shard(call, mesh_rules, 0, q[:, 0], tuple(view), tables_i, positions_b + 1)
             return att[:, None], view
 
         x, view, _ = decoder_layers(cfg, p["layers"], x0, positions_bt, attend, state=view)

@@ -178,7 +178,8 @@ class DecodePrograms:
         position of each sampled token, held below the cache length). Rows where ``write`` is off write their
         entries to scratch."""
         logits, pool = decode_forward_paged(self.cfg, params.tree, state.tokens, state.positions, pool, tables,
-                                            write, settings=self.settings, shards=self.shards)
+                                            write, settings=self.settings, shards=self.shards,
+                                            mesh_rules=None if self.mesh is None else (self.mesh, self.rules))
         nxt = state.positions + 1
         keys = jax.vmap(lambda s, i, p: row_keys(s, i[None], p[None])[0])(state.seeds, state.sample_ids, nxt)
         tokens, logprobs = sample(logits, keys, state.sampling, filtered)
