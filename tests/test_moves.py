@@ -87,6 +87,37 @@ def test_a_request_moved_partway_finishes_with_the_tokens_it_gives_unmoved(engin
         e.book.check()
 
 
+def test_rows_sharing_prompt_pages_move_them_once_and_share_them_again(engines, models):
+    """Four samples of one prompt of two full pages share those pages in driver A; moved together to driver B,
+    the shared pages are copied once and shared again there (B takes each distinct page once), and every sample
+    finishes with the tokens it gives unmoved."""
+    from dora_jax.rollout.samples import Request
+
+    weights = nnx.state(models[0])
+    reqs = [Request(i, tuple(range(1, 33)), max_new_tokens=20, sampling=SAMPLED) for i in range(4)]
+    want = {t.sample_id: t for t in driver(engines[0], weights).run(reqs)}
+    a, b = driver(engines[0], weights), driver(engines[1], weights)
+    held = engines[0].pages_held, engines[1].pages_held
+    for r in reqs:
+        a.submit(r)
+    out = a.step()
+    out += a.read_in_flight()
+    sizes = a.take_sizes(0, 4)
+    per_row = sum(-(-w // 16) for w, _ in sizes)
+    distinct = 2 + sum(-(-w // 16) - 2 for w, _ in sizes)  # the prompt's two pages once, then each row's own
+    assert engines[0].pages_held - held[0] == distinct < per_row
+    moving = a.take(0, 4)
+    assert moving.kv_bytes == distinct * 16 * engines[0].token_bytes
+    b.put(moving)
+    assert engines[1].pages_held - held[1] == distinct and b.live_rows == 4
+    out += a.run() + b.run()
+    assert sorted(t.sample_id for t in out) == list(range(4))
+    for t in out:
+        assert_close(t, want[t.sample_id])
+    for e in engines:
+        e.book.check()
+
+
 def test_version_groups_move_a_busy_group_or_wait_when_the_move_does_not_fit(engines, models):
     """Two groups of version 0, each on its own device. A move into a group without the free slots waits: its
     source keeps its version and drains, nothing is evicted or lost. Later the balancer, told the requests fit

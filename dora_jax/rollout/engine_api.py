@@ -104,12 +104,14 @@ class KVRows:
     :meth:`Engine.put_rows` of an engine of the same architecture and version, on the same devices or others.
 
     Row ``i`` has written ``written[i]`` tokens to its cache (the position of its next token to feed, ``token[i]``)
-    over ``pages[i]`` whole pages, which are its pages in ``kv`` (a pool of M pages in the engine's layout)
-    after those of the rows before it (M a power of two; the rest is padding). ``sample_id``, ``seed`` and ``sampling`` are its
+    over ``pages[i]`` whole pages. ``kv`` holds the rows' distinct pages (a pool of M pages in the engine's layout,
+    M a power of two, the rest padding): a page rows shared is there once, and ``page_index`` (the rows' pages in
+    order, ``pages[0]`` of row 0's first) says where in ``kv`` each row's page is. ``sample_id``, ``seed`` and ``sampling`` are its
     sampling state."""
 
     written: np.ndarray  # [n] int32
     pages: np.ndarray  # [n] int32
+    page_index: np.ndarray  # [sum(pages)] int32
     token: np.ndarray  # [n] int32
     sample_id: np.ndarray  # [n] int32
     version: np.ndarray  # [n] int32
@@ -120,8 +122,9 @@ class KVRows:
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of the rows' own pages (padding left out)."""
-        return int(self.pages.sum()) * self.kv.page_tokens * self.token_bytes
+        """Bytes of the rows' distinct pages (padding left out): what moves."""
+        distinct = int(self.page_index.max()) + 1 if self.page_index.size else 0
+        return distinct * self.kv.page_tokens * self.token_bytes
 
 
 class SlotResult(NamedTuple):

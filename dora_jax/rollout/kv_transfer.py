@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 def take_rows(engine: Engine, decode_state: DecodeState, slots: Sequence[int]) -> KVRows:
     """Takes the live requests of ``slots`` out of ``decode_state``: their decode rows and the contents of the
     pages holding what they have written, gathered in one program (on ``engine``'s devices), for :func:`put_rows`
-    of another engine. The slots are then empty and their pages back in the pool (a page shared with a request
-    left behind stays with it).
+    of another engine. A page several of the rows share (a group's prompt, a template head) is gathered once. The
+    slots are then empty and their pages back in the pool (a page shared with a request left behind stays with
+    it).
 
     Raises:
       EngineError: an empty slot, or a slot a dispatched program still computes (read its results first).
@@ -44,19 +45,22 @@ def take_rows(engine: Engine, decode_state: DecodeState, slots: Sequence[int]) -
     pages = np.array([pages_for(int(w), engine.page_tokens) for w in written], np.int32)
     src = [_pool_ids(engine, engine.row_shard(b, s), engine.book.table(ref)[:n])
            for s, ref, n in zip(slots, refs, pages)]
+    unique: dict[int, int] = {}  # pool page -> its place among the gathered pages
+    page_index = np.array([unique.setdefault(p, len(unique)) for ids in src for p in ids], np.int32)
     gather, _ = page_copy_programs(engine.programs)
-    kv = gather(engine.pool, _padded(src))
+    kv = gather(engine.pool, _padded([list(unique)]))
     engine.free_slots(decode_state, slots)
-    return KVRows(written, pages, host.tokens, host.sample_ids, host.versions, host.seeds, host.sampling, kv,
-                  engine.token_bytes)
+    return KVRows(written, pages, page_index, host.tokens, host.sample_ids, host.versions, host.seeds, host.sampling,
+                  kv, engine.token_bytes)
 
 
 def put_rows(engine: Engine, decode_state: DecodeState, rows: KVRows, slots: Sequence[int],
              limits: Sequence[int]) -> DecodeState:
     """Places row ``i`` of ``rows`` (:func:`take_rows` of an engine of this architecture, serving the same
-    version) into ``slots[i]`` of the decode state (donated), growing to ``limits[i]`` tokens: each takes fresh
-    pages for what it has written, the pages' contents are copied onto ``engine``'s pool (device to device), and
-    its decode row is set; nothing is prefilled. What a slot held before ends.
+    version) into ``slots[i]`` of the decode state (donated), growing to ``limits[i]`` tokens: each takes pages
+    for what it has written, the pages' contents are copied onto ``engine``'s pool (device to device), and its
+    decode row is set; nothing is prefilled. Rows that shared their first pages where they were taken share them
+    again where they land in one batch shard (those pages are written once). What a slot held before ends.
 
     Raises:
       EngineError: a bad slot, or a pool without room for them all now (nothing is placed then; ask
@@ -71,21 +75,45 @@ def put_rows(engine: Engine, decode_state: DecodeState, rows: KVRows, slots: Seq
     rec = engine.rows_of(decode_state)
     for slot in slots:
         engine.records.release(rec, slot)
+    index = np.split(rows.page_index, np.cumsum(rows.pages)[:-1])  # each row's pages among the gathered ones
+    shards = [engine.row_shard(b, s) for s in slots]
     done: list[int] = []
+    dst: list[int] = []
+    src: list[int] = []
     try:
-        for slot, written, limit in zip(slots, rows.written.tolist(), limits):
-            rec.ids[slot] = engine.book.admit(engine.row_shard(b, slot), written, int(limit))
+        for i, (slot, written, limit) in enumerate(zip(slots, rows.written.tolist(), limits)):
+            fork, shared = _fork(index, rows.written, shards, i, engine.page_tokens)
+            rec.ids[slot] = engine.book.admit(shards[i], written, int(limit),
+                                              fork=None if fork is None else int(rec.ids[slots[fork]]),
+                                              fork_tokens=shared * engine.page_tokens)
             done.append(slot)
+            dst += _pool_ids(engine, shards[i], engine.book.table(int(rec.ids[slot]))[shared:])
+            src += index[i][shared:].tolist()
     except PageError as e:
-        for slot in done:
+        for slot in done[::-1]:
             engine.records.release(rec, slot)
         raise EngineError(f"put_rows: {e}") from None
-    dst = [_pool_ids(engine, engine.row_shard(b, s), engine.book.table(int(rec.ids[s]))) for s in slots]
     shardings = (type(rows.kv)(*(x.sharding for x in engine.pool)) if engine.mesh is None
                  else pool_shardings(engine.mesh, engine.rules, rows.kv))
     _, scatter = page_copy_programs(engine.programs)
-    engine.pool = scatter(engine.pool, _padded(dst, rows.kv.num_pages), jax.device_put(rows.kv, shardings))
+    engine.pool = scatter(engine.pool, _padded([dst]), jax.device_put(rows.kv, shardings), _padded([src]))
     return _set_rows(engine, decode_state, rows, slots)
+
+
+def _fork(index: list[np.ndarray], written: np.ndarray, shards: list[int], i: int, page_tokens: int
+          ) -> tuple[int | None, int]:
+    """The earlier row row ``i`` shares its first pages with where it lands (one of the same batch shard whose
+    leading pages are the same gathered pages, full for both), and how many: ``(None, 0)`` if none."""
+    best, most = None, 0
+    for j in range(i):
+        if shards[j] != shards[i]:
+            continue
+        n = min(index[i].size, index[j].size, int(written[i]) // page_tokens, int(written[j]) // page_tokens)
+        same = index[i][:n] == index[j][:n]
+        k = n if same.all() else int(np.argmin(same))
+        if k > most:
+            best, most = j, k
+    return best, most
 
 
 def _set_rows(engine: Engine, decode_state: DecodeState, rows: KVRows, slots: Sequence[int]) -> DecodeState:

@@ -274,9 +274,10 @@ def gather_pages(progs: DecodePrograms, pool: Pool, pages_m) -> Pool:
     return pool.take(pages_m)
 
 
-def scatter_pages(progs: DecodePrograms, pool: Pool, pages_m, rows: Pool) -> Pool:
-    """``pool`` with pages ``pages_m`` (pool-wide ids; scratch for padding) set to the M pages of ``rows``."""
-    return progs.pin_pool(pool.put(pages_m, rows))
+def scatter_pages(progs: DecodePrograms, pool: Pool, pages_m, rows: Pool, index_m) -> Pool:
+    """``pool`` with pages ``pages_m`` (pool-wide ids; scratch for padding) set to pages ``index_m`` of ``rows``
+    (a page of ``rows`` may go to several)."""
+    return progs.pin_pool(pool.put(pages_m, rows.take(index_m)))
 
 
 @functools.lru_cache(maxsize=16)
