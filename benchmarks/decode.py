@@ -34,7 +34,7 @@ def bench_decode(config: str = "smollm2_135m", batch: int = 32, cache_length: in
     from flax import nnx
 
     from dora_jax.config import load_config
-    from dora_jax.models.decoder import DecodeSettings
+    from dora_jax.models.decoder import DecodeSettings, resolve_attention_impl
     from dora_jax.models.paged import decode_forward_paged, init_pages
     from dora_jax.models.weights import load_model
     from dora_jax.rollout.sampling import SamplingParams, row_keys, sample
@@ -48,11 +48,11 @@ def bench_decode(config: str = "smollm2_135m", batch: int = 32, cache_length: in
     # As in the engine: the page pool, each row's table of its own pages (cache_length tokens), page 0 scratch.
     page = cfg.rollout.page_tokens
     width = -(-cache_length // page)
-    caches = [init_pages(cfg.model, batch * width + 1, page)]
+    settings = DecodeSettings.of(cfg.rollout)
+    caches = [init_pages(cfg.model, batch * width + 1, page, impl=resolve_attention_impl(settings))]
     tables = jnp.asarray(1 + np.arange(batch * width, dtype=np.int32).reshape(batch, width))
     write = jnp.ones((batch,), bool)
     # As in the engine: fused params prepared once, the pool donated and threaded from step to step.
-    settings = DecodeSettings.of(cfg.rollout)
     prepared = model.decode_params(fuse=True)
     step = jax.jit(lambda p, t, pos, c: decode_forward_paged(cfg.model, p, t[:, 0], pos, c, tables, write,
                                                              settings=settings), donate_argnums=(3,))
