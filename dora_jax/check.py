@@ -174,7 +174,6 @@ def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
     from dora_jax.models.decoder import Decoder, DecodeSettings
     from dora_jax.rollout.engine import Engine, bucket
     from dora_jax.run.placement import kv_pages
-    from dora_jax.sharding import named_sharding
 
     rules = cfg.mesh.logical_axis_rules
     model = nnx.eval_shape(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)))
@@ -189,10 +188,9 @@ def rollout_memory(cfg: Any, mesh: Any, do_compile: bool) -> RoleMemory:
     decode = jax.eval_shape(lambda: engine.programs.zeros(r.slots))
     replicated = NamedSharding(mesh, P())
     decode = _with_shardings(decode, jax.tree.map(lambda _: replicated, decode))  # per-slot vectors are tiny
-    # The page pool: pages over the batch axes, KV heads over the tensor axes (its layout's axes()).
+    # The page pool in the engine's own layout (DecodePrograms.pool_layout).
     pool = engine.pool_shape()
-    pool = _with_shardings(pool, jax.tree.map(
-        lambda x: named_sharding(mesh, pool.axes(), rules, x.shape, where="rollout KV pages"), pool))
+    pool = _with_shardings(pool, engine.programs.pool_layout(pool))
     # Every slot's table at its longest: the step that reads the most.
     tables = jax.ShapeDtypeStruct((r.slots, engine.table_width), jnp.int32, sharding=replicated)
 

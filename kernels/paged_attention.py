@@ -42,7 +42,8 @@ depend on an undocumented convention of the kernels.
 ``"pallas_tpu_ragged"`` (:func:`ragged_paged_attention`) is ``jax.experimental.pallas.ops.tpu.ragged_paged_attention``,
 the kernel vLLM and SGLang run on TPU. It reads one pool ``[N, P, 2 * K, d]`` with each kv head's key and value
 side by side (the engine lays its pool out that way for it, ``models.paged.InterleavedKV``), takes the softmax
-scale itself, and has no interpreter: it runs on a TPU only.
+scale itself, and has no interpreter: it runs on a TPU only. As with ``pallas_tpu``, Mosaic's tiling may reject
+a small head dim on hardware (serving engines pad it to 128 for this kernel); that is left to its compiler error.
 """
 
 from __future__ import annotations

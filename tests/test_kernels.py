@@ -6,6 +6,7 @@ The kernels themselves are tested against a float64 oracle in test_paged_kernels
 kernel reads it. Interpret mode runs every grid step as separate XLA ops, so the model and pool are tiny.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -235,6 +236,32 @@ def test_kernels_run_per_head_shard_on_a_tensor_mesh(xla_step, impl):
             got = np.asarray(step(*args)[0])
             assert rel_err(got, want) <= TOL[impl], rel_err(got, want)
     assert gathers[0] == 0 < gathers[1], gathers
+
+
+def test_pool_layouts_keep_what_a_kernel_reads_whole():
+    """Pages split over the batch axes only where a kernel's slots split too (the XLA path may read pages across
+    devices; a kernel reads one whole pool per call), and an interleaved pool's heads over the tensor axes only in
+    whole (key, value) pairs."""
+    from dora_jax.config import DEFAULT_RULES, MeshConfig
+    from dora_jax.rollout.programs import pool_shardings
+    from dora_jax.sharding import create_mesh
+
+    mesh = create_mesh(MeshConfig(data=2, fsdp=1, tensor=2), devices=jax.devices()[:4])
+    model = init_model(dataclasses.replace(CFG, num_heads=8), mesh, DEFAULT_RULES, seed=0)
+    specs = {}
+    for impl in ("xla", "pallas_gpu"):
+        settings = DecodeSettings(attention_impl=impl, pallas_interpret=True)
+        # 3 slots do not split over data = 2; 26 pages would.
+        engine = Engine(model, max_concurrent_decodes=3, max_prefill_length=16, max_target_length=32, page_tokens=4,
+                        mesh=mesh, settings=settings, num_pages=25)
+        assert engine.shards == 1 and engine.pool.num_pages == 26
+        specs[impl] = tuple(engine.pool.k.sharding.spec)
+    assert specs["xla"][:3] == ("tensor", None, "data")
+    assert specs["pallas_gpu"][0] == "tensor" and "data" not in specs["pallas_gpu"]
+    for kv_heads, split in ((1, None), (2, "tensor"), (3, None)):
+        pool = InterleavedKV(jnp.zeros((2, 6, P, 2 * kv_heads, 8)))
+        spec = tuple(pool_shardings(mesh, DEFAULT_RULES, pool, split_pages=False).kv.spec) + (None,) * 5
+        assert spec[3] == split, (kv_heads, spec)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -43,6 +43,9 @@ class PagedKV(NamedTuple):
     k: jax.Array
     v: jax.Array
 
+    # The kv-head axis, and the entries each kv head has on it (a tensor shard holds whole heads).
+    HEAD_AXIS, HEAD_ENTRIES = 0, 1
+
     @staticmethod
     def axes() -> tuple[str | None, ...]:
         # Pages split over the batch axes as the slots do (memory per device falls with the batch shards; a
@@ -107,9 +110,11 @@ class InterleavedKV(NamedTuple):
 
     kv: jax.Array
 
+    # A tensor shard of the 2K axis must hold whole (key, value) pairs: it is split only where K divides.
+    HEAD_AXIS, HEAD_ENTRIES = 3, 2
+
     @staticmethod
     def axes() -> tuple[str | None, ...]:
-        # A tensor shard of the 2K axis holds whole (key, value) pairs of its heads.
         return ("layers", "batch", None, "act_kv_heads", None)
 
     @property
@@ -263,18 +268,19 @@ def sharded_live_attention(q_bhd, k_pool, v_pool, layer, plan, k_new_bkd, v_new_
     return out.reshape(q_bhd.shape)
 
 
-def _per_head_shard(call, mesh_rules, head_axis: int, q_bhd, pages: tuple, tables_bw, lengths_b):
+def _per_head_shard(call, mesh_rules, head_axis: int, entries: int, q_bhd, pages: tuple, tables_bw, lengths_b):
     """``call(q, *pages, tables, lengths)`` once per shard of the kv heads over the mesh's tensor axes (query
     heads split alike), through ``shard_map``: attention never mixes heads, and a kernel (a custom call) cannot
-    be partitioned by XLA, which would gather every head's pages onto each device before every call. As is
-    where heads are not split (no mesh, one shard, or heads the axes do not divide: the pool is kept whole)."""
+    be partitioned by XLA, which would gather every head's pages onto each device before every call. ``pages``
+    hold each kv head's ``entries`` side by side on ``head_axis``. As is where heads are not split (no mesh, one
+    shard, or kv heads the axes do not divide: the pool is kept whole, :func:`pool_shardings`)."""
     if mesh_rules is None:
         return call(q_bhd, *pages, tables_bw, lengths_b)
     mesh, rules = mesh_rules
     heads = logical_to_spec(("act_kv_heads",), rules)[0]
     names = tuple(a for a in ((heads,) if isinstance(heads, str) else heads or ()) if a in mesh.shape)
     n = math.prod(mesh.shape[a] for a in names)
-    if n == 1 or pages[0].shape[head_axis] % n or q_bhd.shape[1] % n:
+    if n == 1 or (pages[0].shape[head_axis] // entries) % n or q_bhd.shape[1] % n:
         return call(q_bhd, *pages, tables_bw, lengths_b)
     axis = names if len(names) > 1 else names[0]
     page_spec = PartitionSpec(*(axis if i == head_axis else None for i in range(pages[0].ndim)))
@@ -327,11 +333,11 @@ def decode_forward_paged(cfg: ModelConfig, p: dict, tokens_b: jax.Array, positio
             # the layers' carry.
             view = view.write_view_token(view, k[:, 0], v[:, 0], page_i, row_b)
             if impl == RAGGED_IMPL:
-                att = _per_head_shard(ragged_paged_attention, mesh_rules, 2, q[:, 0], tuple(view), tables_i,
+                att = _per_head_shard(ragged_paged_attention, mesh_rules, 2, 2, q[:, 0], tuple(view), tables_i,
                                       positions_b + 1)
             else:
                 call = functools.partial(paged_attention, impl=impl, interpret=settings.pallas_interpret)
-                att = _per_head_shard(call, mesh_rules, 0, q[:, 0], tuple(view), tables_i, positions_b + 1)
+                att = _per_head_shard(call, mesh_rules, 0, 1, q[:, 0], tuple(view), tables_i, positions_b + 1)
             return att[:, None], view
 
         x, view, _ = decoder_layers(cfg, p["layers"], x0, positions_bt, attend, state=view)

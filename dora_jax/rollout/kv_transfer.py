@@ -16,7 +16,7 @@ import numpy as np
 
 from dora_jax.rollout.engine_api import DecodeState, EngineError, KVRows, PrefixBatch
 from dora_jax.rollout.pages import PageError, bucket, pages_for
-from dora_jax.rollout.programs import page_copy_programs, pool_shardings
+from dora_jax.rollout.programs import page_copy_programs
 from dora_jax.rollout.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ def put_rows(engine: Engine, decode_state: DecodeState, rows: KVRows, slots: Seq
             engine.records.release(rec, slot)
         raise EngineError(f"put_rows: {e}") from None
     shardings = (type(rows.kv)(*(x.sharding for x in engine.pool)) if engine.mesh is None
-                 else pool_shardings(engine.mesh, engine.rules, rows.kv))
+                 else engine.programs.pool_layout(rows.kv))
     _, scatter = page_copy_programs(engine.programs)
     engine.pool = scatter(engine.pool, _padded([dst]), jax.device_put(rows.kv, shardings), _padded([src]))
     return _set_rows(engine, decode_state, rows, slots)

@@ -43,9 +43,18 @@ def fitting_sharding(mesh: Mesh, axes: Sequence[str | None], rules: Rules, shape
     return NamedSharding(mesh, PartitionSpec(*out))
 
 
-def pool_shardings(mesh: Mesh, rules: Rules, pool: Pool) -> Pool:
-    """The page pool's layout on ``mesh`` (:meth:`PagedKV.axes` of its kind), one sharding per array."""
-    return type(pool)(*(fitting_sharding(mesh, pool.axes(), rules, x.shape) for x in pool))
+def pool_shardings(mesh: Mesh, rules: Rules, pool: Pool, split_pages: bool = True) -> Pool:
+    """The page pool's layout on ``mesh`` (:meth:`PagedKV.axes` of its kind), one sharding per array: kv heads
+    over the tensor axes where they divide (whole heads, and whole (key, value) pairs of an interleaved pool);
+    pages over the batch axes where they divide and ``split_pages``."""
+    axes = tuple(None if a == "batch" and not split_pages else a for a in pool.axes())
+
+    def one(x):
+        shape = list(x.shape)
+        shape[pool.HEAD_AXIS] //= pool.HEAD_ENTRIES  # what must divide: kv heads, not their entries
+        return fitting_sharding(mesh, axes, rules, shape)
+
+    return type(pool)(*(one(x) for x in pool))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,11 +105,18 @@ class DecodePrograms:
         shardings = DecodeState(*(rows(x) for x in state[:6]), SamplingParams(*(rows(x) for x in state.sampling)))
         return jax.lax.with_sharding_constraint(state, shardings)
 
+    def pool_layout(self, pool: Pool) -> Pool:
+        """The page pool's shardings on the mesh: KV heads over the tensor axes; pages over the batch axes for
+        the XLA attention, or where the slots split over them too (a kernel reads one whole pool, and pages split
+        apart from the slots would be gathered for every call)."""
+        split = self.shards > 1 or resolve_attention_impl(self.settings) == "xla"
+        return pool_shardings(self.mesh, self.rules, pool, split_pages=split)
+
     def pin_pool(self, pool: Pool) -> Pool:
-        """The page pool in one layout on the mesh: KV heads over the tensor axes."""
+        """The page pool in one layout on the mesh (:meth:`pool_layout`)."""
         if self.mesh is None:
             return pool
-        return jax.lax.with_sharding_constraint(pool, pool_shardings(self.mesh, self.rules, pool))
+        return jax.lax.with_sharding_constraint(pool, self.pool_layout(pool))
 
     def readable(self, packed: jax.Array) -> jax.Array:
         """Results the host reads, replicated on a mesh spanning processes (each process reads its own copy)."""
