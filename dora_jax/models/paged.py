@@ -8,7 +8,8 @@ layer's pages before every call (a custom call takes whole buffers). For the rag
 :class:`InterleavedKV` ``[L, N, P, 2K, d]``, read the same way. Page 0 (of each shard) is scratch: it belongs to no
 slot, takes the writes that must land nowhere, and table entries past a slot's pages point there. On a mesh that
 splits the slots over S batch shards, the pages split the same way, tables hold page ids within the slot's shard,
-and slot ``b`` of B is in shard ``b // (B / S)``. Entry point: :func:`decode_forward_paged`. See docs/rollout.md,
+and slot ``b`` of B is in shard ``b // (B / S)``; the pool's layout on a mesh is its owner's to pin (the engine's,
+``DecodePrograms.pool_layout``). Entry point: :func:`decode_forward_paged`. See docs/rollout.md,
 'How a decode step runs' and 'Paged KV cache'.
 
 Shapes: B slots, H query heads, K kv heads, G = H // K, d head dim, N pages, P tokens per page, W pages per
@@ -31,7 +32,7 @@ from dora_jax.kernels.paged_attention import (RAGGED_IMPL, LivePlan, compute_blo
                                               ragged_paged_attention)
 from dora_jax.models.decoder import (DecodeSettings, decoder_layers, embed_tokens, head_logits,
                                      resolve_attention_impl)
-from dora_jax.sharding import Rules, constrain, logical_to_spec
+from dora_jax.sharding import Rules, logical_to_spec
 
 SCRATCH_PAGE = 0
 
@@ -152,11 +153,6 @@ class InterleavedKV(NamedTuple):
 Pool = PagedKV | InterleavedKV
 
 
-def pinned(pool: Pool) -> Pool:
-    """``pool`` constrained to its layout's logical axes."""
-    return type(pool)(*(constrain(x, pool.axes()) for x in pool))
-
-
 def init_pages(cfg: ModelConfig, num_pages: int, page_tokens: int, dtype: str | None = None,
                impl: str = "xla") -> Pool:
     """A zero pool of ``num_pages`` pages (page 0, scratch, included), laid out for the attention ``impl``."""
@@ -189,13 +185,13 @@ def write_pages(pool: Pool, k_lbkd: jax.Array, v_lbkd: jax.Array, page_b: jax.Ar
                 shards: int = 1) -> Pool:
     """Writes one token per row (``k``, ``v`` [L, B, K, d]), every layer, with one scatter per tensor (in place
     when the pool is donated). ``page_b`` are page ids within each row's shard."""
-    return pinned(pool.write_tokens(k_lbkd, v_lbkd, page_b, row_b, shards))
+    return pool.write_tokens(k_lbkd, v_lbkd, page_b, row_b, shards)
 
 
 def write_prompt_pages(pool: Pool, k_lrktd: jax.Array, v_lrktd: jax.Array, page_rt: jax.Array,
                        row_rt: jax.Array) -> Pool:
     """Writes prompts' entries (``k``, ``v`` [L, R, K, T, d]) at (page, row) per token [R, T]."""
-    return pinned(pool.write_prompts(k_lrktd, v_lrktd, page_rt, row_rt))
+    return pool.write_prompts(k_lrktd, v_lrktd, page_rt, row_rt)
 
 
 def attention_read_tokens(impl: str, lengths, table_width: int, page_tokens: int, head_dim: int,
@@ -341,5 +337,5 @@ def decode_forward_paged(cfg: ModelConfig, p: dict, tokens_b: jax.Array, positio
             return att[:, None], view
 
         x, view, _ = decoder_layers(cfg, p["layers"], x0, positions_bt, attend, state=view)
-        pool = pinned(type(pool)(*(a.reshape(b.shape) for a, b in zip(view, pool))))
+        pool = type(pool)(*(a.reshape(b.shape) for a, b in zip(view, pool)))
     return head_logits(cfg, p, x)[:, 0], pool
