@@ -75,6 +75,14 @@ def logical_to_spec(axes: Sequence[str | None], rules: Rules, *, where: str = ""
     return P(*out)
 
 
+def mesh_axes(logical: str, mesh: Mesh, rules: Rules) -> tuple[tuple[str, ...], int]:
+    """The axes of ``mesh`` that ``rules`` map the logical axis ``logical`` to (those ``mesh`` has), and how many
+    shards they make together (1 for none)."""
+    entry = logical_to_spec((logical,), rules)[0]
+    names = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in mesh.shape)
+    return names, math.prod(mesh.shape[a] for a in names)
+
+
 def check_divisible(shape: Sequence[int], spec: P, mesh: Mesh, *, where: str,
                     axes: Sequence[str | None] = ()) -> None:
     """Raises a ConfigError naming ``where`` if a mesh axis does not divide the dimension it shards."""

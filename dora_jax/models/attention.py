@@ -232,7 +232,7 @@ def splash_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array, se
 def _per_shard(fn, q, k, v, seg):
     """Runs ``fn`` per shard of the active mesh (rows over the batch axes, heads over the head axes); without a
     multi-device mesh, calls ``fn``."""
-    from dora_jax.sharding import active_mesh, logical_to_spec
+    from dora_jax.sharding import active_mesh, mesh_axes
 
     active = active_mesh()
     if active is None or active[0].size == 1:
@@ -240,14 +240,9 @@ def _per_shard(fn, q, k, v, seg):
     mesh, rules = active
     from jax.sharding import PartitionSpec as P
 
-    batch = logical_to_spec(("batch",), rules)[0]
-    heads = logical_to_spec(("act_kv_heads",), rules)[0]
-    n_heads = math.prod(mesh.shape[a] for a in ((heads,) if isinstance(heads, str) else (heads or ())))
-    n_batch = math.prod(mesh.shape[a] for a in ((batch,) if isinstance(batch, str) else (batch or ())))
-    if k.shape[2] % n_heads:
-        heads = None
-    if q.shape[0] % n_batch:
-        batch = None
+    (batch, n_batch), (heads, n_heads) = (mesh_axes(a, mesh, rules) for a in ("batch", "act_kv_heads"))
+    batch = None if not batch or q.shape[0] % n_batch else batch[0] if len(batch) == 1 else batch
+    heads = None if not heads or k.shape[2] % n_heads else heads[0] if len(heads) == 1 else heads
     qkv = P(batch, None, heads, None)
     return jax.shard_map(fn, mesh=mesh, in_specs=(qkv, qkv, qkv, P(batch, None)), out_specs=qkv,
                          check_vma=False)(q, k, v, seg)

@@ -2,9 +2,8 @@
 
 The pool is ``[K, L, N, P, d]`` for keys and for values (:class:`PagedKV`); token ``i`` of a slot sits in page
 ``tables[b, i // P]`` at row ``i % P`` (of every layer). Layers sit next to the pages so that ``[K, L * N, P, d]``
-is a view of the same buffer: a paged kernel, which reads ``[K, N, P, d]`` and page ids, reads layer ``l`` in place
-through page ids offset by ``l * N``; handing it a layer slice of an ``[L, ...]`` pool would make XLA copy that
-layer's pages before every call (a custom call takes whole buffers). For the ragged TPU kernel the pool is
+is a view of the same buffer, in which a paged kernel (reading ``[K, N, P, d]`` and page ids) finds layer ``l``'s
+page ``t`` at ``l * N + t`` (docs/rollout.md, 'Paged KV cache'). For the ragged TPU kernel the pool is
 :class:`InterleavedKV` ``[L, N, P, 2K, d]``, read the same way. Page 0 (of each shard) is scratch: it belongs to no
 slot, takes the writes that must land nowhere, and table entries past a slot's pages point there. On a mesh that
 splits the slots over S batch shards, the pages split the same way, tables hold page ids within the slot's shard,
@@ -19,7 +18,6 @@ table, L layers.
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -32,7 +30,7 @@ from dora_jax.kernels.paged_attention import (RAGGED_IMPL, LivePlan, compute_blo
                                               ragged_paged_attention)
 from dora_jax.models.decoder import (DecodeSettings, decoder_layers, embed_tokens, head_logits,
                                      resolve_attention_impl)
-from dora_jax.sharding import Rules, logical_to_spec
+from dora_jax.sharding import Rules, mesh_axes
 
 SCRATCH_PAGE = 0
 
@@ -44,8 +42,8 @@ class PagedKV(NamedTuple):
     k: jax.Array
     v: jax.Array
 
-    # The kv-head axis, and the entries each kv head has on it (a tensor shard holds whole heads).
-    HEAD_AXIS, HEAD_ENTRIES = 0, 1
+    # The kv-head axis (of the pool, of :meth:`layer_view`), and the entries each kv head has on it.
+    HEAD_AXIS, VIEW_HEAD_AXIS, HEAD_ENTRIES = 0, 0, 1
 
     @staticmethod
     def axes() -> tuple[str | None, ...]:
@@ -106,13 +104,13 @@ def interleave_heads(k: jax.Array, v: jax.Array) -> jax.Array:
 
 class InterleavedKV(NamedTuple):
     """Every layer's pages with each kv head's key and value side by side: ``kv`` [L, N, P, 2K, d]
-    (:func:`interleave_heads`), the layout ``ragged_paged_attention`` (``pallas_tpu_ragged``) reads. Layers sit
-    next to the pages for the same reason as in :class:`PagedKV`: ``[L * N, P, 2K, d]`` is a view."""
+    (:func:`interleave_heads`), the layout ``ragged_paged_attention`` (``pallas_tpu_ragged``) reads, as the view
+    ``[L * N, P, 2K, d]``."""
 
     kv: jax.Array
 
     # A tensor shard of the 2K axis must hold whole (key, value) pairs: it is split only where K divides.
-    HEAD_AXIS, HEAD_ENTRIES = 3, 2
+    HEAD_AXIS, VIEW_HEAD_AXIS, HEAD_ENTRIES = 3, 2, 2
 
     @staticmethod
     def axes() -> tuple[str | None, ...]:
@@ -265,17 +263,14 @@ def sharded_live_attention(q_bhd, k_pool, v_pool, layer, plan, k_new_bkd, v_new_
 
 
 def _per_head_shard(call, mesh_rules, head_axis: int, entries: int, q_bhd, pages: tuple, tables_bw, lengths_b):
-    """``call(q, *pages, tables, lengths)`` once per shard of the kv heads over the mesh's tensor axes (query
-    heads split alike), through ``shard_map``: attention never mixes heads, and a kernel (a custom call) cannot
-    be partitioned by XLA, which would gather every head's pages onto each device before every call. ``pages``
-    hold each kv head's ``entries`` side by side on ``head_axis``. As is where heads are not split (no mesh, one
-    shard, or kv heads the axes do not divide: the pool is kept whole, :func:`pool_shardings`)."""
+    """``call(q, *pages, tables, lengths)`` once per shard of the kv heads over the mesh's head axes (query heads
+    split alike), through ``shard_map`` (docs/rollout.md, 'Decode attention over pages'). ``pages`` hold each kv
+    head's ``entries`` side by side on ``head_axis``. One call where heads are not split: no mesh, one shard, or
+    kv heads the axes do not divide."""
     if mesh_rules is None:
         return call(q_bhd, *pages, tables_bw, lengths_b)
     mesh, rules = mesh_rules
-    heads = logical_to_spec(("act_kv_heads",), rules)[0]
-    names = tuple(a for a in ((heads,) if isinstance(heads, str) else heads or ()) if a in mesh.shape)
-    n = math.prod(mesh.shape[a] for a in names)
+    names, n = mesh_axes("act_kv_heads", mesh, rules)
     if n == 1 or (pages[0].shape[head_axis] // entries) % n or q_bhd.shape[1] % n:
         return call(q_bhd, *pages, tables_bw, lengths_b)
     axis = names if len(names) > 1 else names[0]
@@ -322,18 +317,16 @@ def decode_forward_paged(cfg: ModelConfig, p: dict, tokens_b: jax.Array, positio
             raise ValueError(f"attention_impl {impl!r} reads one pool: slots split over {shards} batch shards "
                              "need attention_impl='xla'")
         n, view = pool.num_pages, pool.layer_view()
+        call = (ragged_paged_attention if impl == RAGGED_IMPL
+                else functools.partial(paged_attention, impl=impl, interpret=settings.pallas_interpret))
 
         def attend(q, k, v, i, view):
             page_i, tables_i = page_b + i * n, tables_bw + i * n  # layer i's pages in the view
             # The kernels read the current token from the pool: write this layer's entry first, so the pool is
             # the layers' carry.
             view = view.write_view_token(view, k[:, 0], v[:, 0], page_i, row_b)
-            if impl == RAGGED_IMPL:
-                att = _per_head_shard(ragged_paged_attention, mesh_rules, 2, 2, q[:, 0], tuple(view), tables_i,
-                                      positions_b + 1)
-            else:
-                call = functools.partial(paged_attention, impl=impl, interpret=settings.pallas_interpret)
-                att = _per_head_shard(call, mesh_rules, 0, 1, q[:, 0], tuple(view), tables_i, positions_b + 1)
+            att = _per_head_shard(call, mesh_rules, view.VIEW_HEAD_AXIS, view.HEAD_ENTRIES, q[:, 0], tuple(view),
+                                  tables_i, positions_b + 1)
             return att[:, None], view
 
         x, view, _ = decoder_layers(cfg, p["layers"], x0, positions_bt, attend, state=view)

@@ -29,7 +29,7 @@ from dora_jax.rollout.page_book import PageBook, StateRecords
 from dora_jax.rollout.pages import DEFAULT_PAGE_TOKENS, PageError, bucket, pages_for
 from dora_jax.rollout.programs import DecodePrograms, jitted_programs
 from dora_jax.rollout.sampling import SamplingParams
-from dora_jax.sharding import Rules, logical_to_spec, serial_jit
+from dora_jax.sharding import Rules, mesh_axes, serial_jit
 
 
 def _check_settings(dtype: str, settings: DecodeSettings) -> None:
@@ -74,9 +74,7 @@ def batch_shards(mesh: Mesh | None, rules: Rules, slots: int) -> int:
     """How many shards the mesh's batch axes split ``slots`` decode slots into (1 where they do not divide)."""
     if mesh is None:
         return 1
-    entry = logical_to_spec(("batch",), rules)[0]
-    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    n = int(np.prod([mesh.shape[a] for a in names if a in mesh.shape]))
+    n = mesh_axes("batch", mesh, rules)[1]
     return n if n > 1 and slots % n == 0 else 1
 
 

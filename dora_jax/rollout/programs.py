@@ -107,8 +107,7 @@ class DecodePrograms:
 
     def pool_layout(self, pool: Pool) -> Pool:
         """The page pool's shardings on the mesh: KV heads over the tensor axes; pages over the batch axes for
-        the XLA attention, or where the slots split over them too (a kernel reads one whole pool, and pages split
-        apart from the slots would be gathered for every call)."""
+        the XLA attention, and for a kernel only where the slots split over them too (docs/rollout.md)."""
         split = self.shards > 1 or resolve_attention_impl(self.settings) == "xla"
         return pool_shardings(self.mesh, self.rules, pool, split_pages=split)
 

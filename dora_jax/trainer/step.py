@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dora_jax.config import Config, ConfigError, TrainConfig
-from dora_jax.sharding import Rules, activate, constrain, logical_to_spec, serial_jit
+from dora_jax.sharding import Rules, activate, constrain, logical_to_spec, mesh_axes, serial_jit
 from dora_jax.trainer import lora as lora_lib
 from dora_jax.trainer.batch import BatchError, TrainBatch, bucket_rows, check_batch
 from dora_jax.models.decoder import TrainSettings, head_logits
@@ -322,8 +322,7 @@ class Trainer:
         batch_axes = logical_to_spec(("batch",), rules)[0]
         self._row = NamedSharding(mesh, P(batch_axes))
         self._row_tok = NamedSharding(mesh, P(batch_axes, None))
-        names = (batch_axes,) if isinstance(batch_axes, str) else (batch_axes or ())
-        self.data_parallel = int(np.prod([mesh.shape[a] for a in names])) if names else 1
+        self.data_parallel = mesh_axes("batch", mesh, rules)[1]
         self.batch_shardings = TrainBatch(
             tokens=self._row_tok, segment_ids=self._row_tok, loss_mask=self._row_tok,
             behaviour_logprobs=self._row_tok, recomputed_logprobs=self._row_tok, ref_logprobs=self._row_tok,
