@@ -533,8 +533,7 @@ def measure_decode(eng, prepared, requests, warmup=None, prefix=()) -> dict[str,
     run(warmup or requests), run(firsts)
     # The timed run counts its compiles and its attention's reads (the counting's host time taken off).
     before, eng.count_reads = compile_count(), True
-    eng.reads.read = eng.reads.live = 0
-    eng.reads.seconds = 0.0
+    eng.reads.reset()
     d, trajs, seconds = run(requests)
     compiles, eng.count_reads = compile_count() - before, False
     seconds -= eng.reads.seconds
@@ -552,7 +551,8 @@ def measure_decode(eng, prepared, requests, warmup=None, prefix=()) -> dict[str,
             **_per_dispatch(d.stats), "slot_utilization": d.stats.slot_utilization,
             "kv_bytes_ratio": None if ratio is None else float(ratio),
             "compiles_during_timing": compiles.compiles, "compile_cache_loads_during_timing": compiles.cache_loads,
-            "kv_read_ratio": eng.reads.ratio, "host_ms_per_dispatch": 1e3 * host_s / max(d.stats.dispatches, 1),
+            "kv_read_ratio": eng.reads.ratio, "attention_trips_per_step": eng.reads.trips_per_step,
+            "host_ms_per_dispatch": 1e3 * host_s / max(d.stats.dispatches, 1),
             "dispatches": d.stats.dispatches}
 
 
@@ -588,13 +588,14 @@ def _top_level(preset: str, summary: dict[str, Any], bw: float, source: str, hf:
             "slot_utilization": summary["slot_utilization"], "hf_tokens_per_s": hf,
             "bandwidth_bytes_s": bw, "bandwidth_source": source,
             **{k: summary.get(k) for k in ("compiles_during_timing", "kv_read_ratio", "host_ms_per_dispatch",
-                                           "kernels_per_layer", "warmup_s")}}
+                                           "attention_trips_per_step", "kernels_per_layer",
+                                           "kernels_per_layer_step", "warmup_s")}}
 
 
 def warm_engine(eng, prepared, **plan_args) -> dict[str, Any]:
     """``warmup.warmup`` with the figures a benchmark records: ``warmup_s``, ``warmup_programs`` and
     ``kernels_per_layer`` (kernels of one layer of the widest decode program, from its compiled HLO, and of one
-    tile of the attention loop inside it)."""
+    trip of the attention loop inside it)."""
     from dora_jax.compiles import layer_kernels
     from dora_jax.rollout.warmup import warmup, warmup_plan
 
@@ -603,7 +604,18 @@ def warm_engine(eng, prepared, **plan_args) -> dict[str, Any]:
     counts = layer_kernels(eng.compiled.lower(name, *args).compile().as_text(), eng.cfg.num_layers)
     return {"warmup_s": got["seconds"], "warmup_programs": got["programs"],
             "kernels_per_layer": None if counts is None else counts["per_layer"],
-            "kernels_per_attention_tile": None if counts is None else counts["per_inner_trip"]}
+            "kernels_per_attention_trip": None if counts is None else counts["per_inner_trip"]}
+
+
+def kernels_per_layer_step(summary: dict[str, Any]) -> float | None:
+    """Kernels one layer launches per decode step: its own, and its attention loop's per trip times the trips a
+    step takes (``attention_trips_per_step``). On a GPU each launch costs microseconds whatever its size, and each
+    trip of a loop whose count is data also a read of its condition by the host."""
+    per_layer, per_trip = summary.get("kernels_per_layer"), summary.get("kernels_per_attention_trip")
+    trips = summary.get("attention_trips_per_step")
+    if per_layer is None or per_trip is None or trips is None:
+        return None
+    return per_layer + per_trip * trips
 
 
 def bench_engine_accel(quick: bool = False, batches: tuple[int, ...] | None = None, seed: int = 0,
@@ -658,6 +670,7 @@ def bench_engine_accel(quick: bool = False, batches: tuple[int, ...] | None = No
         # The prompts' prefill and insertion once more before timing (every program is compiled already).
         s = measure_decode(eng, prepared, reqs, warmup=[dataclasses.replace(r, max_new_tokens=1) for r in reqs])
         s.update(warm)
+        s["kernels_per_layer_step"] = kernels_per_layer_step(s)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(prepared.tree))
         token_bytes = kv_token_bytes(eng.cfg)
         _roofline(s, weight_bytes, token_bytes, bw)

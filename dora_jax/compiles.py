@@ -190,8 +190,9 @@ def _computations(hlo_text: str) -> dict[str, list[tuple[str, str]]]:
 def layer_kernels(hlo_text: str, num_layers: int) -> dict[str, int] | None:
     """Kernels (instructions that launch work) per layer of a compiled program whose layers run in one scan:
     the body of the while loop XLA found ``num_layers`` trips for. ``per_layer`` counts the body's own kernels
-    (a loop inside it once), ``per_inner_trip`` the kernels of the loops inside it per trip (the live-reading
-    attention's tiles). None when no such loop is found (XLA unrolled it)."""
+    (a loop inside it once), ``per_inner_trip`` the kernels one trip of a loop inside it runs (the live-reading
+    attention's tile groups; the largest loop body where there are several, 0 where there is none). None when
+    no such loop is found (XLA unrolled it)."""
     comps = _computations(hlo_text)
     trips = re.compile(r'known_trip_count":\{"n":"(\d+)"')
     body_of = re.compile(r"body=%?([\w.\-]+)")
@@ -202,5 +203,6 @@ def layer_kernels(hlo_text: str, num_layers: int) -> dict[str, int] | None:
                 body = comps.get(body_of.search(line).group(1), [])
                 inner = [comps.get(body_of.search(x).group(1), []) for o, x in body if o == "while"]
                 return {"per_layer": sum(o not in _FREE_OPS for o, _ in body),
-                        "per_inner_trip": sum(o not in _FREE_OPS for ops_ in inner for o, _ in ops_)}
+                        "per_inner_trip": max((sum(o not in _FREE_OPS for o, _ in ops_) for ops_ in inner),
+                                              default=0)}
     return None

@@ -103,6 +103,10 @@ def _shapes(q, k_pages, v_pages, tables, lengths):
 # they take classes of fewer rows (less padding next to a long row) and longer blocks (fewer trips for the same
 # rounding). At most LIVE_ROW_CLASSES classes.
 LIVE_ROW_CLASSES = 32
+# Tiles one loop trip reads: whole groups of 16 first, then of 4, then single tiles, so that no trip reads a
+# tile the step does not need. Each trip is a round of small kernels (and on a GPU a read of the loop's
+# condition by the host), so trips, not tiles, are what a step pays per layer beyond its bytes.
+LIVE_TILE_GROUPS = (16, 4, 1)
 
 
 def live_block_tokens(slots: int) -> int:
@@ -159,9 +163,8 @@ def live_plan(tables_bw: jax.Array, lengths_b: jax.Array, page_tokens: int, *,
                     ends[-1].astype(jnp.int32))
 
 
-def live_read_tokens(lengths, table_width: int, page_tokens: int, *, row_classes: int = LIVE_ROW_CLASSES) -> int:
-    """Cached tokens one layer of :func:`live_paged_attention` reads for slots of ``lengths`` (numpy, host):
-    what ``kv_read_ratio`` counts for the XLA path."""
+def _live_blocks(lengths, table_width: int, page_tokens: int, row_classes: int):
+    """Host-side :func:`live_plan` of ``lengths`` (numpy): each class's blocks, rows per class, pages per block."""
     lengths = np.sort(np.asarray(lengths, np.int64))[::-1]
     b = lengths.shape[0]
     bp = live_block_pages(table_width, page_tokens, b)
@@ -169,8 +172,23 @@ def live_read_tokens(lengths, table_width: int, page_tokens: int, *, row_classes
     r = -(-b // c)
     padded = np.zeros((c * r,), np.int64)
     padded[:b] = lengths
-    blocks = -(-padded.reshape(c, r).max(axis=1) // (bp * page_tokens))
+    return -(-padded.reshape(c, r).max(axis=1) // (bp * page_tokens)), r, bp
+
+
+def live_read_tokens(lengths, table_width: int, page_tokens: int, *, row_classes: int = LIVE_ROW_CLASSES) -> int:
+    """Cached tokens one layer of :func:`live_paged_attention` reads for slots of ``lengths`` (numpy, host):
+    what ``kv_read_ratio`` counts for the XLA path."""
+    blocks, r, bp = _live_blocks(lengths, table_width, page_tokens, row_classes)
     return int(blocks.sum() * r * bp * page_tokens)
+
+
+def live_trips(lengths, table_width: int, page_tokens: int, *, row_classes: int = LIVE_ROW_CLASSES) -> int:
+    """Loop trips one layer of :func:`live_paged_attention` takes for slots of ``lengths`` (numpy, host)."""
+    tiles = int(_live_blocks(lengths, table_width, page_tokens, row_classes)[0].sum())
+    trips = 0
+    for n in LIVE_TILE_GROUPS:
+        trips, tiles = trips + tiles // n, tiles % n
+    return trips
 
 
 def live_paged_attention(q_bhd: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array,
@@ -206,26 +224,36 @@ def live_paged_attention(q_bhd: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         l0 = jnp.ones_like(m0)
         acc0 = by_class(jnp.broadcast_to(v_new_bkd[:, :, None].astype(f32), (b, kv, g, d)))
 
-    def body(carry):
-        t, m, l, acc = carry
-        cls = jnp.sum(t >= plan.starts + plan.blocks).astype(jnp.int32)  # the class whose tiles hold t
-        blk = t - plan.starts[cls]
-        tab = jax.lax.dynamic_slice_in_dim(plan.tables[cls], blk * bp, bp, axis=1)  # [R, bp]
-        k_b = k_pool[:, layer, tab]  # [K, R, bp, P, d]
-        v_b = v_pool[:, layer, tab]
-        s = jnp.einsum("rkgd,krjpd->rkgjp", q_c[cls], k_b, preferred_element_type=f32) * scale
-        pos = blk * bp * p + jnp.arange(bp * p, dtype=jnp.int32).reshape(bp, p)
-        valid = (pos[None] < plan.lengths[cls][:, None, None])[:, None, None]  # [R, 1, 1, bp, P]
-        m_old, l_old, acc_old = m[cls], l[cls], acc[cls]
-        m_new = jnp.maximum(m_old, jnp.max(jnp.where(valid, s, _MASK_VALUE), axis=(-2, -1)))
-        e = jnp.where(valid, jnp.exp(s - m_new[..., None, None]), 0.0)
-        alpha = jnp.exp(m_old - m_new)
-        l_new = l_old * alpha + jnp.sum(e, axis=(-2, -1))
-        pv = jnp.einsum("rkgjp,krjpd->rkgd", e.astype(v_b.dtype), v_b, preferred_element_type=f32)
-        acc_new = acc_old * alpha[..., None] + pv
-        return t + 1, m.at[cls].set(m_new), l.at[cls].set(l_new), acc.at[cls].set(acc_new)
+    ends = plan.starts + plan.blocks
+    tables = plan.tables.reshape(c, r, -1, bp)  # [C, R, nblk, bp]
 
-    _, _, l, acc = jax.lax.while_loop(lambda carry: carry[0] < plan.tiles, body, (jnp.int32(0), m0, l0, acc0))
+    def group(n):
+        def body(carry):  # tiles t .. t + n - 1, each (class, block), folded into their classes' softmax
+            t, m, l, acc = carry
+            tile = t + jnp.arange(n, dtype=jnp.int32)
+            cls = jnp.sum(tile[:, None] >= ends[None, :], axis=1).astype(jnp.int32)  # [n]
+            blk = tile - plan.starts[cls]
+            tab = tables[cls, :, blk]  # [n, R, bp]
+            k_b = k_pool[:, layer, tab]  # [K, n, R, bp, P, d]
+            v_b = v_pool[:, layer, tab]
+            s = jnp.einsum("trkhd,ktrjpd->trkhjp", q_c[cls], k_b, preferred_element_type=f32) * scale
+            pos = (blk * bp * p)[:, None, None] + jnp.arange(bp * p, dtype=jnp.int32).reshape(bp, p)  # [n, bp, P]
+            valid = (pos[:, None] < plan.lengths[cls][:, :, None, None])[:, :, None, None]  # [n, R, 1, 1, bp, P]
+            # Tiles of one class in the group share its new maximum (a scatter-max over the group's tiles).
+            m_new = m.at[cls].max(jnp.max(jnp.where(valid, s, _MASK_VALUE), axis=(-2, -1)))
+            e = jnp.where(valid, jnp.exp(s - m_new[cls][..., None, None]), 0.0)
+            pv = jnp.einsum("trkhjp,ktrjpd->trkhd", e.astype(v_b.dtype), v_b, preferred_element_type=f32)
+            alpha = jnp.exp(m - m_new)
+            l_new = (l * alpha).at[cls].add(jnp.sum(e, axis=(-2, -1)))
+            acc_new = (acc * alpha[..., None]).at[cls].add(pv)
+            return t + n, m_new, l_new, acc_new
+
+        return body
+
+    carry = (jnp.int32(0), m0, l0, acc0)
+    for n in LIVE_TILE_GROUPS:  # whole groups of the largest size, then the rest in smaller ones: no padding
+        carry = jax.lax.while_loop(lambda c_, n=n: c_[0] + n <= plan.tiles, group(n), carry)
+    _, _, l, acc = carry
     # l is 0 only for a row with no token at all (no new one, length 0): it gets zeros.
     out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(c * r, kv, g, d)
     # Back to slot order: padding rows (past B) are dropped by the scatter.

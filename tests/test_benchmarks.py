@@ -235,11 +235,15 @@ def test_the_quick_accel_engine_preset_runs_on_cpu(tmp_path, capsys):
                                 profile=str(tmp_path / "trace"))
     for key in ("device", "date", "preset", "tokens_per_s", "roofline_fraction", "kv_bytes_ratio",
                 "decode_steps_per_dispatch", "slot_utilization", "hf_tokens_per_s", "bandwidth_source",
-                "compiles_during_timing", "kv_read_ratio", "host_ms_per_dispatch", "kernels_per_layer", "warmup_s"):
+                "compiles_during_timing", "kv_read_ratio", "host_ms_per_dispatch", "kernels_per_layer",
+                "attention_trips_per_step", "kernels_per_layer_step", "warmup_s"):
         assert key in result, key
     assert result["compiles_during_timing"] == 0
     assert result["kv_read_ratio"] >= 1 and result["host_ms_per_dispatch"] > 0 and result["warmup_s"] > 0
-    assert result["kernels_per_layer"] > 0
+    assert result["kernels_per_layer"] > 0 and result["attention_trips_per_step"] > 0
+    largest = result["batches"]["8"]
+    assert result["kernels_per_layer_step"] == pytest.approx(
+        largest["kernels_per_layer"] + largest["kernels_per_attention_trip"] * largest["attention_trips_per_step"])
     top = json.loads((tmp_path / "trace" / "top_ops.json").read_text())
     assert top == result["profile"] and top["steps"] >= 1 and top["top_ops"]
     assert all(op["ms_per_step"] >= 0 and op["count"] >= 1 for op in top["top_ops"])

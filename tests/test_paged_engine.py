@@ -316,12 +316,12 @@ def _float64_attention(q, k_pool, v_pool, layer, tables, lengths, k_new, v_new):
 
 
 @pytest.mark.parametrize("slots, width, page, kv, g", [(5, 6, 4, 2, 3), (32, 20, 4, 1, 2), (3, 1, 16, 2, 1),
-                                                       (17, 40, 2, 2, 2)])
+                                                       (17, 40, 2, 2, 2), (128, 24, 8, 1, 2)])
 def test_live_attention_reads_live_blocks_and_equals_float64(slots, width, page, kv, g):
     """The XLA decode path that reads only each length class's live page blocks equals a float64 softmax over
-    each row's tokens (rows of length 0, rows longer than one block, slots not a multiple of the classes), and
-    its host count of tokens read is the blocks its loop ran."""
-    from dora_jax.kernels.paged_attention import live_paged_attention, live_plan, live_read_tokens
+    each row's tokens (rows of length 0, rows longer than one block, slots not a multiple of the classes, tiles
+    of one class in one group of a trip), and its host count of tokens read is the blocks its loop ran."""
+    from dora_jax.kernels.paged_attention import live_paged_attention, live_plan, live_read_tokens, live_trips
 
     rng = np.random.default_rng(slots)
     d, layers, n = 8, 3, slots * width + 1
@@ -342,9 +342,21 @@ def test_live_attention_reads_live_blocks_and_equals_float64(slots, width, page,
                                    jnp.asarray(k_new), jnp.asarray(v_new), block_pages=bp)
         want = _float64_attention(q, k_pool, v_pool, layer, tables, lengths, k_new, v_new)
         assert rel_err(got, want) <= 1e-5
-    rows = plan.tables.shape[1]
-    assert live_read_tokens(lengths, width, page) == int(plan.tiles) * rows * bp * page >= lengths.sum()
+    rows, tiles = plan.tables.shape[1], int(plan.tiles)
+    assert live_read_tokens(lengths, width, page) == tiles * rows * bp * page >= lengths.sum()
+    assert live_trips(lengths, width, page) == tiles // 16 + tiles % 16 // 4 + tiles % 4
     # Sorted into classes, 256 slots with a long tail read a fraction of what every slot read to the widest
     # would (about 6x their live tokens); unsorted classes would read near that.
     tail = 256 + rng.integers(128, 384, 256) + rng.integers(1, 4096, 256) * (rng.random(256) < 0.08)
     assert live_read_tokens(tail, 272, 16) < 1.4 * tail.sum() < 0.3 * 256 * tail.max()
+
+
+def test_live_attention_trips_are_tile_groups():
+    """128 slots in 16 classes of 8 rows, class c holding rows of (c + 1) blocks of 128 tokens: 136 tiles that
+    read exactly the live tokens, in 8 trips of 16 tiles and 2 of 4 (a loop trip per tile would be 136)."""
+    from dora_jax.kernels.paged_attention import live_read_tokens, live_trips
+
+    lengths = np.repeat(128 * np.arange(1, 17), 8)
+    assert live_read_tokens(lengths, 272, 16) == lengths.sum() == 136 * 8 * 128
+    assert live_trips(lengths, 272, 16) == 10
+    assert live_trips(lengths[:8], 272, 16) == 1  # 8 rows of 128: 4 classes of 2, a block each, one trip of 4

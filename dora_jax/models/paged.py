@@ -26,8 +26,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from dora_jax.config import ModelConfig
 from dora_jax.kernels.paged_attention import (RAGGED_IMPL, LivePlan, compute_block_pages, live_block_pages,
-                                              live_paged_attention, live_plan, live_read_tokens, paged_attention,
-                                              ragged_paged_attention)
+                                              live_paged_attention, live_plan, live_read_tokens, live_trips,
+                                              paged_attention, ragged_paged_attention)
 from dora_jax.models.decoder import (DecodeSettings, decoder_layers, embed_tokens, head_logits,
                                      resolve_attention_impl)
 from dora_jax.sharding import Rules, mesh_axes
@@ -205,15 +205,26 @@ def attention_read_tokens(impl: str, lengths, table_width: int, page_tokens: int
     return int((-(-lengths // block) * block).sum())
 
 
+def attention_trips(impl: str, lengths, table_width: int, page_tokens: int) -> int:
+    """Loop trips one layer's decode attention takes for slots of ``lengths`` (numpy, host): the live-reading
+    XLA path's tile groups; 0 for a kernel, which launches once."""
+    return live_trips(lengths, table_width, page_tokens) if impl == "xla" else 0
+
+
 class ReadCounter:
     """Cached tokens a decode attention path reads (``read``) against the live tokens it has to read (``live``),
-    per layer, counted on the host from each program's results (the benchmarks' ``kv_read_ratio``)."""
+    per layer, and the loop trips it takes (``trips``) over the decode ``steps``, counted on the host from each
+    program's results (the benchmarks' ``kv_read_ratio`` and ``attention_trips_per_step``)."""
 
     def __init__(self, impl: str, shards: int, table_width: int, page_tokens: int, head_dim: int,
                  interpret: bool = False):
         self.impl, self.shards, self.table_width, self.page_tokens = impl, shards, table_width, page_tokens
         self.head_dim, self.interpret = head_dim, interpret
-        self.read = self.live = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Counts back to zero."""
+        self.read = self.live = self.trips = self.steps = 0
         self.seconds = 0.0  # host time the counting took (benchmarks take it off what they time)
 
     def add(self, starts: list, produced) -> None:
@@ -230,16 +241,26 @@ class ReadCounter:
             row += start.shape[0]
             for s in range(int(n.max(initial=0))):
                 lengths = np.where(n > s, start + s, 0)
-                for shard in np.split(lengths, self.shards):  # each shard's slots are planned apart
+                shards = np.split(lengths, self.shards)  # each shard's slots are planned apart
+                for shard in shards:
                     self.read += attention_read_tokens(self.impl, shard, self.table_width, self.page_tokens,
                                                        self.head_dim, self.interpret)
+                # The shards' loops run side by side (vmapped): as many trips as the longest.
+                self.trips += max(attention_trips(self.impl, x, self.table_width, self.page_tokens)
+                                  for x in shards)
                 self.live += int(lengths.sum())
+                self.steps += 1
         self.seconds += time.perf_counter() - t0
 
     @property
     def ratio(self) -> float | None:
         """Tokens read over live tokens (None before any was counted)."""
         return self.read / self.live if self.live else None
+
+    @property
+    def trips_per_step(self) -> float | None:
+        """Attention loop trips per layer and decode step (None before any step was counted)."""
+        return self.trips / self.steps if self.steps else None
 
 
 def sharded_live_plan(tables_bw: jax.Array, lengths_b: jax.Array, page_tokens: int, shards: int = 1) -> LivePlan:
