@@ -19,8 +19,8 @@ same folder keeps the parts it does not run again), and each part's whole output
 Every part shares one persistent compilation cache (``--compile-cache``), so nothing compiles twice in a lease.
 The order is what the project most needs measured on an accelerator, each part sized to fit a lease of about 15
 minutes, its start included, in two calls (``--budget-s 450``, then ``--budget-s 300 --only
-kernel,engine_accel,engine_accel_pallas,engine_accel_cmdbuf``): the engine at 256 sequences against its roofline, where the accel
-preset's decode step spends its time (a profile), DORA's speed-up over sync on reasoning-length
+engine_accel,engine_accel_cmdbuf,kernel``): the engine at 256 sequences against its roofline through the XLA path
+and through the Pallas paged kernel, where the accel preset's decode step spends its time (a profile), DORA's speed-up over sync on reasoning-length
 outputs on one device (``bench modes --preset reasoning``), the paged-attention kernel against its reference, the
 engine serving a 1.5B model at 64 sequences against its bandwidth roofline through the XLA gather and then through
 the Pallas paged kernel and with XLA's command buffers (CUDA graphs) over loops, the rollout engine against transformers (with the SmolLM2 weights), one decode step
@@ -49,6 +49,11 @@ PARTS = [
     # compiled before the clock starts (compiles_during_timing 0), roofline_fraction against 0.5.
     # A jax.profiler trace of its steady dispatches says where each millisecond goes (top_ops.json).
     ("engine_accel_256", ["engine", "--preset", "accel", "--batch", "256", "--profile", "{out}/trace_accel_256"],
+     150),
+    # The same at 256 through JAX's Pallas paged kernel: one launch per layer, where the XLA path's attention
+    # launches a round of about 27 small kernels per loop trip (several trips a layer, each a read of the loop's
+    # condition by the host on a GPU). Which of the two `auto` takes on a GPU is this pair's ratio.
+    ("engine_accel_256_pallas", ["engine", "--preset", "accel", "--batch", "256", "--attention-impl", "pallas_gpu"],
      150),
     # Where the time of the accel preset's decode step goes, op by op, at position 2,048 of 64 rows (a profiler
     # trace): that step measured 16-23 ms against a bandwidth roofline of 0.75-1.07 ms (H200, H100; 2026-11-26),

@@ -120,18 +120,20 @@ def live_class_rows(slots: int) -> int:
 
 
 class LivePlan(NamedTuple):
-    """What every layer's live-reading attention shares in one decode step (slots sorted by length, in classes).
+    """What every layer's live-reading attention shares in one decode step (slots sorted by length, in classes,
+    and each class's blocks listed as tiles).
 
-    ``order`` [C * R]: slot ids longest first (padding rows point at slot 0 with length 0); ``tables`` [C, R,
-    nblk * bp]; ``lengths`` [C, R]; ``blocks`` [C]: the blocks each class reads; ``starts`` [C]: its first tile;
-    ``tiles``: the tiles of the step (sum of ``blocks``)."""
+    ``order`` [C * R]: slot ids longest first (padding rows point at slot 0 with length 0); ``lengths`` [C, R];
+    ``tiles``: the tiles the step reads; tile ``t < tiles`` is block ``tile_block[t]`` of class ``tile_class[t]``,
+    whose rows read pages ``tile_tables[t]`` [R, bp] (at least ``C * nblk`` entries, those past ``tiles``
+    unused)."""
 
     order: jax.Array
-    tables: jax.Array
     lengths: jax.Array
-    blocks: jax.Array
-    starts: jax.Array
     tiles: jax.Array
+    tile_class: jax.Array
+    tile_block: jax.Array
+    tile_tables: jax.Array
 
 
 def live_block_pages(table_width: int, page_tokens: int, slots: int) -> int:
@@ -156,11 +158,16 @@ def live_plan(tables_bw: jax.Array, lengths_b: jax.Array, page_tokens: int, *,
     order = jnp.argsort(-lengths_b, stable=True).astype(jnp.int32)
     order = jnp.pad(order, (0, c * r - b))
     lengths = jnp.pad(lengths_b[order[:b]], (0, c * r - b)).reshape(c, r)
-    tables = jnp.pad(tables_bw, ((0, 0), (0, nblk * bp - w)))[order].reshape(c, r, nblk * bp)
+    tables = jnp.pad(tables_bw, ((0, 0), (0, nblk * bp - w)))[order].reshape(c, r, nblk, bp)
     blocks = -(-jnp.max(lengths, axis=1) // (bp * page_tokens))
     ends = jnp.cumsum(blocks)
-    return LivePlan(order, tables, lengths, blocks.astype(jnp.int32), (ends - blocks).astype(jnp.int32),
-                    ends[-1].astype(jnp.int32))
+    # The tiles in order, class by class: worked out once per step here, not in every layer's loop trips (at
+    # least a largest group's worth, for the loops' slices to trace).
+    tile = jnp.arange(max(c * nblk, LIVE_TILE_GROUPS[0]), dtype=jnp.int32)
+    tile_class = jnp.minimum(jnp.sum(tile[:, None] >= ends[None, :], axis=1), c - 1).astype(jnp.int32)
+    tile_block = jnp.clip(tile - (ends - blocks)[tile_class], 0, nblk - 1).astype(jnp.int32)
+    return LivePlan(order, lengths, ends[-1].astype(jnp.int32), tile_class, tile_block,
+                    tables[tile_class, :, tile_block])
 
 
 def _live_blocks(lengths, table_width: int, page_tokens: int, row_classes: int):
@@ -204,7 +211,7 @@ def live_paged_attention(q_bhd: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     them a row of length 0 gets zeros."""
     b, h, d = q_bhd.shape
     kv, p = k_pool.shape[0], k_pool.shape[3]
-    c, r, _ = plan.tables.shape
+    c, r = plan.lengths.shape
     bp = block_pages
     g = h // kv
     f32 = jnp.float32
@@ -224,16 +231,12 @@ def live_paged_attention(q_bhd: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         l0 = jnp.ones_like(m0)
         acc0 = by_class(jnp.broadcast_to(v_new_bkd[:, :, None].astype(f32), (b, kv, g, d)))
 
-    ends = plan.starts + plan.blocks
-    tables = plan.tables.reshape(c, r, -1, bp)  # [C, R, nblk, bp]
-
     def group(n):
         def body(carry):  # tiles t .. t + n - 1, each (class, block), folded into their classes' softmax
             t, m, l, acc = carry
-            tile = t + jnp.arange(n, dtype=jnp.int32)
-            cls = jnp.sum(tile[:, None] >= ends[None, :], axis=1).astype(jnp.int32)  # [n]
-            blk = tile - plan.starts[cls]
-            tab = tables[cls, :, blk]  # [n, R, bp]
+            cls = jax.lax.dynamic_slice_in_dim(plan.tile_class, t, n)  # [n]
+            blk = jax.lax.dynamic_slice_in_dim(plan.tile_block, t, n)
+            tab = jax.lax.dynamic_slice_in_dim(plan.tile_tables, t, n)  # [n, R, bp]
             k_b = k_pool[:, layer, tab]  # [K, n, R, bp, P, d]
             v_b = v_pool[:, layer, tab]
             s = jnp.einsum("trkhd,ktrjpd->trkhjp", q_c[cls], k_b, preferred_element_type=f32) * scale

@@ -342,7 +342,7 @@ def test_live_attention_reads_live_blocks_and_equals_float64(slots, width, page,
                                    jnp.asarray(k_new), jnp.asarray(v_new), block_pages=bp)
         want = _float64_attention(q, k_pool, v_pool, layer, tables, lengths, k_new, v_new)
         assert rel_err(got, want) <= 1e-5
-    rows, tiles = plan.tables.shape[1], int(plan.tiles)
+    rows, tiles = plan.lengths.shape[1], int(plan.tiles)
     assert live_read_tokens(lengths, width, page) == tiles * rows * bp * page >= lengths.sum()
     assert live_trips(lengths, width, page) == tiles // 16 + tiles % 16 // 4 + tiles % 4
     # Sorted into classes, 256 slots with a long tail read a fraction of what every slot read to the widest
