@@ -634,7 +634,8 @@ def bench_engine_accel(quick: bool = False, batches: tuple[int, ...] | None = No
     device ops go to ``top_ops.json`` there and under ``profile`` in the result.
 
     Every program is compiled before the clock starts (``warmup.warmup``; ``warmup_s``), and the timed run
-    records ``compiles_during_timing``, ``kv_read_ratio`` and ``host_ms_per_dispatch``.
+    records ``compiles_during_timing``, ``kv_read_ratio``, ``attention_trips_per_step`` (with the kernels one loop
+    trip runs, ``kernels_per_layer_step``) and ``host_ms_per_dispatch``.
     """
     import dataclasses
 

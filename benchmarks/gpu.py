@@ -18,11 +18,11 @@ same folder keeps the parts it does not run again), and each part's whole output
 
 Every part shares one persistent compilation cache (``--compile-cache``), so nothing compiles twice in a lease.
 The order is what the project most needs measured on an accelerator, each part sized to fit a lease of about 15
-minutes, its start included, in two calls (``--budget-s 450``, then ``--budget-s 300 --only
-engine_accel,engine_accel_cmdbuf,kernel``): the engine at 256 sequences against its roofline through the XLA path
+minutes, its start included, in two calls (``--budget-s 450``, then ``--budget-s 300 --only modes_reasoning``; the
+parts after those fill later leases): the engine at 256 sequences against its roofline through the XLA path
 and through the Pallas paged kernel, where the accel preset's decode step spends its time (a profile), DORA's speed-up over sync on reasoning-length
 outputs on one device (``bench modes --preset reasoning``), the paged-attention kernel against its reference, the
-engine serving a 1.5B model at 64 sequences against its bandwidth roofline through the XLA gather and then through
+engine serving a 1.5B model at 64 sequences against its bandwidth roofline through the XLA path and then through
 the Pallas paged kernel and with XLA's command buffers (CUDA graphs) over loops, the rollout engine against transformers (with the SmolLM2 weights), one decode step
 against its roofline, the modes side by side on a long-tailed workload (simulated beside it with this machine's
 cost profile), the cost profile alone (for ``dora-jax simulate --profile``), the trainer's throughput and MFU, the
@@ -67,9 +67,8 @@ PARTS = [
                          "--warm-rounds", "1", "--repeats", "1"], 300),
     ("kernel", ["kernel"], 45),
     # A Qwen2.5-1.5B-shaped model in bf16 at 64 sequences, outputs up to 4,096 tokens (at least 4,096 decode
-    # steps), through the XLA gather (the default), then through JAX's shipped Pallas paged-attention kernel,
-    # which stops at each slot's length where the gather reads every slot's whole page table: the default it
-    # must beat by 1.3x to replace, on the same machine.
+    # steps), through the XLA path (the default), then through JAX's shipped Pallas paged-attention kernel (both
+    # read only live tokens; the kernel in one launch a layer): the default it must beat by 1.3x to replace.
     ("engine_accel", ["engine", "--preset", "accel", "--batch", "64"], 120),
     ("engine_accel_pallas", ["engine", "--preset", "accel", "--batch", "64", "--attention-impl", "pallas_gpu"], 150),
     # The same run with XLA's command buffers (CUDA graphs) extended to loops and conditionals, so a decode
