@@ -51,7 +51,7 @@ PARTS = [
     ("engine_accel_256", ["engine", "--preset", "accel", "--batch", "256", "--profile", "{out}/trace_accel_256"],
      150),
     # The same at 256 through JAX's Pallas paged kernel: one launch per layer, where the XLA path's attention
-    # launches a round of about 27 small kernels per loop trip (several trips a layer, each a read of the loop's
+    # launches a round of about 25 small kernels per loop trip (several trips a layer, each a read of the loop's
     # condition by the host on a GPU). Which of the two `auto` takes on a GPU is this pair's ratio.
     ("engine_accel_256_pallas", ["engine", "--preset", "accel", "--batch", "256", "--attention-impl", "pallas_gpu"],
      150),
