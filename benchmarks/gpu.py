@@ -18,7 +18,7 @@ same folder keeps the parts it does not run again), and each part's whole output
 
 Every part shares one persistent compilation cache (``--compile-cache``), so nothing compiles twice in a lease.
 The order is what the project most needs measured on an accelerator, each part sized to fit a lease of about 15
-minutes, its start included, in two calls (``--budget-s 450``, then ``--budget-s 300 --only modes_reasoning``; the
+minutes, its start included, in two calls (``--budget-s 450``, then ``--budget-s 310 --only modes_reasoning``; the
 parts after those fill later leases): the engine at 256 sequences against its roofline through the XLA path
 and through the Pallas paged kernel, where the accel preset's decode step spends its time (a profile), DORA's speed-up over sync on reasoning-length
 outputs on one device (``bench modes --preset reasoning``), the paged-attention kernel against its reference, the

@@ -189,13 +189,21 @@ def live_read_tokens(lengths, table_width: int, page_tokens: int, *, row_classes
     return int(blocks.sum() * r * bp * page_tokens)
 
 
+def live_group_trips(lengths, table_width: int, page_tokens: int, *, row_classes: int = LIVE_ROW_CLASSES
+                     ) -> list[int]:
+    """Trips each loop of one layer of :func:`live_paged_attention` takes for slots of ``lengths`` (numpy, host),
+    one count per group size of :data:`LIVE_TILE_GROUPS`."""
+    tiles = int(_live_blocks(lengths, table_width, page_tokens, row_classes)[0].sum())
+    trips = []
+    for n in LIVE_TILE_GROUPS:
+        trips.append(tiles // n)
+        tiles %= n
+    return trips
+
+
 def live_trips(lengths, table_width: int, page_tokens: int, *, row_classes: int = LIVE_ROW_CLASSES) -> int:
     """Loop trips one layer of :func:`live_paged_attention` takes for slots of ``lengths`` (numpy, host)."""
-    tiles = int(_live_blocks(lengths, table_width, page_tokens, row_classes)[0].sum())
-    trips = 0
-    for n in LIVE_TILE_GROUPS:
-        trips, tiles = trips + tiles // n, tiles % n
-    return trips
+    return sum(live_group_trips(lengths, table_width, page_tokens, row_classes=row_classes))
 
 
 def live_paged_attention(q_bhd: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array,

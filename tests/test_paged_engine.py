@@ -351,6 +351,39 @@ def test_live_attention_reads_live_blocks_and_equals_float64(slots, width, page,
     assert live_read_tokens(tail, 272, 16) < 1.4 * tail.sum() < 0.3 * 256 * tail.max()
 
 
+def test_live_attention_trips_counted_on_the_host_are_the_device_loops_trips(monkeypatch):
+    """Two batch shards of 8 slots needing 16 and 3 tiles: their vmapped loops take one trip of 16 (for the
+    first) and three of 1 (for the second), 4 in all, not the 3 of the longer shard alone. The device's trips are
+    counted by a callback in every loop body; the host count (``attention_trips``) must equal them."""
+    from dora_jax.kernels import paged_attention as pa
+    from dora_jax.models.paged import attention_trips
+
+    trips = []
+    while_loop = jax.lax.while_loop
+
+    def counted(cond, body, init):
+        def each(carry):
+            jax.debug.callback(lambda: trips.append(1))
+            return body(carry)
+        return while_loop(cond, each, init)
+
+    monkeypatch.setattr(pa.jax.lax, "while_loop", counted)
+    w, page, d, kv, g = 128, 16, 8, 1, 2
+    lengths = np.array([2048] * 8 + [512] * 6 + [0] * 2)  # 4 classes x 4 blocks; 3 classes x 1 block
+    rng = np.random.default_rng(0)
+    n = 8 * w + 1
+    k_pool, v_pool = (jnp.asarray(rng.normal(size=(kv, 1, 2 * n, page, d)), jnp.float32) for _ in range(2))
+    tables = jnp.asarray(np.tile(1 + np.arange(w, dtype=np.int32), (16, 1)))  # within each shard's pages
+    q = jnp.asarray(rng.normal(size=(16, kv * g, d)), jnp.float32)
+    k_new = v_new = jnp.asarray(rng.normal(size=(16, kv, d)), jnp.float32)
+    plan = sharded_live_plan(tables, jnp.asarray(lengths, jnp.int32), page, 2)
+    jax.block_until_ready(sharded_live_attention(q, k_pool, v_pool, jnp.int32(0), plan, k_new, v_new, shards=2,
+                                                 block_pages=live_block_pages(w, page, 8)))
+    jax.effects_barrier()
+    assert attention_trips("xla", np.split(lengths, 2), w, page) == len(trips) == 4
+    assert attention_trips("pallas_gpu", np.split(lengths, 2), w, page) == 0
+
+
 def test_live_attention_trips_are_tile_groups():
     """128 slots in 16 classes of 8 rows, class c holding rows of (c + 1) blocks of 128 tokens: 136 tiles that
     read exactly the live tokens, in 8 trips of 16 tiles and 2 of 4 (a loop trip per tile would be 136)."""

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from dora_jax.config import ModelConfig
 from dora_jax.kernels.paged_attention import (RAGGED_IMPL, LivePlan, compute_block_pages, live_block_pages,
-                                              live_paged_attention, live_plan, live_read_tokens, live_trips,
+                                              live_group_trips, live_paged_attention, live_plan, live_read_tokens,
                                               paged_attention, ragged_paged_attention)
 from dora_jax.models.decoder import (DecodeSettings, decoder_layers, embed_tokens, head_logits,
                                      resolve_attention_impl)
@@ -205,10 +205,13 @@ def attention_read_tokens(impl: str, lengths, table_width: int, page_tokens: int
     return int((-(-lengths // block) * block).sum())
 
 
-def attention_trips(impl: str, lengths, table_width: int, page_tokens: int) -> int:
-    """Loop trips one layer's decode attention takes for slots of ``lengths`` (numpy, host): the live-reading
-    XLA path's tile groups; 0 for a kernel, which launches once."""
-    return live_trips(lengths, table_width, page_tokens) if impl == "xla" else 0
+def attention_trips(impl: str, shards: list, table_width: int, page_tokens: int) -> int:
+    """Loop trips one layer's decode attention takes for batch shards of slots of these lengths (numpy, host):
+    the live-reading XLA path's tile groups; 0 for a kernel, which launches once. The shards' loops run side by
+    side (vmapped), so each of the path's loops takes as many trips as its slowest shard needs in it."""
+    if impl != "xla":
+        return 0
+    return sum(map(max, zip(*(live_group_trips(x, table_width, page_tokens) for x in shards))))
 
 
 class ReadCounter:
@@ -245,9 +248,7 @@ class ReadCounter:
                 for shard in shards:
                     self.read += attention_read_tokens(self.impl, shard, self.table_width, self.page_tokens,
                                                        self.head_dim, self.interpret)
-                # The shards' loops run side by side (vmapped): as many trips as the longest.
-                self.trips += max(attention_trips(self.impl, x, self.table_width, self.page_tokens)
-                                  for x in shards)
+                self.trips += attention_trips(self.impl, shards, self.table_width, self.page_tokens)
                 self.live += int(lengths.sum())
                 self.steps += 1
         self.seconds += time.perf_counter() - t0
