@@ -74,9 +74,9 @@ def test_a_request_moved_partway_finishes_with_the_tokens_it_gives_unmoved(engin
     held = engines[1].pages_held
     moving = a.take(0, 3)
     assert moving.sample_ids == [0, 1, 2] and moving.count == 3 and a.live_rows == 1
-    assert moving.kv_bytes == sum(-(-w // 16) for w, _ in sizes) * 16 * engines[0].token_bytes
+    assert moving.kv_bytes == sum(-(-w // 16) for w, *_ in sizes) * 16 * engines[0].token_bytes
     b.put(moving)
-    assert engines[1].pages_held - held == sum(-(-w // 16) for w, _ in sizes) and b.live_rows == 3
+    assert engines[1].pages_held - held == sum(-(-w // 16) for w, *_ in sizes) and b.live_rows == 3
     out += a.run() + b.run()
     assert sorted(t.sample_id for t in out) == list(range(6))
     for t in out:
@@ -103,14 +103,49 @@ def test_rows_sharing_prompt_pages_move_them_once_and_share_them_again(engines, 
     out = a.step()
     out += a.read_in_flight()
     sizes = a.take_sizes(0, 4)
-    per_row = sum(-(-w // 16) for w, _ in sizes)
-    distinct = 2 + sum(-(-w // 16) - 2 for w, _ in sizes)  # the prompt's two pages once, then each row's own
+    per_row = sum(-(-w // 16) for w, *_ in sizes)
+    distinct = 2 + sum(-(-w // 16) - 2 for w, *_ in sizes)  # the prompt's two pages once, then each row's own
     assert engines[0].pages_held - held[0] == distinct < per_row
     moving = a.take(0, 4)
     assert moving.kv_bytes == distinct * 16 * engines[0].token_bytes
     b.put(moving)
     assert engines[1].pages_held - held[1] == distinct and b.live_rows == 4
     out += a.run() + b.run()
+    assert sorted(t.sample_id for t in out) == list(range(4))
+    for t in out:
+        assert_close(t, want[t.sample_id])
+    for e in engines:
+        e.book.check()
+
+
+def test_a_move_fits_where_only_its_shared_pages_counted_once_fit(engines, models):
+    """Four samples of one 32-token prompt, 40 tokens written and growing to 52 (4 pages of 16 each), move to a
+    driver whose engine has 10 free pages: counted apart they would take 12 now and could need 16, so the old
+    check refuses them; sharing the prompt's two pages, they take 6 and need at most 10, which fits. The move is
+    performed as checked, and every sample finishes with the tokens it gives unmoved."""
+    from dora_jax.rollout.samples import Request
+
+    weights = nnx.state(models[0])
+    reqs = [Request(i, tuple(range(1, 33)), max_new_tokens=20, sampling=SAMPLED) for i in range(4)]
+    want = {t.sample_id: t for t in driver(engines[0], weights).run(reqs)}
+    a, b = driver(engines[0], weights), driver(engines[1], weights)
+    book = engines[1].book
+    held = {0: book.hold_prefix(0, 16 * (book.shard_free(0) - 10))}  # 10 pages left free
+    try:
+        for r in reqs:
+            a.submit(r)
+        out = a.step() + a.read_in_flight()
+        sizes = a.take_sizes(0, 4)
+        assert [(w, limit) for w, limit, _ in sizes] == [(40, 52)] * 4
+        assert len({h[:2] for *_, h in sizes}) == 1  # one prompt's two pages
+        assert engines[1].admissible([s[:2] for s in sizes]) is None  # as if nothing were shared
+        assert b.fits(4, sizes) and engines[1].admissible(sizes) == [0] * 4
+        assert not b.fits(4, [(w, limit, (i,)) for i, (w, limit, _) in enumerate(sizes)])  # nothing in common
+        b.put(a.take(0, 4))
+        assert book.shard_free(0) == 10 - 6
+        out += a.run() + b.run()
+    finally:
+        book.release_prefixes(held)
     assert sorted(t.sample_id for t in out) == list(range(4))
     for t in out:
         assert_close(t, want[t.sample_id])

@@ -304,16 +304,22 @@ class RolloutDriver:
         keep = set(sorted([r.sample_id for r, _ in pending] + [s.request.sample_id for s in live])[:count])
         return [x for x in pending if x[0].sample_id in keep], [s for s in live if s.request.sample_id in keep]
 
-    def take_sizes(self, version: int, count: int) -> list[tuple[int, int]]:
-        """(Tokens written to the KV cache, limit) of each live request :meth:`take` would take, for the
-        destination's :meth:`fits`; exact once nothing is in flight (:meth:`read_in_flight`)."""
+    def take_sizes(self, version: int, count: int) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(Tokens written to the KV cache, limit, the pool ids of its full written pages) of each live request
+        :meth:`take` would take, for the destination's :meth:`fits` (which counts pages the requests share once);
+        exact once nothing is in flight (:meth:`read_in_flight`)."""
         _, live = self._chosen(version, count)
-        return [(len(x.request.prompt_ids) + len(x.tokens) - 1, len(x.request.prompt_ids) + x.request.max_new_tokens)
-                for x in live]
+        if not live:
+            return []
+        g = self._groups[version]
+        written = [len(x.request.prompt_ids) + len(x.tokens) - 1 for x in live]
+        heads = self.engine.written_heads(g.state, [g.slots.index(x) for x in live], written)
+        return [(w, len(x.request.prompt_ids) + x.request.max_new_tokens, h) for w, x, h in zip(written, live, heads)]
 
     def fits(self, count: int, sizes: Sequence[tuple[int, int]]) -> bool:
         """Whether ``count`` requests (live ones' ``sizes`` from :meth:`take_sizes`) can be put here now: free slots
-        for all, and pages for the live ones while every live request here could still reach its limit."""
+        for all, and pages for the live ones (pages they share counted once) while every live request here could
+        still reach its limit."""
         free = self.engine.max_concurrent_decodes - sum(self.in_flight().values())
         return count <= free and (not sizes or self.engine.admissible(list(sizes)) is not None)
 

@@ -9,6 +9,7 @@ Shapes: B slots, T prompt bucket, S a prompt's cache length (prefill), W pages p
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 from typing import Any, Sequence
 
@@ -480,6 +481,11 @@ class Engine:
         """:func:`~dora_jax.rollout.kv_transfer.take_rows` of this engine."""
         return kv_transfer.take_rows(self, decode_state, slots)
 
+    def written_heads(self, decode_state: DecodeState, slots: Sequence[int], written: Sequence[int]
+                      ) -> list[tuple[int, ...]]:
+        """:func:`~dora_jax.rollout.kv_transfer.written_heads` of this engine."""
+        return kv_transfer.written_heads(self, decode_state, slots, written)
+
     def put_rows(self, decode_state: DecodeState, rows: KVRows, slots: Sequence[int],
                  limits: Sequence[int]) -> DecodeState:
         """:func:`~dora_jax.rollout.kv_transfer.put_rows` of this engine."""
@@ -522,10 +528,31 @@ class Engine:
         """Pages a request of up to ``limit`` tokens holds at its longest (sharing with its group aside)."""
         return pages_for(limit, self.page_tokens)
 
-    def admissible(self, requests: Sequence[tuple[int, int]]) -> list[int] | None:
+    def admissible(self, requests: Sequence[tuple]) -> list[int] | None:
         """:meth:`~dora_jax.rollout.page_book.PageBook.admissible`: the batch shard each request of (prompt
-        tokens, limit) would go to if admitted now together, or ``None`` when they do not all fit safely now."""
+        tokens, limit) would go to if admitted now together, or ``None`` when they do not all fit safely now.
+
+        Requests moved in from another engine may come as (written tokens, limit, head), ``head`` the pool ids
+        of the full pages each has written there (:func:`~dora_jax.rollout.kv_transfer.written_heads`): rows
+        whose heads start alike share those pages again where they land (:meth:`put_rows`), and on one batch
+        shard they are counted once, by admitting the rows in order to a copy of the page book."""
+        if requests and len(requests[0]) == 3:
+            if self.shards == 1:
+                return self._admissible_moved(requests)
+            requests = [r[:2] for r in requests]  # across shards, as if nothing were shared (the safe side)
         return self.book.admissible(requests)
+
+    def _admissible_moved(self, requests: Sequence[tuple]) -> list[int] | None:
+        book, refs = copy.deepcopy(self.book), []
+        heads, shards = [r[2] for r in requests], [0] * len(requests)
+        try:
+            for i, (written, limit, _) in enumerate(requests):
+                fork, shared = kv_transfer.best_fork(heads, shards, i)
+                refs.append(book.admit(0, int(written), int(limit), fork=None if fork is None else refs[fork],
+                                       fork_tokens=shared * self.page_tokens))
+        except PageError:
+            return None
+        return shards
 
     def rows_of(self, state: DecodeState):
         """The page book's record of ``state``'s rows (:class:`~dora_jax.rollout.page_book.StateRecords`)."""

@@ -76,13 +76,14 @@ def put_rows(engine: Engine, decode_state: DecodeState, rows: KVRows, slots: Seq
     for slot in slots:
         engine.records.release(rec, slot)
     index = np.split(rows.page_index, np.cumsum(rows.pages)[:-1])  # each row's pages among the gathered ones
+    heads = [ix[:int(w) // engine.page_tokens].tolist() for ix, w in zip(index, rows.written)]
     shards = [engine.row_shard(b, s) for s in slots]
     done: list[int] = []
     dst: list[int] = []
     src: list[int] = []
     try:
         for i, (slot, written, limit) in enumerate(zip(slots, rows.written.tolist(), limits)):
-            fork, shared = _fork(index, rows.written, shards, i, engine.page_tokens)
+            fork, shared = best_fork(heads, shards, i)
             rec.ids[slot] = engine.book.admit(shards[i], written, int(limit),
                                               fork=None if fork is None else int(rec.ids[slots[fork]]),
                                               fork_tokens=shared * engine.page_tokens)
@@ -100,17 +101,24 @@ def put_rows(engine: Engine, decode_state: DecodeState, rows: KVRows, slots: Seq
     return _set_rows(engine, decode_state, rows, slots)
 
 
-def _fork(index: list[np.ndarray], written: np.ndarray, shards: list[int], i: int, page_tokens: int
-          ) -> tuple[int | None, int]:
+def written_heads(engine: Engine, decode_state: DecodeState, slots: Sequence[int], written: Sequence[int]
+                  ) -> list[tuple[int, ...]]:
+    """Pool-wide ids of the full pages each of ``slots`` has written (``written`` tokens each): the pages
+    :func:`put_rows` compares to share them again where the rows land (an engine's ``admissible`` takes them)."""
+    rec, b, p = engine.rows_of(decode_state), decode_state.tokens.shape[0], engine.page_tokens
+    return [tuple(_pool_ids(engine, engine.row_shard(b, s), engine.book.table(int(rec.ids[s]))[:int(w) // p]))
+            for s, w in zip(slots, written)]
+
+
+def best_fork(heads: Sequence[Sequence[int]], shards: Sequence[int], i: int) -> tuple[int | None, int]:
     """The earlier row row ``i`` shares its first pages with where it lands (one of the same batch shard whose
-    leading pages are the same gathered pages, full for both), and how many: ``(None, 0)`` if none."""
+    ``heads``, the full pages each row has written, start alike), and how many: ``(None, 0)`` if none."""
     best, most = None, 0
     for j in range(i):
         if shards[j] != shards[i]:
             continue
-        n = min(index[i].size, index[j].size, int(written[i]) // page_tokens, int(written[j]) // page_tokens)
-        same = index[i][:n] == index[j][:n]
-        k = n if same.all() else int(np.argmin(same))
+        n = min(len(heads[i]), len(heads[j]))
+        k = next((m for m in range(n) if heads[i][m] != heads[j][m]), n)
         if k > most:
             best, most = j, k
     return best, most
