@@ -201,11 +201,6 @@ def live_group_trips(lengths, table_width: int, page_tokens: int, *, row_classes
     return trips
 
 
-def live_trips(lengths, table_width: int, page_tokens: int, *, row_classes: int = LIVE_ROW_CLASSES) -> int:
-    """Loop trips one layer of :func:`live_paged_attention` takes for slots of ``lengths`` (numpy, host)."""
-    return sum(live_group_trips(lengths, table_width, page_tokens, row_classes=row_classes))
-
-
 def live_paged_attention(q_bhd: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array,
                          plan: LivePlan, k_new_bkd: jax.Array | None = None, v_new_bkd: jax.Array | None = None,
                          *, block_pages: int) -> jax.Array:

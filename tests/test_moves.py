@@ -87,16 +87,30 @@ def test_a_request_moved_partway_finishes_with_the_tokens_it_gives_unmoved(engin
         e.book.check()
 
 
-def test_rows_sharing_prompt_pages_move_them_once_and_share_them_again(engines, models):
-    """Four samples of one prompt of two full pages share those pages in driver A; moved together to driver B,
-    the shared pages are copied once and shared again there (B takes each distinct page once), and every sample
-    finishes with the tokens it gives unmoved."""
+def one_prompt_four_samples(engines, models):
+    """Four sampled requests of one 32-token prompt (two full pages), the trajectories each gives unmoved, and a
+    fresh driver on each engine."""
     from dora_jax.rollout.samples import Request
 
     weights = nnx.state(models[0])
     reqs = [Request(i, tuple(range(1, 33)), max_new_tokens=20, sampling=SAMPLED) for i in range(4)]
     want = {t.sample_id: t for t in driver(engines[0], weights).run(reqs)}
-    a, b = driver(engines[0], weights), driver(engines[1], weights)
+    return reqs, want, driver(engines[0], weights), driver(engines[1], weights)
+
+
+def assert_all_finished_unmoved(out, want, engines):
+    assert sorted(t.sample_id for t in out) == sorted(want)
+    for t in out:
+        assert_close(t, want[t.sample_id])
+    for e in engines:
+        e.book.check()
+
+
+def test_rows_sharing_prompt_pages_move_them_once_and_share_them_again(engines, models):
+    """Four samples of one prompt of two full pages share those pages in driver A; moved together to driver B,
+    the shared pages are copied once and shared again there (B takes each distinct page once), and every sample
+    finishes with the tokens it gives unmoved."""
+    reqs, want, a, b = one_prompt_four_samples(engines, models)
     held = engines[0].pages_held, engines[1].pages_held
     for r in reqs:
         a.submit(r)
@@ -111,11 +125,7 @@ def test_rows_sharing_prompt_pages_move_them_once_and_share_them_again(engines, 
     b.put(moving)
     assert engines[1].pages_held - held[1] == distinct and b.live_rows == 4
     out += a.run() + b.run()
-    assert sorted(t.sample_id for t in out) == list(range(4))
-    for t in out:
-        assert_close(t, want[t.sample_id])
-    for e in engines:
-        e.book.check()
+    assert_all_finished_unmoved(out, want, engines)
 
 
 def test_a_move_fits_where_only_its_shared_pages_counted_once_fit(engines, models):
@@ -123,12 +133,7 @@ def test_a_move_fits_where_only_its_shared_pages_counted_once_fit(engines, model
     driver whose engine has 10 free pages: counted apart they would take 12 now and could need 16, so the old
     check refuses them; sharing the prompt's two pages, they take 6 and need at most 10, which fits. The move is
     performed as checked, and every sample finishes with the tokens it gives unmoved."""
-    from dora_jax.rollout.samples import Request
-
-    weights = nnx.state(models[0])
-    reqs = [Request(i, tuple(range(1, 33)), max_new_tokens=20, sampling=SAMPLED) for i in range(4)]
-    want = {t.sample_id: t for t in driver(engines[0], weights).run(reqs)}
-    a, b = driver(engines[0], weights), driver(engines[1], weights)
+    reqs, want, a, b = one_prompt_four_samples(engines, models)
     book = engines[1].book
     held = {0: book.hold_prefix(0, 16 * (book.shard_free(0) - 10))}  # 10 pages left free
     try:
@@ -139,18 +144,14 @@ def test_a_move_fits_where_only_its_shared_pages_counted_once_fit(engines, model
         assert [(w, limit) for w, limit, _ in sizes] == [(40, 52)] * 4
         assert len({h[:2] for *_, h in sizes}) == 1  # one prompt's two pages
         assert engines[1].admissible([s[:2] for s in sizes]) is None  # as if nothing were shared
-        assert b.fits(4, sizes) and engines[1].admissible(sizes) == [0] * 4
+        assert b.fits(4, sizes) and engines[1].admissible_moved(sizes) == [0] * 4
         assert not b.fits(4, [(w, limit, (i,)) for i, (w, limit, _) in enumerate(sizes)])  # nothing in common
         b.put(a.take(0, 4))
         assert book.shard_free(0) == 10 - 6
         out += a.run() + b.run()
     finally:
         book.release_prefixes(held)
-    assert sorted(t.sample_id for t in out) == list(range(4))
-    for t in out:
-        assert_close(t, want[t.sample_id])
-    for e in engines:
-        e.book.check()
+    assert_all_finished_unmoved(out, want, engines)
 
 
 def test_version_groups_move_a_busy_group_or_wait_when_the_move_does_not_fit(engines, models):
@@ -201,7 +202,7 @@ def test_a_move_waits_for_pages(models):
     not two (a host check: nothing is compiled). A per-group ``can_move`` drains the group that may not move."""
     d = RolloutDriver(Engine(models[0], max_concurrent_decodes=4, max_prefill_length=32, max_target_length=64,
                              num_pages=4), overlap=False)
-    assert d.fits(1, [(60, 64)]) and not d.fits(2, [(60, 64), (60, 64)]) and not d.fits(5, [])
+    assert d.fits(1, [(60, 64, ())]) and not d.fits(2, [(60, 64, ()), (60, 64, ())]) and not d.fits(5, [])
     G = Balancer(3, max_live=2)
     states = [GroupState(0, 4, 2), GroupState(0, 4, 1), GroupState(0, 4, 1)]
     # Group 1, the first busy group to give up (fewest in flight, the lower), moves its request to the group with

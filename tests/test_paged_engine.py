@@ -321,7 +321,8 @@ def test_live_attention_reads_live_blocks_and_equals_float64(slots, width, page,
     """The XLA decode path that reads only each length class's live page blocks equals a float64 softmax over
     each row's tokens (rows of length 0, rows longer than one block, slots not a multiple of the classes, tiles
     of one class in one group of a trip), and its host count of tokens read is the blocks its loop ran."""
-    from dora_jax.kernels.paged_attention import live_paged_attention, live_plan, live_read_tokens, live_trips
+    from dora_jax.kernels.paged_attention import (live_group_trips, live_paged_attention, live_plan,
+                                                  live_read_tokens)
 
     rng = np.random.default_rng(slots)
     d, layers, n = 8, 3, slots * width + 1
@@ -344,7 +345,7 @@ def test_live_attention_reads_live_blocks_and_equals_float64(slots, width, page,
         assert rel_err(got, want) <= 1e-5
     rows, tiles = plan.lengths.shape[1], int(plan.tiles)
     assert live_read_tokens(lengths, width, page) == tiles * rows * bp * page >= lengths.sum()
-    assert live_trips(lengths, width, page) == tiles // 16 + tiles % 16 // 4 + tiles % 4
+    assert live_group_trips(lengths, width, page) == [tiles // 16, tiles % 16 // 4, tiles % 4]
     # Sorted into classes, 256 slots with a long tail read a fraction of what every slot read to the widest
     # would (about 6x their live tokens); unsorted classes would read near that.
     tail = 256 + rng.integers(128, 384, 256) + rng.integers(1, 4096, 256) * (rng.random(256) < 0.08)
@@ -387,9 +388,9 @@ def test_live_attention_trips_counted_on_the_host_are_the_device_loops_trips(mon
 def test_live_attention_trips_are_tile_groups():
     """128 slots in 16 classes of 8 rows, class c holding rows of (c + 1) blocks of 128 tokens: 136 tiles that
     read exactly the live tokens, in 8 trips of 16 tiles and 2 of 4 (a loop trip per tile would be 136)."""
-    from dora_jax.kernels.paged_attention import live_read_tokens, live_trips
+    from dora_jax.kernels.paged_attention import live_group_trips, live_read_tokens
 
     lengths = np.repeat(128 * np.arange(1, 17), 8)
     assert live_read_tokens(lengths, 272, 16) == lengths.sum() == 136 * 8 * 128
-    assert live_trips(lengths, 272, 16) == 10
-    assert live_trips(lengths[:8], 272, 16) == 1  # 8 rows of 128: 4 classes of 2, a block each, one trip of 4
+    assert live_group_trips(lengths, 272, 16) == [8, 2, 0]
+    assert live_group_trips(lengths[:8], 272, 16) == [0, 1, 0]  # 8 rows of 128: 4 classes of 2, a block each

@@ -321,7 +321,7 @@ class RolloutDriver:
         for all, and pages for the live ones (pages they share counted once) while every live request here could
         still reach its limit."""
         free = self.engine.max_concurrent_decodes - sum(self.in_flight().values())
-        return count <= free and (not sizes or self.engine.admissible(list(sizes)) is not None)
+        return count <= free and (not sizes or self.engine.admissible_moved(list(sizes)) is not None)
 
     def take(self, version: int, count: int) -> Departing:
         """Takes the ``count`` requests of ``version`` with the lowest sample ids out of this driver, for another's

@@ -528,21 +528,19 @@ class Engine:
         """Pages a request of up to ``limit`` tokens holds at its longest (sharing with its group aside)."""
         return pages_for(limit, self.page_tokens)
 
-    def admissible(self, requests: Sequence[tuple]) -> list[int] | None:
+    def admissible(self, requests: Sequence[tuple[int, int]]) -> list[int] | None:
         """:meth:`~dora_jax.rollout.page_book.PageBook.admissible`: the batch shard each request of (prompt
-        tokens, limit) would go to if admitted now together, or ``None`` when they do not all fit safely now.
-
-        Requests moved in from another engine may come as (written tokens, limit, head), ``head`` the pool ids
-        of the full pages each has written there (:func:`~dora_jax.rollout.kv_transfer.written_heads`): rows
-        whose heads start alike share those pages again where they land (:meth:`put_rows`), and on one batch
-        shard they are counted once, by admitting the rows in order to a copy of the page book."""
-        if requests and len(requests[0]) == 3:
-            if self.shards == 1:
-                return self._admissible_moved(requests)
-            requests = [r[:2] for r in requests]  # across shards, as if nothing were shared (the safe side)
+        tokens, limit) would go to if admitted now together, or ``None`` when they do not all fit safely now."""
         return self.book.admissible(requests)
 
-    def _admissible_moved(self, requests: Sequence[tuple]) -> list[int] | None:
+    def admissible_moved(self, requests: Sequence[tuple[int, int, tuple[int, ...]]]) -> list[int] | None:
+        """:meth:`admissible` of requests moved in from another engine, each (written tokens, limit, head),
+        ``head`` the pool ids of the full pages it has written there (:meth:`written_heads`). On one batch shard,
+        rows whose heads start alike share those pages again where they land (:meth:`put_rows`) and are counted
+        once: the rows are admitted in order to a copy of the page book. Across batch shards they are counted
+        apart."""
+        if self.shards > 1:
+            return self.book.admissible([r[:2] for r in requests])
         book, refs = copy.deepcopy(self.book), []
         heads, shards = [r[2] for r in requests], [0] * len(requests)
         try:

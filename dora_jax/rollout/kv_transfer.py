@@ -64,7 +64,7 @@ def put_rows(engine: Engine, decode_state: DecodeState, rows: KVRows, slots: Seq
 
     Raises:
       EngineError: a bad slot, or a pool without room for them all now (nothing is placed then; ask
-        ``engine.admissible`` with (written tokens, limit) per row first).
+        ``engine.admissible_moved`` with (written tokens, limit, head) per row first).
     """
     b, n = decode_state.tokens.shape[0], len(rows.written)
     if len(slots) != n or len(limits) != n or n > engine.request_rows:
@@ -104,7 +104,8 @@ def put_rows(engine: Engine, decode_state: DecodeState, rows: KVRows, slots: Seq
 def written_heads(engine: Engine, decode_state: DecodeState, slots: Sequence[int], written: Sequence[int]
                   ) -> list[tuple[int, ...]]:
     """Pool-wide ids of the full pages each of ``slots`` has written (``written`` tokens each): the pages
-    :func:`put_rows` compares to share them again where the rows land (an engine's ``admissible`` takes them)."""
+    :func:`put_rows` compares to share them again where the rows land (``Engine.admissible_moved`` takes
+    them)."""
     rec, b, p = engine.rows_of(decode_state), decode_state.tokens.shape[0], engine.page_tokens
     return [tuple(_pool_ids(engine, engine.row_shard(b, s), engine.book.table(int(rec.ids[s]))[:int(w) // p]))
             for s, w in zip(slots, written)]

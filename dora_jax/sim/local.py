@@ -131,8 +131,11 @@ class TimedEngine:
     def pages_needed(self, limit: int) -> int:
         return 0
 
-    def admissible(self, requests: Sequence[tuple]) -> list[int]:
+    def admissible(self, requests: Sequence[tuple[int, int]]) -> list[int]:
         return [0] * len(requests)  # no pool to wait for
+
+    def admissible_moved(self, requests: Sequence[tuple]) -> list[int]:
+        return [0] * len(requests)
 
     def written_heads(self, decode_state: Any, slots: Sequence[int], written: Sequence[int]) -> list[tuple[int, ...]]:
         return [()] * len(slots)  # no pages
