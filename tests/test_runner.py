@@ -369,18 +369,33 @@ def test_a_placement_built_for_another_model_is_refused(tmp_path, shared):
         assert not (tmp_path / name).exists()
 
 
-def test_a_warmed_up_run_compiles_nothing_after_its_first_update(tmp_path, shared, published):
+def test_a_warmed_up_run_compiles_nothing_after_its_first_update(tmp_path, shared, published, monkeypatch):
     """With ``rollout.warmup`` the engine compiles every program it can dispatch before the first update: ten
     updates of a dora run (two versions in flight, evaluation before and after, and of every second version
     during training, ``task.eval_every``) compile nothing after the first, counted through ``jax.monitoring``
-    (persistent-cache loads included), and the engine logs no late compile.
+    (persistent-cache loads included), and the engine logs no late compile. The warm-up's progress bar counts
+    each program once, the prefill chain (compiled while planning, shared prefix included) with the rest.
 
     The evaluations during training decode in the run's own driver beside its rollout: each version's result
     is what ``evaluate`` gives for that version's params; their answers never reach the ledger or the trainer;
     the driver never held more than K + 1 versions."""
+    import tqdm.auto
+
+    bars = []
+
+    class Recorded(tqdm.auto.tqdm):
+        def close(self):
+            if not self.disable:  # a bar is closed once more when it is collected
+                bars.append((self.desc, self.n, self.total))
+            super().close()
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorded)
     runner = Runner(tiny("dora.mode=dora", "dora.steps=10", "rollout.warmup=true", "task.eval_every=2"),
-                    str(tmp_path), **shared())
+                    str(tmp_path), **{**shared(), "progress": True})
     assert runner.warmup["programs"] > 0 and runner.warmup["seconds"] > 0
+    warm = [(n, total) for desc, n, total in bars if desc == "compiling rollout programs"]
+    assert warm and runner.shared_prefix
+    assert all(n == total for n, total in warm) and sum(n for n, _ in warm) == runner.warmup["programs"], warm
     summary = runner.run()
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rows, evals = [r for r in lines if "eval" not in r], {r["version"]: r for r in lines if "eval" in r}

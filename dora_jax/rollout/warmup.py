@@ -12,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -80,23 +80,34 @@ def _spec(engine: Engine, x: Any) -> Any:
     return x
 
 
-def _outputs(engine: Engine, name: str, *args: Any) -> Any:
-    """Program ``name``'s outputs for ``args``, abstract, in the layout its compiled form gives them (what a
-    program fed by them is compiled for). Compiles it: warm-up compiles it anyway, and JAX keeps it."""
-    lowered = engine.compiled.lower(name, *args)
+def _outputs(engine: Engine, name: str, calls: dict[Any, tuple], on_compiled: Callable[[str], Any] | None
+             ) -> dict[Any, Any]:
+    """Program ``name``'s outputs for the arguments of each of ``calls`` (by key), abstract, in the layout its
+    compiled form gives them (what a program fed by them is compiled for). Compiles them, on every core at once
+    (``on_compiled(name)`` after each): warm-up compiles them anyway, and JAX keeps them."""
+    lowered = {key: engine.compiled.lower(name, *args) for key, args in calls.items()}  # tracing holds the GIL
+
+    def compile_one(x):
+        out = x.compile()
+        if on_compiled is not None:
+            on_compiled(name)
+        return out
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        compiled = dict(zip(lowered, pool.map(compile_one, lowered.values())))
     if engine.mesh is None:
-        lowered.compile()
-        return lowered.out_info
-    return jax.tree.map(lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
-                        lowered.out_info, lowered.compile().output_shardings)
+        return {key: x.out_info for key, x in lowered.items()}
+    return {key: jax.tree.map(lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
+                              x.out_info, compiled[key].output_shardings) for key, x in lowered.items()}
 
 
 def warmup_plan(engine: Engine, params: Any = None, *, stop_width: int = 4, prefix_tokens: int = 0,
-                **catalog_args: Any) -> list[tuple[str, tuple]]:
+                on_compiled: Callable[[str], Any] | None = None, **catalog_args: Any) -> list[tuple[str, tuple]]:
     """:func:`program_catalog` (same arguments) as ``(program, arguments)`` to compile, arguments abstract where
     they are device arrays. ``params``: prepared params of one version (``None``: the engine's own; only shapes
     are used); ``stop_width``: stop ids per slot, as :func:`~dora_jax.rollout.engine_api.stop_table` pads them.
-    Programs whose outputs feed others (the prefill chain) are compiled here to learn their outputs' layouts."""
+    Programs whose outputs feed others (the prefill chain) are compiled here to learn their outputs' layouts,
+    ``on_compiled`` called with the program's name after each."""
     spec = lambda x: _spec(engine, x)  # noqa: E731
     prepared = jax.tree.map(spec, engine.prepare_params(params))
     pool = jax.tree.map(spec, engine.pool)
@@ -108,7 +119,8 @@ def warmup_plan(engine: Engine, params: Any = None, *, stop_width: int = 4, pref
 
     prefix = None
     if prefix_tokens:
-        prefix = _outputs(engine, "shared_prefix", prepared, jax.ShapeDtypeStruct((prefix_tokens,), np.int32))
+        prefix = _outputs(engine, "shared_prefix", {0: (prepared, jax.ShapeDtypeStruct((prefix_tokens,), np.int32))},
+                          on_compiled)[0]
     sampling = SamplingParams(host(n, np.float32), host(n, np.int32), host(n, np.float32, 1.0))
 
     def prefill(d, t):
@@ -116,15 +128,13 @@ def warmup_plan(engine: Engine, params: Any = None, *, stop_width: int = 4, pref
         return (prepared, np.zeros((d, t), np.int32), lengths, prefix, lengths, host(n, np.int32), host(n, bool),
                 host(n, np.int32), np.int32(0), host(n, np.int32), sampling)
 
-    outputs: dict[tuple[int, int], Any] = {}  # (distinct prompts, bucket) -> prefill_batch's outputs
-
-    def prefilled(d, t):
-        if (d, t) not in outputs:
-            outputs[d, t] = _outputs(engine, "prefill_batch", *prefill(d, t))
-        return outputs[d, t]
+    catalog = program_catalog(engine, prefix_tokens=prefix_tokens, **catalog_args)
+    # (distinct prompts, bucket) -> prefill_batch's outputs, which the pool writes and set_slots take
+    outputs = _outputs(engine, "prefill_batch", {tuple(key): prefill(*key) for name, *key in catalog
+                                                 if name == "prefill_batch"}, on_compiled)
 
     plan: list[tuple[str, tuple]] = []
-    for name, *key in program_catalog(engine, prefix_tokens=prefix_tokens, **catalog_args):
+    for name, *key in catalog:
         if name == "generate_steps":
             v, cap, f, steps = key
             args = ((prepared,) * v, (states[cap],) * v, pool, tuple(host(cap, np.int32, 0, width) for _ in range(v)),
@@ -140,11 +150,11 @@ def warmup_plan(engine: Engine, params: Any = None, *, stop_width: int = 4, pref
         elif name == "prefill_batch":
             args = prefill(*key)
         elif name == "write_prompts":
-            cache, rest, _ = prefilled(*key)
+            cache, rest, _ = outputs[tuple(key)]
             cols = cache.v.shape[3]
             args = (cache, rest[0], pool, host(n, np.int32, 0, cols), host(n, np.int32, 0, cols))
         else:  # set_slots
-            _, rest, _ = prefilled(1, prompt_buckets(engine, prefix_tokens)[0])
+            _, rest, _ = outputs[1, prompt_buckets(engine, prefix_tokens)[0]]
             args = (PrefixBatch(None, *rest), states[key[0]], host(n, np.int32))
         plan.append((name, args))
     return plan
@@ -160,17 +170,25 @@ def warmup(engine: Engine, params: Any = None, *, progress: bool = False, **plan
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
-    plan = warmup_plan(engine, params, **plan_args)
     compiled = engine.compiled
-    # Tracing holds the GIL, XLA's compiler does not: programs are traced here one by one and compiled on every
-    # core at once.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool, \
-            tqdm(total=len(plan), desc="compiling rollout programs", unit="program", disable=not progress,
-                 leave=False) as bar:
-        futures = [pool.submit(compiled.compile_lowered, name, compiled.lower(name, *args)) for name, args in plan]
-        for f in concurrent.futures.as_completed(futures):
-            f.result()
+    with tqdm(total=len(program_catalog(engine, **{k: v for k, v in plan_args.items() if k != "stop_width"})),
+              desc="compiling rollout programs", unit="program", disable=not progress, leave=False) as bar:
+        planned: set[str] = set()  # programs the plan compiled (the prefill chain): their calls below find them
+
+        def done(name):
+            planned.add(name)
             bar.update()
+
+        plan = warmup_plan(engine, params, on_compiled=done, **plan_args)
+        # Tracing holds the GIL, XLA's compiler does not: programs are traced here one by one and compiled on
+        # every core at once.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            futures = {pool.submit(compiled.compile_lowered, name, compiled.lower(name, *args)): name
+                       for name, args in plan}
+            for f in concurrent.futures.as_completed(futures):
+                f.result()
+                if futures[f] not in planned:
+                    bar.update()
     compiled.seal()
     by_program: dict[str, int] = {}
     for name, _ in plan:
