@@ -552,6 +552,7 @@ def measure_decode(eng, prepared, requests, warmup=None, prefix=()) -> dict[str,
             "kv_bytes_ratio": None if ratio is None else float(ratio),
             "compiles_during_timing": compiles.compiles, "compile_cache_loads_during_timing": compiles.cache_loads,
             "kv_read_ratio": eng.reads.ratio, "attention_trips_per_step": eng.reads.trips_per_step,
+            "attention_loop_trips_per_step": eng.reads.loop_trips_per_step,
             "host_ms_per_dispatch": 1e3 * host_s / max(d.stats.dispatches, 1),
             "dispatches": d.stats.dispatches}
 
@@ -593,29 +594,34 @@ def _top_level(preset: str, summary: dict[str, Any], bw: float, source: str, hf:
 
 
 def warm_engine(eng, prepared, **plan_args) -> dict[str, Any]:
-    """``warmup.warmup`` with the figures a benchmark records: ``warmup_s``, ``warmup_programs`` and
-    ``kernels_per_layer`` (kernels of one layer of the widest decode program, from its compiled HLO, and of one
-    trip of the attention loop inside it)."""
+    """``warmup.warmup`` with the figures a benchmark records: ``warmup_s``, ``warmup_programs``,
+    ``kernels_per_layer`` (kernels of one layer of the widest decode program, from its compiled HLO, its loops
+    aside) and ``attention_loop_kernels`` (per loop inside the layer, the kernels of one trip and of one test of
+    its condition: :func:`~dora_jax.compiles.layer_kernels`)."""
     from dora_jax.compiles import layer_kernels
+    from dora_jax.kernels.paged_attention import LIVE_LOOP_SCOPE
     from dora_jax.rollout.warmup import warmup, warmup_plan
 
     got = warmup(eng, prepared, progress=True, **plan_args)
     name, args = [x for x in warmup_plan(eng, prepared, **plan_args) if x[0] == "generate_steps"][-1]
-    counts = layer_kernels(eng.compiled.lower(name, *args).compile().as_text(), eng.cfg.num_layers)
+    counts = layer_kernels(eng.compiled.lower(name, *args).compile().as_text(), eng.cfg.num_layers,
+                           inner=LIVE_LOOP_SCOPE)
     return {"warmup_s": got["seconds"], "warmup_programs": got["programs"],
             "kernels_per_layer": None if counts is None else counts["per_layer"],
-            "kernels_per_attention_trip": None if counts is None else counts["per_inner_trip"]}
+            "attention_loop_kernels": None if counts is None else counts["inner_loops"]}
 
 
 def kernels_per_layer_step(summary: dict[str, Any]) -> float | None:
-    """Kernels one layer launches per decode step: its own, and its attention loop's per trip times the trips a
-    step takes (``attention_trips_per_step``). On a GPU each launch costs microseconds whatever its size, and each
-    trip of a loop whose count is data also a read of its condition by the host."""
-    per_layer, per_trip = summary.get("kernels_per_layer"), summary.get("kernels_per_attention_trip")
-    trips = summary.get("attention_trips_per_step")
-    if per_layer is None or per_trip is None or trips is None:
+    """Kernels one layer launches per decode step: its own, and for each loop of its attention the kernels of a
+    trip times the trips a step takes in it (``attention_loop_trips_per_step``), and of its condition, tested once
+    a trip and once more to stop. On a GPU each launch costs microseconds whatever its size, and each test of a
+    condition whose outcome is data also a read of it by the host. None where the compiled loops are not the
+    counted ones."""
+    per_layer, loops = summary.get("kernels_per_layer"), summary.get("attention_loop_kernels")
+    trips = summary.get("attention_loop_trips_per_step")
+    if per_layer is None or loops is None or trips is None or len(loops) != len(trips):
         return None
-    return per_layer + per_trip * trips
+    return per_layer + sum(body * n + cond * (n + 1) for (body, cond), n in zip(loops, trips))
 
 
 def bench_engine_accel(quick: bool = False, batches: tuple[int, ...] | None = None, seed: int = 0,
@@ -634,8 +640,9 @@ def bench_engine_accel(quick: bool = False, batches: tuple[int, ...] | None = No
     device ops go to ``top_ops.json`` there and under ``profile`` in the result.
 
     Every program is compiled before the clock starts (``warmup.warmup``; ``warmup_s``), and the timed run
-    records ``compiles_during_timing``, ``kv_read_ratio``, ``attention_trips_per_step`` (with the kernels one loop
-    trip runs, ``kernels_per_layer_step``) and ``host_ms_per_dispatch``.
+    records ``compiles_during_timing``, ``kv_read_ratio``, ``attention_trips_per_step`` (per loop,
+    ``attention_loop_trips_per_step``; with each loop's kernels, ``kernels_per_layer_step``) and
+    ``host_ms_per_dispatch``.
     """
     import dataclasses
 

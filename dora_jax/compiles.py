@@ -172,6 +172,11 @@ _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?[\w.\-]+ = .*?\s([a-z][a-z0-9\-]*)\(")
 
 
+def _op_name(line: str) -> str:
+    found = re.search(r'op_name="([^"]*)"', line)
+    return found.group(1) if found else ""
+
+
 def _computations(hlo_text: str) -> dict[str, list[tuple[str, str]]]:
     """Each computation of an HLO module's text: its (opcode, line) in order."""
     out: dict[str, list[tuple[str, str]]] = {}
@@ -187,22 +192,36 @@ def _computations(hlo_text: str) -> dict[str, list[tuple[str, str]]]:
     return out
 
 
-def layer_kernels(hlo_text: str, num_layers: int) -> dict[str, int] | None:
+def layer_kernels(hlo_text: str, num_layers: int, inner: str = "") -> dict[str, Any] | None:
     """Kernels (instructions that launch work) per layer of a compiled program whose layers run in one scan:
-    the body of the while loop XLA found ``num_layers`` trips for. ``per_layer`` counts the body's own kernels
-    (a loop inside it once), ``per_inner_trip`` the kernels one trip of a loop inside it runs (the live-reading
-    attention's tile groups; the largest loop body where there are several, 0 where there is none). None when
-    no such loop is found (XLA unrolled it)."""
+    the body of the while loop XLA found ``num_layers`` trips for. ``per_layer`` counts the body's own kernels,
+    its loops aside; ``inner_loops`` has, per loop inside it whose op name holds ``inner`` (a name scope; the
+    live-reading attention's tile groups), in program order, ``[body, condition]``: the kernels one trip runs
+    and those one test of its condition runs (a loop tests it once per trip and once more to stop). Other loops
+    XLA placed in the layer count once with its kernels. None when no such loop is found (XLA unrolled it)."""
     comps = _computations(hlo_text)
     trips = re.compile(r'known_trip_count":\{"n":"(\d+)"')
-    body_of = re.compile(r"body=%?([\w.\-]+)")
+    body_of, cond_of = re.compile(r"body=%?([\w.\-]+)"), re.compile(r"condition=%?([\w.\-]+)")
+    called = re.compile(r"to_apply=%?([\w.\-]+)")
+
+    def inline(name):  # a computation's instructions, those of the computations it calls in their place
+        out = []
+        for o, x in comps.get(name, []):
+            out += inline(called.search(x).group(1)) if o == "call" and called.search(x) else [(o, x)]
+        return out
+
+    def kernels(name):
+        return sum(o not in _FREE_OPS for o, _ in inline(name))
+
     for ops in comps.values():
         for op, line in ops:
             found = trips.search(line)
             if op == "while" and found and int(found.group(1)) == num_layers:
-                body = comps.get(body_of.search(line).group(1), [])
-                inner = [comps.get(body_of.search(x).group(1), []) for o, x in body if o == "while"]
-                return {"per_layer": sum(o not in _FREE_OPS for o, _ in body),
-                        "per_inner_trip": max((sum(o not in _FREE_OPS for o, _ in ops_) for ops_ in inner),
-                                              default=0)}
+                body = inline(body_of.search(line).group(1))
+                counted = [x for o, x in body if o == "while" and inner in _op_name(x)]
+                loops = [[kernels(body_of.search(x).group(1)), kernels(cond_of.search(x).group(1))] for x in counted]
+                other = [kernels(body_of.search(x).group(1)) + kernels(cond_of.search(x).group(1))
+                         for o, x in body if o == "while" and x not in counted]
+                return {"per_layer": sum(o not in _FREE_OPS and o != "while" for o, _ in body) + sum(other),
+                        "inner_loops": loops}
     return None

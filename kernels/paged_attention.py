@@ -105,8 +105,12 @@ def _shapes(q, k_pages, v_pages, tables, lengths):
 LIVE_ROW_CLASSES = 32
 # Tiles one loop trip reads: whole groups of 16 first, then of 4, then single tiles, so that no trip reads a
 # tile the step does not need. Each trip is a round of small kernels (and on a GPU a read of the loop's
-# condition by the host), so trips, not tiles, are what a step pays per layer beyond its bytes.
+# condition by the host), so trips, not tiles, are what a step pays per layer beyond its bytes. Batch shards'
+# loops run side by side (vmapped): each takes as many trips as the shard that needs most, and a shard past its
+# own tiles reads tiles it then discards (live_step_reads counts them).
 LIVE_TILE_GROUPS = (16, 4, 1)
+# The name scope of each of those loops (followed by its group size) in a compiled program's op names.
+LIVE_LOOP_SCOPE = "live_tile_groups_of_"
 
 
 def live_block_tokens(slots: int) -> int:
@@ -125,8 +129,8 @@ class LivePlan(NamedTuple):
 
     ``order`` [C * R]: slot ids longest first (padding rows point at slot 0 with length 0); ``lengths`` [C, R];
     ``tiles``: the tiles the step reads; tile ``t < tiles`` is block ``tile_block[t]`` of class ``tile_class[t]``,
-    whose rows read pages ``tile_tables[t]`` [R, bp] (at least ``C * nblk`` entries, those past ``tiles``
-    unused)."""
+    whose rows read pages ``tile_tables[t]`` [R, bp] (at least ``C * nblk`` entries; those past ``tiles`` are
+    read only by a batch shard whose loops outlast its own tiles, and discarded)."""
 
     order: jax.Array
     lengths: jax.Array
@@ -187,6 +191,19 @@ def live_read_tokens(lengths, table_width: int, page_tokens: int, *, row_classes
     what ``kv_read_ratio`` counts for the XLA path."""
     blocks, r, bp = _live_blocks(lengths, table_width, page_tokens, row_classes)
     return int(blocks.sum() * r * bp * page_tokens)
+
+
+def live_step_reads(shards, table_width: int, page_tokens: int, *, row_classes: int = LIVE_ROW_CLASSES
+                    ) -> tuple[int, list[int]]:
+    """Cached tokens one layer of :func:`live_paged_attention` reads for batch shards of slots of these lengths
+    (numpy, host; shards of equal slot counts), and the trips each of its loops takes. The shards' loops run
+    side by side, so each takes the most trips any shard needs in it, and every shard reads a group's tiles on
+    every trip: with one shard, :func:`live_read_tokens` and :func:`live_group_trips`."""
+    trips = [max(t) for t in zip(*(live_group_trips(x, table_width, page_tokens, row_classes=row_classes)
+                                   for x in shards))]
+    _, rows, bp = _live_blocks(shards[0], table_width, page_tokens, row_classes)
+    tiles = sum(n * k for n, k in zip(LIVE_TILE_GROUPS, trips))
+    return len(shards) * tiles * rows * bp * page_tokens, trips
 
 
 def live_group_trips(lengths, table_width: int, page_tokens: int, *, row_classes: int = LIVE_ROW_CLASSES
@@ -258,7 +275,8 @@ def live_paged_attention(q_bhd: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
 
     carry = (jnp.int32(0), m0, l0, acc0)
     for n in LIVE_TILE_GROUPS:  # whole groups of the largest size, then the rest in smaller ones: no padding
-        carry = jax.lax.while_loop(lambda c_, n=n: c_[0] + n <= plan.tiles, group(n), carry)
+        with jax.named_scope(f"{LIVE_LOOP_SCOPE}{n}"):  # how the compiled program's kernel count finds its loops
+            carry = jax.lax.while_loop(lambda c_, n=n: c_[0] + n <= plan.tiles, group(n), carry)
     _, _, l, acc = carry
     # l is 0 only for a row with no token at all (no new one, length 0): it gets zeros.
     out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(c * r, kv, g, d)

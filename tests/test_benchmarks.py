@@ -225,6 +225,18 @@ def test_the_accelerator_script_without_the_weights_or_the_installed_kernels(tmp
     assert "pip install" in capsys.readouterr().err and not (tmp_path / "b").exists()
 
 
+def test_kernels_per_layer_step_counts_each_loops_trips_and_condition_tests():
+    """A layer of 6 kernels with two loops (bodies of 4 and 2, conditions of 1), taking 3 and 0.5 trips a step:
+    6 + (4 x 3 + 1 x 4) + (2 x 0.5 + 1 x 1.5) = 24.5; None when the compiled loops are not the counted ones."""
+    from benchmarks.engine import kernels_per_layer_step
+
+    summary = {"kernels_per_layer": 6, "attention_loop_kernels": [[4, 1], [2, 1]],
+               "attention_loop_trips_per_step": [3, 0.5]}
+    assert kernels_per_layer_step(summary) == 24.5
+    assert kernels_per_layer_step({**summary, "attention_loop_trips_per_step": [3]}) is None
+    assert kernels_per_layer_step({**summary, "attention_loop_kernels": None}) is None
+
+
 def test_the_quick_accel_engine_preset_runs_on_cpu(tmp_path, capsys):
     """``bench engine --preset accel --quick`` (its schedule shortened here): the Qwen2.5-1.5B-shaped preset on
     a two-layer body runs end to end on a CPU, compiles nothing while timed, and carries the summary of its
@@ -242,8 +254,11 @@ def test_the_quick_accel_engine_preset_runs_on_cpu(tmp_path, capsys):
     assert result["kv_read_ratio"] >= 1 and result["host_ms_per_dispatch"] > 0 and result["warmup_s"] > 0
     assert result["kernels_per_layer"] > 0 and result["attention_trips_per_step"] > 0
     largest = result["batches"]["8"]
-    assert result["kernels_per_layer_step"] == pytest.approx(
-        largest["kernels_per_layer"] + largest["kernels_per_attention_trip"] * largest["attention_trips_per_step"])
+    # The live-reading attention's three loops (groups of 16, 4 and 1 tiles), each tested at least once a step.
+    loops, trips = largest["attention_loop_kernels"], largest["attention_loop_trips_per_step"]
+    assert len(loops) == len(trips) == 3 and all(body > 0 and cond > 0 for body, cond in loops)
+    assert sum(trips) == pytest.approx(result["attention_trips_per_step"])
+    assert result["kernels_per_layer_step"] > result["kernels_per_layer"] + sum(cond for _, cond in loops)
     top = json.loads((tmp_path / "trace" / "top_ops.json").read_text())
     assert top == result["profile"] and top["steps"] >= 1 and top["top_ops"]
     assert all(op["ms_per_step"] >= 0 and op["count"] >= 1 for op in top["top_ops"])

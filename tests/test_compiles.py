@@ -57,6 +57,35 @@ def test_layer_kernels_finds_the_layer_loop_and_counts_its_work():
     w, x = jnp.ones((5, 8, 8)), jnp.ones((2, 8))
     text = jax.jit(layers).lower(w, x).compile().as_text()
     got = layer_kernels(text, 5)
-    assert got is not None and got["per_layer"] >= 1 and got["per_inner_trip"] == 0
+    assert got is not None and got["per_layer"] >= 1 and got["inner_loops"] == []
     assert layer_kernels(text, 4) is None  # no loop of that many trips
     assert layer_kernels("HloModule empty\n", 5) is None
+
+
+def test_layer_kernels_counts_each_loop_inside_a_layer_in_order():
+    """Two loops of data-dependent trips in each layer (XLA may put one inside a call of its own): a larger body
+    (a dot, a tanh, a sort) then a smaller one (a product), each with a condition of one kernel (the compare);
+    found by their name scope, a loop outside it counted once with the layer's own kernels."""
+    def layers(w, x, n):
+        def body(h, wl):
+            def big(c):
+                return c[0] + 1, jnp.sort(jnp.tanh(c[1] @ wl), axis=-1)
+
+            def small(c):
+                return c[0] + 1, c[1] * 2.0
+
+            with jax.named_scope("tiles_big"):
+                _, h = jax.lax.while_loop(lambda c: c[0] < n, big, (0, h))
+            with jax.named_scope("tiles_small"):
+                _, h = jax.lax.while_loop(lambda c: c[0] < n, small, (0, h))
+            return h, h.sum()
+
+        return jax.lax.scan(body, x, w)
+
+    text = jax.jit(layers).lower(jnp.ones((5, 8, 8)), jnp.ones((2, 8)), 3).compile().as_text()
+    got = layer_kernels(text, 5, inner="tiles_")
+    (big, big_cond), (small, small_cond) = got["inner_loops"]
+    assert big >= 3 and 1 <= small < big and big_cond == small_cond == 1 and got["per_layer"] >= 1
+    one = layer_kernels(text, 5, inner="tiles_small")
+    assert one["inner_loops"] == [[small, small_cond]]
+    assert one["per_layer"] == got["per_layer"] + big + big_cond

@@ -354,17 +354,22 @@ def test_live_attention_reads_live_blocks_and_equals_float64(slots, width, page,
 
 def test_live_attention_trips_counted_on_the_host_are_the_device_loops_trips(monkeypatch):
     """Two batch shards of 8 slots needing 16 and 3 tiles: their vmapped loops take one trip of 16 (for the
-    first) and three of 1 (for the second), 4 in all, not the 3 of the longer shard alone. The device's trips are
-    counted by a callback in every loop body; the host count (``attention_trips``) must equal them."""
+    first) and three of 1 (for the second), 4 in all, not the 3 of the longer shard alone, and on each trip both
+    shards read the trip's tiles: 38 tiles, not the 19 the shards need. The device's trips are counted by a
+    callback in every loop body; the host counts (``attention_trips``, ``attention_step_reads``) must equal
+    them."""
     from dora_jax.kernels import paged_attention as pa
-    from dora_jax.models.paged import attention_trips
+    from dora_jax.models.paged import attention_step_reads, attention_trips
 
-    trips = []
+    trips, loops = [], []
     while_loop = jax.lax.while_loop
 
     def counted(cond, body, init):
+        n = pa.LIVE_TILE_GROUPS[len(loops)]  # the loops are traced in the order of their group sizes
+        loops.append(n)
+
         def each(carry):
-            jax.debug.callback(lambda: trips.append(1))
+            jax.debug.callback(lambda: trips.append(n))
             return body(carry)
         return while_loop(cond, each, init)
 
@@ -383,6 +388,10 @@ def test_live_attention_trips_counted_on_the_host_are_the_device_loops_trips(mon
     jax.effects_barrier()
     assert attention_trips("xla", np.split(lengths, 2), w, page) == len(trips) == 4
     assert attention_trips("pallas_gpu", np.split(lengths, 2), w, page) == 0
+    tile_tokens = plan.lengths.shape[-1] * live_block_pages(w, page, 8) * page
+    read, by_loop = attention_step_reads("xla", np.split(lengths, 2), w, page, d)
+    assert sorted(trips) == [1, 1, 1, 16] and by_loop == [1, 0, 3]
+    assert read == 2 * sum(trips) * tile_tokens == 38 * tile_tokens
 
 
 def test_live_attention_trips_are_tile_groups():

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from dora_jax.config import ModelConfig
-from dora_jax.kernels.paged_attention import (RAGGED_IMPL, LivePlan, compute_block_pages, live_block_pages,
-                                              live_group_trips, live_paged_attention, live_plan, live_read_tokens,
-                                              paged_attention, ragged_paged_attention)
+from dora_jax.kernels.paged_attention import (LIVE_TILE_GROUPS, RAGGED_IMPL, LivePlan, compute_block_pages,
+                                              live_block_pages, live_paged_attention, live_plan, live_read_tokens,
+                                              live_step_reads, paged_attention, ragged_paged_attention)
 from dora_jax.models.decoder import (DecodeSettings, decoder_layers, embed_tokens, head_logits,
                                      resolve_attention_impl)
 from dora_jax.sharding import Rules, mesh_axes
@@ -205,19 +205,28 @@ def attention_read_tokens(impl: str, lengths, table_width: int, page_tokens: int
     return int((-(-lengths // block) * block).sum())
 
 
+def attention_step_reads(impl: str, shards: list, table_width: int, page_tokens: int, head_dim: int,
+                         interpret: bool = False) -> tuple[int, list[int]]:
+    """Cached tokens one layer's decode attention reads for batch shards of slots of these lengths (numpy,
+    host), by the path ``impl`` takes, and the trips each of its loops takes: the live-reading XLA path's tile
+    groups (:func:`~dora_jax.kernels.paged_attention.live_step_reads`: the shards' loops run side by side, each as
+    long as its slowest shard's); none for a kernel, which launches once."""
+    if impl == "xla":
+        return live_step_reads(shards, table_width, page_tokens)
+    return sum(attention_read_tokens(impl, x, table_width, page_tokens, head_dim, interpret) for x in shards), []
+
+
 def attention_trips(impl: str, shards: list, table_width: int, page_tokens: int) -> int:
-    """Loop trips one layer's decode attention takes for batch shards of slots of these lengths (numpy, host):
-    the live-reading XLA path's tile groups; 0 for a kernel, which launches once. The shards' loops run side by
-    side (vmapped), so each of the path's loops takes as many trips as its slowest shard needs in it."""
-    if impl != "xla":
-        return 0
-    return sum(map(max, zip(*(live_group_trips(x, table_width, page_tokens) for x in shards))))
+    """Loop trips one layer's decode attention takes for batch shards of slots of these lengths (numpy, host),
+    all its loops together (:func:`attention_step_reads`); 0 for a kernel."""
+    return sum(live_step_reads(shards, table_width, page_tokens)[1]) if impl == "xla" else 0
 
 
 class ReadCounter:
     """Cached tokens a decode attention path reads (``read``) against the live tokens it has to read (``live``),
-    per layer, and the loop trips it takes (``trips``) over the decode ``steps``, counted on the host from each
-    program's results (the benchmarks' ``kv_read_ratio`` and ``attention_trips_per_step``)."""
+    per layer, and the loop trips it takes (``trips``; per loop, ``loop_trips``) over the decode ``steps``,
+    counted on the host from each program's results (the benchmarks' ``kv_read_ratio`` and
+    ``attention_trips_per_step``)."""
 
     def __init__(self, impl: str, shards: int, table_width: int, page_tokens: int, head_dim: int,
                  interpret: bool = False):
@@ -228,6 +237,7 @@ class ReadCounter:
     def reset(self) -> None:
         """Counts back to zero."""
         self.read = self.live = self.trips = self.steps = 0
+        self.loop_trips = [0] * (len(LIVE_TILE_GROUPS) if self.impl == "xla" else 0)
         self.seconds = 0.0  # host time the counting took (benchmarks take it off what they time)
 
     def add(self, starts: list, produced) -> None:
@@ -244,11 +254,11 @@ class ReadCounter:
             row += start.shape[0]
             for s in range(int(n.max(initial=0))):
                 lengths = np.where(n > s, start + s, 0)
-                shards = np.split(lengths, self.shards)  # each shard's slots are planned apart
-                for shard in shards:
-                    self.read += attention_read_tokens(self.impl, shard, self.table_width, self.page_tokens,
-                                                       self.head_dim, self.interpret)
-                self.trips += attention_trips(self.impl, shards, self.table_width, self.page_tokens)
+                read, trips = attention_step_reads(self.impl, np.split(lengths, self.shards), self.table_width,
+                                                   self.page_tokens, self.head_dim, self.interpret)
+                self.read += read
+                self.trips += sum(trips)
+                self.loop_trips = [a + b for a, b in zip(self.loop_trips, trips)]
                 self.live += int(lengths.sum())
                 self.steps += 1
         self.seconds += time.perf_counter() - t0
@@ -262,6 +272,11 @@ class ReadCounter:
     def trips_per_step(self) -> float | None:
         """Attention loop trips per layer and decode step (None before any step was counted)."""
         return self.trips / self.steps if self.steps else None
+
+    @property
+    def loop_trips_per_step(self) -> list[float] | None:
+        """:attr:`trips_per_step` per loop of the attention, in program order (None before any step)."""
+        return [t / self.steps for t in self.loop_trips] if self.steps else None
 
 
 def sharded_live_plan(tables_bw: jax.Array, lengths_b: jax.Array, page_tokens: int, shards: int = 1) -> LivePlan:
