@@ -105,9 +105,10 @@ def _shapes(q, k_pages, v_pages, tables, lengths):
 LIVE_ROW_CLASSES = 32
 # Tiles one loop trip reads: whole groups of 16 first, then of 4, then single tiles, so that no trip reads a
 # tile the step does not need. Each trip is a round of small kernels (and on a GPU a read of the loop's
-# condition by the host), so trips, not tiles, are what a step pays per layer beyond its bytes. Batch shards'
-# loops run side by side (vmapped): each takes as many trips as the shard that needs most, and a shard past its
-# own tiles reads tiles it then discards (live_step_reads counts them).
+# condition by the host), so trips, not tiles, are what a step pays per layer beyond its bytes. Batch shards on
+# devices of their own loop apart; batch shards on one device loop side by side (vmapped): each loop takes as
+# many trips as the shard that needs most, and a shard past its own tiles reads tiles it then discards
+# (live_step_reads counts them).
 LIVE_TILE_GROUPS = (16, 4, 1)
 # The name scope of each of those loops (followed by its group size) in a compiled program's op names.
 LIVE_LOOP_SCOPE = "live_tile_groups_of_"
@@ -193,17 +194,20 @@ def live_read_tokens(lengths, table_width: int, page_tokens: int, *, row_classes
     return int(blocks.sum() * r * bp * page_tokens)
 
 
-def live_step_reads(shards, table_width: int, page_tokens: int, *, row_classes: int = LIVE_ROW_CLASSES
-                    ) -> tuple[int, list[int]]:
+def live_step_reads(shards, table_width: int, page_tokens: int, *, apart: bool = False,
+                    row_classes: int = LIVE_ROW_CLASSES) -> tuple[int, list[int]]:
     """Cached tokens one layer of :func:`live_paged_attention` reads for batch shards of slots of these lengths
-    (numpy, host; shards of equal slot counts), and the trips each of its loops takes. The shards' loops run
-    side by side, so each takes the most trips any shard needs in it, and every shard reads a group's tiles on
-    every trip: with one shard, :func:`live_read_tokens` and :func:`live_group_trips`."""
-    trips = [max(t) for t in zip(*(live_group_trips(x, table_width, page_tokens, row_classes=row_classes)
-                                   for x in shards))]
+    (numpy, host; shards of equal slot counts), and the trips each of its loops takes: with one shard,
+    :func:`live_read_tokens` and :func:`live_group_trips`. Shards whose loops run ``apart`` (each on its own
+    devices) read their own tiles, and a step waits for the shard of most trips (its trips are counted).
+    Otherwise their loops run side by side: each loop takes the most trips any shard needs in it, and every
+    shard reads a group's tiles on every trip."""
+    own = [live_group_trips(x, table_width, page_tokens, row_classes=row_classes) for x in shards]
+    trips = max(own, key=sum) if apart else [max(t) for t in zip(*own)]
     _, rows, bp = _live_blocks(shards[0], table_width, page_tokens, row_classes)
-    tiles = sum(n * k for n, k in zip(LIVE_TILE_GROUPS, trips))
-    return len(shards) * tiles * rows * bp * page_tokens, trips
+    tiles = sum(n * k for t in own for n, k in zip(LIVE_TILE_GROUPS, t)) if apart else \
+        len(shards) * sum(n * k for n, k in zip(LIVE_TILE_GROUPS, trips))
+    return tiles * rows * bp * page_tokens, trips
 
 
 def live_group_trips(lengths, table_width: int, page_tokens: int, *, row_classes: int = LIVE_ROW_CLASSES

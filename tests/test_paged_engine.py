@@ -394,6 +394,55 @@ def test_live_attention_trips_counted_on_the_host_are_the_device_loops_trips(mon
     assert read == 2 * sum(trips) * tile_tokens == 38 * tile_tokens
 
 
+def test_batch_shards_on_devices_of_their_own_loop_apart(monkeypatch):
+    """The two shards of the test above on a mesh whose batch axis makes them (the engine's case): each device
+    loops over its own shard's tiles only (one trip of 16 on the first, three of 1 on the second, counted by a
+    callback per device), with no collective in the loops' conditions, reading the 19 tiles the shards need;
+    the output is the side-by-side path's. The host counts (``attention_step_reads`` apart) say the same."""
+    from dora_jax.config import DEFAULT_RULES, MeshConfig
+    from dora_jax.kernels import paged_attention as pa
+    from dora_jax.models.paged import attention_step_reads, shards_apart
+    from dora_jax.sharding import create_mesh
+
+    mesh = create_mesh(MeshConfig(data=2, fsdp=1, tensor=1), jax.devices()[:2])
+    assert shards_apart(mesh, DEFAULT_RULES, 2) and not shards_apart(mesh, DEFAULT_RULES, 4)
+    w, page, d, kv, g = 128, 16, 8, 1, 2
+    lengths = np.array([2048] * 8 + [512] * 6 + [0] * 2)
+    rng = np.random.default_rng(0)
+    n = 8 * w + 1
+    k_pool, v_pool = (jnp.asarray(rng.normal(size=(kv, 1, 2 * n, page, d)), jnp.float32) for _ in range(2))
+    tables = jnp.asarray(np.tile(1 + np.arange(w, dtype=np.int32), (16, 1)))
+    q = jnp.asarray(rng.normal(size=(16, kv * g, d)), jnp.float32)
+    k_new = v_new = jnp.asarray(rng.normal(size=(16, kv, d)), jnp.float32)
+    plan = sharded_live_plan(tables, jnp.asarray(lengths, jnp.int32), page, 2)
+    bp = live_block_pages(w, page, 8)
+    side = sharded_live_attention(q, k_pool, v_pool, jnp.int32(0), plan, k_new, v_new, shards=2, block_pages=bp)
+
+    trips, loops = [], []
+    while_loop = jax.lax.while_loop
+
+    def counted(cond, body, init):
+        size = pa.LIVE_TILE_GROUPS[len(loops) % 3]
+        loops.append(size)
+
+        def each(carry):
+            jax.debug.callback(lambda i: trips.append((int(i), size)), jax.lax.axis_index("data"))
+            return body(carry)
+        return while_loop(cond, each, init)
+
+    monkeypatch.setattr(pa.jax.lax, "while_loop", counted)
+    attend = jax.jit(lambda *a: sharded_live_attention(*a, shards=2, block_pages=bp, mesh_rules=(mesh, DEFAULT_RULES)))
+    apart = attend(q, k_pool, v_pool, jnp.int32(0), plan, k_new, v_new)
+    jax.effects_barrier()
+    assert sorted(trips) == [(0, 16), (1, 1), (1, 1), (1, 1)]
+    assert rel_err(apart, side) <= 1e-6
+    hlo = attend.lower(q, k_pool, v_pool, jnp.int32(0), plan, k_new, v_new).compile().as_text()
+    assert "all-reduce" not in hlo
+    tile_tokens = plan.lengths.shape[-1] * bp * page
+    read, by_loop = attention_step_reads("xla", np.split(lengths, 2), w, page, d, apart=True)
+    assert read == 19 * tile_tokens and by_loop == [0, 0, 3]
+
+
 def test_live_attention_trips_are_tile_groups():
     """128 slots in 16 classes of 8 rows, class c holding rows of (c + 1) blocks of 128 tokens: 136 tiles that
     read exactly the live tokens, in 8 trips of 16 tiles and 2 of 4 (a loop trip per tile would be 136)."""

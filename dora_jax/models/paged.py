@@ -206,20 +206,20 @@ def attention_read_tokens(impl: str, lengths, table_width: int, page_tokens: int
 
 
 def attention_step_reads(impl: str, shards: list, table_width: int, page_tokens: int, head_dim: int,
-                         interpret: bool = False) -> tuple[int, list[int]]:
+                         interpret: bool = False, apart: bool = False) -> tuple[int, list[int]]:
     """Cached tokens one layer's decode attention reads for batch shards of slots of these lengths (numpy,
     host), by the path ``impl`` takes, and the trips each of its loops takes: the live-reading XLA path's tile
-    groups (:func:`~dora_jax.kernels.paged_attention.live_step_reads`: the shards' loops run side by side, each as
-    long as its slowest shard's); none for a kernel, which launches once."""
+    groups (:func:`~dora_jax.kernels.paged_attention.live_step_reads`; ``apart``: the shards loop on devices of
+    their own, :func:`shards_apart`); none for a kernel, which launches once."""
     if impl == "xla":
-        return live_step_reads(shards, table_width, page_tokens)
+        return live_step_reads(shards, table_width, page_tokens, apart=apart)
     return sum(attention_read_tokens(impl, x, table_width, page_tokens, head_dim, interpret) for x in shards), []
 
 
-def attention_trips(impl: str, shards: list, table_width: int, page_tokens: int) -> int:
+def attention_trips(impl: str, shards: list, table_width: int, page_tokens: int, apart: bool = False) -> int:
     """Loop trips one layer's decode attention takes for batch shards of slots of these lengths (numpy, host),
     all its loops together (:func:`attention_step_reads`); 0 for a kernel."""
-    return sum(live_step_reads(shards, table_width, page_tokens)[1]) if impl == "xla" else 0
+    return sum(live_step_reads(shards, table_width, page_tokens, apart=apart)[1]) if impl == "xla" else 0
 
 
 class ReadCounter:
@@ -229,9 +229,9 @@ class ReadCounter:
     ``attention_trips_per_step``)."""
 
     def __init__(self, impl: str, shards: int, table_width: int, page_tokens: int, head_dim: int,
-                 interpret: bool = False):
+                 interpret: bool = False, apart: bool = False):
         self.impl, self.shards, self.table_width, self.page_tokens = impl, shards, table_width, page_tokens
-        self.head_dim, self.interpret = head_dim, interpret
+        self.head_dim, self.interpret, self.apart = head_dim, interpret, apart
         self.reset()
 
     def reset(self) -> None:
@@ -255,7 +255,7 @@ class ReadCounter:
             for s in range(int(n.max(initial=0))):
                 lengths = np.where(n > s, start + s, 0)
                 read, trips = attention_step_reads(self.impl, np.split(lengths, self.shards), self.table_width,
-                                                   self.page_tokens, self.head_dim, self.interpret)
+                                                   self.page_tokens, self.head_dim, self.interpret, self.apart)
                 self.read += read
                 self.trips += sum(trips)
                 self.loop_trips = [a + b for a, b in zip(self.loop_trips, trips)]
@@ -287,16 +287,47 @@ def sharded_live_plan(tables_bw: jax.Array, lengths_b: jax.Array, page_tokens: i
 
 
 def sharded_live_attention(q_bhd, k_pool, v_pool, layer, plan, k_new_bkd, v_new_bkd, *, block_pages: int,
-                           shards: int = 1):
+                           shards: int = 1, mesh_rules: tuple[Mesh, Rules] | None = None):
     """:func:`live_paged_attention` with the slots and pages split into ``shards`` (``plan`` from
-    :func:`sharded_live_plan`)."""
+    :func:`sharded_live_plan`). Where the mesh's batch axes make the shards (``mesh_rules``, the engine's case),
+    each device runs its own shard's loops (``shard_map``); otherwise the shards' loops run side by side
+    (vmapped), each as long as the slowest (docs/rollout.md, 'Decode attention over pages')."""
     attend = functools.partial(live_paged_attention, block_pages=block_pages)
     if shards == 1:
         return attend(q_bhd, k_pool, v_pool, layer, plan, k_new_bkd, v_new_bkd)
     per_shard = jax.vmap(attend, in_axes=(0, 2, 2, None, 0, 0, 0))
     rows = [_shards(x, shards) for x in (q_bhd, k_new_bkd, v_new_bkd)]
-    out = per_shard(rows[0], _shards(k_pool, shards, 2), _shards(v_pool, shards, 2), layer, plan, *rows[1:])
+    args = (rows[0], _shards(k_pool, shards, 2), _shards(v_pool, shards, 2), layer, plan, *rows[1:])
+    out = _per_batch_shard(per_shard, mesh_rules, shards, args) if mesh_rules is not None else per_shard(*args)
     return out.reshape(q_bhd.shape)
+
+
+def shards_apart(mesh: Mesh | None, rules: Rules, shards: int) -> bool:
+    """Whether :func:`sharded_live_attention` runs each of ``shards`` batch shards' loops on its own devices
+    (the mesh's batch axes make exactly those shards) rather than side by side."""
+    return mesh is not None and shards > 1 and mesh_axes("batch", mesh, rules)[1] == shards
+
+
+def _per_batch_shard(per_shard, mesh_rules: tuple[Mesh, Rules], shards: int, args: tuple):
+    """``per_shard(q, k, v, layer, plan, k_new, v_new)`` (shard-leading operands) under ``shard_map`` over the
+    mesh's batch axes, and its kv heads over the head axes where they divide them: each device loops over its
+    own shard's tiles, so a loop's condition needs no other device (vmapped over sharded rows, it is an
+    all-reduce every trip) and no shard reads past its tiles. As is where the batch axes are not the shards."""
+    mesh, rules = mesh_rules
+    if not shards_apart(mesh, rules, shards):
+        return per_shard(*args)
+    batch = mesh_axes("batch", mesh, rules)[0]
+    names, n = mesh_axes("act_kv_heads", mesh, rules)
+    q, k_pool = args[0], args[1]
+    split = n > 1 and k_pool.shape[0] % n == 0 and q.shape[2] % n == 0
+    b = batch if len(batch) > 1 else batch[0]
+    h = (names if len(names) > 1 else names[0]) if split else None
+    rows_spec = PartitionSpec(b, None, h, None)  # [S, B / S, heads, d]
+    pool_spec = PartitionSpec(h, None, b, None, None, None)  # [K, L, S, N / S, P, d]
+    plan_spec = jax.tree.map(lambda _: PartitionSpec(b), args[4])
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=(rows_spec, pool_spec, pool_spec, PartitionSpec(), plan_spec,
+                                                         rows_spec, rows_spec),
+                         out_specs=rows_spec, check_vma=False)(*args)
 
 
 def _per_head_shard(call, mesh_rules, head_axis: int, entries: int, q_bhd, pages: tuple, tables_bw, lengths_b):
@@ -344,7 +375,7 @@ def decode_forward_paged(cfg: ModelConfig, p: dict, tokens_b: jax.Array, positio
             # The pool is closed over, not carried: layers only read it (the gather indexes the layer itself),
             # and it is written once after them.
             att = sharded_live_attention(q[:, 0], pool.k, pool.v, i, plan, k[:, 0], v[:, 0], block_pages=bp,
-                                         shards=shards)
+                                         shards=shards, mesh_rules=mesh_rules)
             return att[:, None], state
 
         x, _, (k_new, v_new) = decoder_layers(cfg, p["layers"], x0, positions_bt, attend, collect_kv=True)

@@ -22,7 +22,7 @@ from dora_jax.compiles import Programs
 from dora_jax.config import ATTENTION_IMPLS, DEFAULT_RULES, MAX_DECODE_STEPS, ROLLOUT_DTYPES
 from dora_jax.kernels.paged_attention import RAGGED_IMPL
 from dora_jax.models.decoder import FUSED_INPUTS, Decoder, DecodeSettings, resolve_attention_impl
-from dora_jax.models.paged import Pool, ReadCounter, token_bytes
+from dora_jax.models.paged import Pool, ReadCounter, shards_apart, token_bytes
 from dora_jax.rollout.engine_api import (DecodeState, EngineError, KVRows, PreparedParams, PrefixBatch,
                                          RequestSampling, ResultSteps, ResultTokens, SharedPrefix, stop_table)
 from dora_jax.rollout import kv_transfer
@@ -298,7 +298,8 @@ class Engine:
         # ``count_reads`` is set: off by default, as it costs host time per dispatch.
         self.count_reads = False
         self.reads = ReadCounter(resolve_attention_impl(settings), self.shards, self.table_width, self.page_tokens,
-                                 self.cfg.head_dim, settings.pallas_interpret)
+                                 self.cfg.head_dim, settings.pallas_interpret,
+                                 apart=shards_apart(mesh, self.rules, self.shards))
         self._retired = _Retired()
 
     def _jit_programs(self, progs: DecodePrograms) -> None:
