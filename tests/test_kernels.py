@@ -378,7 +378,7 @@ def test_ragged_decode_step_matches_xla(xla_step, monkeypatch):
 # Greedy decoding through the engine.
 
 
-def _greedy_steps(model, settings):
+def _greedy_steps(model, settings, mesh=None):
     """Prefill, insert and 12 greedy steps of 4 rows with ragged prompts on 4-token pages (every row crosses a
     page boundary, most two): ``[steps, B, 5]`` (token, valid, position, log-prob bits, version)."""
     state = nnx.state(model)
@@ -386,7 +386,8 @@ def _greedy_steps(model, settings):
     prompts = [rng.integers(1, CFG.vocab_size, n) for n in (2, 5, 9, 14)]
     shell = nnx.eval_shape(lambda: Decoder(CFG, rngs=nnx.Rngs(0)))  # the engine reads only its config
     engine = Engine(shell, max_concurrent_decodes=4, max_prefill_length=16, max_target_length=32,
-                    settings=settings, page_tokens=4)
+                    settings=settings, page_tokens=4, mesh=mesh)
+    assert engine.shards == (1 if mesh is None else 2)
     params = engine.prepare_params(state)  # the same weights for every setting
     decode_state = engine.init_decode_state()
     for slot, prompt in enumerate(prompts):
@@ -415,6 +416,27 @@ def test_engine_greedy_identical(model):
     """``pallas_gpu`` (interpret) and ``xla`` through the engine: the same tokens and positions, log-probs within
     float32 rounding."""
     _same_greedy(_greedy_steps(model, KERNELS["pallas_gpu"]), _greedy_steps(model, XLA), F32_TOL)
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+def test_engine_greedy_identical_with_a_kernel_per_batch_shard(model, impl):
+    """On a mesh of 2 batch shards x 2 tensor shards, each device runs the kernel over its own slots' pages and
+    its own kv heads: the tokens and positions of the same kernel on one device, log-probs within float32
+    rounding (the GPU kernel's equal ``xla``'s, test_engine_greedy_identical)."""
+    from dora_jax.config import MeshConfig
+    from dora_jax.sharding import create_mesh
+
+    mesh = create_mesh(MeshConfig(data=2, fsdp=1, tensor=2), devices=jax.devices()[:4])
+    _same_greedy(_greedy_steps(model, KERNELS[impl], mesh), _greedy_steps(model, KERNELS[impl]), F32_TOL)
+
+
+def test_a_kernel_over_batch_shards_without_their_mesh_is_refused(xla_step):
+    """Slots split over batch shards hold page ids within their shard: a kernel runs on them only per shard, on
+    the mesh that makes them; without it the step is refused, naming the choice and the way out."""
+    params, pool, tables, tokens, _ = xla_step
+    with pytest.raises(ValueError, match="'pallas_gpu' with slots split over 2 batch shards.*attention_impl='xla'"):
+        decode_forward_paged(CFG, params, tokens, jnp.asarray(POSITIONS), pool, tables, jnp.ones(len(POSITIONS), bool),
+                             settings=KERNELS["pallas_gpu"], shards=2)
 
 
 @pytest.mark.skipif(not ON_TPU, reason="JAX's ragged paged attention runs on a TPU only")

@@ -119,8 +119,9 @@ def check_multiprocess(cfg: Config, placement: Any) -> None:
                        "the trainer's mesh spans every process, and no decode program does; lending it would also "
                        "have to be agreed by every process at the same step. Use roles.elastic_group=false")
     if roles.rollout_span == "all" and impl.startswith("pallas"):
-        raise RunError(f"rollout.attention_impl={impl!r} with roles.rollout_span=all: the Pallas paged kernels read "
-                       "one pool, not one split over a mesh that spans processes; set rollout.attention_impl=xla")
+        raise RunError(f"rollout.attention_impl={impl!r} with roles.rollout_span=all: the Pallas paged kernels run "
+                       "per batch shard on a mesh of one process's devices, not on one that spans processes; set "
+                       "rollout.attention_impl=xla")
 
 
 def check_placement(cfg: Config, placement: Any) -> None:
