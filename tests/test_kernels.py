@@ -374,6 +374,34 @@ def test_ragged_decode_step_matches_xla(xla_step, monkeypatch):
             Engine(init_model(CFG, seed=0), settings=RAGGED)
 
 
+def test_ragged_decode_step_per_batch_shard(xla_step, monkeypatch):
+    """The interleaved pool split over 2 batch shards (each a copy of the step's pool, the tables' page ids
+    within a shard) on 2 batch x 2 tensor devices, the stand-in in the kernel's place: each device's kernel sees
+    its shard's pages of every layer and its heads' (key, value) pairs, and the logits are the XLA path's on
+    one pool."""
+    import dora_jax.kernels.paged_attention as kernels
+    from dora_jax.config import DEFAULT_RULES, MeshConfig
+    from dora_jax.rollout.programs import pool_shardings
+    from dora_jax.sharding import create_mesh
+
+    params, pool, tables, tokens, (want, _) = xla_step
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append(args[1].shape)
+        return ragged_stand_in(*args, **kw)
+
+    monkeypatch.setattr(kernels, "_shipped_ragged_kernel", lambda: spy)
+    mesh = create_mesh(MeshConfig(data=2, fsdp=1, tensor=2), devices=jax.devices()[:4])
+    two = as_interleaved(PagedKV(*(jnp.concatenate([x, x], axis=2) for x in pool)))
+    two = jax.device_put(two, pool_shardings(mesh, DEFAULT_RULES, two))
+    step = jax.jit(functools.partial(decode_forward_paged, CFG, settings=RAGGED, shards=2,
+                                     mesh_rules=(mesh, DEFAULT_RULES)))
+    got, _ = step(params, tokens, jnp.asarray(POSITIONS), two, tables, jnp.ones(len(POSITIONS), bool))
+    assert rel_err(np.asarray(got), want) <= F32_TOL
+    assert set(seen) == {(CFG.num_layers * pool.num_pages, P, CFG.num_kv_heads, CFG.head_dim)}
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Greedy decoding through the engine.
 

@@ -349,34 +349,36 @@ def _per_head_shard(call, mesh_rules, head_axis: int, entries: int, q_bhd, pages
                          out_specs=q_spec, check_vma=False)(q_bhd, *pages, tables_bw, lengths_b)
 
 
-def _kernel_per_batch_shard(call, mesh_rules: tuple[Mesh, Rules], pool: PagedKV, q_bhd, k_bkd, v_bkd, layer,
-                            page_b, row_b, tables_bw, lengths_b) -> tuple[jax.Array, PagedKV]:
-    """Layer ``layer``'s new entries written at (page, row) and the kernel ``call(q, k_view, v_view, tables,
-    lengths)`` over :meth:`PagedKV.layer_view`, once per device (``shard_map``): each holds one batch shard's
-    slots and pages (its tables hold page ids within the shard), and its own kv heads where the tensor axes
-    divide them. Returns the attention [B, H, d] and the pool."""
+def _kernel_per_batch_shard(call, mesh_rules: tuple[Mesh, Rules], pool: Pool, q_bhd, k_bkd, v_bkd, layer,
+                            page_b, row_b, tables_bw, lengths_b) -> tuple[jax.Array, Pool]:
+    """Layer ``layer``'s new entries written at (page, row) and the kernel ``call(q, *view, tables, lengths)``
+    over the pool's ``layer_view``, once per device (``shard_map``): each holds one batch shard's slots and pages
+    (its tables hold page ids within the shard), and its own kv heads where the tensor axes divide them.
+    Returns the attention [B, H, d] and the pool."""
     mesh, rules = mesh_rules
     batch = mesh_axes("batch", mesh, rules)[0]
     names, n = mesh_axes("act_kv_heads", mesh, rules)
-    split = n > 1 and pool.k.shape[pool.HEAD_AXIS] % n == 0 and q_bhd.shape[1] % n == 0
+    kinds = type(pool)
+    heads = pool[0].shape[pool.HEAD_AXIS] // pool.HEAD_ENTRIES
+    split = n > 1 and heads % n == 0 and q_bhd.shape[1] % n == 0
     axis = {"batch": batch if len(batch) > 1 else batch[0],
             "act_kv_heads": (names if len(names) > 1 else names[0]) if split else None}
     pool_spec = PartitionSpec(*(axis.get(a) for a in pool.axes()))
     rows, vec = PartitionSpec(axis["batch"], axis["act_kv_heads"], None), PartitionSpec(axis["batch"])
 
-    def local(q, k, v, i, page, row, tables, lengths, k_pool, v_pool):
-        here = PagedKV(k_pool, v_pool)
+    def local(q, k, v, i, page, row, tables, lengths, *arrays):
+        here = kinds(*arrays)
         m = here.num_pages  # this shard's pages: its tables' ids are within them
-        view = PagedKV.write_view_token(here.layer_view(), k, v, page + i * m, row)
+        view = kinds.write_view_token(here.layer_view(), k, v, page + i * m, row)
         att = call(q, *view, tables + i * m, lengths)
         return att, *(a.reshape(b.shape) for a, b in zip(view, here))
 
-    att, k_pool, v_pool = jax.shard_map(
+    att, *arrays = jax.shard_map(
         local, mesh=mesh, in_specs=(rows, rows, rows, PartitionSpec(), vec, vec, PartitionSpec(axis["batch"], None),
-                                    vec, pool_spec, pool_spec),
-        out_specs=(rows, pool_spec, pool_spec), check_vma=False)(q_bhd, k_bkd, v_bkd, layer, page_b, row_b, tables_bw,
-                                                                 lengths_b, *pool)
-    return att, PagedKV(k_pool, v_pool)
+                                    vec) + (pool_spec,) * len(pool),
+        out_specs=(rows,) + (pool_spec,) * len(pool), check_vma=False)(q_bhd, k_bkd, v_bkd, layer, page_b, row_b,
+                                                                      tables_bw, lengths_b, *pool)
+    return att, kinds(*arrays)
 
 
 def decode_forward_paged(cfg: ModelConfig, p: dict, tokens_b: jax.Array, positions_b: jax.Array, pool: Pool,
@@ -411,11 +413,12 @@ def decode_forward_paged(cfg: ModelConfig, p: dict, tokens_b: jax.Array, positio
         x, _, (k_new, v_new) = decoder_layers(cfg, p["layers"], x0, positions_bt, attend, collect_kv=True)
         pool = write_pages(pool, k_new[:, :, 0], v_new[:, :, 0], page_b, row_b, shards)
     elif shards != 1:
-        if impl == RAGGED_IMPL or mesh_rules is None or not shards_apart(*mesh_rules, shards):
+        if mesh_rules is None or not shards_apart(*mesh_rules, shards):
             raise ValueError(f"attention_impl {impl!r} with slots split over {shards} batch shards: a kernel runs "
-                             "per batch shard on a mesh whose batch axes make the shards (mesh_rules), on a pool "
-                             f"of keys and values apart (not {RAGGED_IMPL!r}); or use attention_impl='xla'")
-        call = functools.partial(paged_attention, impl=impl, interpret=settings.pallas_interpret)
+                             "per batch shard, on a mesh whose batch axes make the shards (mesh_rules); or use "
+                             "attention_impl='xla'")
+        call = (ragged_paged_attention if impl == RAGGED_IMPL
+                else functools.partial(paged_attention, impl=impl, interpret=settings.pallas_interpret))
 
         def attend(q, k, v, i, pool):
             att, pool = _kernel_per_batch_shard(call, mesh_rules, pool, q[:, 0], k[:, 0], v[:, 0], i, page_b, row_b,

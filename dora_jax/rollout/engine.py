@@ -238,10 +238,6 @@ def _check_sizes(engine: "Engine") -> None:
     if not (isinstance(engine.num_pages, (int, np.integer)) and engine.num_pages >= slots):
         raise EngineError(f"a pool of {engine.num_pages!r} pages cannot hold one page per slot ({slots} slots of "
                           f"{engine.page_tokens}-token pages): give it at least {slots} pages")
-    if engine.shards > 1 and resolve_attention_impl(engine.settings) == RAGGED_IMPL:
-        raise EngineError(f"attention_impl {engine.settings.attention_impl!r} reads one interleaved pool, but the "
-                          f"mesh splits the slots over {engine.shards} batch shards: use attention_impl='xla' or "
-                          "'pallas_tpu' there (a kernel per batch shard)")
 
 
 class Engine:
