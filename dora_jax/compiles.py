@@ -213,15 +213,18 @@ def layer_kernels(hlo_text: str, num_layers: int, inner: str = "") -> dict[str, 
     def kernels(name):
         return sum(o not in _FREE_OPS for o, _ in inline(name))
 
+    found = []
     for ops in comps.values():
         for op, line in ops:
-            found = trips.search(line)
-            if op == "while" and found and int(found.group(1)) == num_layers:
+            n = trips.search(line)
+            if op == "while" and n and int(n.group(1)) == num_layers:
                 body = inline(body_of.search(line).group(1))
                 counted = [x for o, x in body if o == "while" and inner in _op_name(x)]
                 loops = [[kernels(body_of.search(x).group(1)), kernels(cond_of.search(x).group(1))] for x in counted]
                 other = [kernels(body_of.search(x).group(1)) + kernels(cond_of.search(x).group(1))
                          for o, x in body if o == "while" and x not in counted]
-                return {"per_layer": sum(o not in _FREE_OPS and o != "while" for o, _ in body) + sum(other),
-                        "inner_loops": loops}
-    return None
+                found.append({"per_layer": sum(o not in _FREE_OPS and o != "while" for o, _ in body) + sum(other),
+                              "inner_loops": loops})
+    # Other loops may take as many trips (XLA:CPU runs a scatter over a few rows as one): the layers' loop is the
+    # one holding the scoped loops, else the largest.
+    return max(found, key=lambda x: (len(x["inner_loops"]), x["per_layer"]), default=None)

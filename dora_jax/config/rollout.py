@@ -68,7 +68,7 @@ class RolloutConfig:
     slot's pages, masked attention; the reference), ``"pallas_gpu"`` / ``"pallas_tpu"`` (JAX's shipped paged
     attention kernels, :mod:`dora_jax.kernels.paged_attention`), ``"pallas_tpu_ragged"`` (JAX's ragged paged
     attention, TPU only, over a pool with keys and values interleaved) or ``"auto"`` (xla on every platform until a
-    measurement there shows a kernel ahead; a kernel is also refused where the slots split over batch shards).
+    measurement there shows a kernel ahead; where the slots split over batch shards, a kernel runs per shard).
     ``pallas_interpret`` runs a kernel in the Pallas interpreter (CPU tests). These two change no result beyond
     float rounding.
 

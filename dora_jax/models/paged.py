@@ -132,7 +132,8 @@ class InterleavedKV(NamedTuple):
 
     def write_tokens(self, k_lbkd, v_lbkd, page_b, row_b, shards: int = 1) -> InterleavedKV:
         if shards != 1:
-            raise ValueError(f"an interleaved pool is one pool: it cannot split slots over {shards} batch shards")
+            raise ValueError(f"an interleaved pool takes a decode step's entries per batch shard in the ragged "
+                             f"kernel's step (_kernel_per_batch_shard), not here ({shards} batch shards)")
         # Advanced indices on adjacent axes 1, 2: updates [L, B, 2K, d].
         return InterleavedKV(self.kv.at[:, page_b, row_b].set(interleave_heads(k_lbkd, v_lbkd).astype(self.kv.dtype)))
 
@@ -389,8 +390,9 @@ def decode_forward_paged(cfg: ModelConfig, p: dict, tokens_b: jax.Array, positio
     Row ``b``'s token sits at ``positions_b[b]`` and attends to the row's tokens ``0 .. position``; its entries
     are written at that position's page where ``write_b`` is on, else to scratch. ``tables_bw`` must cover
     position ``positions_b[b]`` for every written row (the host appends pages before it dispatches). With
-    ``shards`` > 1 (the xla path), page ids are within each row's shard. ``mesh_rules``: the mesh the engine
-    runs on and its rules, with which a kernel runs per shard of the kv heads."""
+    ``shards`` > 1, page ids are within each row's shard. ``mesh_rules``: the mesh the engine runs on and its
+    rules, with which the attention runs per device: per batch shard where the batch axes make the shards
+    (required then for a kernel), and per shard of the kv heads."""
     impl = resolve_attention_impl(settings)
     if isinstance(pool, InterleavedKV) != (impl == RAGGED_IMPL):
         raise ValueError(f"attention_impl {impl!r} cannot read a {type(pool).__name__} pool: "
