@@ -377,8 +377,8 @@ def test_ragged_decode_step_matches_xla(xla_step, monkeypatch):
 def test_ragged_decode_step_per_batch_shard(xla_step, monkeypatch):
     """The interleaved pool split over 2 batch shards (each a copy of the step's pool, the tables' page ids
     within a shard) on 2 batch x 2 tensor devices, the stand-in in the kernel's place: each device's kernel sees
-    its shard's pages of every layer and its heads' (key, value) pairs, and the logits are the XLA path's on
-    one pool."""
+    its shard's pages of every layer and its heads' (key, value) pairs, the logits are the XLA path's on one
+    pool, and the compiled step copies neither the donated pool nor its view (it fails without the donation)."""
     import dora_jax.kernels.paged_attention as kernels
     from dora_jax.config import DEFAULT_RULES, MeshConfig
     from dora_jax.rollout.programs import pool_shardings
@@ -396,8 +396,14 @@ def test_ragged_decode_step_per_batch_shard(xla_step, monkeypatch):
     two = as_interleaved(PagedKV(*(jnp.concatenate([x, x], axis=2) for x in pool)))
     two = jax.device_put(two, pool_shardings(mesh, DEFAULT_RULES, two))
     step = jax.jit(functools.partial(decode_forward_paged, CFG, settings=RAGGED, shards=2,
-                                     mesh_rules=(mesh, DEFAULT_RULES)))
-    got, _ = step(params, tokens, jnp.asarray(POSITIONS), two, tables, jnp.ones(len(POSITIONS), bool))
+                                     mesh_rules=(mesh, DEFAULT_RULES)), donate_argnums=(3,))
+    args = (params, tokens, jnp.asarray(POSITIONS), two, tables, jnp.ones(len(POSITIONS), bool))
+    # The donated pool is written and read in place on each device: no copy of it, or of its layers' view.
+    local = two.kv.sharding.shard_shape(two.kv.shape)
+    shapes = [f"[{','.join(map(str, s))}]" for s in (local, (local[0] * local[1],) + local[2:])]
+    hlo = step.lower(*args).compile().as_text()
+    assert not [line for line in hlo.splitlines() if " copy(" in line and any(s in line for s in shapes)]
+    got, _ = step(*args)
     assert rel_err(np.asarray(got), want) <= F32_TOL
     assert set(seen) == {(CFG.num_layers * pool.num_pages, P, CFG.num_kv_heads, CFG.head_dim)}
 
