@@ -70,7 +70,7 @@ def test_a_request_moved_partway_finishes_with_the_tokens_it_gives_unmoved(engin
     assert a.take_sizes(0, 2)[0][0] == len(reqs[0].prompt_ids) + 1 + 8 - 1
     out += a.read_in_flight()
     sizes = a.take_sizes(0, 3)
-    assert b.fits(3, sizes) and len(sizes) == 3
+    assert b.fits(0, 3, sizes) and len(sizes) == 3
     held = engines[1].pages_held
     moving = a.take(0, 3)
     assert moving.sample_ids == [0, 1, 2] and moving.count == 3 and a.live_rows == 1
@@ -144,14 +144,44 @@ def test_a_move_fits_where_only_its_shared_pages_counted_once_fit(engines, model
         assert [(w, limit) for w, limit, _ in sizes] == [(40, 52)] * 4
         assert len({h[:2] for *_, h in sizes}) == 1  # one prompt's two pages
         assert engines[1].admissible([s[:2] for s in sizes]) is None  # as if nothing were shared
-        assert b.fits(4, sizes) and engines[1].admissible_moved(sizes) == [0] * 4
-        assert not b.fits(4, [(w, limit, (i,)) for i, (w, limit, _) in enumerate(sizes)])  # nothing in common
+        assert b.fits(0, 4, sizes) and engines[1].admissible_moved(sizes) == [0] * 4
+        assert not b.fits(0, 4, [(w, limit, (i,)) for i, (w, limit, _) in enumerate(sizes)])  # nothing in common
         b.put(a.take(0, 4))
         assert book.shard_free(0) == 10 - 6
         out += a.run() + b.run()
     finally:
         book.release_prefixes(held)
     assert_all_finished_unmoved(out, want, engines)
+
+
+def test_a_move_across_batch_shards_counts_the_pages_it_shares_in_each_shard_once(engines, models):
+    """The four samples of one prompt moved to an engine whose 4 slots split over 2 batch shards (2 devices),
+    with 6 free pages in each shard: two land in each shard (the one with most room, as put places them), where
+    counted apart they take 6 pages now and could need 8, but sharing the prompt's two pages they take 4 and
+    need at most 6: the check, made in the shards put uses, lets them in. Each shard then has 2 pages left, and
+    every sample finishes with the tokens it gives unmoved."""
+    mesh = Mesh(np.array(jax.devices()[3:5]).reshape(2, 1, 1), MESH_AXES)
+    two = make_engine(models[0], slots=4, mesh=mesh)
+    assert two.shards == 2
+    reqs, want, a, _ = one_prompt_four_samples(engines, models)
+    b = driver(two, nnx.state(models[0]))
+    book = two.book
+    held = {k: book.hold_prefix(k, 16 * (book.shard_free(k) - 6)) for k in (0, 1)}
+    try:
+        for r in reqs:
+            a.submit(r)
+        out = a.step() + a.read_in_flight()
+        sizes = a.take_sizes(0, 4)
+        assert [(w, limit) for w, limit, _ in sizes] == [(40, 52)] * 4
+        assert two.admissible([s[:2] for s in sizes]) is None  # as if nothing were shared
+        assert two.admissible_moved(sizes) is None  # nor without the shards put will use
+        assert b.fits(0, 4, sizes)
+        b.put(a.take(0, 4))
+        assert [book.shard_free(k) for k in (0, 1)] == [2, 2]
+        out += a.run() + b.run()
+    finally:
+        book.release_prefixes(held)
+    assert_all_finished_unmoved(out, want, (engines[0], two))
 
 
 def test_version_groups_move_a_busy_group_or_wait_when_the_move_does_not_fit(engines, models):
@@ -202,7 +232,7 @@ def test_a_move_waits_for_pages(models):
     not two (a host check: nothing is compiled). A per-group ``can_move`` drains the group that may not move."""
     d = RolloutDriver(Engine(models[0], max_concurrent_decodes=4, max_prefill_length=32, max_target_length=64,
                              num_pages=4), overlap=False)
-    assert d.fits(1, [(60, 64, ())]) and not d.fits(2, [(60, 64, ()), (60, 64, ())]) and not d.fits(5, [])
+    assert d.fits(0, 1, [(60, 64, ())]) and not d.fits(0, 2, [(60, 64, ()), (60, 64, ())]) and not d.fits(0, 5, [])
     G = Balancer(3, max_live=2)
     states = [GroupState(0, 4, 2), GroupState(0, 4, 1), GroupState(0, 4, 1)]
     # Group 1, the first busy group to give up (fewest in flight, the lower), moves its request to the group with

@@ -376,7 +376,7 @@ class Moving(Counting):
     def take_sizes(self, version, count):
         return []
 
-    def fits(self, count, sizes):
+    def fits(self, version, count, sizes):
         return count <= self.engine.max_concurrent_decodes - len(self.requests)
 
     def take(self, version, count):

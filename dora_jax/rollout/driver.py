@@ -316,12 +316,24 @@ class RolloutDriver:
         heads = self.engine.written_heads(g.state, [g.slots.index(x) for x in live], written)
         return [(w, len(x.request.prompt_ids) + x.request.max_new_tokens, h) for w, x, h in zip(written, live, heads)]
 
-    def fits(self, count: int, sizes: Sequence[tuple[int, int]]) -> bool:
-        """Whether ``count`` requests (live ones' ``sizes`` from :meth:`take_sizes`) can be put here now: free slots
-        for all, and pages for the live ones (pages they share counted once) while every live request here could
-        still reach its limit."""
+    def fits(self, version: int, count: int, sizes: Sequence[tuple[int, int, tuple[int, ...]]]) -> bool:
+        """Whether ``count`` requests of ``version`` (live ones' ``sizes`` from :meth:`take_sizes`) can be put here
+        now: free slots for all, and pages for the live ones (pages they share in one batch shard counted once)
+        while every live request here could still reach its limit. Each live one is checked in the batch shard
+        :meth:`put` would place it in."""
         free = self.engine.max_concurrent_decodes - sum(self.in_flight().values())
-        return count <= free and (not sizes or self.engine.admissible_moved(list(sizes)) is not None)
+        if count > free or not sizes:
+            return count <= free
+        g = self._groups.get(version)
+        if self.shards == 1 or g is None:
+            return self.engine.admissible_moved(list(sizes)) is not None
+        slots = g.slots
+        if g.live + len(sizes) > len(slots):  # put grows the state to every slot first, live rows first
+            slots = [x for x in slots if x is not None]
+            slots += [None] * (self.engine.max_concurrent_decodes - len(slots))
+        rows = self._rows_by_room(slots, [self.engine.pages_needed(w) for w, _, _ in sizes])
+        shards = [self.engine.row_shard(len(slots), r) for r in rows]
+        return self.engine.admissible_moved(list(sizes), shards) is not None
 
     def take(self, version: int, count: int) -> Departing:
         """Takes the ``count`` requests of ``version`` with the lowest sample ids out of this driver, for another's
@@ -365,7 +377,8 @@ class RolloutDriver:
                 raise EngineError(f"put: {len(lives)} live requests, {full - g.live} free slots")
             if need > len(g.slots):
                 self._resize(g, full if self.shards > 1 else min(bucket(need, minimum=1), full))
-            slots = [int(s) for s in self._free_rows(g, list(lives))]
+            written = departing.rows.written.tolist()
+            slots = [int(s) for s in self._rows_by_room(g.slots, [self.engine.pages_needed(w) for w in written])]
             limits = [len(x.request.prompt_ids) + x.request.max_new_tokens for x in lives]
             g.state = self.engine.put_rows(g.state, departing.rows, slots, limits)
             for x in lives:
@@ -511,22 +524,29 @@ class RolloutDriver:
         g.put([(slot, live) for slot, live in zip(slots, lives) if slot is not None])
 
     def _free_rows(self, g: _Group, lives: list[_Live | None]) -> list[int | None]:
-        """A free row of ``g`` for each live request, in order; across batch shards, each in the shard with
-        the most pages left (a shard's pages serve only its rows)."""
-        free = [i for i, s in enumerate(g.slots) if s is None]
+        """A free row of ``g`` for each live request, in order (:meth:`_rows_by_room`, each taking its prompt's
+        pages)."""
+        return self._rows_by_room(g.slots, [None if live is None else
+                                            self.engine.pages_needed(len(live.request.prompt_ids)) for live in lives])
+
+    def _rows_by_room(self, slots: list[Any], pages: list[int | None]) -> list[int | None]:
+        """A free row among ``slots`` for each entry of ``pages`` that is not None, in order; across batch
+        shards, each in the shard with the most pages left after the rows before it took theirs (a shard's pages
+        serve only its rows)."""
+        free = [i for i, s in enumerate(slots) if s is None]
         if self.shards == 1:
             it = iter(free)
-            return [None if live is None else next(it) for live in lives]
-        cap = len(g.slots)
+            return [None if p is None else next(it) for p in pages]
+        cap = len(slots)
         room = {k: self.engine.shard_pages_available(k) for k in range(self.shards)}
         out: list[int | None] = []
-        for live in lives:
-            if live is None:
+        for p in pages:
+            if p is None:
                 out.append(None)
                 continue
             row = max(free, key=lambda i: (room[self.engine.row_shard(cap, i)], -i))
             free.remove(row)
-            room[self.engine.row_shard(cap, row)] -= self.engine.pages_needed(len(live.request.prompt_ids))
+            room[self.engine.row_shard(cap, row)] -= p
             out.append(row)
         return out
 

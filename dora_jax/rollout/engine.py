@@ -531,20 +531,23 @@ class Engine:
         tokens, limit) would go to if admitted now together, or ``None`` when they do not all fit safely now."""
         return self.book.admissible(requests)
 
-    def admissible_moved(self, requests: Sequence[tuple[int, int, tuple[int, ...]]]) -> list[int] | None:
+    def admissible_moved(self, requests: Sequence[tuple[int, int, tuple[int, ...]]],
+                         shards: Sequence[int] | None = None) -> list[int] | None:
         """:meth:`admissible` of requests moved in from another engine, each (written tokens, limit, head),
-        ``head`` the pool ids of the full pages it has written there (:meth:`written_heads`). On one batch shard,
-        rows whose heads start alike share those pages again where they land (:meth:`put_rows`) and are counted
-        once: the rows are admitted in order to a copy of the page book. Across batch shards they are counted
-        apart."""
-        if self.shards > 1:
+        ``head`` the pool ids of the full pages it has written there (:meth:`written_heads`), landing in batch
+        shards ``shards`` (default: all in shard 0 on an engine of one shard). Rows of one shard whose heads start
+        alike share those pages again where they land (:meth:`put_rows`) and are counted once: the rows are
+        admitted in order to a copy of the page book. Without ``shards`` on an engine of several, they are
+        counted apart, each in the shard with most free pages."""
+        if shards is None and self.shards > 1:
             return self.book.admissible([r[:2] for r in requests])
+        shards = [0] * len(requests) if shards is None else [int(k) for k in shards]
         book, refs = copy.deepcopy(self.book), []
-        heads, shards = [r[2] for r in requests], [0] * len(requests)
+        heads = [r[2] for r in requests]
         try:
             for i, (written, limit, _) in enumerate(requests):
                 fork, shared = kv_transfer.best_fork(heads, shards, i)
-                refs.append(book.admit(0, int(written), int(limit), fork=None if fork is None else refs[fork],
+                refs.append(book.admit(shards[i], int(written), int(limit), fork=None if fork is None else refs[fork],
                                        fork_tokens=shared * self.page_tokens))
         except PageError:
             return None

@@ -238,7 +238,7 @@ class VersionGroups(DriverGroups):
             for j in sorted(room, key=lambda j: (-room[j], j)):
                 k = min(n, room[j])
                 if k > 0:
-                    ok = ok and self.drivers[j].fits(k, sizes[:k])
+                    ok = ok and self.drivers[j].fits(v, k, sizes[:k])
                     sizes, n = sizes[k:], n - k
             out.append(ok and n == 0)
         return out
@@ -316,7 +316,7 @@ class VersionGroups(DriverGroups):
             n = min(m.count, self.group_in_flight(m.src_group))
             if m.src_group in waited or not n:
                 continue
-            if not dst.fits(n, src.take_sizes(m.version, n)):
+            if not dst.fits(m.version, n, src.take_sizes(m.version, n)):
                 waited.add(m.src_group)
                 self.move_waits += 1
                 continue

@@ -134,8 +134,8 @@ class TimedEngine:
     def admissible(self, requests: Sequence[tuple[int, int]]) -> list[int]:
         return [0] * len(requests)  # no pool to wait for
 
-    def admissible_moved(self, requests: Sequence[tuple]) -> list[int]:
-        return [0] * len(requests)
+    def admissible_moved(self, requests: Sequence[tuple], shards: Sequence[int] | None = None) -> list[int]:
+        return [0] * len(requests) if shards is None else list(shards)
 
     def written_heads(self, decode_state: Any, slots: Sequence[int], written: Sequence[int]) -> list[tuple[int, ...]]:
         return [()] * len(slots)  # no pages
