@@ -334,12 +334,10 @@ def test_interleaved_pool_holds_what_the_split_pool_holds():
                                                                  CFG.head_dim)
 
 
-def test_ragged_decode_step_matches_xla(xla_step, monkeypatch):
-    """One decode step over the interleaved pool, with the stand-in in the kernel's place: the logits of the XLA
-    path on the split pool, the same entries written, and the kernel handed every layer's pages at once."""
+def spy_ragged(monkeypatch) -> list:
+    """The stand-in in the shipped ragged kernel's place; returns the list of the pool shapes it is handed."""
     import dora_jax.kernels.paged_attention as kernels
 
-    params, pool, tables, tokens, (want, want_pool) = xla_step
     seen = []
 
     def spy(*args, **kw):
@@ -347,6 +345,14 @@ def test_ragged_decode_step_matches_xla(xla_step, monkeypatch):
         return ragged_stand_in(*args, **kw)
 
     monkeypatch.setattr(kernels, "_shipped_ragged_kernel", lambda: spy)
+    return seen
+
+
+def test_ragged_decode_step_matches_xla(xla_step, monkeypatch):
+    """One decode step over the interleaved pool, with the stand-in in the kernel's place: the logits of the XLA
+    path on the split pool, the same entries written, and the kernel handed every layer's pages at once."""
+    params, pool, tables, tokens, (want, want_pool) = xla_step
+    seen = spy_ragged(monkeypatch)
     got, got_pool = run_step(params, as_interleaved(pool), tables, tokens, RAGGED)
     assert rel_err(got, want) <= F32_TOL, rel_err(got, want)
     assert rel_err(got_pool.kv, as_interleaved(want_pool).kv) <= F32_TOL
@@ -379,19 +385,12 @@ def test_ragged_decode_step_per_batch_shard(xla_step, monkeypatch):
     within a shard) on 2 batch x 2 tensor devices, the stand-in in the kernel's place: each device's kernel sees
     its shard's pages of every layer and its heads' (key, value) pairs, the logits are the XLA path's on one
     pool, and the compiled step copies neither the donated pool nor its view (it fails without the donation)."""
-    import dora_jax.kernels.paged_attention as kernels
     from dora_jax.config import DEFAULT_RULES, MeshConfig
     from dora_jax.rollout.programs import pool_shardings
     from dora_jax.sharding import create_mesh
 
     params, pool, tables, tokens, (want, _) = xla_step
-    seen = []
-
-    def spy(*args, **kw):
-        seen.append(args[1].shape)
-        return ragged_stand_in(*args, **kw)
-
-    monkeypatch.setattr(kernels, "_shipped_ragged_kernel", lambda: spy)
+    seen = spy_ragged(monkeypatch)
     mesh = create_mesh(MeshConfig(data=2, fsdp=1, tensor=2), devices=jax.devices()[:4])
     two = as_interleaved(PagedKV(*(jnp.concatenate([x, x], axis=2) for x in pool)))
     two = jax.device_put(two, pool_shardings(mesh, DEFAULT_RULES, two))

@@ -98,6 +98,17 @@ def one_prompt_four_samples(engines, models):
     return reqs, want, driver(engines[0], weights), driver(engines[1], weights)
 
 
+def decoded_partway(a, reqs):
+    """The four samples of :func:`one_prompt_four_samples` run one program in driver ``a``: what finished, and
+    the sizes of the four to move (40 tokens written each, growing to 52)."""
+    for r in reqs:
+        a.submit(r)
+    out = a.step() + a.read_in_flight()
+    sizes = a.take_sizes(0, 4)
+    assert [(w, limit) for w, limit, _ in sizes] == [(40, 52)] * 4
+    return out, sizes
+
+
 def assert_all_finished_unmoved(out, want, engines):
     assert sorted(t.sample_id for t in out) == sorted(want)
     for t in out:
@@ -137,11 +148,7 @@ def test_a_move_fits_where_only_its_shared_pages_counted_once_fit(engines, model
     book = engines[1].book
     held = {0: book.hold_prefix(0, 16 * (book.shard_free(0) - 10))}  # 10 pages left free
     try:
-        for r in reqs:
-            a.submit(r)
-        out = a.step() + a.read_in_flight()
-        sizes = a.take_sizes(0, 4)
-        assert [(w, limit) for w, limit, _ in sizes] == [(40, 52)] * 4
+        out, sizes = decoded_partway(a, reqs)
         assert len({h[:2] for *_, h in sizes}) == 1  # one prompt's two pages
         assert engines[1].admissible([s[:2] for s in sizes]) is None  # as if nothing were shared
         assert b.fits(0, 4, sizes) and engines[1].admissible_moved(sizes) == [0] * 4
@@ -168,11 +175,7 @@ def test_a_move_across_batch_shards_counts_the_pages_it_shares_in_each_shard_onc
     book = two.book
     held = {k: book.hold_prefix(k, 16 * (book.shard_free(k) - 6)) for k in (0, 1)}
     try:
-        for r in reqs:
-            a.submit(r)
-        out = a.step() + a.read_in_flight()
-        sizes = a.take_sizes(0, 4)
-        assert [(w, limit) for w, limit, _ in sizes] == [(40, 52)] * 4
+        out, sizes = decoded_partway(a, reqs)
         assert two.admissible([s[:2] for s in sizes]) is None  # as if nothing were shared
         assert two.admissible_moved(sizes) is None  # nor without the shards put will use
         assert b.fits(0, 4, sizes)
