@@ -217,12 +217,6 @@ def attention_step_reads(impl: str, shards: list, table_width: int, page_tokens:
     return sum(attention_read_tokens(impl, x, table_width, page_tokens, head_dim, interpret) for x in shards), []
 
 
-def attention_trips(impl: str, shards: list, table_width: int, page_tokens: int, apart: bool = False) -> int:
-    """Loop trips one layer's decode attention takes for batch shards of slots of these lengths (numpy, host),
-    all its loops together (:func:`attention_step_reads`); 0 for a kernel."""
-    return sum(live_step_reads(shards, table_width, page_tokens, apart=apart)[1]) if impl == "xla" else 0
-
-
 class ReadCounter:
     """Cached tokens a decode attention path reads (``read``) against the live tokens it has to read (``live``),
     per layer, and the loop trips it takes (``trips``; per loop, ``loop_trips``) over the decode ``steps``,
@@ -309,6 +303,15 @@ def shards_apart(mesh: Mesh | None, rules: Rules, shards: int) -> bool:
     return mesh is not None and shards > 1 and mesh_axes("batch", mesh, rules)[1] == shards
 
 
+def _batch_and_head_axes(mesh: Mesh, rules: Rules, kv_heads: int, q_heads: int):
+    """The mesh axes (a name, a tuple of names, or None) that split the slots' batch shards, and those that split
+    the kv heads (and the query heads alike) where they divide both: what a ``shard_map`` over them takes."""
+    batch = mesh_axes("batch", mesh, rules)[0]
+    names, n = mesh_axes("act_kv_heads", mesh, rules)
+    split = n > 1 and kv_heads % n == 0 and q_heads % n == 0
+    return (batch if len(batch) > 1 else batch[0]), ((names if len(names) > 1 else names[0]) if split else None)
+
+
 def _per_batch_shard(per_shard, mesh_rules: tuple[Mesh, Rules], shards: int, args: tuple):
     """``per_shard(q, k, v, layer, plan, k_new, v_new)`` (shard-leading operands) under ``shard_map`` over the
     mesh's batch axes, and its kv heads over the head axes where they divide them: each device loops over its
@@ -317,12 +320,7 @@ def _per_batch_shard(per_shard, mesh_rules: tuple[Mesh, Rules], shards: int, arg
     mesh, rules = mesh_rules
     if not shards_apart(mesh, rules, shards):
         return per_shard(*args)
-    batch = mesh_axes("batch", mesh, rules)[0]
-    names, n = mesh_axes("act_kv_heads", mesh, rules)
-    q, k_pool = args[0], args[1]
-    split = n > 1 and k_pool.shape[0] % n == 0 and q.shape[2] % n == 0
-    b = batch if len(batch) > 1 else batch[0]
-    h = (names if len(names) > 1 else names[0]) if split else None
+    b, h = _batch_and_head_axes(mesh, rules, args[1].shape[0], args[0].shape[2])
     rows_spec = PartitionSpec(b, None, h, None)  # [S, B / S, heads, d]
     pool_spec = PartitionSpec(h, None, b, None, None, None)  # [K, L, S, N / S, P, d]
     plan_spec = jax.tree.map(lambda _: PartitionSpec(b), args[4])
@@ -357,13 +355,9 @@ def _kernel_per_batch_shard(call, mesh_rules: tuple[Mesh, Rules], pool: Pool, q_
     (its tables hold page ids within the shard), and its own kv heads where the tensor axes divide them.
     Returns the attention [B, H, d] and the pool."""
     mesh, rules = mesh_rules
-    batch = mesh_axes("batch", mesh, rules)[0]
-    names, n = mesh_axes("act_kv_heads", mesh, rules)
     kinds = type(pool)
-    heads = pool[0].shape[pool.HEAD_AXIS] // pool.HEAD_ENTRIES
-    split = n > 1 and heads % n == 0 and q_bhd.shape[1] % n == 0
-    axis = {"batch": batch if len(batch) > 1 else batch[0],
-            "act_kv_heads": (names if len(names) > 1 else names[0]) if split else None}
+    b, h = _batch_and_head_axes(mesh, rules, pool[0].shape[pool.HEAD_AXIS] // pool.HEAD_ENTRIES, q_bhd.shape[1])
+    axis = {"batch": b, "act_kv_heads": h}
     pool_spec = PartitionSpec(*(axis.get(a) for a in pool.axes()))
     rows, vec = PartitionSpec(axis["batch"], axis["act_kv_heads"], None), PartitionSpec(axis["batch"])
 

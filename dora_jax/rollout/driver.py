@@ -321,9 +321,10 @@ class RolloutDriver:
         now: free slots for all, and pages for the live ones (pages they share in one batch shard counted once)
         while every live request here could still reach its limit. Each live one is checked in the batch shard
         :meth:`put` would place it in."""
-        free = self.engine.max_concurrent_decodes - sum(self.in_flight().values())
-        if count > free or not sizes:
-            return count <= free
+        if count > self.engine.max_concurrent_decodes - sum(self.in_flight().values()):
+            return False
+        if not sizes:
+            return True
         g = self._groups.get(version)
         if self.shards == 1 or g is None:
             return self.engine.admissible_moved(list(sizes)) is not None

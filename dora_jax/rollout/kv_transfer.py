@@ -112,7 +112,7 @@ def written_heads(engine: Engine, decode_state: DecodeState, slots: Sequence[int
 
 
 def best_fork(heads: Sequence[Sequence[int]], shards: Sequence[int], i: int) -> tuple[int | None, int]:
-    """The earlier row row ``i`` shares its first pages with where it lands (one of the same batch shard whose
+    """The earlier row that row ``i`` shares its first pages with where it lands (one of the same batch shard whose
     ``heads``, the full pages each row has written, start alike), and how many: ``(None, 0)`` if none."""
     best, most = None, 0
     for j in range(i):
