@@ -597,8 +597,8 @@ def warm_engine(eng, prepared, **plan_args) -> dict[str, Any]:
     """``warmup.warmup`` with the figures a benchmark records: ``warmup_s``, ``warmup_programs``,
     ``kernels_per_layer`` (kernels of one layer of the widest decode program, from its compiled HLO, its loops
     aside) and ``attention_loop_kernels`` (per loop inside the layer, the kernels of one trip and of one test of
-    its condition: :func:`~dora_jax.compiles.layer_kernels`)."""
-    from dora_jax.compiles import layer_kernels
+    its condition: :func:`benchmarks.hlo.layer_kernels`)."""
+    from benchmarks.hlo import layer_kernels
     from dora_jax.kernels.paged_attention import LIVE_LOOP_SCOPE
     from dora_jax.rollout.warmup import warmup, warmup_plan
 

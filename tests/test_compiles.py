@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dora_jax.compiles import COUNTER, Programs, compile_count, describe_args, layer_kernels
+from benchmarks.hlo import layer_kernels
+from dora_jax.compiles import COUNTER, Programs, compile_count, describe_args
 
 
 def test_the_counter_counts_a_new_shape_and_not_a_cached_call():
