@@ -614,9 +614,7 @@ def warm_engine(eng, prepared, **plan_args) -> dict[str, Any]:
 def kernels_per_layer_step(summary: dict[str, Any]) -> float | None:
     """Kernels one layer launches per decode step: its own, and for each loop of its attention the kernels of a
     trip times the trips a step takes in it (``attention_loop_trips_per_step``), and of its condition, tested once
-    a trip and once more to stop. On a GPU each launch costs microseconds whatever its size, and each test of a
-    condition whose outcome is data also a read of it by the host. None where the compiled loops are not the
-    counted ones."""
+    a trip and once more to stop. None where the compiled loops are not the counted ones."""
     per_layer, loops = summary.get("kernels_per_layer"), summary.get("attention_loop_kernels")
     trips = summary.get("attention_loop_trips_per_step")
     if per_layer is None or loops is None or trips is None or len(loops) != len(trips):

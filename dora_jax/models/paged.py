@@ -315,8 +315,8 @@ def _batch_and_head_axes(mesh: Mesh, rules: Rules, kv_heads: int, q_heads: int):
 def _per_batch_shard(per_shard, mesh_rules: tuple[Mesh, Rules], shards: int, args: tuple):
     """``per_shard(q, k, v, layer, plan, k_new, v_new)`` (shard-leading operands) under ``shard_map`` over the
     mesh's batch axes, and its kv heads over the head axes where they divide them: each device loops over its
-    own shard's tiles, so a loop's condition needs no other device (vmapped over sharded rows, it is an
-    all-reduce every trip) and no shard reads past its tiles. As is where the batch axes are not the shards."""
+    own shard's tiles (docs/rollout.md, 'A step reads only live tokens'). As is where the batch axes are not the
+    shards."""
     mesh, rules = mesh_rules
     if not shards_apart(mesh, rules, shards):
         return per_shard(*args)
